@@ -1,0 +1,29 @@
+# Two entry points on a fresh machine: `make serve` and `make test` (see README).
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test test-slow test-gpu lint
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -U pip
+	# torch first: the CPU wheel (a bare `torch` requirement would pull a CUDA build of several GB)
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/fastcosy serve --config configs/local.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m slow
+
+test-gpu: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "gpu or trt"

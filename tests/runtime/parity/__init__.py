@@ -1,0 +1,1 @@
+"""Parity checkers: one function per fixture case name, registered with :func:`checker`."""
