@@ -1,0 +1,144 @@
+"""Loading official model directories: strictness and errors that name the file and the problem."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosyvoice_runtime.config import ModelSpec
+from cosyvoice_runtime.errors import ConfigError, ModelLoadError
+from cosyvoice_runtime.model import load_model
+from tests.runtime.parity.common import parity_dir
+
+FAMILIES = ["cosyvoice2", "cosyvoice3"]
+
+
+@pytest.fixture(params=FAMILIES)
+def model_copy(request, tmp_path) -> tuple[str, Path]:
+    src = parity_dir() / request.param / "model"
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    return request.param, dst
+
+
+def test_loads_parity_model_strictly(model_copy):
+    family, path = model_copy
+    model = load_model(path)
+    assert model.spec.family == family
+    # every tensor of every checkpoint was loaded (strict): compare one value per file
+    for name in ("llm", "flow"):
+        ref = torch.load(path / f"{name}.pt", weights_only=True)
+        ours = getattr(model, name).state_dict()
+        key = next(iter(ref))
+        assert torch.equal(ours[key], ref[key]), f"{name}.pt {key} not loaded"
+
+
+@pytest.mark.parametrize("missing", ["llm.pt", "flow.pt", "hift.pt"])
+def test_missing_checkpoint_names_the_file(model_copy, missing):
+    _, path = model_copy
+    (path / missing).unlink()
+    with pytest.raises(ModelLoadError) as err:
+        load_model(path)
+    assert missing in str(err.value) and "missing" in str(err.value)
+
+
+def test_missing_yaml_and_backbone_config(model_copy):
+    family, path = model_copy
+    (path / "CosyVoice-BlankEN" / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="config.json.*missing"):
+        ModelSpec.from_model_dir(path)
+    (path / f"{family}.yaml").unlink()
+    with pytest.raises(ModelLoadError, match="cosyvoice2.yaml / cosyvoice3.yaml"):
+        ModelSpec.from_model_dir(path)
+
+
+@pytest.mark.parametrize("name", ["llm.pt", "flow.pt", "hift.pt"])
+def test_truncated_checkpoint(model_copy, name):
+    _, path = model_copy
+    data = (path / name).read_bytes()
+    (path / name).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError) as err:
+        load_model(path)
+    assert name in str(err.value) and "truncated or corrupt" in str(err.value)
+
+
+def test_wrong_shape_tensor(model_copy):
+    _, path = model_copy
+    state = torch.load(path / "flow.pt", weights_only=True)
+    key = "spk_embed_affine_layer.weight"
+    state[key] = torch.zeros(state[key].shape[0] + 1, state[key].shape[1])
+    torch.save(state, path / "flow.pt")
+    with pytest.raises(ModelLoadError) as err:
+        load_model(path)
+    msg = str(err.value)
+    assert "flow.pt" in msg and "wrong shapes" in msg and key in msg
+
+
+def test_missing_and_unexpected_keys(model_copy):
+    _, path = model_copy
+    state = torch.load(path / "llm.pt", weights_only=True)
+    removed = sorted(state)[0]
+    del state[removed]
+    state["extra.weight"] = torch.zeros(1)
+    torch.save(state, path / "llm.pt")
+    with pytest.raises(ModelLoadError) as err:
+        load_model(path)
+    msg = str(err.value)
+    assert "llm.pt" in msg and f"missing keys: {removed}" in msg and "unexpected keys: extra.weight" in msg
+
+
+def test_not_a_state_dict(model_copy):
+    _, path = model_copy
+    torch.save([torch.zeros(1)], path / "hift.pt")
+    with pytest.raises(ModelLoadError, match="hift.pt.*expected a state dict"):
+        load_model(path)
+
+
+def test_bad_yaml_syntax(model_copy):
+    family, path = model_copy
+    (path / f"{family}.yaml").write_text("llm: [unclosed\n")
+    with pytest.raises(ModelLoadError, match=f"{family}.yaml.*not valid YAML"):
+        ModelSpec.from_model_dir(path)
+
+
+def test_unknown_yaml_key(model_copy):
+    family, path = model_copy
+    yml = path / f"{family}.yaml"
+    yml.write_text(yml.read_text().replace("    nb_harmonics: 8\n", "    nb_harmonics: 8\n    nb_harmonicz: 8\n"))
+    with pytest.raises(ConfigError) as err:
+        ModelSpec.from_model_dir(path)
+    assert err.value.key == "hift.nb_harmonicz" and f"{family}.yaml" in str(err.value)
+
+
+def test_missing_yaml_key(model_copy):
+    family, path = model_copy
+    yml = path / f"{family}.yaml"
+    yml.write_text(yml.read_text().replace("    base_channels: 32\n", ""))
+    with pytest.raises(ConfigError) as err:
+        ModelSpec.from_model_dir(path)
+    assert err.value.key == "hift.base_channels" and "missing" in str(err.value)
+
+
+def test_wrong_class_for_family(model_copy):
+    family, path = model_copy
+    yml = path / f"{family}.yaml"
+    other = "CosyVoice3LM" if family == "cosyvoice2" else "Qwen2LM"
+    mine = "Qwen2LM" if family == "cosyvoice2" else "CosyVoice3LM"
+    yml.write_text(yml.read_text().replace(f"cosyvoice.llm.llm.{mine}", f"cosyvoice.llm.llm.{other}"))
+    with pytest.raises(ConfigError, match=f"{family} needs {mine}"):
+        ModelSpec.from_model_dir(path)
+
+
+def test_yaml_tags_are_never_executed(tmp_path):
+    """A `!apply:` tag naming a dangerous callable is parsed as data, not called."""
+    from cosyvoice_runtime.yaml_config import Tagged, load_tagged_yaml
+
+    marker = tmp_path / "pwned"
+    f = tmp_path / "x.yaml"
+    f.write_text(f"a: !apply:os.system ['touch {marker}']\nb: !ref <c> * 2\nc: 3\n")
+    data = load_tagged_yaml(f)
+    assert isinstance(data["a"], Tagged) and data["a"].target == "os.system"
+    assert data["b"] == 6
+    assert not marker.exists()
