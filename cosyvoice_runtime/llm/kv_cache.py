@@ -1,0 +1,90 @@
+"""Preallocated key/value cache of the Qwen2 backbone.
+
+One fixed buffer per layer holds ``num_slots`` sequences of at most ``max_len`` positions:
+``k[layer]`` / ``v[layer]`` have shape ``(num_slots, num_kv_heads, max_len, head_dim)``. A
+sequence owns one slot for its whole life; new keys/values are written in place at the slot's
+current length, so nothing is ever concatenated or reallocated while decoding. The current
+length of every slot is kept host-side (plain ints): it is the position of the next token and is
+needed on the host anyway to size the attention window.
+
+The cache is request state, not model state: it is passed into
+:meth:`cosyvoice_runtime.llm.model.Qwen2Model.forward`, which writes into it and advances the
+lengths of the slots it was given.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Fixed ``slots x max_len`` key/value buffers for every layer (written in place)."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if num_slots < 1 or max_len < 1:
+            raise ValueError(f"KVCache needs at least one slot and one position, got {num_slots} x {max_len}")
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.lengths = [0] * num_slots
+
+    @classmethod
+    def for_model(cls, model, num_slots: int, max_len: int, device=None, dtype=None) -> "KVCache":
+        """A cache sized for a :class:`~cosyvoice_runtime.llm.model.SpeechLM` (or its backbone)."""
+        spec = model.backbone_spec
+        ref = next(model.parameters())
+        return cls(spec.num_layers, num_slots, max_len, spec.num_kv_heads, spec.head_dim,
+                   device=ref.device if device is None else device, dtype=ref.dtype if dtype is None else dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    def reset(self, slot: int) -> None:
+        """Forget a slot's contents (stale values stay in memory but are never attended to)."""
+        self.lengths[slot] = 0
+
+    def check_room(self, slots: list[int], new_tokens: int) -> None:
+        for s in slots:
+            if self.lengths[s] + new_tokens > self.max_len:
+                raise ValueError(
+                    f"KV slot {s} holds {self.lengths[s]} positions, {new_tokens} more exceed max_len {self.max_len}"
+                )
+
+    def write(self, layer: int, slots: list[int], slot_index: torch.Tensor | None, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys/values and return each sequence's keys/values up to its new end.
+
+        Args:
+            slots: the B slots, host-side.
+            slot_index: the same as a long tensor on the cache device (None when B == 1).
+            positions: (B, T) long, the absolute positions of the new tokens.
+            k, v: (B, num_kv_heads, T, head_dim).
+
+        Returns:
+            keys, values: (B, num_kv_heads, L, head_dim) with L = max new length of the batch;
+            positions past a sequence's own end hold stale data and must be masked.
+        """
+        kc, vc = self.k[layer], self.v[layer]
+        t = k.shape[2]
+        total = max(self.lengths[s] for s in slots) + t
+        if len(slots) == 1:
+            s, start = slots[0], self.lengths[slots[0]]
+            kc[s, :, start:start + t] = k[0]
+            vc[s, :, start:start + t] = v[0]
+            return kc[s:s + 1, :, :total], vc[s:s + 1, :, :total]
+        # (B, T) advanced indices around a full slice -> index result is (B, T, heads, dim).
+        rows = slot_index[:, None].expand(-1, t)
+        kc[rows, :, positions] = k.transpose(1, 2)
+        vc[rows, :, positions] = v.transpose(1, 2)
+        return kc[slot_index, :, :total], vc[slot_index, :, :total]
+
+    def advance(self, slots: list[int], new_tokens: int) -> None:
+        for s in slots:
+            self.lengths[s] += new_tokens

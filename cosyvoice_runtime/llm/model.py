@@ -1,0 +1,278 @@
+"""The speech-token LM: a Qwen2 decoder used over input embeddings, plus speech tables.
+
+Module tree (= the official ``llm.pt`` keys, spec §3.10)::
+
+    SpeechLM
+      llm: Qwen2Encoder
+        model: Qwen2ForCausalLM
+          model: Qwen2Model      embed_tokens, layers.{i}.{self_attn,mlp,*_layernorm}, norm
+          lm_head                text head, unused; tied to embed_tokens when configured
+      llm_embedding              CV2 only: rows sos, task_id
+      speech_embedding           S + 3 (CV2) / S + 200 (CV3) rows
+      llm_decoder                Linear H -> S + 3 (bias, CV2) / S + 200 (no bias, CV3)
+
+Attention is causal over (cached positions + new tokens) with per-sequence positions, so the
+same forward serves a one-sequence prefill and one decode step for a batch of sequences of
+different lengths (see :class:`~cosyvoice_runtime.llm.kv_cache.KVCache`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosyvoice_runtime.config import LLMSpec, Qwen2Spec
+from cosyvoice_runtime.llm.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    """Qwen2 RMSNorm: statistics in float32, gain applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE; cos/sin computed in float32 from absolute positions."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, T) long -> cos, sin (B, 1, T, head_dim)."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+class Qwen2Attention(nn.Module):
+    """GQA self-attention with q/k/v biases (no bias on o_proj)."""
+
+    def __init__(self, spec: Qwen2Spec) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=True)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=True)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=True)
+        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: "_AttnContext") -> torch.Tensor:
+        """x (B, T, H) -> (B, T, H)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if attn.cache is not None:
+            k, v = attn.cache.write(attn.layer, attn.slots, attn.slot_index, attn.positions, k, v)
+        group = self.num_heads // self.num_kv_heads
+        # Query head j uses kv head j // group: fold the group into the query-length axis so the
+        # kv heads are never repeated in memory. Row g*T + t of the folded query is (g, t).
+        q = q.reshape(b, self.num_kv_heads, group * t, self.head_dim)
+        if attn.mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True) if group == 1 else \
+                F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(t, x.device).repeat(group, 1))
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask.repeat(1, 1, group, 1))
+        out = out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(out)
+
+
+def _causal(t: int, device) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()
+
+
+class _AttnContext:
+    """What every layer of one forward shares: cache, slots, positions, key mask."""
+
+    def __init__(self, cache: KVCache | None, slots: list[int] | None, positions: torch.Tensor,
+                 mask: torch.Tensor | None, slot_index: torch.Tensor | None) -> None:
+        self.cache, self.slots, self.positions, self.mask, self.slot_index = cache, slots, positions, mask, slot_index
+        self.layer = 0
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, spec: Qwen2Spec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, spec: Qwen2Spec) -> None:
+        super().__init__()
+        self.self_attn = Qwen2Attention(spec)
+        self.mlp = Qwen2MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn: _AttnContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Model(nn.Module):
+    """Embedding table, decoder layers and final norm (HF ``Qwen2Model`` key layout)."""
+
+    def __init__(self, spec: Qwen2Spec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta)
+
+    def forward(self, inputs_embeds: torch.Tensor, cache: KVCache | None = None,
+                slots: list[int] | None = None) -> torch.Tensor:
+        """Run new input embeddings through the decoder.
+
+        Args:
+            inputs_embeds: (B, T, H). Without a cache: B full sequences, positions 0..T-1,
+                causal attention. With a cache: T new tokens for each of the B ``slots``, at
+                positions ``cache.lengths[slot] + 0..T-1``, attending causally to the slot's
+                cached positions and to each other; the cache is written in place and the
+                slots' lengths advance by T.
+            slots: one KV slot per batch row (required with a cache).
+
+        Returns:
+            (B, T, H) final-norm hidden states.
+        """
+        b, t, _ = inputs_embeds.shape
+        device = inputs_embeds.device
+        steps = torch.arange(t, device=device)
+        if cache is None:
+            positions = steps.expand(b, t)
+            attn = _AttnContext(None, None, positions, None, None)
+        else:
+            if slots is None or len(slots) != b:
+                raise ValueError(f"need one KV slot per batch row, got {slots} for batch {b}")
+            cache.check_room(slots, t)
+            past = torch.tensor([cache.lengths[s] for s in slots], device=device)
+            positions = past[:, None] + steps
+            total = max(cache.lengths[s] for s in slots) + t
+            # Key j is visible to the query at absolute position p iff j <= p: causal over
+            # cache + new, and stale positions beyond a shorter sequence's end are hidden.
+            mask = (torch.arange(total, device=device)[None, None, :] <= positions[:, :, None])[:, None]
+            slot_index = torch.tensor(slots, device=device) if b > 1 else None
+            attn = _AttnContext(cache, list(slots), positions, mask, slot_index)
+        cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
+        x = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            attn.layer = i
+            x = layer(x, cos, sin, attn)
+        if cache is not None:
+            cache.advance(slots, t)
+        return self.norm(x)
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """Body + text LM head (the head is only there so that ``llm.pt`` loads strictly)."""
+
+    def __init__(self, spec: Qwen2Spec) -> None:
+        super().__init__()
+        self.model = Qwen2Model(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+class Qwen2Encoder(nn.Module):
+    """The official ``Qwen2Encoder`` wrapper level (key prefix ``llm.``)."""
+
+    def __init__(self, spec: Qwen2Spec) -> None:
+        super().__init__()
+        self.model = Qwen2ForCausalLM(spec)
+
+
+class SpeechLM(nn.Module):
+    """``Qwen2LM`` (CV2) / ``CosyVoice3LM`` (CV3) inference module.
+
+    Special ids come from :class:`LLMSpec` (``sos``, ``task_id``, ``eos``, ``fill``,
+    ``stop_ids``); CV2 keeps sos/task_id in the separate 2-row ``llm_embedding``.
+    """
+
+    def __init__(self, spec: LLMSpec) -> None:
+        super().__init__()
+        backbone = spec.backbone
+        if spec.llm_input_size != backbone.hidden_size or spec.llm_output_size != backbone.hidden_size:
+            raise ValueError(f"llm_input/output_size {spec.llm_input_size}/{spec.llm_output_size} "
+                             f"!= Qwen2 hidden_size {backbone.hidden_size}")
+        self.spec = spec
+        self.llm = Qwen2Encoder(backbone)
+        if spec.family == "cosyvoice2":
+            self.llm_embedding = nn.Embedding(2, spec.llm_input_size)
+        self.speech_embedding = nn.Embedding(spec.vocab_out, spec.llm_input_size)
+        self.llm_decoder = nn.Linear(spec.llm_output_size, spec.vocab_out, bias=spec.decoder_bias)
+
+    @property
+    def backbone(self) -> Qwen2Model:
+        return self.llm.model.model
+
+    @property
+    def backbone_spec(self) -> Qwen2Spec:
+        return self.spec.backbone
+
+    # -- embeddings ------------------------------------------------------------------------
+    def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """Text ids (..., T) -> (..., T, H) from the Qwen2 input table."""
+        return self.backbone.embed_tokens(ids.long())
+
+    def embed_speech(self, ids: torch.Tensor) -> torch.Tensor:
+        """Speech ids (..., T) -> (..., T, H); also the fed-back embedding of generated ids."""
+        return self.speech_embedding(ids.long())
+
+    def _special_row(self, cv2_row: int, cv3_id: int) -> torch.Tensor:
+        if self.spec.family == "cosyvoice2":
+            return self.llm_embedding.weight[cv2_row]
+        return self.speech_embedding.weight[cv3_id]
+
+    def sos_embedding(self) -> torch.Tensor:
+        """(H,) start-of-sequence input."""
+        return self._special_row(self.spec.sos, self.spec.sos)
+
+    def task_id_embedding(self) -> torch.Tensor:
+        """(H,) end-of-text / start-of-speech input."""
+        return self._special_row(self.spec.task_id, self.spec.task_id)
+
+    # -- network ---------------------------------------------------------------------------
+    def forward(self, inputs_embeds: torch.Tensor, cache: KVCache | None = None,
+                slots: list[int] | None = None) -> torch.Tensor:
+        """(B, T, H) input embeddings -> (B, T, H) final-norm hidden (see ``Qwen2Model``)."""
+        return self.backbone(inputs_embeds, cache=cache, slots=slots)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., vocab_out) speech logits (before log-softmax)."""
+        return self.llm_decoder(hidden)
+
+    def prefill(self, lm_input: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
+        """Append T input embeddings (T, H) to one slot; returns the last position's hidden (H,)."""
+        return self.forward(lm_input[None], cache=cache, slots=[slot])[0, -1]
+
+    def decode(self, inputs_embeds: torch.Tensor, cache: KVCache, slots: list[int]) -> torch.Tensor:
+        """One step for a batch: (B, H) one new embedding per slot -> (B, H) hidden."""
+        return self.forward(inputs_embeds[:, None], cache=cache, slots=slots)[:, 0]
+
+
+def build_llm(spec: LLMSpec) -> SpeechLM:
+    """The LLM module for ``spec`` (random init; load ``llm.pt`` with ``weights.load_checkpoint``)."""
+    return SpeechLM(spec)
