@@ -1,0 +1,58 @@
+"""Process-wide constants and the ONLY place that reads environment variables.
+
+Everything configurable per deployment lives in the pydantic configs (``configs/*.yaml``);
+environment variables are reserved for machine-level facts (where models are cached, an
+override of the execution mode for a whole node). They are read by functions, never at import
+time of a deployment module, so a replica reads them on the node it runs on (house style §2.2).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Header carrying the request id in both directions (accepted from clients when well-formed).
+REQUEST_ID_HEADER = "x-request-id"
+
+# Bounds the replica constructor (model load + warmup); a hung load fails the replica.
+REPLICA_START_TIMEOUT_S = 600.0
+
+# Histogram boundaries, chosen for TTS latencies / real-time factors / batch sizes.
+TTFA_BUCKETS_S = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
+RTF_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0]
+BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+LOOP_LAG_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+
+# Environment variable names (documented in docs/serving.md).
+ENV_MODEL_DIR = "FAST_COSY_MODEL_DIR"  # model directory used when the config gives none
+ENV_HOME = "FAST_COSY_HOME"  # cache root: generated tiny model, default voice store
+ENV_MODE = "FAST_COSY_MODE"  # overrides SynthesizerConfig.mode on this node ("pytorch" | "trt")
+ENV_DEVICE = "FAST_COSY_DEVICE"  # overrides SynthesizerConfig.device on this node
+
+
+def home_dir() -> Path:
+    """Cache root (``$FAST_COSY_HOME`` or ``~/.cache/fastcosy``)."""
+    return Path(os.environ.get(ENV_HOME) or Path.home() / ".cache" / "fastcosy")
+
+
+def model_dir_override() -> str | None:
+    """``$FAST_COSY_MODEL_DIR`` if set and non-empty."""
+    return os.environ.get(ENV_MODEL_DIR) or None
+
+
+def mode_override() -> str | None:
+    """``$FAST_COSY_MODE`` ("pytorch" | "trt") if set."""
+    value = os.environ.get(ENV_MODE) or None
+    return value.lower() if value else None
+
+
+def device_override() -> str | None:
+    """``$FAST_COSY_DEVICE`` ("cpu" | "cuda" | "cuda:N") if set."""
+    return os.environ.get(ENV_DEVICE) or None
+
+
+def default_voices_dir() -> Path:
+    return home_dir() / "voices"
+
+
+def tiny_model_dir(family: str) -> Path:
+    return home_dir() / f"tiny-{family}"

@@ -1,0 +1,142 @@
+"""Continuous batching: one asyncio task per replica drives the token engine.
+
+Request coroutines call :meth:`EngineLoop.generate`; it registers a per-request
+``asyncio.Queue``, and the loop task alternates between (a) applying pending adds/aborts and
+(b) one ``engine.step()`` on the compute executor, then fans the step's events out to the
+queues. New requests therefore join the running batch between two decode steps, finished ones
+leave at once, and a consumer that goes away (client disconnect -> ``CancelledError`` or
+``GeneratorExit``) aborts its sequence in ``finally``, which frees its decode slot before the
+next step. The engine is touched only by the loop task (adds/aborts) and the executor thread
+(steps), never concurrently, so it needs no locks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from deployments.compute import ComputeExecutor
+from deployments.protocol import EngineDeadError, EngineStats
+from deployments.runtime_adapter import LMRequest, TokenEngine, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """Owns the engine of one replica; see the module docstring."""
+
+    def __init__(self, engine: TokenEngine, compute: ComputeExecutor) -> None:
+        self.engine = engine
+        self.compute = compute
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_adds: dict[str, LMRequest] = {}
+        self._pending_aborts: set[str] = set()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._dead: BaseException | None = None
+        self.steps = 0
+        self.aborted = 0
+        self.finished = 0
+        self.step_batch_sizes: list[int] = []  # running sequences per step (bounded, see _record)
+
+    # ---------------------------------------------------------------- request side
+    async def generate(self, request_id: str, request: LMRequest) -> AsyncIterator[TokenEvent]:
+        """Yield this request's token events until it finishes; abort it if abandoned."""
+        self.raise_if_dead()
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._pending_adds[request_id] = request
+        self._ensure_running()
+        self._wakeup.set()
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.finished:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not done:
+                # Abandoned (cancelled, closed, or the consumer raised): free the slot.
+                if self._pending_adds.pop(request_id, None) is None:
+                    self._pending_aborts.add(request_id)
+                    self._wakeup.set()
+                self.aborted += 1
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=self.engine.num_running(), waiting=self.engine.num_waiting() + len(self._pending_adds),
+            open_streams=len(self._queues), max_running=self.engine.max_running, steps=self.steps,
+            aborted=self.aborted, finished=self.finished,
+        )
+
+    def raise_if_dead(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop stopped: {type(self._dead).__name__}: {self._dead}")
+
+    # ---------------------------------------------------------------- loop side
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    def _apply_pending(self) -> None:
+        for request_id in list(self._pending_aborts):
+            self.engine.abort(request_id)
+        self._pending_aborts.clear()
+        adds, self._pending_adds = self._pending_adds, {}
+        for request_id, request in adds.items():
+            try:
+                self.engine.add(request_id, request)
+            except Exception as exc:  # bad input for this request only: deliver it to its consumer
+                queue = self._queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(exc)
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished():
+                    self._wakeup.clear()
+                    if not self._pending_adds and not self._pending_aborts:
+                        await self._wakeup.wait()
+                    continue
+                running = self.engine.num_running()
+                events = await self.compute.run(self.engine.step)
+                self.steps += 1
+                self._record(running)
+                for event in events:
+                    queue = self._queues.get(event.request_id)
+                    if event.finished:
+                        self.finished += 1
+                    if queue is not None:
+                        queue.put_nowait(event)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the engine is broken: fail every open request, mark unhealthy
+            logger.exception("engine loop crashed")
+            self._dead = exc
+            dead = EngineDeadError(f"engine loop stopped: {type(exc).__name__}")
+            for queue in self._queues.values():
+                queue.put_nowait(dead)
+
+    def _record(self, running: int) -> None:
+        self.step_batch_sizes.append(running)
+        if len(self.step_batch_sizes) > 4096:
+            del self.step_batch_sizes[:2048]
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass

@@ -1,0 +1,190 @@
+"""CPU text frontend deployment: normalisation, splitting, tokenisation, prompt features, voices.
+
+Turns a :class:`~deployments.protocol.SynthesisRequest` into a
+:class:`~deployments.protocol.PreparedRequest` for the synthesizer, applying the mode table of
+spec §1.2, and owns the voice registry (register / list / get / delete). It autoscales on its
+own, on CPU nodes; nothing here touches a GPU.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import time
+from typing import Any, Callable
+
+import numpy as np
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from deployments.compute import ComputeExecutor
+from deployments.options import DeploymentKnobs
+from deployments.protocol import (
+    InvalidInputError,
+    PayloadTooLargeError,
+    PreparedRequest,
+    SynthesisMode,
+    SynthesisRequest,
+    TextPiece,
+    VoiceExistsError,
+    VoiceInfo,
+    VoiceNotFoundError,
+    VoicePrompt,
+)
+from deployments.runtime_adapter import FrontendRuntime, ModelSource
+
+logger = logging.getLogger(__name__)
+
+# Path-safe ids: they name directories in the voice store.
+VOICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_VOICE_ID_RE = re.compile(VOICE_ID_PATTERN)
+ENDOFPROMPT = "<|endofprompt|>"
+
+FrontendFactory = Callable[["FrontendConfig", ModelSource], FrontendRuntime]
+
+
+class FrontendConfig(DeploymentKnobs):
+    """Text frontend replica (CPU)."""
+
+    model_dir: str | None = None  # None: AppArgs.model_dir
+    voices_dir: str | None = None  # None: $FAST_COSY_HOME/voices (use shared storage on a cluster)
+    threads: PositiveInt = 1
+    max_prompt_audio_s: PositiveFloat = 30.0  # the speech tokenizer's limit
+    min_prompt_audio_s: PositiveFloat = 0.5
+    max_pieces: PositiveInt = 64
+    # CosyVoice3 needs <|endofprompt|> in the LLM text; this prefix is added where it is missing.
+    cv3_system_prompt: str = "You are a helpful assistant."
+    runtime_factory: str | None = None  # "module:callable" (tests inject fakes)
+    startup_timeout_s: PositiveFloat = Field(300.0)
+
+
+def check_voice_id(voice_id: str) -> None:
+    if not isinstance(voice_id, str) or not _VOICE_ID_RE.match(voice_id):
+        raise InvalidInputError(f"voice id must match {VOICE_ID_PATTERN}")
+
+
+def _default_factory(cfg: FrontendConfig, source: ModelSource) -> FrontendRuntime:
+    from deployments.runtime_adapter import load_frontend_runtime
+
+    return load_frontend_runtime(cfg, str(source.resolve()))
+
+
+class TextFrontend:
+    """See the module docstring. Constructed by ``serve_app.app.build_app``."""
+
+    def __init__(self, cfg: FrontendConfig, source: ModelSource | None = None, runtime_factory: FrontendFactory | None = None) -> None:
+        self.cfg = cfg
+        if runtime_factory is None:
+            if cfg.runtime_factory:
+                module, _, attr = cfg.runtime_factory.partition(":")
+                runtime_factory = getattr(importlib.import_module(module), attr)
+            else:
+                runtime_factory = _default_factory
+        started = time.perf_counter()
+        self.rt = runtime_factory(cfg, source or ModelSource(cfg.model_dir))
+        self.compute = ComputeExecutor(cfg.threads, name="frontend")
+        logger.info("frontend ready (%s) in %.1f s", self.rt.family, time.perf_counter() - started)
+
+    # ---------------------------------------------------------------- handle API
+    async def prepare(self, req: SynthesisRequest) -> PreparedRequest:
+        """Validate, normalise, split and tokenise; resolve the prompt for ``req.mode``."""
+        return await self.compute.run(self._prepare, req)
+
+    async def register_voice(self, voice_id: str, prompt_text: str, audio: np.ndarray, sample_rate: int,
+                             overwrite: bool = False) -> VoiceInfo:
+        check_voice_id(voice_id)
+        if not prompt_text or not prompt_text.strip():
+            raise InvalidInputError("prompt_text (the transcript of the audio) is required")
+        if not overwrite and voice_id in self.rt.list_voices():
+            raise VoiceExistsError(f"voice '{voice_id}' already exists")
+        prompt = await self.compute.run(self._prompt_from_audio, audio, sample_rate, prompt_text)
+        await self.compute.run(self.rt.save_voice, voice_id, prompt)
+        return _info(voice_id, prompt)
+
+    async def list_voices(self) -> list[VoiceInfo]:
+        ids = await self.compute.run(self.rt.list_voices)
+        return [await self.get_voice(v) for v in sorted(ids)]
+
+    async def get_voice(self, voice_id: str) -> VoiceInfo:
+        check_voice_id(voice_id)
+        return _info(voice_id, await self.compute.run(self.rt.load_voice, voice_id))
+
+    async def delete_voice(self, voice_id: str) -> None:
+        check_voice_id(voice_id)
+        if voice_id not in self.rt.list_voices():
+            raise VoiceNotFoundError(f"voice '{voice_id}' not found")
+        await self.compute.run(self.rt.delete_voice, voice_id)
+
+    def check_health(self) -> None:
+        pass  # stateless CPU work: a replica that answers is healthy
+
+    @classmethod
+    def deployment_options(cls, cfg: FrontendConfig) -> dict[str, Any]:
+        return cfg.serve_options("TextFrontend")
+
+    # ---------------------------------------------------------------- blocking parts (executor)
+    def _prompt_from_audio(self, audio: np.ndarray, sample_rate: int, prompt_text: str) -> VoicePrompt:
+        duration = len(audio) / float(sample_rate)
+        if duration > self.cfg.max_prompt_audio_s:
+            raise PayloadTooLargeError(f"prompt audio is {duration:.1f} s; the limit is {self.cfg.max_prompt_audio_s} s")
+        if duration < self.cfg.min_prompt_audio_s:
+            raise InvalidInputError(f"prompt audio is {duration:.2f} s; at least {self.cfg.min_prompt_audio_s} s needed")
+        return self.rt.prompt_from_audio(audio, sample_rate, self._with_cv3_prefix(prompt_text))
+
+    def _with_cv3_prefix(self, text: str) -> str:
+        if self.rt.family == "cosyvoice3" and ENDOFPROMPT not in text:
+            return f"{self.cfg.cv3_system_prompt}{ENDOFPROMPT}{text}"
+        return text
+
+    def _resolve_prompt(self, req: SynthesisRequest, need_transcript: bool) -> VoicePrompt:
+        if req.prompt_audio is not None:
+            if req.voice_id:
+                raise InvalidInputError("give either a voice or prompt audio, not both")
+            if need_transcript and not (req.prompt_text and req.prompt_text.strip()):
+                raise InvalidInputError("zero-shot synthesis needs prompt_text, the transcript of the prompt audio")
+            return self._prompt_from_audio(req.prompt_audio, int(req.prompt_sample_rate or 0) or 1,
+                                           req.prompt_text or "")
+        if req.voice_id:
+            check_voice_id(req.voice_id)
+            return self.rt.load_voice(req.voice_id)
+        raise InvalidInputError(f"mode '{req.mode.value}' needs a voice or prompt audio")
+
+    def _prepare(self, req: SynthesisRequest) -> PreparedRequest:
+        text = (req.text or "").strip()
+        if not text:
+            raise InvalidInputError("input text is empty")
+        mode = SynthesisMode(req.mode)
+        if mode in (SynthesisMode.ZERO_SHOT, SynthesisMode.VOICE):
+            if mode == SynthesisMode.ZERO_SHOT and req.prompt_audio is None:
+                raise InvalidInputError("zero-shot synthesis needs prompt audio")
+            if mode == SynthesisMode.VOICE and not req.voice_id:
+                raise InvalidInputError("voice synthesis needs a voice id")
+            prompt = self._resolve_prompt(req, need_transcript=True)
+            llm_text_ids, use_speech = prompt.prompt_text_ids, True
+        elif mode == SynthesisMode.CROSS_LINGUAL:
+            prompt = self._resolve_prompt(req, need_transcript=False)
+            llm_text_ids, use_speech = np.zeros(0, dtype=np.int32), False
+            text = self._with_cv3_prefix(text)
+        else:  # instruct
+            if not (req.instruct_text and req.instruct_text.strip()):
+                raise InvalidInputError("instruct synthesis needs instruct_text")
+            prompt = self._resolve_prompt(req, need_transcript=False)
+            instruct = req.instruct_text.strip()
+            if ENDOFPROMPT not in instruct:
+                instruct += ENDOFPROMPT
+            llm_text_ids, use_speech = self.rt.tokenize(instruct), False  # verbatim, not normalised
+        if prompt.family != self.rt.family:
+            raise InvalidInputError(f"voice was made for {prompt.family}, this model is {self.rt.family}")
+        pieces = [TextPiece(text=t, text_ids=self.rt.tokenize(t)) for t in self.rt.split(text)]
+        pieces = [p for p in pieces if p.text_ids.size]
+        if not pieces:
+            raise InvalidInputError("input text has nothing to speak after normalisation")
+        if len(pieces) > self.cfg.max_pieces:
+            raise PayloadTooLargeError(f"input splits into {len(pieces)} pieces; the limit is {self.cfg.max_pieces}")
+        return PreparedRequest(request_id=req.request_id, pieces=pieces, prompt=prompt,
+                               llm_prompt_text_ids=np.asarray(llm_text_ids, dtype=np.int32),
+                               llm_use_prompt_speech=use_speech, speed=req.speed, stream=req.stream, seed=req.seed)
+
+
+def _info(voice_id: str, prompt: VoicePrompt) -> VoiceInfo:
+    return VoiceInfo(voice_id=voice_id, prompt_text=prompt.prompt_text, family=prompt.family,
+                     num_prompt_tokens=int(len(prompt.speech_tokens)))

@@ -1,0 +1,194 @@
+"""Typed messages exchanged through ``DeploymentHandle`` calls, and the error hierarchy.
+
+Deployments never see HTTP objects: the ingress turns a request into a
+:class:`SynthesisRequest`, the frontend turns that into a :class:`PreparedRequest`, and the
+synthesizer streams :class:`AudioChunk` objects back. Audio is float32 mono numpy at the
+model's sample rate; only ``serve_app`` knows containers (WAV, FLAC...) and status codes.
+
+Errors: the runtime's own exceptions are re-exported so callers import one module; the
+serving-level ones are added here. Every class keeps the single-message constructor of
+``Exception`` so that it survives pickling through Ray (a replica's exception is re-raised in
+the caller as an instance of the same class).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cosyvoice_runtime.errors import (  # noqa: F401  (re-exported)
+    ConfigError,
+    CosyVoiceError,
+    InvalidInputError,
+    ModelLoadError,
+    VoiceNotFoundError,
+)
+
+__all__ = [
+    "SynthesisMode", "SynthesisRequest", "VoicePrompt", "TextPiece", "PreparedRequest", "AudioChunk",
+    "SynthesisResult", "VoiceInfo", "EngineStats", "ReplicaHealth",
+    "CosyVoiceError", "InvalidInputError", "VoiceNotFoundError", "ModelLoadError", "ConfigError",
+    "ServingError", "VoiceExistsError", "OverloadedError", "EngineDeadError", "PayloadTooLargeError",
+]
+
+
+# --------------------------------------------------------------------------------------- errors
+class ServingError(CosyVoiceError):
+    """Base class of errors raised by the serving layer itself."""
+
+
+class VoiceExistsError(InvalidInputError):
+    """A voice id is already registered (409)."""
+
+
+class PayloadTooLargeError(InvalidInputError):
+    """Uploaded audio or text exceeds the configured limit (413)."""
+
+
+class OverloadedError(ServingError):
+    """The replica's admission queue is full; retry later (429 + Retry-After)."""
+
+    retry_after_s: int = 1
+
+
+class EngineDeadError(ServingError):
+    """The engine loop crashed; the replica is unhealthy and will be replaced (503)."""
+
+
+# ------------------------------------------------------------------------------------- messages
+class SynthesisMode(str, enum.Enum):
+    """CosyVoice inference modes (spec §1.2)."""
+
+    ZERO_SHOT = "zero_shot"  # uploaded prompt audio + its transcript
+    VOICE = "voice"  # a registered voice (stored zero-shot prompt)
+    CROSS_LINGUAL = "cross_lingual"  # prompt audio/voice, no transcript given to the LLM
+    INSTRUCT = "instruct"  # prompt audio/voice + an instruction in the prompt-text slot
+
+
+@dataclass
+class SynthesisRequest:
+    """Ingress -> frontend: what to say and how."""
+
+    request_id: str
+    text: str
+    mode: SynthesisMode = SynthesisMode.VOICE
+    voice_id: str | None = None
+    prompt_text: str | None = None
+    prompt_audio: np.ndarray | None = None  # (n,) float32 mono, decoded by the ingress
+    prompt_sample_rate: int | None = None
+    instruct_text: str | None = None
+    speed: float = 1.0
+    stream: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class VoicePrompt:
+    """A speaker's prompt features, computed once per voice (spec §6.2 F).
+
+    Attributes:
+        family: model family the features belong to (tokens are not interchangeable).
+        prompt_text_ids: (Lpt,) int32 text ids of the transcript.
+        speech_tokens: (Ls,) int32 prompt speech tokens, aligned with ``mel`` (2 frames per token).
+        mel: (2 * Ls, n_mels) float32 prompt mel, frames-major.
+        embedding: (spk_dim,) float32 raw speaker embedding.
+    """
+
+    family: str
+    prompt_text_ids: np.ndarray
+    speech_tokens: np.ndarray
+    mel: np.ndarray
+    embedding: np.ndarray
+    prompt_text: str = ""
+
+
+@dataclass
+class TextPiece:
+    """One sentence piece: synthesised as an independent LLM sequence (spec §1.1)."""
+
+    text: str
+    text_ids: np.ndarray  # (Lt,) int32
+
+
+@dataclass
+class PreparedRequest:
+    """Frontend -> synthesizer: tokenised pieces plus the prompt, per mode.
+
+    ``llm_prompt_text_ids`` / ``llm_use_prompt_speech`` encode the mode table of spec §1.2: the
+    LLM sees the transcript (zero-shot / voice), the instruction (instruct) or nothing
+    (cross-lingual), and the prompt speech tokens only in the zero-shot modes; the flow always
+    gets the full prompt.
+    """
+
+    request_id: str
+    pieces: list[TextPiece]
+    prompt: VoicePrompt
+    llm_prompt_text_ids: np.ndarray
+    llm_use_prompt_speech: bool
+    speed: float = 1.0
+    stream: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class AudioChunk:
+    """Synthesizer -> caller: one piece of audio as soon as it exists."""
+
+    request_id: str
+    samples: np.ndarray  # (n,) float32 in [-1, 1]
+    sample_rate: int
+    index: int  # 0-based chunk index within the request
+    piece: int  # sentence piece this chunk belongs to
+    is_last: bool = False
+
+
+@dataclass
+class SynthesisResult:
+    """Unary result: the whole utterance."""
+
+    request_id: str
+    samples: np.ndarray
+    sample_rate: int
+    num_chunks: int
+    time_to_first_audio_s: float
+    compute_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.samples) / self.sample_rate
+
+
+@dataclass
+class VoiceInfo:
+    voice_id: str
+    prompt_text: str
+    family: str
+    num_prompt_tokens: int
+    created_at: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    """Snapshot of a synthesizer replica's engine, for health, metrics and tests."""
+
+    running: int  # sequences holding a decode slot
+    waiting: int  # sequences added but not yet admitted
+    open_streams: int  # requests with an open result queue in the loop
+    max_running: int
+    steps: int
+    aborted: int
+    finished: int
+
+
+@dataclass
+class ReplicaHealth:
+    deployment: str
+    replica_id: str
+    ready: bool
+    device: str
+    gpu_memory_allocated_bytes: int | None = None
+    gpu_memory_total_bytes: int | None = None
+    gpu_utilization_pct: float | None = None
+    engine: EngineStats | None = None
+    detail: dict = field(default_factory=dict)

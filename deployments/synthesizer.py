@@ -1,0 +1,245 @@
+"""GPU synthesis deployment: speech tokens (continuous batching) + token2wav (``@serve.batch``).
+
+One replica owns one model on one device and does both stages (the one-vs-two-deployments
+decision and its measurements are in ``docs/serving.md``):
+
+* the LLM runs in an :class:`~deployments.engine_loop.EngineLoop` (one asyncio task; requests
+  join and leave between decode steps);
+* every request coroutine turns its growing token list into flow + HiFT jobs with its own
+  stream state (the hop schedule of the runtime), and submits each job to the
+  ``@serve.batch``-ed :meth:`Synthesizer._token2wav`, which runs the jobs of many streams as one
+  batch;
+* all blocking compute goes through one :class:`~deployments.compute.ComputeExecutor`.
+
+A request that is abandoned (client disconnect, handle ``cancel()``) raises ``CancelledError``
+inside :meth:`synthesize`; the ``finally`` of the engine loop's generator aborts its sequence.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+from collections import Counter
+from typing import Any, AsyncIterator, Callable, Literal
+
+import numpy as np
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from ray import serve
+
+from deployments import constants
+from deployments.compute import ComputeExecutor
+from deployments.engine_loop import EngineLoop
+from deployments.gpu_stats import DeviceProbe
+from deployments.observability import ReplicaMetrics
+from deployments.options import DeploymentKnobs, StrictModel
+from deployments.protocol import AudioChunk, InvalidInputError, PreparedRequest, ReplicaHealth, SynthesisResult
+from deployments.runtime_adapter import LMRequest, ModelSource, SynthesisRuntime
+
+logger = logging.getLogger(__name__)
+
+RuntimeFactory = Callable[["SynthesizerConfig", ModelSource], SynthesisRuntime]
+
+
+class Token2WavBatchConfig(StrictModel):
+    """``@serve.batch`` knobs of the flow + HiFT stage (chunk jobs from many streams)."""
+
+    max_batch_size: PositiveInt = 8
+    batch_wait_timeout_s: float = Field(0.005, ge=0)
+
+
+class SynthesizerConfig(DeploymentKnobs):
+    """Synthesizer replica: model, device, engine capacity, token2wav batching."""
+
+    model_dir: str | None = None  # None: AppArgs.model_dir, then $FAST_COSY_MODEL_DIR, then the tiny model
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    mode: Literal["pytorch", "trt"] = "pytorch"  # trt: load prebuilt TensorRT plans for the flow estimator
+    trt_plan_dir: str | None = None
+    max_running: PositiveInt = 16  # decode slots (sequences in the running batch)
+    max_model_len: PositiveInt = 2048  # KV-cache positions per slot (prompt + generated)
+    compute_threads: PositiveInt = 1
+    token2wav: Token2WavBatchConfig = Field(default_factory=Token2WavBatchConfig)
+    startup_timeout_s: PositiveFloat = constants.REPLICA_START_TIMEOUT_S
+    # Import path "module:callable" returning a SynthesisRuntime (tests inject fakes here).
+    runtime_factory: str | None = None
+
+    @model_validator(mode="after")
+    def _capacity(self) -> "SynthesizerConfig":
+        if self.max_ongoing_requests > self.max_running:
+            # Every admitted request must get a decode slot at once; excess waits in Serve's queue,
+            # where max_queued_requests bounds it and answers 429.
+            raise ValueError(f"max_ongoing_requests ({self.max_ongoing_requests}) must not exceed "
+                             f"max_running ({self.max_running})")
+        if self.token2wav.max_batch_size > self.max_running:
+            raise ValueError("token2wav.max_batch_size cannot exceed max_running (one open job per stream)")
+        if self.mode == "trt" and not self.trt_plan_dir:
+            raise ValueError("mode 'trt' needs trt_plan_dir (plans are built offline, never in a replica)")
+        return self
+
+
+def _import_factory(path: str) -> RuntimeFactory:
+    module, _, attr = path.partition(":")
+    if not attr:
+        raise ValueError(f"runtime_factory must be 'module:callable', got {path!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+def default_runtime_factory(cfg: SynthesizerConfig, source: ModelSource) -> SynthesisRuntime:
+    from deployments.runtime_adapter import load_synthesis_runtime
+
+    return load_synthesis_runtime(cfg, str(source.resolve()))
+
+
+class Synthesizer:
+    """See the module docstring. Constructed by ``serve_app.app.build_app``.
+
+    Args:
+        cfg: replica config.
+        source: the model to load (resolved on this node by the runtime factory).
+        runtime_factory: builds the runtime; defaults to the real one (or ``cfg.runtime_factory``).
+        metrics: exporter; a no-op one is used outside a replica.
+    """
+
+    def __init__(self, cfg: SynthesizerConfig, source: ModelSource | None = None, runtime_factory: RuntimeFactory | None = None,
+                 metrics: ReplicaMetrics | None = None) -> None:
+        self.cfg = cfg
+        if runtime_factory is None:
+            runtime_factory = _import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
+        started = time.perf_counter()
+        source = source or ModelSource(cfg.model_dir)
+        self.runtime = runtime_factory(cfg, source)
+        self.t2w = self.runtime.token2wav
+        self.sample_rate = self.t2w.sample_rate
+        self.compute = ComputeExecutor(cfg.compute_threads)
+        self.loop = EngineLoop(self.runtime.engine, self.compute)
+        self.probe = DeviceProbe(self.runtime.device)
+        self.metrics = metrics or ReplicaMetrics.for_replica("synthesizer")
+        self.t2w_batch_sizes: Counter[int] = Counter()
+        self._token2wav.set_max_batch_size(cfg.token2wav.max_batch_size)
+        self._token2wav.set_batch_wait_timeout_s(cfg.token2wav.batch_wait_timeout_s)
+        logger.info("synthesizer ready on %s in %.1f s (model %s)", self.runtime.device,
+                    time.perf_counter() - started, source)
+
+    # ---------------------------------------------------------------- handle API
+    async def synthesize(self, req: PreparedRequest) -> AsyncIterator[AudioChunk]:
+        """Stream audio chunks of ``req`` as they are produced (handle ``.options(stream=True)``)."""
+        started = time.perf_counter()
+        index = 0
+        samples = 0
+        status = "ok"
+        try:
+            last_piece = len(req.pieces) - 1
+            for p, piece in enumerate(req.pieces):
+                async for audio, final in self._synthesize_piece(req, p, piece):
+                    if index == 0:
+                        self.metrics.observe_ttfa(time.perf_counter() - started)
+                    samples += len(audio)
+                    yield AudioChunk(request_id=req.request_id, samples=audio, sample_rate=self.sample_rate,
+                                     index=index, piece=p, is_last=final and p == last_piece)
+                    index += 1
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        except GeneratorExit:
+            status = "cancelled"
+            raise
+        except Exception:
+            status = "error"
+            raise
+        finally:
+            elapsed = time.perf_counter() - started
+            self.metrics.count_request(status)
+            if samples and status == "ok":
+                self.metrics.observe_rtf(elapsed / (samples / self.sample_rate))
+
+    async def synthesize_unary(self, req: PreparedRequest) -> SynthesisResult:
+        """The whole utterance at once (handle ``.remote()`` without streaming)."""
+        started = time.perf_counter()
+        chunks, first = [], None
+        async for chunk in self.synthesize(req):
+            if first is None:
+                first = time.perf_counter() - started
+            chunks.append(chunk.samples)
+        samples = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+        return SynthesisResult(request_id=req.request_id, samples=samples, sample_rate=self.sample_rate,
+                               num_chunks=len(chunks), time_to_first_audio_s=first or 0.0,
+                               compute_s=time.perf_counter() - started)
+
+    def stats(self) -> dict[str, Any]:
+        """Engine, batching and device figures of this replica (for /metrics, /health, tests)."""
+        engine = self.loop.stats()
+        allocated, total = self.probe.memory()
+        return {
+            "replica_id": _replica_id(),
+            "engine": engine.__dict__,
+            "step_batch_sizes": dict(Counter(self.loop.step_batch_sizes)),
+            "token2wav_batch_sizes": dict(self.t2w_batch_sizes),
+            "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
+            "gpu_memory_allocated_bytes": allocated,
+            "gpu_memory_total_bytes": total,
+        }
+
+    def health(self) -> ReplicaHealth:
+        stats = self.stats()
+        return ReplicaHealth(
+            deployment="Synthesizer", replica_id=stats["replica_id"], ready=self.loop._dead is None,
+            device=self.runtime.device, gpu_memory_allocated_bytes=stats["gpu_memory_allocated_bytes"],
+            gpu_memory_total_bytes=stats["gpu_memory_total_bytes"], gpu_utilization_pct=stats["utilization_pct"],
+            engine=self.loop.stats(),
+        )
+
+    # ---------------------------------------------------------------- Serve hooks
+    def check_health(self) -> None:
+        self.loop.raise_if_dead()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics (read by ``deployments.autoscaling_policy``)."""
+        util = self.probe.utilization_pct(self.compute.busy_fraction())
+        engine = self.loop.stats()
+        self.metrics.set_engine(engine.running, engine.waiting, util)
+        return {"gpu_utilization_pct": util, "engine_running": float(engine.running)}
+
+    # ---------------------------------------------------------------- internals
+    async def _synthesize_piece(self, req: PreparedRequest, p: int, piece) -> AsyncIterator[tuple[np.ndarray, bool]]:
+        if piece.text_ids.size == 0:
+            raise InvalidInputError(f"text piece {p} has no tokens")
+        prompt = req.prompt
+        lm = LMRequest(
+            text_ids=piece.text_ids, prompt_text_ids=req.llm_prompt_text_ids,
+            prompt_speech_ids=prompt.speech_tokens if req.llm_use_prompt_speech else np.zeros(0, dtype=np.int32),
+            seed=req.seed,
+        )
+        state = self.t2w.new_stream(prompt, stream=req.stream, speed=req.speed, seed=req.seed)
+        tokens: list[int] = []
+        async for event in self.loop.generate(f"{req.request_id}/{p}", lm):
+            tokens.extend(event.new_tokens)
+            while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
+                audio = await self._token2wav(job)
+                yield audio, bool(getattr(job, "finalize", False))
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
+    async def _token2wav(self, jobs: list) -> list[np.ndarray]:
+        """Flow + HiFT over chunk jobs of many streams, as one batch."""
+        self.t2w_batch_sizes[len(jobs)] += 1
+        self.metrics.observe_batch(len(jobs))
+        return await self.compute.run(self.t2w.run_batch, jobs)
+
+    def __del__(self) -> None:
+        # Serve calls this on shutdown; also safe under GC outside a replica.
+        task = getattr(getattr(self, "loop", None), "_task", None)
+        if task is not None and not task.done():
+            task.cancel()
+        if hasattr(self, "compute"):
+            self.compute.shutdown()
+
+    @classmethod
+    def deployment_options(cls, cfg: SynthesizerConfig) -> dict[str, Any]:
+        return cfg.serve_options("Synthesizer")
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a replica (unit tests)
+        return "local"

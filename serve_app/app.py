@@ -1,0 +1,46 @@
+"""Composition root: ``build_app(args)`` is the only place deployments are bound.
+
+Serve config: ``import_path: serve_app.app:build_app`` with ``args:`` validated as
+:class:`~serve_app.args.AppArgs` (Serve calls ``model_validate`` on the annotated parameter).
+
+Graph::
+
+    TTSIngress (HTTP, CPU) --handle--> TextFrontend (CPU, autoscaled)
+                           --handle--> Synthesizer  (GPU: engine loop + @serve.batch token2wav)
+"""
+from __future__ import annotations
+
+import logging
+
+from ray import serve
+from ray.serve import Application
+
+from deployments.frontend import TextFrontend
+from deployments.runtime_adapter import ModelSource
+from deployments.synthesizer import Synthesizer
+from serve_app.args import AppArgs
+from serve_app.ingress import TTSIngress
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(args: AppArgs) -> Application:
+    """Bind the three deployments with options computed from ``args``."""
+    if not isinstance(args, AppArgs):
+        args = AppArgs.model_validate(args)
+    # Replicas resolve the directory on their own node (the tiny default is generated there).
+    model_dir = args.synthesizer.model_dir or args.frontend.model_dir or args.model_dir
+    frontend_opts = TextFrontend.deployment_options(args.frontend)
+    synth_opts = Synthesizer.deployment_options(args.synthesizer)
+    ingress_opts = TTSIngress.deployment_options(args.ingress)
+    for opts in (ingress_opts, frontend_opts, synth_opts):
+        logger.info("deployment options: %s", opts)
+    source = ModelSource(model_dir, args.tiny_family)
+    frontend = serve.deployment(TextFrontend, **frontend_opts).bind(args.frontend, source)
+    synthesizer = serve.deployment(Synthesizer, **synth_opts).bind(args.synthesizer, source)
+    return serve.deployment(serve.ingress()(TTSIngress), **ingress_opts).bind(args.ingress, frontend, synthesizer)
+
+
+def build_app_from_file(path: str, app_name: str | None = None) -> Application:
+    """Convenience for scripts/tests: ``build_app(AppArgs.from_file(path))``."""
+    return build_app(AppArgs.from_file(path, app_name))

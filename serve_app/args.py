@@ -1,0 +1,60 @@
+"""``AppArgs``: the typed ``args:`` of a serve config, one nested config per deployment.
+
+``configs/*.yaml`` is a normal Serve config whose application has
+``import_path: serve_app.app:build_app``; its ``args`` are validated into :class:`AppArgs`
+(``extra="forbid"`` at every level, so a typo fails the build). :meth:`AppArgs.from_file`
+reads either a bare args file or a whole serve config.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, model_validator
+
+from deployments.frontend import FrontendConfig
+from deployments.options import StrictModel
+from deployments.synthesizer import SynthesizerConfig
+from serve_app.ingress import IngressConfig
+
+
+class AppArgs(StrictModel):
+    """Everything ``build_app`` needs.
+
+    Attributes:
+        model_dir: official model directory; None uses ``$FAST_COSY_MODEL_DIR`` or, failing that,
+            the tiny random-weight model of ``tiny_family`` generated on first start.
+        tiny_family: family of the generated tiny model.
+    """
+
+    model_dir: str | None = None
+    tiny_family: Literal["cosyvoice2", "cosyvoice3"] = "cosyvoice2"
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    frontend: FrontendConfig = Field(default_factory=FrontendConfig)
+    synthesizer: SynthesizerConfig = Field(default_factory=SynthesizerConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AppArgs":
+        fm, sm = self.frontend.model_dir, self.synthesizer.model_dir
+        if fm and sm and fm != sm:
+            raise ValueError("frontend.model_dir and synthesizer.model_dir must name the same model")
+        return self
+
+    @classmethod
+    def from_file(cls, path: str | Path, app_name: str | None = None) -> "AppArgs":
+        """Read a YAML/JSON file: bare args, or a serve config (``applications[].args``)."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if isinstance(data, dict) and "applications" in data:
+            data = application_of(data, app_name).get("args") or {}
+        return cls.model_validate(data)
+
+
+def application_of(serve_config: dict[str, Any], app_name: str | None = None) -> dict[str, Any]:
+    """The application entry of a serve config that runs ``build_app`` (by name if given)."""
+    apps = [a for a in serve_config.get("applications") or [] if a.get("import_path") == "serve_app.app:build_app"]
+    if app_name is not None:
+        apps = [a for a in apps if a.get("name") == app_name]
+    if len(apps) != 1:
+        raise ValueError(f"expected exactly one serve_app.app:build_app application, found {len(apps)}")
+    return apps[0]

@@ -1,0 +1,130 @@
+"""One error shape for every response, and the one mapping from exceptions to status codes.
+
+Body: ``{"error": {"message", "type", "code"}, "request_id"}`` with the request id also in the
+``x-request-id`` header. Domain errors (``deployments.protocol``) map to 4xx/5xx with their
+message; anything unexpected is logged with its traceback and answered with a generic 500
+that carries only the request id (house style §2.6 rule 23).
+"""
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from deployments.constants import REQUEST_ID_HEADER
+from deployments.protocol import (
+    CosyVoiceError,
+    EngineDeadError,
+    InvalidInputError,
+    OverloadedError,
+    PayloadTooLargeError,
+    VoiceExistsError,
+    VoiceNotFoundError,
+)
+
+logger = logging.getLogger(__name__)
+
+_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class ApiError(Exception):
+    """Raised by route code for a response with an explicit status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers or {}
+
+
+def request_id_of(request: Request) -> str:
+    """The request's id: a well-formed client ``x-request-id`` or a fresh one (stable per request)."""
+    rid = request.scope.get("tts_request_id")
+    if rid is None:
+        given = request.headers.get(REQUEST_ID_HEADER, "")
+        rid = given if _CLIENT_ID_RE.match(given) else uuid.uuid4().hex
+        request.scope["tts_request_id"] = rid
+    return rid
+
+
+def error_response(request_id: str, status: int, message: str, type_: str, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "code": code}, "request_id": request_id}
+    return JSONResponse(body, status_code=status, headers={REQUEST_ID_HEADER: request_id, **(headers or {})})
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """Ray wraps replica exceptions (RayTaskError subclasses the cause); take the cause."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def classify(exc: BaseException, retry_after_s: int = 1) -> tuple[int, str, str | None, dict[str, str]]:
+    """(status, type, code, headers) for an exception; 500 for unknown ones."""
+    exc = _unwrap(exc)
+    from ray.serve.exceptions import BackPressureError
+
+    if isinstance(exc, BackPressureError):
+        return 429, "overloaded_error", "queue_full", {"Retry-After": str(retry_after_s)}
+    if isinstance(exc, OverloadedError):
+        return 429, "overloaded_error", "queue_full", {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, VoiceNotFoundError):
+        return 404, "not_found_error", "voice_not_found", {}
+    if isinstance(exc, VoiceExistsError):
+        return 409, "conflict_error", "voice_exists", {}
+    if isinstance(exc, PayloadTooLargeError):
+        return 413, "invalid_request_error", "payload_too_large", {}
+    if isinstance(exc, (InvalidInputError, ValidationError)):
+        return 400, "invalid_request_error", "invalid_input", {}
+    if isinstance(exc, EngineDeadError):
+        return 503, "server_error", "engine_unavailable", {"Retry-After": str(retry_after_s)}
+    return 500, "server_error", None, {}
+
+
+def message_of(exc: BaseException) -> str:
+    exc = _unwrap(exc)
+    if isinstance(exc, ValidationError):
+        parts = []
+        for err in exc.errors(include_url=False):
+            where = ".".join(str(x) for x in err.get("loc", ())) or "body"
+            parts.append(f"{where}: {err.get('msg')}")
+        return "; ".join(parts)
+    text = str(exc.args[0]) if exc.args else type(exc).__name__
+    return text.splitlines()[0][:500] if text else type(exc).__name__
+
+
+def response_for(request: Request, exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
+    rid = request_id_of(request)
+    if isinstance(exc, ApiError):
+        return error_response(rid, exc.status, exc.message, exc.type, exc.code, exc.headers)
+    if isinstance(exc, HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(rid, exc.status_code, str(exc.detail), kind)
+    status, type_, code, headers = classify(exc, retry_after_s)
+    if status >= 500 and not isinstance(_unwrap(exc), CosyVoiceError):
+        logger.error("request %s failed: %s", rid, type(exc).__name__)
+        return error_response(rid, 500, f"internal error (request id {rid})", "server_error")
+    if status >= 500:
+        logger.warning("request %s: %s", rid, message_of(exc))
+    return error_response(rid, status, message_of(exc), type_, code, headers)
+
+
+def install_exception_handlers(app: Starlette, retry_after_s: int = 1) -> None:
+    """Register the mapping once for every route of ``app``."""
+
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return response_for(request, exc, retry_after_s)
+
+    from ray.serve.exceptions import BackPressureError
+
+    # NOTE: specific classes go to Starlette's ExceptionMiddleware (response only); the catch-all
+    # `Exception` handler runs in ServerErrorMiddleware, which re-raises after responding so the
+    # server also logs the traceback. Ray re-raises replica errors as subclasses of the cause,
+    # so the MRO lookup finds the domain classes below.
+    for cls in (ApiError, HTTPException, CosyVoiceError, ValidationError, BackPressureError, Exception):
+        app.add_exception_handler(cls, handle)

@@ -1,0 +1,306 @@
+"""HTTP ingress deployment: Starlette routes over the frontend and synthesizer handles.
+
+Routes (docs/serving.md has examples):
+
+* ``POST /v1/audio/speech``  OpenAI-compatible speech (registered voice; ``instructions`` -> instruct)
+* ``POST /v1/tts``           native: zero-shot (multipart prompt upload), voice, cross-lingual, instruct
+* ``POST /v1/voices`` (multipart), ``GET /v1/voices``, ``GET/DELETE /v1/voices/{voice_id}``
+* ``GET /health``, ``GET /metrics``
+
+Only this package knows HTTP, status codes and containers; the deployments get typed messages.
+Streaming responses fetch the first chunk before sending headers, so errors found while
+preparing (unknown voice, bad prompt) still get their 4xx; after that, a client disconnect
+cancels the handle generator, which aborts the sequence in the synthesizer replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from pydantic import Field, PositiveInt
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from deployments.constants import REQUEST_ID_HEADER
+from deployments.options import DeploymentKnobs
+from deployments.protocol import PayloadTooLargeError, SynthesisMode, SynthesisRequest, VoiceInfo
+from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, encode_audio, make_stream_encoder
+from serve_app.errors import ApiError, install_exception_handlers, request_id_of
+from serve_app.metrics import CONTENT_TYPE, IngressMetrics
+from serve_app.schemas import NativeSynthesisFields, SpeechRequest, VoiceFields, VoiceOut
+
+logger = logging.getLogger(__name__)
+
+
+class IngressConfig(DeploymentKnobs):
+    """HTTP ingress replica: request limits."""
+
+    max_input_chars: PositiveInt = 4096  # OpenAI's limit for `input`
+    max_upload_bytes: PositiveInt = 10 * 1024 * 1024
+    model_names: list[str] = Field(default_factory=list)  # accepted `model` values; empty = any
+    health_timeout_s: float = Field(5.0, gt=0)
+
+
+_ROUTES = ("/v1/audio/speech", "/v1/tts", "/v1/voices", "/health", "/metrics")
+
+
+class RequestAccounting:
+    """Pure ASGI middleware (no BaseHTTPMiddleware: it would interfere with streaming and
+    disconnect propagation): adds the request id header and counts responses by status."""
+
+    def __init__(self, app, metrics: IngressMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = request_id_of(Request(scope))
+        path = scope.get("path", "")
+        route = next((r for r in _ROUTES if path == r or path.startswith(r + "/")), "other")
+        status = {"code": 500}
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == REQUEST_ID_HEADER.encode() for k, _ in headers):
+                    headers.append((REQUEST_ID_HEADER.encode(), rid.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            code = status["code"]
+            self.metrics.requests.labels(route, str(code)).inc()
+            if code >= 400:
+                self.metrics.errors.labels(route, "client" if code < 500 else "server").inc()
+
+
+def _voice_out(info: VoiceInfo) -> dict:
+    return VoiceOut(voice_id=info.voice_id, prompt_text=info.prompt_text, family=info.family,
+                    num_prompt_tokens=info.num_prompt_tokens).model_dump()
+
+
+class TTSIngress:
+    """Constructed by ``serve_app.app.build_app`` (wrapped with ``serve.ingress()``)."""
+
+    def __init__(self, cfg: IngressConfig, frontend: Any, synthesizer: Any) -> None:
+        self.cfg = cfg
+        self.frontend = frontend
+        self.synth = synthesizer
+        self.metrics = IngressMetrics()
+
+    # Serve calls this on the replica after __init__ (late-bound ASGI app).
+    def __serve_build_asgi_app__(self) -> Starlette:
+        routes = [
+            Route("/v1/audio/speech", self.openai_speech, methods=["POST"]),
+            Route("/v1/tts", self.native_tts, methods=["POST"]),
+            Route("/v1/voices", self.register_voice, methods=["POST"]),
+            Route("/v1/voices", self.list_voices, methods=["GET"]),
+            Route("/v1/voices/{voice_id}", self.get_voice, methods=["GET"]),
+            Route("/v1/voices/{voice_id}", self.delete_voice, methods=["DELETE"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+        ]
+        app = Starlette(routes=routes, middleware=[Middleware(RequestAccounting, metrics=self.metrics)])
+        install_exception_handlers(app, self.cfg.retry_after_s)
+        return app
+
+    # ---------------------------------------------------------------- synthesis routes
+    async def openai_speech(self, request: Request) -> Response:
+        body = SpeechRequest.model_validate(await _json(request))
+        if self.cfg.model_names and body.model not in self.cfg.model_names:
+            raise ApiError(400, f"unknown model '{body.model}'; available: {', '.join(self.cfg.model_names)}",
+                           code="model_not_found")
+        self._check_text(body.input)
+        check_format(body.response_format, body.stream)
+        mode = SynthesisMode.INSTRUCT if body.instructions else SynthesisMode.VOICE
+        req = SynthesisRequest(request_id=request_id_of(request), text=body.input, mode=mode, voice_id=body.voice,
+                               instruct_text=body.instructions, speed=body.speed, stream=body.stream, seed=body.seed)
+        return await self._synthesize(req, body.response_format)
+
+    async def native_tts(self, request: Request) -> Response:
+        audio = sr = None
+        if request.headers.get("content-type", "").startswith("multipart/form-data"):
+            fields, files = await self._form(request, file_fields=("prompt_audio",))
+            body = NativeSynthesisFields.model_validate(fields)
+            if "prompt_audio" in files:
+                audio, sr = decode_upload(files["prompt_audio"])
+        else:
+            body = NativeSynthesisFields.model_validate(await _json(request))
+        self._check_text(body.text)
+        check_format(body.response_format, body.stream)
+        req = SynthesisRequest(request_id=request_id_of(request), text=body.text, mode=body.mode,
+                               voice_id=body.voice_id, prompt_text=body.prompt_text, prompt_audio=audio,
+                               prompt_sample_rate=sr, instruct_text=body.instruct_text, speed=body.speed,
+                               stream=body.stream, seed=body.seed)
+        return await self._synthesize(req, body.response_format)
+
+    async def _synthesize(self, req: SynthesisRequest, fmt: str) -> Response:
+        started = time.perf_counter()
+        headers = {REQUEST_ID_HEADER: req.request_id}
+        self.metrics.in_flight.inc()
+        try:
+            prepared = await self.frontend.prepare.remote(req)
+            if not req.stream:
+                result = await self.synth.synthesize_unary.remote(prepared)
+                data = encode_audio(result.samples, result.sample_rate, fmt)
+                self._observe(started, started + result.time_to_first_audio_s, len(result.samples), result.sample_rate)
+                return Response(data, media_type=MEDIA_TYPES[fmt], headers=headers)
+            gen = self.synth.options(stream=True).synthesize.remote(prepared)
+            try:
+                first = await gen.__anext__()
+            except StopAsyncIteration:
+                first = None
+            except BaseException:
+                gen.cancel()
+                raise
+        except BaseException:
+            self.metrics.in_flight.dec()
+            raise
+        return StreamingResponse(self._stream_body(gen, first, fmt, started), media_type=MEDIA_TYPES[fmt],
+                                 headers=headers)
+
+    async def _stream_body(self, gen, first, fmt: str, started: float):
+        sample_rate = first.sample_rate if first is not None else 24000
+        encoder = make_stream_encoder(fmt, sample_rate)
+        samples = 0
+        first_at = None
+        try:
+            if first is not None:
+                first_at = time.perf_counter()
+                samples += len(first.samples)
+                yield encoder.encode(first.samples)
+                async for chunk in gen:
+                    samples += len(chunk.samples)
+                    yield encoder.encode(chunk.samples)
+            tail = encoder.finish()
+            if tail:
+                yield tail
+            self._observe(started, first_at, samples, sample_rate)
+        finally:
+            # Disconnect / error: cancel the handle call so the replica aborts the sequence.
+            gen.cancel()
+            self.metrics.in_flight.dec()
+
+    def _observe(self, started: float, first_at: float | None, samples: int, sample_rate: int) -> None:
+        if first_at is not None:
+            self.metrics.ttfa.observe(first_at - started)
+        if samples:
+            self.metrics.rtf.observe((time.perf_counter() - started) / (samples / sample_rate))
+
+    def _check_text(self, text: str) -> None:
+        if len(text) > self.cfg.max_input_chars:
+            raise PayloadTooLargeError(f"input is {len(text)} characters; the limit is {self.cfg.max_input_chars}")
+
+    # ---------------------------------------------------------------- voices
+    async def register_voice(self, request: Request) -> Response:
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise ApiError(415, "voice registration needs multipart/form-data with an 'audio' file",
+                           code="unsupported_media_type")
+        fields, files = await self._form(request, file_fields=("audio",))
+        body = VoiceFields.model_validate(fields)
+        if "audio" not in files:
+            raise ApiError(400, "missing the 'audio' file field", code="invalid_input")
+        audio, sr = decode_upload(files["audio"])
+        info = await self.frontend.register_voice.remote(body.voice_id, body.prompt_text, audio, sr, body.overwrite)
+        return JSONResponse(_voice_out(info), status_code=201)
+
+    async def list_voices(self, request: Request) -> Response:
+        infos = await self.frontend.list_voices.remote()
+        return JSONResponse({"voices": [_voice_out(i) for i in infos]})
+
+    async def get_voice(self, request: Request) -> Response:
+        return JSONResponse(_voice_out(await self.frontend.get_voice.remote(request.path_params["voice_id"])))
+
+    async def delete_voice(self, request: Request) -> Response:
+        voice_id = request.path_params["voice_id"]
+        await self.frontend.delete_voice.remote(voice_id)
+        return JSONResponse({"voice_id": voice_id, "deleted": True})
+
+    # ---------------------------------------------------------------- health / metrics
+    async def health(self, request: Request) -> Response:
+        """Readiness of the synthesizer replicas (sampled through the handle) and the frontend."""
+        seen: dict[str, dict] = {}
+        ready_replicas = _running_replicas("Synthesizer")
+        probes = max(2 * (ready_replicas or 1), 1)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(self.synth.health.remote(), self.cfg.health_timeout_s) for _ in range(probes)),
+            return_exceptions=True)
+        for res in results:
+            if not isinstance(res, BaseException):
+                seen[res.replica_id] = {
+                    "ready": res.ready, "device": res.device,
+                    "gpu_memory_allocated_bytes": res.gpu_memory_allocated_bytes,
+                    "gpu_memory_total_bytes": res.gpu_memory_total_bytes,
+                    "utilization_pct": res.gpu_utilization_pct,
+                    "engine": res.engine.__dict__ if res.engine else None,
+                }
+        ready = bool(seen) and all(r["ready"] for r in seen.values())
+        body = {"status": "ok" if ready else "unavailable", "synthesizer_replicas": seen,
+                "synthesizer_running_replicas": ready_replicas}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        try:
+            snapshot = await asyncio.wait_for(self.synth.stats.remote(), self.cfg.health_timeout_s)
+        except Exception:  # metrics must render even when the synthesizer is down
+            logger.warning("synthesizer stats unavailable for /metrics")
+            snapshot = None
+        return Response(self.metrics.render(snapshot), media_type=CONTENT_TYPE)
+
+    @classmethod
+    def deployment_options(cls, cfg: IngressConfig) -> dict[str, Any]:
+        return cfg.serve_options("TTSIngress")
+
+    # ---------------------------------------------------------------- parsing helpers
+    async def _form(self, request: Request, file_fields: tuple[str, ...]) -> tuple[dict, dict[str, bytes]]:
+        declared = int(request.headers.get("content-length") or 0)
+        if declared > self.cfg.max_upload_bytes:
+            raise PayloadTooLargeError(f"upload is {declared} bytes; the limit is {self.cfg.max_upload_bytes}")
+        try:
+            form = await request.form(max_files=len(file_fields), max_fields=32)
+        except Exception as exc:  # malformed multipart
+            raise ApiError(400, f"malformed multipart body: {exc}", code="invalid_input") from None
+        fields: dict[str, Any] = {}
+        files: dict[str, bytes] = {}
+        for key, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                if key not in file_fields:
+                    raise ApiError(400, f"unexpected file field '{key}'", code="invalid_input")
+                data = await value.read()
+                if len(data) > self.cfg.max_upload_bytes:
+                    raise PayloadTooLargeError(f"file '{key}' exceeds {self.cfg.max_upload_bytes} bytes")
+                files[key] = data
+            else:
+                fields[key] = value
+        return fields, files
+
+
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
+
+
+def _running_replicas(deployment: str) -> int:
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        status = serve.status().applications[ctx.app_name].deployments[deployment]
+        return int(status.replica_states.get("RUNNING", 0))
+    except Exception:  # outside Serve or status unavailable
+        return 0

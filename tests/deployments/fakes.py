@@ -1,0 +1,171 @@
+"""Fakes of the runtime protocols in ``deployments.runtime_adapter`` (dependency injection only).
+
+They keep the real contracts that the serving layer relies on: an engine with a fixed number of
+decode slots that admits waiting sequences between steps and frees a slot on abort, and a
+token2wav that emits one job per hop and a final job, with a batched ``run_batch``. Each
+sequence emits ``TOKENS_PER_TEXT_ID`` tokens per text id, so tests choose how long a request
+runs through the length of its text; ``STEP_S`` / ``BATCH_S`` emulate compute time.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from deployments.protocol import VoiceNotFoundError, VoicePrompt
+from deployments.runtime_adapter import LMRequest, SynthesisRuntime, TokenEvent
+
+SAMPLE_RATE = 24000
+SAMPLES_PER_TOKEN = 960  # 25 tokens/s at 24 kHz
+TOKENS_PER_TEXT_ID = 2
+STEP_S = 0.004
+BATCH_S = 0.01
+HOP = 12
+
+
+@dataclass
+class _Seq:
+    request: LMRequest
+    target: int
+    emitted: int = 0
+
+
+class FakeEngine:
+    def __init__(self, max_running: int = 4, step_s: float = STEP_S) -> None:
+        self.max_running = max_running
+        self.step_s = step_s
+        self.waiting: OrderedDict[str, _Seq] = OrderedDict()
+        self.running: dict[str, _Seq] = {}
+        self.aborted: list[str] = []
+
+    def add(self, request_id: str, request: LMRequest) -> None:
+        target = TOKENS_PER_TEXT_ID * int(len(request.text_ids))
+        self.waiting[request_id] = _Seq(request, target)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.waiting.pop(request_id, None)
+        self.running.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def step(self) -> list[TokenEvent]:
+        while self.waiting and len(self.running) < self.max_running:
+            rid, seq = self.waiting.popitem(last=False)
+            self.running[rid] = seq
+        time.sleep(self.step_s)
+        events = []
+        for rid, seq in list(self.running.items()):
+            token = int(seq.request.text_ids[seq.emitted % len(seq.request.text_ids)]) % 6561
+            seq.emitted += 1
+            done = seq.emitted >= seq.target
+            events.append(TokenEvent(rid, [token], finished=done, finish_reason="stop" if done else None))
+            if done:
+                del self.running[rid]
+        return events
+
+
+@dataclass
+class FakeStream:
+    stream: bool
+    speed: float
+    offset: int = 0
+    finished: bool = False
+
+
+@dataclass
+class FakeJob:
+    state: FakeStream
+    start: int
+    end: int
+    finalize: bool
+
+
+class FakeToken2Wav:
+    sample_rate = SAMPLE_RATE
+
+    def __init__(self, batch_s: float = BATCH_S) -> None:
+        self.batch_s = batch_s
+        self.batches: list[int] = []
+
+    def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> FakeStream:
+        return FakeStream(stream=stream, speed=speed)
+
+    def next_job(self, state: FakeStream, tokens, llm_done: bool) -> FakeJob | None:
+        if state.finished:
+            return None
+        n = len(tokens)
+        if state.stream and n >= state.offset + HOP:
+            job = FakeJob(state, state.offset, state.offset + HOP, finalize=False)
+            state.offset += HOP
+            return job
+        if llm_done:
+            state.finished = True
+            return FakeJob(state, state.offset, n, finalize=True)
+        return None
+
+    def run_batch(self, jobs: list[FakeJob]) -> list[np.ndarray]:
+        self.batches.append(len(jobs))
+        time.sleep(self.batch_s)
+        out = []
+        for job in jobs:
+            n = int((job.end - job.start) * SAMPLES_PER_TOKEN / job.state.speed)
+            t = np.arange(n, dtype=np.float32) / SAMPLE_RATE
+            out.append((0.2 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32))
+        return out
+
+
+def fake_synthesis_runtime(cfg, source) -> SynthesisRuntime:
+    """``runtime_factory`` for SynthesizerConfig (import path ``tests.deployments.fakes:fake_synthesis_runtime``)."""
+    return SynthesisRuntime(engine=FakeEngine(max_running=cfg.max_running), token2wav=FakeToken2Wav(), device="cpu")
+
+
+@dataclass
+class FakeFrontendRuntime:
+    family: str = "cosyvoice2"
+    sample_rate: int = SAMPLE_RATE
+    voices: dict[str, VoicePrompt] = field(default_factory=dict)
+
+    def split(self, text: str) -> list[str]:
+        return [p.strip() for p in re.split(r"(?<=[.!?。！？])\s*", text) if p.strip()]
+
+    def tokenize(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def prompt_from_audio(self, audio: np.ndarray, sample_rate: int, prompt_text: str) -> VoicePrompt:
+        n = max(1, int(len(audio) / sample_rate * 25))
+        return VoicePrompt(family=self.family, prompt_text_ids=self.tokenize(prompt_text),
+                           speech_tokens=np.arange(n, dtype=np.int32) % 6561,
+                           mel=np.zeros((2 * n, 80), np.float32), embedding=np.ones(192, np.float32),
+                           prompt_text=prompt_text)
+
+    def save_voice(self, voice_id: str, prompt: VoicePrompt) -> None:
+        self.voices[voice_id] = prompt
+
+    def load_voice(self, voice_id: str) -> VoicePrompt:
+        try:
+            return self.voices[voice_id]
+        except KeyError:
+            raise VoiceNotFoundError(f"voice '{voice_id}' not found") from None
+
+    def list_voices(self) -> list[str]:
+        return list(self.voices)
+
+    def delete_voice(self, voice_id: str) -> None:
+        self.load_voice(voice_id)
+        del self.voices[voice_id]
+
+
+def fake_frontend_runtime(cfg, source) -> FakeFrontendRuntime:
+    """``runtime_factory`` for FrontendConfig (import path ``tests.deployments.fakes:fake_frontend_runtime``)."""
+    return FakeFrontendRuntime()

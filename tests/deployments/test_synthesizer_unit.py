@@ -1,0 +1,138 @@
+"""Synthesizer + EngineLoop without Ray: fakes injected through ``runtime_factory``.
+
+``@serve.batch`` cannot run outside a replica (ray-serve-notes §5.1), so these tests replace the
+batched method on the instance by a direct call of the same batch function with one job; the
+batching behaviour itself is tested against real Ray in tests/integration.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from deployments.protocol import InvalidInputError, PreparedRequest, TextPiece, VoicePrompt
+from deployments.synthesizer import Synthesizer, SynthesizerConfig
+from tests.deployments import fakes
+
+
+def _prompt() -> VoicePrompt:
+    return VoicePrompt(family="cosyvoice2", prompt_text_ids=np.arange(3, dtype=np.int32),
+                       speech_tokens=np.arange(10, dtype=np.int32), mel=np.zeros((20, 80), np.float32),
+                       embedding=np.ones(192, np.float32))
+
+
+def _req(rid: str, n_ids: int, stream: bool, pieces: int = 1) -> PreparedRequest:
+    return PreparedRequest(request_id=rid, pieces=[TextPiece("x", np.arange(n_ids, dtype=np.int32)) for _ in range(pieces)],
+                           prompt=_prompt(), llm_prompt_text_ids=np.zeros(0, np.int32), llm_use_prompt_speech=True,
+                           stream=stream)
+
+
+def _synth(max_running: int = 4) -> Synthesizer:
+    cfg = SynthesizerConfig(max_running=max_running, max_ongoing_requests=max_running,
+                            token2wav={"max_batch_size": 2})
+    s = Synthesizer(cfg, runtime_factory=fakes.fake_synthesis_runtime)
+
+    async def direct(job):
+        s.t2w_batch_sizes[1] += 1
+        return (await s.compute.run(s.t2w.run_batch, [job]))[0]
+
+    s._token2wav = direct
+    return s
+
+
+def test_streaming_chunks_follow_hop_schedule_and_cover_all_tokens():
+    s = _synth()
+
+    async def main():
+        return [c async for c in s.synthesize(_req("a", 20, stream=True, pieces=2))]
+
+    chunks = asyncio.run(main())
+    n_tokens = 20 * fakes.TOKENS_PER_TEXT_ID
+    per_piece = n_tokens // fakes.HOP + 1  # full hops + the final remainder
+    assert len(chunks) == 2 * per_piece
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert [c.is_last for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    total = sum(len(c.samples) for c in chunks)
+    assert total == 2 * n_tokens * fakes.SAMPLES_PER_TOKEN
+
+
+def test_unary_result_and_metrics():
+    s = _synth()
+    res = asyncio.run(s.synthesize_unary(_req("u", 10, stream=False)))
+    assert res.num_chunks == 1
+    assert len(res.samples) == 10 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
+    assert res.sample_rate == fakes.SAMPLE_RATE
+    assert s.metrics.recorded["status"] == ["ok"]
+    assert len(s.metrics.recorded["rtf"]) == 1
+
+
+def test_requests_join_running_batch_and_respect_slots():
+    s = _synth(max_running=2)
+
+    async def main():
+        await asyncio.gather(*(s.synthesize_unary(_req(f"r{i}", 15, stream=False)) for i in range(3)))
+
+    asyncio.run(main())
+    sizes = s.loop.step_batch_sizes
+    assert max(sizes) == 2  # never more than the slots, and batched (> 1)
+    assert s.loop.stats().finished == 3 and s.loop.stats().running == 0
+
+
+def test_abandoned_stream_aborts_and_frees_its_slot():
+    s = _synth(max_running=2)
+
+    async def main():
+        gen = s.synthesize(_req("c", 200, stream=True))
+        first = await gen.__anext__()
+        assert len(first.samples) > 0
+        assert s.loop.stats().running == 1
+        await gen.aclose()  # what a disconnect does to the replica generator
+        for _ in range(50):  # the abort is applied between two steps
+            await asyncio.sleep(0.01)
+            if s.loop.stats().running == 0:
+                break
+        return s.loop.stats()
+
+    stats = asyncio.run(main())
+    assert stats.running == 0 and stats.aborted == 1
+    assert s.runtime.engine.aborted == ["c/0"]
+
+
+def test_cancelled_task_aborts_sequence():
+    s = _synth(max_running=2)
+
+    async def consume():
+        async for _ in s.synthesize(_req("k", 300, stream=False)):
+            pass
+
+    async def main():
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.1)
+        assert s.loop.stats().running == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+        return s.loop.stats()
+
+    stats = asyncio.run(main())
+    assert stats.running == 0 and s.runtime.engine.aborted == ["k/0"]
+    assert s.metrics.recorded["status"] == ["cancelled"]
+
+
+def test_empty_piece_is_invalid_input():
+    s = _synth()
+
+    async def main():
+        return [c async for c in s.synthesize(_req("e", 0, stream=False))]
+
+    with pytest.raises(InvalidInputError):
+        asyncio.run(main())
+
+
+def test_capacity_validation():
+    with pytest.raises(ValueError, match="max_running"):
+        SynthesizerConfig(max_running=2, max_ongoing_requests=4)
+    with pytest.raises(ValueError, match="trt_plan_dir"):
+        SynthesizerConfig(mode="trt")
