@@ -1,0 +1,70 @@
+"""One error shape; exceptions map to their status codes; no traces leak."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.requests import Request
+
+from deployments.protocol import (
+    EngineDeadError,
+    InvalidInputError,
+    OverloadedError,
+    PayloadTooLargeError,
+    VoiceExistsError,
+    VoiceNotFoundError,
+)
+from serve_app.errors import ApiError, response_for
+
+
+def _request(headers=()) -> Request:
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": list(headers)})
+
+
+@pytest.mark.parametrize("exc, status, code", [
+    (InvalidInputError("bad"), 400, "invalid_input"),
+    (VoiceNotFoundError("no voice"), 404, "voice_not_found"),
+    (VoiceExistsError("dup"), 409, "voice_exists"),
+    (PayloadTooLargeError("big"), 413, "payload_too_large"),
+    (OverloadedError("full"), 429, "queue_full"),
+    (EngineDeadError("dead"), 503, "engine_unavailable"),
+    (ApiError(415, "nope", code="unsupported_media_type"), 415, "unsupported_media_type"),
+])
+def test_mapping(exc, status, code):
+    resp = response_for(_request(), exc)
+    body = json.loads(resp.body)
+    assert resp.status_code == status
+    assert set(body) == {"error", "request_id"} and set(body["error"]) == {"message", "type", "code"}
+    assert body["error"]["code"] == code
+    assert resp.headers["x-request-id"] == body["request_id"]
+
+
+def test_backpressure_error_is_429_with_retry_after():
+    from ray.serve.exceptions import BackPressureError
+
+    resp = response_for(_request(), BackPressureError(num_queued_requests=3, max_queued_requests=2), retry_after_s=7)
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "7"
+
+
+def test_unexpected_error_is_generic_500_without_details():
+    resp = response_for(_request(), RuntimeError("secret path /srv/x.py line 3"))
+    body = json.loads(resp.body)
+    assert resp.status_code == 500 and "secret" not in body["error"]["message"]
+    assert body["request_id"] in body["error"]["message"]
+
+
+def test_ray_wrapped_cause_is_unwrapped():
+    class Wrapped(Exception):
+        def __init__(self, cause):
+            super().__init__("ray.exceptions.RayTaskError: Traceback ...")
+            self.cause = cause
+
+    resp = response_for(_request(), Wrapped(VoiceNotFoundError("voice 'x' not found")))
+    assert resp.status_code == 404 and json.loads(resp.body)["error"]["message"] == "voice 'x' not found"
+
+
+def test_client_request_id_is_kept_when_well_formed():
+    assert json.loads(response_for(_request([(b"x-request-id", b"abc-123")]), InvalidInputError("x")).body)[
+        "request_id"] == "abc-123"
+    rid = json.loads(response_for(_request([(b"x-request-id", b"bad id\n")]), InvalidInputError("x")).body)["request_id"]
+    assert rid != "bad id\n" and len(rid) == 32
