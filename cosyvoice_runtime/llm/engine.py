@@ -1,0 +1,173 @@
+"""Continuous-batching speech-token engine: ``add_request`` / ``step`` / ``abort``.
+
+One :meth:`LLMEngine.step` runs one decode step for every running sequence as a single batch
+(each at its own position, attending only to its own KV slot), then prefills the requests the
+scheduler admitted this step; each prefill yields that request's first token. Requests
+therefore join between decode steps and leave as soon as they finish: their KV slot is free for
+the next step.
+
+Token selection and the stop/length rules are :func:`~cosyvoice_runtime.llm.generate.select_token`
+and :func:`~cosyvoice_runtime.llm.generate.commit_token`, the same functions the single-request
+reference loop uses; sampling randomness is per request (its own ``torch.Generator``).
+
+The engine is synchronous and single-threaded; the deployment's loop task drives it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from cosyvoice_runtime.errors import InvalidInputError
+from cosyvoice_runtime.llm.generate import (
+    DecodeState,
+    SampleFn,
+    commit_token,
+    default_sample_fn,
+    select_token,
+)
+from cosyvoice_runtime.llm.kv_cache import KVCache
+from cosyvoice_runtime.llm.sampling import SamplingParams, make_generator
+from cosyvoice_runtime.llm.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LLMEvent:
+    """What one step produced for one request.
+
+    ``token`` is the emitted speech id, or None when the step ended the request with a stop id
+    (which is never emitted). ``logits`` (V,) is filled only by an engine built with
+    ``return_logits=True`` (tests, debugging).
+    """
+
+    request_id: str
+    token: int | None
+    finished: bool = False
+    finish_reason: str | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    lm_input: torch.Tensor  # (T0, H); dropped after prefill
+    state: DecodeState
+    sample_fn: SampleFn
+
+
+class LLMEngine:
+    """Batched decoding of many requests over one :class:`~cosyvoice_runtime.llm.model.SpeechLM`.
+
+    Args:
+        model: the speech LM (eval mode; its device and dtype are used for the cache).
+        max_batch_size: KV slots = largest decode batch.
+        max_seq_len: positions per slot (prompt + generated); longer requests are refused.
+        max_prefills_per_step: requests admitted per step.
+        official_quirks: the official min-length rule (mask only index S) instead of masking
+            every stop id.
+        return_logits: attach each step's logits to the events.
+    """
+
+    def __init__(self, model, max_batch_size: int = 16, max_seq_len: int = 2048, *, max_prefills_per_step: int = 4,
+                 official_quirks: bool = False, return_logits: bool = False) -> None:
+        self.model = model
+        self.spec = model.spec
+        self.max_running = max_batch_size
+        self.official_quirks = official_quirks
+        self.return_logits = return_logits
+        self.cache = KVCache.for_model(model, max_batch_size, max_seq_len)
+        self.scheduler = Scheduler(max_batch_size, max_batch_size, max_seq_len, max_prefills_per_step)
+        self._requests: dict[str, _Request] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    # -- request lifecycle -----------------------------------------------------------------
+    def add_request(self, request_id: str, lm_input: torch.Tensor, min_len: int, max_len: int,
+                    params: SamplingParams | None = None, sample_fn: SampleFn | None = None,
+                    generator: torch.Generator | None = None) -> None:
+        """Queue one sequence.
+
+        Args:
+            lm_input: (T0, H) prefill embeddings (:func:`~cosyvoice_runtime.llm.inputs.build_lm_input`).
+            min_len / max_len: generated-token limits of the request.
+            params: sampling settings (default: the spec's RAS); ``params.seed`` seeds the
+                request's generator unless ``generator`` is given.
+            sample_fn: override of the sampler (tests).
+
+        Raises:
+            InvalidInputError: bad shape, or the request cannot fit in a KV slot.
+            KeyError: ``request_id`` is already in the engine.
+        """
+        if lm_input.dim() != 2 or lm_input.shape[1] != self.spec.llm_input_size or lm_input.shape[0] == 0:
+            raise InvalidInputError(f"lm_input must be (T, {self.spec.llm_input_size}), got {tuple(lm_input.shape)}")
+        if max_len < 1:
+            raise InvalidInputError(f"max_len must be >= 1, got {max_len}")
+        params = params or SamplingParams.from_spec(self.spec)
+        gen = generator or make_generator(params.seed, self.device)
+        state = DecodeState(min_len=min_len, max_len=max_len, generator=gen, params=params)
+        # The last emitted token is never fed, so T0 + max_len - 1 positions suffice.
+        try:
+            self.scheduler.add(request_id, lm_input.shape[0] + max_len - 1)
+        except ValueError as exc:
+            raise InvalidInputError(str(exc)) from exc
+        self._requests[request_id] = _Request(request_id, lm_input.to(self.device, self.cache.dtype), state,
+                                              sample_fn or default_sample_fn)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting or running request and free its KV slot now; False if unknown."""
+        self._requests.pop(request_id, None)
+        freed = self.scheduler.abort(request_id)
+        if freed:
+            logger.debug("aborted %s", request_id)
+        return freed
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def state_of(self, request_id: str) -> DecodeState | None:
+        req = self._requests.get(request_id)
+        return None if req is None else req.state
+
+    # -- stepping --------------------------------------------------------------------------
+    def step(self) -> list[LLMEvent]:
+        """One decode step of the running batch, then the prefill of admitted requests."""
+        plan = self.scheduler.schedule()
+        events: list[LLMEvent] = []
+        with torch.inference_mode():
+            if plan.decode:
+                reqs = [self._requests[s.request_id] for s in plan.decode]
+                last = torch.tensor([r.state.tokens[-1] for r in reqs], device=self.device)
+                hidden = self.model.decode(self.model.embed_speech(last), self.cache, [s.slot for s in plan.decode])
+                logits = self.model.logits(hidden)
+                events += [self._advance(r, logits[i]) for i, r in enumerate(reqs)]
+            for seq in plan.prefill:
+                req = self._requests[seq.request_id]
+                req.state.slot = seq.slot
+                self.cache.reset(seq.slot)
+                hidden = self.model.prefill(req.lm_input, self.cache, seq.slot)
+                req.lm_input = req.lm_input[:0]  # the prompt now lives in the cache
+                self.scheduler.mark_prefilled(seq.request_id)
+                events.append(self._advance(req, self.model.logits(hidden)))
+        return events
+
+    def _advance(self, req: _Request, logits: torch.Tensor) -> LLMEvent:
+        state = req.state
+        token = select_token(self.spec, logits, state, req.sample_fn, self.official_quirks)
+        emitted = commit_token(self.spec, state, token)
+        event = LLMEvent(req.request_id, token if emitted else None, state.finished, state.finish_reason,
+                         logits if self.return_logits else None)
+        if state.finished:
+            self._requests.pop(req.request_id, None)
+            self.scheduler.finish(req.request_id)
+        return event
