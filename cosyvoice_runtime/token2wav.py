@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
@@ -127,8 +126,8 @@ class Token2Wav:
         return None
 
     @torch.inference_mode()
-    def run(self, job: Token2WavJob) -> torch.Tensor:
-        """Run one job and advance its state. Returns (samples,) float32 audio."""
+    def flow_mel(self, job: Token2WavJob) -> torch.Tensor:
+        """The new mel frames of a job: (1, n_mels, frames) from the request's token offset on."""
         state = job.state
         streaming_masks = state.stream and not (job.finalize and self.official_final_full_attention)
         p = state.prompt
@@ -136,11 +135,14 @@ class Token2Wav:
             token=job.tokens, prompt_token=p.tokens, prompt_feat=p.feat, embedding=p.embedding,
             streaming=streaming_masks, finalize=job.finalize,
         )
-        mel = mel[:, :, state.token_offset * self.ratio:]
-        if job.finalize and state.speed != 1.0:
-            mel = F.interpolate(mel, size=int(mel.shape[2] / state.speed), mode="linear")
-        audio = vocode_chunk(self.hift, state.vocoder, mel, finalize=job.finalize,
-                             generator=state.generator, source_override=job.source_override)
+        return mel[:, :, state.token_offset * self.ratio:]
+
+    @torch.inference_mode()
+    def vocode(self, job: Token2WavJob, mel: torch.Tensor) -> torch.Tensor:
+        """Vocode a job's new mel frames and advance its state. Returns (samples,) float32."""
+        state = job.state
+        audio = vocode_chunk(self.hift, state.vocoder, mel, finalize=job.finalize, generator=state.generator,
+                             source_override=job.source_override, speed=state.speed)
         state.calls += 1
         if job.finalize:
             state.finished = True
@@ -151,6 +153,14 @@ class Token2Wav:
         audio = audio.reshape(-1)
         state.samples_out += audio.numel()
         return audio
+
+    def run(self, job: Token2WavJob) -> torch.Tensor:
+        """Flow + vocoder for one job; returns the (samples,) audio to emit."""
+        return self.vocode(job, self.flow_mel(job))
+
+    def run_batch(self, jobs: list[Token2WavJob]) -> list[torch.Tensor]:
+        """Run jobs of different requests (one per request); the audio of each, in order."""
+        return [self.run(job) for job in jobs]
 
     def synthesize(self, prompt: FlowPrompt, tokens: Sequence[int] | torch.Tensor, stream: bool = False,
                    speed: float = 1.0, generator: torch.Generator | None = None) -> list[torch.Tensor]:
