@@ -33,6 +33,14 @@ _TINY = {
     "cosyvoice3": dict(hidden=32, layers=2, heads=4, kv_heads=2, inter=96, pre_ch=64, dit_dim=48, dit_depth=2,
                        dit_heads=3, dit_head_dim=16, hift_ch=32),
 }
+# The released architectures, for benchmarks with random weights (no download needed).
+_FULL = {
+    "cosyvoice2": dict(hidden=896, layers=24, heads=14, kv_heads=2, inter=4864, flow_in=512, enc_out=512,
+                       enc_heads=8, enc_units=2048, enc_blocks=6, unet_ch=256, unet_head_dim=64, unet_blocks=4,
+                       unet_mid=12, unet_heads=8, hift_ch=512),
+    "cosyvoice3": dict(hidden=896, layers=24, heads=14, kv_heads=2, inter=4864, pre_ch=1024, dit_dim=1024,
+                       dit_depth=22, dit_heads=16, dit_head_dim=64, hift_ch=512),
+}
 TEXT_VOCAB_ROWS = 151936
 
 _HIFT_COMMON = """    in_channels: 80
@@ -70,8 +78,8 @@ _CFM = """    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
 """
 
 
-def _yaml_text(family: str) -> str:
-    d = _TINY[family]
+def _yaml_text(family: str, dims: dict) -> str:
+    d = dims
     head = f"""# Tiny RANDOM-WEIGHT model written by cosyvoice_runtime.tiny_model: it does not speak.
 # Same classes and wiring as the released {family}.yaml, shrunken sizes.
 __set_seed1: !apply:random.seed [1986]
@@ -204,8 +212,8 @@ feat_extractor: !name:matcha.utils.audio.mel_spectrogram
     return head + flow + tail
 
 
-def _backbone_config(family: str) -> dict:
-    d = _TINY[family]
+def _backbone_config(dims: dict) -> dict:
+    d = dims
     return {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
         "hidden_size": d["hidden"], "intermediate_size": d["inter"], "num_hidden_layers": d["layers"],
@@ -214,6 +222,20 @@ def _backbone_config(family: str) -> dict:
         "use_sliding_window": False, "tie_word_embeddings": True, "vocab_size": TEXT_VOCAB_ROWS,
         "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "float32",
     }
+
+
+def write_config_dir(out_dir: str | Path, family: str, dims: dict | None = None) -> ModelSpec:
+    """Write only ``<family>.yaml`` + ``CosyVoice-BlankEN/config.json`` (full size by default).
+
+    Enough for :meth:`ModelSpec.from_model_dir`, so benchmarks can build the released
+    architectures with random weights without writing gigabytes of checkpoints.
+    """
+    out = Path(out_dir)
+    dims = dims or _FULL[family]
+    (out / "CosyVoice-BlankEN").mkdir(parents=True, exist_ok=True)
+    (out / f"{family}.yaml").write_text(_yaml_text(family, dims), encoding="utf-8")
+    (out / "CosyVoice-BlankEN" / "config.json").write_text(json.dumps(_backbone_config(dims), indent=2))
+    return ModelSpec.from_model_dir(out)
 
 
 def sha256_file(path: Path) -> str:
@@ -239,12 +261,8 @@ def write_tiny_model(out_dir: str | Path, family: str = "cosyvoice2", seed: int 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        (tmp / f"{family}.yaml").write_text(_yaml_text(family), encoding="utf-8")
-        tok_dir = tmp / "CosyVoice-BlankEN"
-        tok_dir.mkdir()
-        (tok_dir / "config.json").write_text(json.dumps(_backbone_config(family), indent=2))
-        tiny_assets.write_tokenizer(tok_dir, family)
-        spec = ModelSpec.from_model_dir(tmp)
+        spec = write_config_dir(tmp, family, _TINY[family])
+        tiny_assets.write_tokenizer(tmp / "CosyVoice-BlankEN", family)
         # PyTorch's default initialisation is already fan-in scaled; fork the RNG so writing a
         # model never disturbs the caller's random state.
         with torch.random.fork_rng(devices=[]):
