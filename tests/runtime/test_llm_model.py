@@ -1,0 +1,74 @@
+"""Qwen2 backbone + KV cache: incremental decoding equals the full causal forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosyvoice_runtime.config import LLMSpec, Qwen2Spec
+from cosyvoice_runtime.llm.kv_cache import KVCache
+from cosyvoice_runtime.llm.model import build_llm
+
+
+def tiny(num_heads=4, num_kv_heads=2, family="cosyvoice2", tie=True):
+    torch.manual_seed(0)
+    backbone = Qwen2Spec(hidden_size=32, num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         intermediate_size=48, vocab_size=64, rms_norm_eps=1e-6, rope_theta=1e6,
+                         tie_word_embeddings=tie)
+    return build_llm(LLMSpec(family=family, backbone=backbone, speech_token_size=30, llm_input_size=32,
+                             llm_output_size=32)).eval()
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (4, 1)])
+def test_prefill_plus_decode_equals_full_forward(heads):
+    model = tiny(*heads)
+    x = torch.randn(1, 20, 32)
+    with torch.inference_mode():
+        full = model(x)[0]
+        cache = KVCache.for_model(model, 2, 32)
+        parts = [model.forward(x[:, :7], cache, [1])[0], model.forward(x[:, 7:12], cache, [1])[0]]
+        parts += [model.decode(x[0, i:i + 1], cache, [1]) for i in range(12, 20)]
+    assert cache.lengths == [0, 20]
+    assert (torch.cat(parts) - full).abs().max() < 1e-5
+
+
+def test_batched_decode_of_sequences_at_different_lengths():
+    model = tiny()
+    seqs = [torch.randn(n, 32) for n in (3, 11, 6)]
+    nxt = torch.randn(3, 32)
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, 4, 16)
+        slots = [2, 0, 3]
+        for s, x in zip(slots, seqs):
+            model.prefill(x, cache, s)
+        batched = model.decode(nxt, cache, slots)
+        for i, x in enumerate(seqs):
+            alone = model(torch.cat([x, nxt[i:i + 1]])[None])[0, -1]
+            assert (batched[i] - alone).abs().max() < 1e-5
+    assert [cache.lengths[s] for s in slots] == [4, 12, 7]
+
+
+def test_cache_overflow_is_refused_and_reset_reuses_a_slot():
+    model = tiny()
+    cache = KVCache.for_model(model, 1, 8)
+    with torch.inference_mode():
+        model.prefill(torch.randn(8, 32), cache, 0)
+        with pytest.raises(ValueError):
+            model.decode(torch.randn(1, 32), cache, [0])
+        cache.reset(0)
+        x = torch.randn(5, 32)
+        assert (model.prefill(x, cache, 0) - model(x[None])[0, -1]).abs().max() < 1e-5
+
+
+def test_keys_tied_head_and_special_rows():
+    cv2, cv3 = tiny(family="cosyvoice2"), tiny(family="cosyvoice3")
+    k2, k3 = set(cv2.state_dict()), set(cv3.state_dict())
+    assert {"llm_embedding.weight", "llm_decoder.bias"} <= k2 and not {"llm_embedding.weight", "llm_decoder.bias"} & k3
+    assert "llm.model.lm_head.weight" in k2 and "llm.model.model.layers.1.self_attn.q_proj.bias" in k2
+    assert "llm.model.model.layers.0.self_attn.o_proj.bias" not in k2
+    assert cv2.llm.model.lm_head.weight is cv2.backbone.embed_tokens.weight
+    assert tiny(tie=False).llm.model.lm_head.weight is not tiny(tie=False).backbone.embed_tokens.weight
+    assert cv2.speech_embedding.num_embeddings == 33 and cv3.speech_embedding.num_embeddings == 230
+    assert torch.equal(cv2.sos_embedding(), cv2.llm_embedding.weight[0])
+    assert torch.equal(cv2.task_id_embedding(), cv2.llm_embedding.weight[1])
+    assert torch.equal(cv3.sos_embedding(), cv3.speech_embedding.weight[30])
+    assert torch.equal(cv3.task_id_embedding(), cv3.speech_embedding.weight[32])
