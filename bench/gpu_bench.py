@@ -1,0 +1,284 @@
+"""Streaming TTS benchmark: full-size CosyVoice architectures with random weights on one GPU.
+
+Every request does the same work: zero-shot shapes of the official baseline (87 prompt speech
+tokens, 14 prompt text tokens, 40 text tokens) and exactly ``--tokens`` generated speech tokens
+(min_len = max_len), so runs are comparable. For each mode and concurrency a closed loop keeps
+``c`` streams in flight; a replica-like server runs the continuous-batching LLM engine in one
+thread and token2wav (flow + HiFT, first chunks first) in another, each on its own CUDA stream.
+The sequential baseline runs one request at a time through the single-request reference
+pipeline in eager fp32, which is how the official implementation serves.
+
+    python -m bench.gpu_bench --family cosyvoice2 --out bench/results
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import logging
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.metrics import RequestTrace, summarize
+from cosyvoice_runtime.llm.engine import LLMEngine
+from cosyvoice_runtime.llm.inputs import build_lm_input
+from cosyvoice_runtime.llm.sampling import SamplingParams
+from cosyvoice_runtime.model import CosyVoiceModel, build_modules
+from cosyvoice_runtime.pipeline import Pipeline, VoicePrompt
+from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from cosyvoice_runtime.token2wav import FlowPrompt, StreamState, Token2Wav
+
+logger = logging.getLogger("bench")
+
+PROMPT_SPEECH, PROMPT_TEXT, TEXT = 87, 14, 40
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_model(family: str, size: str, device: str, seed: int = 0) -> CosyVoiceModel:
+    spec = write_config_dir(tempfile.mkdtemp(prefix="bench-spec-"), family, None if size == "full" else _TINY[family])
+    torch.manual_seed(seed)
+    mods = build_modules(spec, device=device)
+    for m in mods.values():
+        fold = getattr(m, "remove_weight_norm", None)
+        if callable(fold):
+            fold()
+        m.eval().requires_grad_(False)
+    return CosyVoiceModel(spec=spec, **mods)
+
+
+def cast(model: CosyVoiceModel, dtype: torch.dtype) -> CosyVoiceModel:
+    """LLM and flow in ``dtype``; the vocoder stays float32 (phase accumulation)."""
+    return CosyVoiceModel(spec=model.spec, llm=model.llm.to(dtype), flow=model.flow.to(dtype), hift=model.hift)
+
+
+def make_voice(model: CosyVoiceModel, seed: int = 1) -> tuple[VoicePrompt, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    dev = model.device
+    dtype = next(model.flow.parameters()).dtype
+    s = model.spec
+    voice = VoicePrompt(
+        prompt_text_ids=torch.randint(0, 150000, (PROMPT_TEXT,), generator=g).to(dev),
+        llm_prompt_speech_ids=torch.randint(0, s.llm.speech_token_size, (PROMPT_SPEECH,), generator=g).to(dev),
+        flow=FlowPrompt(
+            tokens=torch.randint(0, s.llm.speech_token_size, (1, PROMPT_SPEECH), generator=g, dtype=torch.int32).to(dev),
+            feat=torch.randn(1, 2 * PROMPT_SPEECH, s.flow.output_size, generator=g).to(dev, dtype),
+            embedding=torch.randn(1, s.flow.spk_embed_dim, generator=g).to(dev, dtype),
+        ),
+    )
+    text = torch.randint(0, 150000, (TEXT,), generator=g).to(dev)
+    if s.family == "cosyvoice3":
+        text[0] = 151646  # <|endofprompt|> must be present
+    return voice, text
+
+
+@dataclass
+class _Stream:
+    trace: RequestTrace
+    state: StreamState
+    tokens: list[int] = field(default_factory=list)
+    llm_done: bool = False
+
+
+class ReplicaSim:
+    """Two threads around one model: LLM engine steps and token2wav jobs, like one GPU replica."""
+
+    def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, estimator_compile: bool = False):
+        self.model = model
+        self.n_tokens = n_tokens
+        self.engine = LLMEngine(model.llm, max_batch_size=max_batch, max_seq_len=PROMPT_SPEECH + PROMPT_TEXT + TEXT + n_tokens + 8)
+        self.t2w = Token2Wav(model.spec, model.flow, model.hift)
+        self.lock = threading.Condition()
+        self.streams: dict[str, _Stream] = {}
+        self.pending: list[tuple[str, torch.Tensor]] = []
+        self.stop = False
+        self.error: BaseException | None = None
+
+    def submit(self, rid: str, voice: VoicePrompt, text: torch.Tensor, t_s: float) -> None:
+        lm = build_lm_input(self.model.llm, text, voice.prompt_text_ids, voice.llm_prompt_speech_ids)
+        state = self.t2w.new_stream(voice.flow, stream=True)
+        with self.lock:
+            self.streams[rid] = _Stream(RequestTrace(submitted_s=t_s), state)
+            self.pending.append((rid, lm.embeds))
+            self.lock.notify_all()
+
+    def _llm_loop(self) -> None:
+        stream = torch.cuda.Stream() if self.model.device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            while not self.stop:
+                with self.lock:
+                    while not self.stop and not self.pending and not self.engine.has_unfinished():
+                        self.lock.wait()
+                    adds, self.pending = self.pending, []
+                for rid, embeds in adds:
+                    self.engine.add_request(rid, embeds, self.n_tokens, self.n_tokens, SamplingParams.from_spec(self.model.spec.llm, seed=hash(rid) % 2**31))
+                if self.stop:
+                    return
+                events = self.engine.step()
+                with self.lock:
+                    for ev in events:
+                        st = self.streams[ev.request_id]
+                        if ev.token is not None:
+                            st.tokens.append(ev.token)
+                        st.llm_done = st.llm_done or ev.finished
+                    self.lock.notify_all()
+
+    def _t2w_loop(self) -> None:
+        device = self.model.device
+        stream = torch.cuda.Stream() if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            while not self.stop:
+                with self.lock:
+                    jobs = []
+                    while not self.stop:
+                        jobs = [(rid, j) for rid, st in self.streams.items()
+                                if (j := self.t2w.next_job(st.state, list(st.tokens), st.llm_done)) is not None]
+                        if jobs:
+                            break
+                        self.lock.wait()
+                if self.stop:
+                    return
+                jobs.sort(key=lambda rj: rj[1].state.calls)  # first chunks first
+                for rid, job in jobs:
+                    audio = self.t2w.run(job)
+                    sync(device)
+                    now = time.perf_counter()
+                    with self.lock:
+                        st = self.streams[rid]
+                        st.trace.add_chunk(now, audio.numel())
+                        if job.finalize:
+                            self.lock.notify_all()
+
+    def run(self, voice: VoicePrompt, text: torch.Tensor, concurrency: int, total: int) -> tuple[list[RequestTrace], float]:
+        threads = [threading.Thread(target=self._guard(f), daemon=True) for f in (self._llm_loop, self._t2w_loop)]
+        for t in threads:
+            t.start()
+        t0 = time.perf_counter()
+        submitted = 0
+        while True:
+            with self.lock:
+                active = sum(1 for s in self.streams.values() if not s.state.finished)
+                done = len(self.streams) - active
+                if self.error or done == total:
+                    break
+                if active < concurrency and submitted < total:
+                    pass
+                else:
+                    self.lock.wait(timeout=1.0)
+                    continue
+            self.submit(f"r{submitted}", voice, text, time.perf_counter())
+            submitted += 1
+        wall = time.perf_counter() - t0
+        with self.lock:
+            self.stop = True
+            self.lock.notify_all()
+        for t in threads:
+            t.join(timeout=30)
+        if self.error:
+            raise self.error
+        return [s.trace for s in self.streams.values()], wall
+
+    def _guard(self, fn):
+        def run():
+            try:
+                fn()
+            except BaseException as exc:  # surfaced by run()
+                logger.exception("worker failed")
+                with self.lock:
+                    self.error = exc
+                    self.stop = True
+                    self.lock.notify_all()
+        return run
+
+
+def run_baseline(model: CosyVoiceModel, voice: VoicePrompt, text: torch.Tensor, n_tokens: int, requests: int) -> dict:
+    """One request at a time, eager fp32, through the single-request reference pipeline."""
+    pipe = Pipeline(model)
+    traces = []
+    t0 = time.perf_counter()
+    for i in range(requests):
+        tr = RequestTrace(submitted_s=time.perf_counter())
+        forced = _forced_sampler(model, n_tokens)
+        for chunk in pipe.tts(text, voice, stream=True, seed=i, sample_fn=forced):
+            sync(model.device)
+            tr.add_chunk(time.perf_counter(), chunk.numel())
+        traces.append(tr)
+    return summarize(traces, time.perf_counter() - t0)
+
+
+def _forced_sampler(model: CosyVoiceModel, n_tokens: int):
+    from cosyvoice_runtime.llm.generate import default_sample_fn
+
+    eos = model.spec.llm.eos
+
+    def sample(logp, state):
+        return eos if state.step >= n_tokens else default_sample_fn(logp, state)
+
+    return sample
+
+
+def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_tokens: int, min_requests: int) -> list[dict]:
+    kind, _, prec = mode.partition("-")
+    model = cast(base, DTYPES[prec or "fp32"])
+    if kind == "compile":
+        est = model.flow.decoder.estimator
+        model.flow.decoder.estimator = torch.compile(est, dynamic=True)
+    voice, text = make_voice(model)
+    rows = []
+    # warm-up: one short request (allocations, kernel selection, compilation)
+    ReplicaSim(model, 4, 60).run(voice, text, 2, 2)
+    for c in concurrencies:
+        if model.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        sim = ReplicaSim(model, max_batch=c, n_tokens=n_tokens)
+        traces, wall = sim.run(voice, text, c, max(2 * c, min_requests))
+        row = {"mode": mode, "concurrency": c, **summarize(traces, wall)}
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None
+        logger.info("%s c=%d: %s", mode, c, json.dumps(row))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if kind == "compile":
+        model.flow.decoder.estimator = est
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice3"])
+    ap.add_argument("--size", default="full", choices=["full", "tiny"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--modes", default="pytorch-fp32,pytorch-bf16,compile-bf16")
+    ap.add_argument("--concurrency", default="1,4,8,16,32,64")
+    ap.add_argument("--tokens", type=int, default=250, help="speech tokens per request (25 = 1 s)")
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--baseline-requests", type=int, default=3)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = make_model(args.family, args.size, args.device)
+    voice, text = make_voice(base)
+    run_baseline(base, voice, text, 30, 1)  # warm-up
+    baseline = run_baseline(base, voice, text, args.tokens, args.baseline_requests)
+    print(json.dumps({"baseline": baseline}), flush=True)
+    rows = []
+    for mode in args.modes.split(","):
+        rows += bench_mode(base, mode, [int(c) for c in args.concurrency.split(",")], args.tokens, args.min_requests)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    from bench.report import write_report
+
+    write_report(Path(args.out), device_name, args.family, args.tokens, baseline, rows)
+
+
+if __name__ == "__main__":
+    main()
