@@ -117,31 +117,69 @@ def _check_speed(state: VocoderStream, finalize: bool, speed: float) -> None:
         raise InvalidInputError("speed != 1 is only supported for non-streaming synthesis")
 
 
-def _vocode_cv2(hift, state: VocoderStream, mel: torch.Tensor, finalize: bool,
-                generator: torch.Generator | None, source_override: torch.Tensor | None, speed: float) -> torch.Tensor:
-    n = state.source_cache_len
+def cv2_prepare(state: VocoderStream, mel: torch.Tensor, speed: float = 1.0) -> torch.Tensor:
+    """CV2: the vocoder input of a call, ``cached mel ++ new mel`` (speed-resampled if asked)."""
     if state.mel_cache is not None:
         mel = torch.cat([state.mel_cache.to(mel), mel], dim=2)
-    mel = speed_resample(mel, speed)
+    return speed_resample(mel, speed)
+
+
+def cv2_source(hift, state: VocoderStream, f0: torch.Tensor, generator: torch.Generator | None,
+               source_override: torch.Tensor | None) -> torch.Tensor:
+    """CV2: the call's source (1, 1, 480·T): recorded override, or drawn + cache overwrite."""
     if source_override is not None:
-        source = source_override.to(mel)
-        speech = hift.decode(mel, source)
-    else:
-        gen = generator if generator is not None else state.request_generator(mel.device)
-        speech, source = hift.inference(mel, cache_source=state.source_cache, generator=gen)
+        return source_override.to(f0)
+    gen = generator if generator is not None else state.request_generator(f0.device)
+    source = hift.source(f0, generator=gen)
+    if state.source_cache is not None:
+        n = state.source_cache.shape[2]
+        source = source.clone()
+        source[:, :, :n] = state.source_cache
+    return source
+
+
+def cv2_finish(state: VocoderStream, mel_in: torch.Tensor, speech: torch.Tensor, source: torch.Tensor,
+               finalize: bool) -> torch.Tensor:
+    """CV2: cross-fade with the previous tail, update the caches, return the samples to emit."""
+    n = state.source_cache_len
     if state.speech_cache is not None:
         speech = crossfade(speech, state.speech_cache, crossfade_window(n, speech.device))
     if finalize:
         state.mel_cache = state.source_cache = state.speech_cache = None
         return speech
-    state.mel_cache = mel[:, :, -state.mel_cache_len:]
+    state.mel_cache = mel_in[:, :, -state.mel_cache_len:]
     state.source_cache = source[:, :, -n:]
     state.speech_cache = speech[:, -n:]
     return speech[:, :-n]
 
 
-def _vocode_cv3(hift, state: VocoderStream, mel: torch.Tensor, finalize: bool, speed: float) -> torch.Tensor:
+def _vocode_cv2(hift, state: VocoderStream, mel: torch.Tensor, finalize: bool,
+                generator: torch.Generator | None, source_override: torch.Tensor | None, speed: float) -> torch.Tensor:
+    mel_in = cv2_prepare(state, mel, speed)
+    source = cv2_source(hift, state, hift.f0(mel_in), generator, source_override)
+    return cv2_finish(state, mel_in, hift.decode(mel_in, source), source, finalize)
+
+
+def cv3_accumulate(state: VocoderStream, mel: torch.Tensor) -> torch.Tensor:
+    """CV3: append the new frames to the request's mel; returns the accumulated (1, 80, T)."""
     state.mel = mel if state.mel is None else torch.cat([state.mel, mel.to(state.mel)], dim=2)
+    return state.mel
+
+
+def cv3_emit(hift, state: VocoderStream, speech: torch.Tensor, frames: int, finalize: bool) -> torch.Tensor:
+    """CV3: the new samples of a finalize-style run ``speech`` over ``frames`` accumulated frames.
+
+    A non-final official call returns the first ``480·(frames - lag)`` samples of the finalize run
+    over the same frames (spec §5.4), so batched/incremental callers run finalize and cut here.
+    """
+    end = frames * state.samples_per_frame if finalize else max(0, frames - hift.lag_frames) * state.samples_per_frame
+    out = speech[:, state.speech_offset:end]
+    state.speech_offset += out.shape[1]
+    return out
+
+
+def _vocode_cv3(hift, state: VocoderStream, mel: torch.Tensor, finalize: bool, speed: float) -> torch.Tensor:
+    cv3_accumulate(state, mel)
     if state.strategy == "incremental":
         from cosyvoice_runtime.hift.incremental import incremental_vocode
 

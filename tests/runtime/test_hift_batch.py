@@ -1,0 +1,74 @@
+"""Batched vocoding of several requests (``hift.batch``) equals the per-request calls."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosyvoice_runtime.hift.batch import causal_decode_batch, vocode_batch
+from cosyvoice_runtime.hift.streaming import VocoderStream, vocode_chunk
+from tests.runtime.parity.common import load_cases
+from tests.runtime.parity.hift_cases import load_hift
+
+CASES = {c.family: c for c in load_cases() if c.name == "token2wav_stream"}
+TOL = 1e-4
+
+
+def _mels(family):
+    """Three realistic mels of different lengths from the fixture (1, 80, T)."""
+    case = CASES[family]
+    calls = case.params["hift_calls"]
+    last = case.t(f"hift{len(calls) - 1}_mel") if family == "cosyvoice3" else case.t("flow2_mel")
+    return case, [last, last[:, :, 7:120].contiguous(), torch.flip(last, dims=[2])[:, :, :97].contiguous()]
+
+
+def _split(mel, sizes):
+    out, start = [], 0
+    for s in sizes:
+        out.append(mel[:, :, start:start + s])
+        start += s
+    out.append(mel[:, :, start:])
+    return out
+
+
+def test_cv3_batched_decode_equals_unbatched():
+    case, mels = _mels("cosyvoice3")
+    _, hift = load_hift(case.model_dir)
+    batched = causal_decode_batch(hift, mels)
+    for mel, got in zip(mels, batched):
+        ref, _ = hift.inference(mel, finalize=True)
+        assert got.shape == ref.shape
+        assert float((got - ref).abs().max()) < TOL
+
+
+@pytest.mark.parametrize("family", ["cosyvoice3", "cosyvoice2"])
+def test_streamed_batches_equal_per_request_streams(family):
+    case, mels = _mels(family)
+    spec, hift = load_hift(case.model_dir)
+    schedules = [_split(mels[0], [60, 50]), _split(mels[1], [30, 40]), _split(mels[2], [60, 20])]
+    ref_states = [VocoderStream.create(spec, seed=10 + i) for i in range(3)]
+    bat_states = [VocoderStream.create(spec, seed=10 + i) for i in range(3)]
+    n_calls = len(schedules[0])
+    for c in range(n_calls):
+        final = c == n_calls - 1
+        chunks = [s[c] for s in schedules]
+        refs = [vocode_chunk(hift, st, ch, finalize=final) for st, ch in zip(ref_states, chunks)]
+        gots = vocode_batch(hift, bat_states, chunks, [final] * 3)
+        for r, g in zip(refs, gots):
+            assert g.shape == r.shape
+            if r.numel():
+                assert float((g - r).abs().max()) < TOL
+    assert all(st.finished for st in bat_states)
+    assert [st.calls for st in bat_states] == [n_calls] * 3
+
+
+def test_cv3_mixed_final_and_streaming_items():
+    case, mels = _mels("cosyvoice3")
+    spec, hift = load_hift(case.model_dir)
+    a_ref, b_ref = VocoderStream.create(spec), VocoderStream.create(spec)
+    a, b = VocoderStream.create(spec), VocoderStream.create(spec)
+    ra = vocode_chunk(hift, a_ref, mels[0], finalize=False)
+    rb = vocode_chunk(hift, b_ref, mels[2], finalize=True)
+    ga, gb = vocode_batch(hift, [a, b], [mels[0], mels[2]], [False, True])
+    assert ga.shape == ra.shape == (1, 480 * (mels[0].shape[2] - hift.lag_frames))
+    assert gb.shape == rb.shape == (1, 480 * mels[2].shape[2])
+    assert float((ga - ra).abs().max()) < TOL and float((gb - rb).abs().max()) < TOL
