@@ -49,7 +49,12 @@ class PayloadTooLargeError(InvalidInputError):
 class OverloadedError(ServingError):
     """The replica's admission queue is full; retry later (429 + Retry-After)."""
 
-    retry_after_s: int = 1
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message, retry_after_s)  # both in args: survives pickling
+        self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class EngineDeadError(ServingError):

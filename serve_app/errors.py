@@ -1,7 +1,9 @@
 """One error shape for every response, and the one mapping from exceptions to status codes.
 
-Body: ``{"error": {"message", "type", "code"}, "request_id"}`` with the request id also in the
-``x-request-id`` header. Domain errors (``deployments.protocol``) map to 4xx/5xx with their
+Body: ``{"error": {"message", "type", "code"}, "request_id"}``. The request id is the incoming
+``x-request-id`` header: Serve's proxy sets it on every request (taking the client's when given)
+and returns it in the response header itself, so logs, body and header agree; when the app runs
+outside Serve a fresh id is made. Domain errors (``deployments.protocol``) map to 4xx/5xx with their
 message; anything unexpected is logged with its traceback and answered with a generic 500
 that carries only the request id (house style §2.6 rule 23).
 """
@@ -30,7 +32,7 @@ from deployments.protocol import (
 
 logger = logging.getLogger(__name__)
 
-_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_CLIENT_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable, no spaces
 
 
 class ApiError(Exception):
@@ -55,7 +57,7 @@ def request_id_of(request: Request) -> str:
 def error_response(request_id: str, status: int, message: str, type_: str, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "code": code}, "request_id": request_id}
-    return JSONResponse(body, status_code=status, headers={REQUEST_ID_HEADER: request_id, **(headers or {})})
+    return JSONResponse(body, status_code=status, headers=headers or {})
 
 
 def _unwrap(exc: BaseException) -> BaseException:

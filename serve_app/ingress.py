@@ -18,9 +18,10 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 from pydantic import Field, PositiveInt
+from ray.serve.exceptions import BackPressureError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.datastructures import UploadFile
@@ -28,9 +29,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from deployments.constants import REQUEST_ID_HEADER
 from deployments.options import DeploymentKnobs
-from deployments.protocol import PayloadTooLargeError, SynthesisMode, SynthesisRequest, VoiceInfo
+from deployments.protocol import (
+    AudioChunk,
+    OverloadedError,
+    PayloadTooLargeError,
+    SynthesisMode,
+    SynthesisRequest,
+    SynthesisResult,
+    VoiceInfo,
+)
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, encode_audio, make_stream_encoder
 from serve_app.errors import ApiError, install_exception_handlers, request_id_of
 from serve_app.metrics import CONTENT_TYPE, IngressMetrics
@@ -53,7 +61,7 @@ _ROUTES = ("/v1/audio/speech", "/v1/tts", "/v1/voices", "/health", "/metrics")
 
 class RequestAccounting:
     """Pure ASGI middleware (no BaseHTTPMiddleware: it would interfere with streaming and
-    disconnect propagation): adds the request id header and counts responses by status."""
+    disconnect propagation): fixes the request id and counts responses by status."""
 
     def __init__(self, app, metrics: IngressMetrics) -> None:
         self.app = app
@@ -63,7 +71,7 @@ class RequestAccounting:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = request_id_of(Request(scope))
+        request_id_of(Request(scope))  # fixed once per request, read by routes and error handlers
         path = scope.get("path", "")
         route = next((r for r in _ROUTES if path == r or path.startswith(r + "/")), "other")
         status = {"code": 500}
@@ -71,10 +79,6 @@ class RequestAccounting:
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                headers = list(message.get("headers", []))
-                if not any(k.lower() == REQUEST_ID_HEADER.encode() for k, _ in headers):
-                    headers.append((REQUEST_ID_HEADER.encode(), rid.encode()))
-                message = {**message, "headers": headers}
             await send(message)
 
         try:
@@ -148,18 +152,17 @@ class TTSIngress:
 
     async def _synthesize(self, req: SynthesisRequest, fmt: str) -> Response:
         started = time.perf_counter()
-        headers = {REQUEST_ID_HEADER: req.request_id}
         self.metrics.in_flight.inc()
         try:
-            prepared = await self.frontend.prepare.remote(req)
+            prepared = await _admitted(self.frontend.prepare.remote(req))
             if not req.stream:
-                result = await self.synth.synthesize_unary.remote(prepared)
+                result = await _admitted(self.synth.synthesize_unary.remote(prepared))
                 data = encode_audio(result.samples, result.sample_rate, fmt)
                 self._observe(started, started + result.time_to_first_audio_s, len(result.samples), result.sample_rate)
-                return Response(data, media_type=MEDIA_TYPES[fmt], headers=headers)
+                return Response(data, media_type=MEDIA_TYPES[fmt])
             gen = self.synth.options(stream=True).synthesize.remote(prepared)
             try:
-                first = await gen.__anext__()
+                first = await _admitted(gen.__anext__())
             except StopAsyncIteration:
                 first = None
             except BaseException:
@@ -168,8 +171,7 @@ class TTSIngress:
         except BaseException:
             self.metrics.in_flight.dec()
             raise
-        return StreamingResponse(self._stream_body(gen, first, fmt, started), media_type=MEDIA_TYPES[fmt],
-                                 headers=headers)
+        return StreamingResponse(self._stream_body(gen, first, fmt, started), media_type=MEDIA_TYPES[fmt])
 
     async def _stream_body(self, gen, first, fmt: str, started: float):
         sample_rate = first.sample_rate if first is not None else 24000
@@ -213,20 +215,45 @@ class TTSIngress:
         if "audio" not in files:
             raise ApiError(400, "missing the 'audio' file field", code="invalid_input")
         audio, sr = decode_upload(files["audio"])
-        info = await self.frontend.register_voice.remote(body.voice_id, body.prompt_text, audio, sr, body.overwrite)
+        info = await _admitted(
+            self.frontend.register_voice.remote(body.voice_id, body.prompt_text, audio, sr, body.overwrite))
         return JSONResponse(_voice_out(info), status_code=201)
 
     async def list_voices(self, request: Request) -> Response:
-        infos = await self.frontend.list_voices.remote()
+        infos = await _admitted(self.frontend.list_voices.remote())
         return JSONResponse({"voices": [_voice_out(i) for i in infos]})
 
     async def get_voice(self, request: Request) -> Response:
-        return JSONResponse(_voice_out(await self.frontend.get_voice.remote(request.path_params["voice_id"])))
+        info = await _admitted(self.frontend.get_voice.remote(request.path_params["voice_id"]))
+        return JSONResponse(_voice_out(info))
 
     async def delete_voice(self, request: Request) -> Response:
         voice_id = request.path_params["voice_id"]
-        await self.frontend.delete_voice.remote(voice_id)
+        await _admitted(self.frontend.delete_voice.remote(voice_id))
         return JSONResponse({"voice_id": voice_id, "deleted": True})
+
+    # ---------------------------------------------------------------- Python (handle) API
+    async def synthesize(self, req: SynthesisRequest) -> SynthesisResult:
+        """Unary synthesis for other Serve apps: ``await app_handle.synthesize.remote(req)``."""
+        prepared = await _admitted(self.frontend.prepare.remote(req))
+        return await _admitted(self.synth.synthesize_unary.remote(prepared))
+
+    async def stream(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        """Streaming synthesis: ``async for chunk in app_handle.options(stream=True).stream.remote(req)``.
+
+        Cancelling the caller's generator (or ``.cancel()`` on it) aborts the sequence.
+        """
+        prepared = await _admitted(self.frontend.prepare.remote(req))
+        gen = self.synth.options(stream=True).synthesize.remote(prepared)
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:
+            gen.cancel()
+
+    async def voices(self) -> list[VoiceInfo]:
+        """Registered voices (``await app_handle.voices.remote()``)."""
+        return await _admitted(self.frontend.list_voices.remote())
 
     # ---------------------------------------------------------------- health / metrics
     async def health(self, request: Request) -> Response:
@@ -285,6 +312,20 @@ class TTSIngress:
             else:
                 fields[key] = value
         return fields, files
+
+
+async def _admitted(awaitable):
+    """Await a handle call, turning Serve's backpressure rejection into our OverloadedError.
+
+    NOTE: Serve installs its own plain-text handler for ``BackPressureError`` on the ingress app
+    after ``__serve_build_asgi_app__`` returns, overriding ours; converting here keeps the one
+    JSON error shape (and the rejecting deployment's Retry-After).
+    """
+    try:
+        return await awaitable
+    except BackPressureError as exc:
+        raise OverloadedError(f"server is at capacity; retry after {exc.retry_after_s or 1} s",
+                              retry_after_s=int(exc.retry_after_s or 1)) from None
 
 
 async def _json(request: Request) -> Any:

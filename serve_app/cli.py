@@ -1,0 +1,59 @@
+"""``fastcosy``: the operator's command line.
+
+Subcommands (``fastcosy <cmd> --help`` for each):
+
+* ``serve``            start the service locally from a serve config, or deploy it to a running cluster
+* ``synth``            text -> WAV through the local pipeline or a running service (``--url``)
+* ``make-tiny-model``  write the tiny random-weight model directory (official layout; not speech)
+* ``build-trt``        offline TensorRT plan build for the flow estimator
+* ``bench``            benchmarks / load generator
+* ``doctor``           check this node can serve, with the fix for each problem
+* ``config-reference`` write docs/configuration.md from the pydantic config models
+
+Exit codes: 0 success; 1 the command found a problem (doctor failure, stale reference);
+2 the command could not run (bad input, missing component, unreachable service).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from serve_app import cli_doctor, cli_serve, cli_synth, cli_tools
+from serve_app.cli_common import CliError
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastcosy", description="FastCosyVoice Serve: CosyVoice2/3 TTS on Ray Serve")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    cli_serve.add_parser(sub)
+    cli_synth.add_parser(sub)
+    cli_tools.add_make_tiny_model(sub)
+    cli_tools.add_build_trt(sub)
+    cli_tools.add_bench(sub)
+    cli_doctor.add_parser(sub)
+    cli_tools.add_config_reference(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point (``fastcosy = serve_app.cli:main``); returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        sys.stderr.write(f"fastcosy {args.command}: {exc}\n")
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

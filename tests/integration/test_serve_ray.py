@@ -1,0 +1,270 @@
+"""The app on real local Ray: HTTP and handle, streaming, batching, voices, 429, cancellation, 4xx."""
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+import struct
+import time
+import wave
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from deployments.protocol import InvalidInputError, SynthesisMode, SynthesisRequest, VoiceNotFoundError
+from tests.deployments import fakes
+
+pytestmark = pytest.mark.ray
+
+SR = fakes.SAMPLE_RATE
+
+
+def _prompt_wav(seconds: float = 2.0, sr: int = 16000) -> bytes:
+    buf = io.BytesIO()
+    t = np.arange(int(seconds * sr)) / sr
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32), sr, format="WAV")
+    return buf.getvalue()
+
+
+def _expected_samples(text: str) -> int:
+    return len(text.encode()) * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
+
+
+@pytest.fixture(scope="module")
+def voice(tts_app):
+    url = tts_app["base_url"]
+    r = httpx.post(f"{url}/v1/voices", data={"voice_id": "alice", "prompt_text": "hello there", "overwrite": "true"},
+                   files={"audio": ("a.wav", _prompt_wav(), "audio/wav")}, timeout=30)
+    assert r.status_code == 201, r.text
+    return "alice"
+
+
+def _metric(text: str, name: str) -> list[tuple[str, float]]:
+    return [(m.group(1) or "", float(m.group(2)))
+            for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)]
+
+
+# ------------------------------------------------------------------------------ HTTP synthesis
+def test_openai_speech_wav_non_streaming(tts_app, voice):
+    text = "Hello world."
+    r = httpx.post(f"{tts_app['base_url']}/v1/audio/speech", timeout=30,
+                   json={"model": "tts-1", "input": text, "voice": voice, "response_format": "wav"})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "audio/wav" and r.headers["x-request-id"]
+    with wave.open(io.BytesIO(r.content)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (SR, 1, 2)
+        assert w.getnframes() == _expected_samples(text)
+
+
+def test_openai_speech_pcm_streaming_arrives_in_chunks(tts_app, voice):
+    text = "A somewhat longer sentence to stream."
+    pieces = []
+    with httpx.stream("POST", f"{tts_app['base_url']}/v1/audio/speech", timeout=30,
+                      json={"model": "tts-1", "input": text, "voice": voice, "response_format": "pcm",
+                            "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers.get("transfer-encoding") == "chunked"
+        for part in r.iter_raw():
+            pieces.append(part)
+    data = b"".join(pieces)
+    assert len(data) == 2 * _expected_samples(text)  # s16le
+    assert len(pieces) > 1  # audio came out as it was made
+    assert np.abs(np.frombuffer(data, "<i2")).max() > 1000
+
+
+def test_native_zero_shot_stream_wav(tts_app):
+    text = "Zero shot with an uploaded prompt."
+    with httpx.stream("POST", f"{tts_app['base_url']}/v1/tts", timeout=30,
+                      data={"text": text, "mode": "zero_shot", "prompt_text": "the prompt transcript",
+                            "stream": "true", "response_format": "wav"},
+                      files={"prompt_audio": ("p.wav", _prompt_wav(), "audio/wav")}) as r:
+        assert r.status_code == 200, r.read()
+        data = r.read()
+    assert data[:4] == b"RIFF" and struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF
+    assert (len(data) - 44) // 2 == _expected_samples(text)
+
+
+@pytest.mark.parametrize("mode, extra", [("cross_lingual", {}), ("instruct", {"instruct_text": "Speak slowly."})])
+def test_native_modes_with_registered_voice(tts_app, voice, mode, extra):
+    r = httpx.post(f"{tts_app['base_url']}/v1/tts", timeout=30,
+                   json={"text": "Bonjour.", "mode": mode, "voice_id": voice, "response_format": "flac", **extra})
+    assert r.status_code == 200, r.text
+    audio, sr = sf.read(io.BytesIO(r.content))
+    assert sr == SR and len(audio) == _expected_samples("Bonjour.")
+
+
+# ------------------------------------------------------------------------------ handle API
+def test_handle_unary_and_streaming(tts_app, voice):
+    handle = tts_app["handle"]
+    req = SynthesisRequest(request_id="h1", text="Via a handle.", mode=SynthesisMode.VOICE, voice_id=voice)
+    result = handle.synthesize.remote(req).result(timeout_s=30)
+    assert result.sample_rate == SR and len(result.samples) == _expected_samples("Via a handle.")
+    req.stream, req.request_id = True, "h2"
+    chunks = list(handle.options(stream=True).stream.remote(req))
+    assert len(chunks) > 1 and chunks[-1].is_last
+    np.testing.assert_allclose(np.concatenate([c.samples for c in chunks]).size, result.samples.size)
+
+
+def test_handle_errors_keep_their_type(tts_app):
+    handle = tts_app["handle"]
+    with pytest.raises(VoiceNotFoundError):
+        handle.synthesize.remote(SynthesisRequest(request_id="e1", text="x", voice_id="nobody")).result(timeout_s=30)
+    with pytest.raises(InvalidInputError):
+        handle.synthesize.remote(SynthesisRequest(request_id="e2", text="  ", voice_id="alice")).result(timeout_s=30)
+
+
+# ------------------------------------------------------------------------------ voices
+def test_voices_register_list_get_delete(tts_app):
+    url = tts_app["base_url"]
+    r = httpx.post(f"{url}/v1/voices", data={"voice_id": "bob", "prompt_text": "bob speaking"},
+                   files={"audio": ("b.wav", _prompt_wav(1.0), "audio/wav")}, timeout=30)
+    assert r.status_code == 201 and r.json()["num_prompt_tokens"] == 25
+    dup = httpx.post(f"{url}/v1/voices", data={"voice_id": "bob", "prompt_text": "again"},
+                     files={"audio": ("b.wav", _prompt_wav(1.0), "audio/wav")}, timeout=30)
+    assert dup.status_code == 409 and dup.json()["error"]["code"] == "voice_exists"
+    assert "bob" in [v["voice_id"] for v in httpx.get(f"{url}/v1/voices").json()["voices"]]
+    assert httpx.get(f"{url}/v1/voices/bob").json()["prompt_text"] == "bob speaking"
+    assert httpx.delete(f"{url}/v1/voices/bob").status_code == 200
+    assert httpx.get(f"{url}/v1/voices/bob").status_code == 404
+    assert "bob" not in [v["voice_id"] for v in httpx.get(f"{url}/v1/voices").json()["voices"]]
+
+
+# ------------------------------------------------------------------------------ bad input
+def _post(url, path, **kw):
+    return httpx.post(f"{url}{path}", timeout=30, **kw)
+
+
+BAD = [
+    ("/v1/audio/speech", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "invalid_json"),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "voice": "alice"}}, 400, "invalid_input"),  # no input
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "", "voice": "alice"}}, 400, "invalid_input"),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "alice", "speed": 9}}, 400, "invalid_input"),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "../etc"}}, 400, "invalid_input"),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "alice", "colour": 1}}, 400, "invalid_input"),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "alice", "response_format": "aac"}},
+     400, "invalid_input"),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "alice", "response_format": "mp3",
+                                   "stream": True}}, 400, "invalid_input"),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x" * 2001, "voice": "alice"}}, 413, "payload_too_large"),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "nobody"}}, 404, "voice_not_found"),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "   ", "voice": "alice"}}, 400, "invalid_input"),
+    ("/v1/tts", {"json": {"text": "x", "mode": "zero_shot"}}, 400, "invalid_input"),  # no prompt audio
+    ("/v1/tts", {"json": {"text": "x", "mode": "karaoke", "voice_id": "alice"}}, 400, "invalid_input"),
+    ("/v1/tts", {"json": {"text": "x", "mode": "instruct", "voice_id": "alice"}}, 400, "invalid_input"),
+    ("/v1/tts", {"data": {"text": "x", "mode": "zero_shot", "prompt_text": "t"},
+                 "files": {"prompt_audio": ("p.wav", b"garbage", "audio/wav")}}, 400, "invalid_input"),
+    ("/v1/tts", {"data": {"text": "x", "mode": "zero_shot"},
+                 "files": {"prompt_audio": ("p.wav", _prompt_wav(), "audio/wav")}}, 400, "invalid_input"),  # no transcript
+    ("/v1/tts", {"data": {"text": "x", "mode": "zero_shot", "prompt_text": "t"},
+                 "files": {"prompt_audio": ("p.wav", _prompt_wav(0.1), "audio/wav")}}, 400, "invalid_input"),  # too short
+    ("/v1/tts", {"data": {"text": "x", "mode": "zero_shot", "prompt_text": "t"},
+                 "files": {"prompt_audio": ("p.wav", _prompt_wav(31.0, 8000), "audio/wav")}}, 413, "payload_too_large"),
+    ("/v1/voices", {"json": {"voice_id": "v"}}, 415, "unsupported_media_type"),
+    ("/v1/voices", {"files": [("voice_id", (None, "v")), ("prompt_text", (None, "t"))]}, 400, "invalid_input"),
+    ("/v1/voices", {"data": {"voice_id": "bad id!", "prompt_text": "t"},
+                    "files": {"audio": ("a.wav", _prompt_wav(), "audio/wav")}}, 400, "invalid_input"),
+]
+
+
+@pytest.mark.parametrize("path, kwargs, status, code", BAD, ids=[f"{i}-{b[0]}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_its_4xx(tts_app, voice, path, kwargs, status, code):
+    r = _post(tts_app["base_url"], path, **kwargs)
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["error"]["code"] == code and body["request_id"] == r.headers["x-request-id"]
+    assert "Traceback" not in r.text
+
+
+def test_unknown_route_and_method(tts_app):
+    url = tts_app["base_url"]
+    assert httpx.get(f"{url}/v1/nothing").status_code == 404
+    r = httpx.get(f"{url}/v1/audio/speech")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.delete(f"{url}/v1/voices/nobody").status_code == 404
+
+
+# ------------------------------------------------------------------------------ concurrency
+def _engine_stats(tts_app) -> dict:
+    return tts_app["synth"].stats.remote().result(timeout_s=30)["engine"]
+
+
+def test_concurrent_requests_are_batched(tts_app, voice):
+    url = tts_app["base_url"]
+
+    async def one(client, i):
+        r = await client.post(f"{url}/v1/audio/speech", json={
+            "model": "tts-1", "input": f"Concurrent request number {i}.", "voice": voice,
+            "response_format": "pcm", "stream": True})
+        return r.status_code
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(4)))
+
+    assert asyncio.run(main()) == [200] * 4
+    text = httpx.get(f"{url}/metrics").text
+    count = dict(_metric(text, "tts_token2wav_batch_size_count"))
+    le1 = [v for labels, v in _metric(text, "tts_token2wav_batch_size_bucket") if 'le="1.0"' in labels]
+    assert sum(count.values()) > le1[0]  # at least one flow+HiFT batch held more than one chunk
+    decode_le1 = [v for labels, v in _metric(text, "tts_decode_batch_size_bucket") if 'le="1.0"' in labels]
+    assert sum(dict(_metric(text, "tts_decode_batch_size_count")).values()) > decode_le1[0]
+
+
+def test_overload_returns_429_with_retry_after(tts_app, voice):
+    url = tts_app["base_url"]
+    long_text = "x" * 400  # ~0.8 s of fake decoding per request
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(f"{url}/v1/audio/speech", json={
+                "model": "tts-1", "input": long_text, "voice": voice, "response_format": "pcm"})
+                for _ in range(16)))
+
+    responses = asyncio.run(main())
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 429 in codes, codes
+    rejected = [r for r in responses if r.status_code == 429]
+    assert all(r.headers["retry-after"] == "3" for r in rejected)
+    assert all(r.json()["error"]["code"] == "queue_full" for r in rejected)
+    # 4 decode slots + 4 queued at the caller: the rest is rejected, nothing fails otherwise.
+    assert codes.count(200) >= 4 and set(codes) == {200, 429}
+
+
+def test_disconnect_mid_stream_frees_the_decode_slot(tts_app, voice):
+    url = tts_app["base_url"]
+    before = _engine_stats(tts_app)
+    with httpx.stream("POST", f"{url}/v1/audio/speech", timeout=30, json={
+            "model": "tts-1", "input": "y" * 1500, "voice": voice, "response_format": "pcm", "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())
+        assert _engine_stats(tts_app)["running"] == 1
+    # Leaving the block closes the connection mid-stream (1500 ids -> ~12 s of decoding).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = _engine_stats(tts_app)
+        if stats["running"] == 0 and stats["open_streams"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["running"] == 0 and stats["open_streams"] == 0
+    assert stats["aborted"] == before["aborted"] + 1
+
+
+# ------------------------------------------------------------------------------ health / metrics
+def test_health_and_metrics(tts_app, voice):
+    url = tts_app["base_url"]
+    h = httpx.get(f"{url}/health", timeout=30)
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    replicas = h.json()["synthesizer_replicas"]
+    assert len(replicas) == 1
+    (rep,) = replicas.values()
+    assert rep["ready"] and rep["device"] == "cpu" and "gpu_memory_allocated_bytes" in rep
+    text = httpx.get(f"{url}/metrics").text
+    assert httpx.get(f"{url}/metrics").headers["content-type"].startswith("text/plain")
+    for name in ("tts_http_requests_total", "tts_http_errors_total", "tts_time_to_first_audio_seconds_count",
+                 "tts_rtf_count", "tts_engine_queue_length", "tts_engine_running", "tts_device_utilization_pct",
+                 "tts_token2wav_batch_size_count", "tts_requests_in_flight"):
+        assert _metric(text, name), f"{name} missing from /metrics"
+    ok = [v for labels, v in _metric(text, "tts_http_requests_total") if 'status="200"' in labels]
+    assert sum(ok) > 0
