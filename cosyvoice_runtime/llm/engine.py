@@ -6,7 +6,7 @@ scheduler admitted this step; each prefill yields that request's first token. Re
 therefore join between decode steps and leave as soon as they finish: their KV slot is free for
 the next step.
 
-Token selection and the stop/length rules are :func:`~cosyvoice_runtime.llm.generate.select_token`
+Token selection and the stop/length rules are :func:`~cosyvoice_runtime.llm.generate.select_tokens`
 and :func:`~cosyvoice_runtime.llm.generate.commit_token`, the same functions the single-request
 reference loop uses; sampling randomness is per request (its own ``torch.Generator``).
 
@@ -25,7 +25,7 @@ from cosyvoice_runtime.llm.generate import (
     SampleFn,
     commit_token,
     default_sample_fn,
-    select_token,
+    select_tokens,
 )
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.sampling import SamplingParams, make_generator
@@ -150,7 +150,9 @@ class LLMEngine:
                 last = torch.tensor([r.state.tokens[-1] for r in reqs], device=self.device)
                 hidden = self.model.decode(self.model.embed_speech(last), self.cache, [s.slot for s in plan.decode])
                 logits = self.model.logits(hidden)
-                events += [self._advance(r, logits[i]) for i, r in enumerate(reqs)]
+                tokens = select_tokens(self.spec, logits, [r.state for r in reqs], [r.sample_fn for r in reqs],
+                                       self.official_quirks)
+                events += [self._commit(r, tok, logits[i]) for i, (r, tok) in enumerate(zip(reqs, tokens))]
             for seq in plan.prefill:
                 req = self._requests[seq.request_id]
                 req.state.slot = seq.slot
@@ -158,12 +160,13 @@ class LLMEngine:
                 hidden = self.model.prefill(req.lm_input, self.cache, seq.slot)
                 req.lm_input = req.lm_input[:0]  # the prompt now lives in the cache
                 self.scheduler.mark_prefilled(seq.request_id)
-                events.append(self._advance(req, self.model.logits(hidden)))
+                logits = self.model.logits(hidden)
+                token = select_tokens(self.spec, logits[None], [req.state], [req.sample_fn], self.official_quirks)[0]
+                events.append(self._commit(req, token, logits))
         return events
 
-    def _advance(self, req: _Request, logits: torch.Tensor) -> LLMEvent:
+    def _commit(self, req: _Request, token: int, logits: torch.Tensor) -> LLMEvent:
         state = req.state
-        token = select_token(self.spec, logits, state, req.sample_fn, self.official_quirks)
         emitted = commit_token(self.spec, state, token)
         event = LLMEvent(req.request_id, token if emitted else None, state.finished, state.finish_reason,
                          logits if self.return_logits else None)

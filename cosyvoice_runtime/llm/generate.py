@@ -1,7 +1,7 @@
 """Single-request reference decoding (spec §3.4-§3.5), used by parity tests and the engine.
 
 The per-request state is an explicit :class:`DecodeState`; the loop itself is stateless.
-:func:`select_token` (mask + sample) and :func:`commit_token` (stop / length rules) are the
+:func:`select_tokens` (mask + sample) and :func:`commit_token` (stop / length rules) are the
 two halves of one decoding step and are shared with the batched engine, so the single and
 batched paths cannot drift apart.
 
@@ -56,19 +56,30 @@ def default_sample_fn(logp: torch.Tensor, state: DecodeState) -> int:
     return sample(logp, state.params, state.tokens, state.generator)
 
 
-def select_token(spec: LLMSpec, logits: torch.Tensor, state: DecodeState, sample_fn: SampleFn = default_sample_fn,
-                 official_quirks: bool = False) -> int:
-    """Log-softmax (float32), min-length mask, sample: one id for one request.
+def select_tokens(spec: LLMSpec, logits: torch.Tensor, states: list[DecodeState], sample_fns: list[SampleFn],
+                  official_quirks: bool = False) -> list[int]:
+    """Log-softmax (float32), min-length mask, sample: one id per request of a batch.
 
     Args:
-        logits: (V,) ``llm_decoder`` output at the predicting position.
+        logits: (B, V) ``llm_decoder`` outputs at the predicting positions.
+        states / sample_fns: the B requests and their samplers.
         official_quirks: mask only index S before ``min_len`` (the official rule, wrong eos for
             CV3) instead of every stop id.
     """
     logp = logits.float().log_softmax(dim=-1)
-    if state.step < state.min_len:
-        mask_ids_(logp, min_len_mask_ids(spec, official_quirks))
-    return sample_fn(logp, state)
+    rows = [i for i, s in enumerate(states) if s.step < s.min_len]
+    if rows:
+        ids = torch.tensor(min_len_mask_ids(spec, official_quirks), device=logp.device)
+        logp[torch.tensor(rows, device=logp.device)[:, None], ids[None]] = -float("inf")
+    if all(fn is default_sample_fn and s.params.method == "greedy" for fn, s in zip(sample_fns, states)):
+        return logp.argmax(dim=-1).tolist()  # one device sync for the whole batch
+    return [fn(logp[i], s) for i, (fn, s) in enumerate(zip(sample_fns, states))]
+
+
+def select_token(spec: LLMSpec, logits: torch.Tensor, state: DecodeState, sample_fn: SampleFn = default_sample_fn,
+                 official_quirks: bool = False) -> int:
+    """:func:`select_tokens` for one request; ``logits`` is (V,)."""
+    return select_tokens(spec, logits[None], [state], [sample_fn], official_quirks)[0]
 
 
 def commit_token(spec: LLMSpec, state: DecodeState, token: int) -> bool:
