@@ -43,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point (``fastcosy = serve_app.cli:main``); returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # build-trt / bench hand everything they do not know to the module that implements them.
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "forward_rest", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

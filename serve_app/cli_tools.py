@@ -31,8 +31,8 @@ def _module_or_none(name: str):
 
 
 def _forward(args: argparse.Namespace) -> list[str]:
-    rest = list(args.rest or [])
-    return rest[1:] if rest[:1] == ["--"] else rest
+    rest = list(getattr(args, "rest", None) or [])
+    return [a for i, a in enumerate(rest) if not (a == "--" and i == 0)]
 
 
 # ------------------------------------------------------------------------------ make-tiny-model
@@ -64,8 +64,7 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
 def add_build_trt(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build-trt", help="offline TensorRT plan build for the flow estimator (arguments are passed "
                        f"to python -m {TRT_BUILD_MODULE})")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the builder (see --help there)")
-    p.set_defaults(func=run_build_trt)
+    p.set_defaults(func=run_build_trt, forward_rest=True)
 
 
 def run_build_trt(args: argparse.Namespace) -> int:
@@ -83,8 +82,7 @@ def run_build_trt(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------- bench
 def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help=f"GPU streaming benchmark (arguments are passed to python -m {BENCH_MODULE})")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (see --help there)")
-    p.set_defaults(func=run_bench)
+    p.set_defaults(func=run_bench, forward_rest=True)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -211,7 +211,7 @@ def check_torch(env: Environment) -> CheckResult:
     return CheckResult("torch", Status.OK, f"torch {env.torch_version} ({build})")
 
 
-def check_gpu_visible(env: Environment) -> CheckResult:
+def check_gpu(env: Environment) -> CheckResult:
     if env.cuda_available and env.gpus:
         names = ", ".join(f"{g.index}: {g.name} ({_sm(g.capability) if g.capability else '?'})" for g in env.gpus)
         return CheckResult("gpu", Status.OK, f"{len(env.gpus)} GPU(s) visible: {names}")
@@ -530,7 +530,7 @@ def check_gpu_memory(env: Environment) -> CheckResult:
 
 
 CHECKS: tuple[Callable[[Environment], CheckResult | list[CheckResult]], ...] = (
-    check_config, check_torch, check_gpu_visible, check_driver, check_gpu_arch, check_tensorrt,
+    check_config, check_torch, check_gpu, check_driver, check_gpu_arch, check_tensorrt,
     check_engine_cache, check_model_dir, check_model_files, check_wetext, check_ray, check_gpu_memory,
 )
 
