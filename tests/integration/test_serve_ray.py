@@ -187,7 +187,8 @@ def test_unknown_route_and_method(tts_app):
 
 # ------------------------------------------------------------------------------ concurrency
 def _engine_stats(tts_app) -> dict:
-    return tts_app["synth"].stats.remote().result(timeout_s=30)["engine"]
+    stats = tts_app["synth"].stats.remote().result(timeout_s=30)
+    return {**stats["engine"], "replica_id": stats["replica_id"]}
 
 
 def test_concurrent_requests_are_batched(tts_app, voice):
@@ -238,8 +239,10 @@ def test_disconnect_mid_stream_frees_the_decode_slot(tts_app, voice):
     with httpx.stream("POST", f"{url}/v1/audio/speech", timeout=30, json={
             "model": "tts-1", "input": "y" * 1500, "voice": voice, "response_format": "pcm", "stream": True}) as r:
         assert r.status_code == 200
-        next(r.iter_raw())
-        assert _engine_stats(tts_app)["running"] == 1
+        chunks = r.iter_raw()  # keep a reference: a collected iterator closes the response
+        next(chunks)
+        during = _engine_stats(tts_app)
+        assert during["running"] == 1, str((before, during))
     # Leaving the block closes the connection mid-stream (1500 ids -> ~12 s of decoding).
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
