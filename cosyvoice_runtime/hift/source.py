@@ -90,6 +90,10 @@ class HarmonicSource(nn.Module):
             cum = torch.cumsum(rad, dim=1)
         else:
             cum = (torch.cumsum(rad.double(), dim=1) + offset.unsqueeze(1)).to(rad.dtype)
+        return self.upsample_phase(cum)
+
+    def upsample_phase(self, cum: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) cumulative frame rad -> (B, S·T, H) sample-rate phase in radians."""
         ph = (cum * 2 * math.pi).transpose(1, 2) * self.upsample
         if self.causal:  # nearest phase upsampling [quirk, reproduce]: piecewise-constant phase
             ph = torch.repeat_interleave(ph, self.upsample, dim=2)

@@ -72,3 +72,24 @@ def test_cv3_mixed_final_and_streaming_items():
     assert ga.shape == ra.shape == (1, 480 * (mels[0].shape[2] - hift.lag_frames))
     assert gb.shape == rb.shape == (1, 480 * mels[2].shape[2])
     assert float((ga - ra).abs().max()) < TOL and float((gb - rb).abs().max()) < TOL
+
+
+def test_cv3_incremental_stream_equals_full_recompute():
+    from cosyvoice_runtime.hift.incremental import left_context_frames
+
+    case, mels = _mels("cosyvoice3")
+    spec, hift = load_hift(case.model_dir)
+    assert 30 <= left_context_frames(spec.hift) <= 40
+    long_mel = torch.cat([mels[0], mels[2], mels[1]], dim=2)  # 380 frames
+    sizes = [20, 5, 30, 17, 60, 11, 90, 50]  # includes chunks shorter than the 8-frame lag
+    chunks = _split(long_mel, sizes)
+    ref, inc = VocoderStream.create(spec), VocoderStream.create(spec, strategy="incremental")
+    ref_out, inc_out = [], []
+    for i, ch in enumerate(chunks):
+        final = i == len(chunks) - 1
+        ref_out.append(vocode_chunk(hift, ref, ch, finalize=final))
+        inc_out.append(vocode_chunk(hift, inc, ch, finalize=final))
+        assert inc_out[-1].shape == ref_out[-1].shape
+    a, b = torch.cat(ref_out, dim=1), torch.cat(inc_out, dim=1)
+    assert a.shape[1] == 480 * long_mel.shape[2]
+    assert float((a - b).abs().max()) < TOL

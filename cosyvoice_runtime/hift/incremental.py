@@ -1,0 +1,108 @@
+"""Incremental O(n) streaming for the CV3 causal vocoder (same samples as the full recompute).
+
+The reference re-vocodes the whole accumulated mel on every chunk (O(n²)). Everything in the
+causal vocoder is local with a bounded left receptive field except the sine phase, a cumulative
+sum over all frames. So per chunk we
+
+1. keep the cumulative per-frame phase (float64, like the CPU reference's cumsum accumulator) of
+   every frame whose f0 is final (more than ``f0_look_right`` frames before the end);
+2. vocode, in finalize mode, only a window starting :func:`left_context_frames` frames before the
+   first sample still to emit (f0 gets its own causal context before that), with the window's
+   source built from the saved phase offset and the fixed noise at absolute sample indices;
+3. emit the window's samples from the first not-yet-emitted frame up to ``T - lag`` (non-final)
+   or ``T`` (final) — the spec §5.4 equivalence of non-final and finalize runs.
+
+Everything the window start perturbs (source STFT reflect padding, zero left padding of the causal
+convs, the left reflection pad, iSTFT start) lies inside the discarded left context.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cosyvoice_runtime.config import HiftSpec
+
+CONTEXT_MARGIN_FRAMES = 2
+
+
+def _mrf_span(kernel: int, dilations: tuple[int, ...]) -> int:
+    """Left receptive field (samples at the block's rate) of one causal ResBlock."""
+    return sum((kernel - 1) * d + (kernel - 1) for d in dilations)
+
+
+def left_context_frames(spec: HiftSpec) -> int:
+    """Upper bound (mel frames) of the causal generator body's left receptive field.
+
+    Sums every layer's span (parallel branches summed too, so it is an upper bound), each at its
+    own rate: stage i runs at ``prod(upsample_rates[:i+1])`` positions per mel frame, the source
+    STFT and ``conv_post`` at ``prod(upsample_rates)`` frames per mel frame.
+    """
+    total = 0.0
+    rate = 1
+    stft_rate = math.prod(spec.upsample_rates)
+    down_kernels = []
+    cum = 1
+    for r in [1] + list(spec.upsample_rates[::-1][:-1]):
+        cum *= r
+        down_kernels.append(2 * cum if cum > 1 else 1)
+    down_kernels = down_kernels[::-1]
+    for i, (u, k) in enumerate(zip(spec.upsample_rates, spec.upsample_kernel_sizes)):
+        rate *= u
+        mrf = max(_mrf_span(kk, tuple(d)) for kk, d in zip(spec.resblock_kernel_sizes, spec.resblock_dilation_sizes))
+        src = _mrf_span(spec.source_resblock_kernel_sizes[i], tuple(spec.source_resblock_dilation_sizes[i]))
+        total += (k - 1 + mrf + src + 1) / rate + down_kernels[i] / stft_rate
+    n_fft_frames = spec.istft_n_fft // spec.istft_hop
+    total += (7 - 1 + 2 * n_fft_frames) / stft_rate  # conv_post + STFT + iSTFT spans
+    return math.ceil(total) + CONTEXT_MARGIN_FRAMES
+
+
+@dataclass
+class IncrementalState:
+    """Cumulative frame phase (1, n_final_frames, H) float64 of the frames with final f0."""
+
+    cum: torch.Tensor
+
+
+def incremental_vocode(hift, state, finalize: bool) -> torch.Tensor:
+    """Emit the new samples of ``state.mel`` (already accumulated) for a CV3 stream.
+
+    Args:
+        hift: a ``CausalHiFTGenerator``.
+        state: the request's ``VocoderStream`` (strategy "incremental").
+        finalize: last call.
+
+    Returns:
+        (1, n) float32 samples, equal within float noise to the full-recompute strategy.
+    """
+    mel = state.mel
+    spf = state.samples_per_frame
+    total = int(mel.shape[2])
+    start = state.speech_offset // spf
+    end = total if finalize else total - hift.lag_frames
+    if end <= start:
+        return mel.new_zeros(1, 0)
+    src = hift.m_source
+    n_ctx = left_context_frames(hift.spec)
+    f0_ctx = (len(hift.f0_predictor.condnet) // 2 - 1) * 2  # four causal k=3 convs: 2 frames each
+    a = max(0, start - n_ctx)
+    fa = max(0, a - f0_ctx)
+    f0 = hift.f0(mel[:, :, fa:], finalize=True)[:, a - fa:].float()
+    rad = src.frame_rad(f0)
+    inc: IncrementalState | None = state.incremental
+    if inc is None:
+        inc = state.incremental = IncrementalState(cum=rad.new_zeros(1, 0, rad.shape[2], dtype=torch.float64))
+    offset = inc.cum[:, a - 1] if a > 0 else rad.new_zeros(1, rad.shape[2], dtype=torch.float64)
+    cum = torch.cumsum(rad.double(), dim=1) + offset.unsqueeze(1)
+    committed = inc.cum.shape[1]
+    final_f0 = total if finalize else total - hift.f0_look_right
+    if final_f0 > committed:
+        inc.cum = torch.cat([inc.cum, cum[:, committed - a: final_f0 - a]], dim=1)
+    hift._ensure_noise()
+    noise = src.buffer_noise(spf * a, spf * (total - a))
+    source = src.merge(f0, src.upsample_phase(cum.to(rad.dtype)), noise)
+    speech = hift.decode(mel[:, :, a:], source, finalize=True)
+    out = speech[:, spf * (start - a): spf * (end - a)]
+    state.speech_offset += out.shape[1]
+    return out
