@@ -114,3 +114,24 @@ def test_request_generator_is_not_the_global_rng():
     c = vocode_chunk(hift, VocoderStream.create(spec, seed=6), mel, finalize=True)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
+
+
+def _case(family: str, name: str):
+    return next(c for c in load_cases() if c.family == family and c.name == name)
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_nonstream_and_speed_cases(family):
+    """One finalize call: token2wav_nonstream, and token2wav_speed (its flow mel is nonstream's)."""
+    nonstream, speed_case = _case(family, "token2wav_nonstream"), _case(family, "token2wav_speed")
+    spec, hift = load_hift(nonstream.model_dir)
+    for case in (nonstream, speed_case):
+        speed = float(case.params["speed"])
+        flow_mel = nonstream.t("flow0_mel")
+        resampled = speed_resample(flow_mel, speed)
+        assert_matches(case, "hift0_mel", resampled, tol_key="flow*_mel")
+        seed = case.params.get("hift_seed_base")
+        gen = None if seed is None else torch.Generator().manual_seed(int(seed))
+        out = vocode_chunk(hift, VocoderStream.create(spec), flow_mel, finalize=True, generator=gen, speed=speed)
+        assert out.shape[1] == case.params["chunk_lens"][0]
+        assert_matches(case, "out0", out, tol_key=_out_tol_key(case))
