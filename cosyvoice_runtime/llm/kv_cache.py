@@ -58,7 +58,7 @@ class KVCache:
                 )
 
     def write(self, layer: int, slots: list[int], slot_index: torch.Tensor | None, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              k: torch.Tensor, v: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new keys/values and return each sequence's keys/values up to its new end.
 
         Args:
@@ -66,14 +66,14 @@ class KVCache:
             slot_index: the same as a long tensor on the cache device (None when B == 1).
             positions: (B, T) long, the absolute positions of the new tokens.
             k, v: (B, num_kv_heads, T, head_dim).
+            total: key positions to return, at least the longest new length of the batch.
 
         Returns:
-            keys, values: (B, num_kv_heads, L, head_dim) with L = max new length of the batch;
-            positions past a sequence's own end hold stale data and must be masked.
+            keys, values: (B, num_kv_heads, total, head_dim); positions past a sequence's own
+            end hold stale data and must be masked.
         """
         kc, vc = self.k[layer], self.v[layer]
         t = k.shape[2]
-        total = max(self.lengths[s] for s in slots) + t
         if len(slots) == 1:
             s, start = slots[0], self.lengths[slots[0]]
             kc[s, :, start:start + t] = k[0]

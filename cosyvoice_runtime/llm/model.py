@@ -80,7 +80,7 @@ class Qwen2Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if attn.cache is not None:
-            k, v = attn.cache.write(attn.layer, attn.slots, attn.slot_index, attn.positions, k, v)
+            k, v = attn.cache.write(attn.layer, attn.slots, attn.slot_index, attn.positions, k, v, attn.total)
         group = self.num_heads // self.num_kv_heads
         # Query head j uses kv head j // group: fold the group into the query-length axis so the
         # kv heads are never repeated in memory. Row g*T + t of the folded query is (g, t).
@@ -94,6 +94,13 @@ class Qwen2Attention(nn.Module):
         return self.o_proj(out)
 
 
+KEY_BUCKET = 64  # granularity of the attended key window when decoding with a cache
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
 def _causal(t: int, device) -> torch.Tensor:
     return torch.ones(t, t, dtype=torch.bool, device=device).tril()
 
@@ -102,8 +109,9 @@ class _AttnContext:
     """What every layer of one forward shares: cache, slots, positions, key mask."""
 
     def __init__(self, cache: KVCache | None, slots: list[int] | None, positions: torch.Tensor,
-                 mask: torch.Tensor | None, slot_index: torch.Tensor | None) -> None:
+                 mask: torch.Tensor | None, slot_index: torch.Tensor | None, total: int = 0) -> None:
         self.cache, self.slots, self.positions, self.mask, self.slot_index = cache, slots, positions, mask, slot_index
+        self.total = total
         self.layer = 0
 
 
@@ -169,12 +177,14 @@ class Qwen2Model(nn.Module):
             cache.check_room(slots, t)
             past = torch.tensor([cache.lengths[s] for s in slots], device=device)
             positions = past[:, None] + steps
-            total = max(cache.lengths[s] for s in slots) + t
+            # NOTE the key window is rounded up to a bucket so that attention sees few distinct
+            # shapes (cuDNN attention builds a plan per shape); the extra keys are masked.
+            total = min(_round_up(max(cache.lengths[s] for s in slots) + t, KEY_BUCKET), cache.max_len)
             # Key j is visible to the query at absolute position p iff j <= p: causal over
             # cache + new, and stale positions beyond a shorter sequence's end are hidden.
             mask = (torch.arange(total, device=device)[None, None, :] <= positions[:, :, None])[:, None]
             slot_index = torch.tensor(slots, device=device) if b > 1 else None
-            attn = _AttnContext(cache, list(slots), positions, mask, slot_index)
+            attn = _AttnContext(cache, list(slots), positions, mask, slot_index, total)
         cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
         x = inputs_embeds
         for i, layer in enumerate(self.layers):
