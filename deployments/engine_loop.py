@@ -37,7 +37,7 @@ class EngineLoop:
         self.steps = 0
         self.aborted = 0
         self.finished = 0
-        self.step_batch_sizes: list[int] = []  # running sequences per step (bounded, see _record)
+        self.step_batch_sizes: list[int] = []  # sequences per step (bounded, see _record)
 
     # ---------------------------------------------------------------- request side
     async def generate(self, request_id: str, request: LMRequest) -> AsyncIterator[TokenEvent]:
@@ -87,32 +87,40 @@ class EngineLoop:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
 
-    def _apply_pending(self) -> None:
-        for request_id in list(self._pending_aborts):
+    def _apply(self, aborts: set[str], adds: dict[str, LMRequest]) -> dict[str, Exception]:
+        """Executor side: aborts first (frees slots), then adds; per-request add failures returned."""
+        for request_id in aborts:
             self.engine.abort(request_id)
-        self._pending_aborts.clear()
-        adds, self._pending_adds = self._pending_adds, {}
+        failed: dict[str, Exception] = {}
         for request_id, request in adds.items():
             try:
                 self.engine.add(request_id, request)
-            except Exception as exc:  # bad input for this request only: deliver it to its consumer
-                queue = self._queues.get(request_id)
-                if queue is not None:
-                    queue.put_nowait(exc)
+            except Exception as exc:  # bad input for this request only: its consumer gets the error
+                failed[request_id] = exc
+        return failed
 
     async def _run(self) -> None:
         try:
             while True:
-                self._apply_pending()
+                if self._pending_adds or self._pending_aborts:
+                    # NOTE: building a request's prefill input touches the device, so adds run on
+                    # the compute executor like steps do. A consumer cancelled while its add is
+                    # in flight is no longer pending; its finally queues an abort for next round.
+                    aborts, self._pending_aborts = self._pending_aborts, set()
+                    adds, self._pending_adds = self._pending_adds, {}
+                    failed = await self.compute.run(self._apply, aborts, adds)
+                    for request_id, exc in failed.items():
+                        queue = self._queues.get(request_id)
+                        if queue is not None:
+                            queue.put_nowait(exc)
                 if not self.engine.has_unfinished():
                     self._wakeup.clear()
                     if not self._pending_adds and not self._pending_aborts:
                         await self._wakeup.wait()
                     continue
-                running = self.engine.num_running()
                 events = await self.compute.run(self.engine.step)
                 self.steps += 1
-                self._record(running)
+                self._record(len(events))  # sequences advanced by this step (decode batch + prefills)
                 for event in events:
                     queue = self._queues.get(event.request_id)
                     if event.finished:
@@ -128,8 +136,8 @@ class EngineLoop:
             for queue in self._queues.values():
                 queue.put_nowait(dead)
 
-    def _record(self, running: int) -> None:
-        self.step_batch_sizes.append(running)
+    def _record(self, size: int) -> None:
+        self.step_batch_sizes.append(size)
         if len(self.step_batch_sizes) > 4096:
             del self.step_batch_sizes[:2048]
 

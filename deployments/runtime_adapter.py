@@ -124,3 +124,140 @@ def resolve_model_dir(model_dir: str | None, family: str) -> Path:
             if not (target / f"{family}.yaml").exists():
                 raise
     return target
+
+
+# ------------------------------------------------------------------------ production runtime
+_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def resolve_device(configured: str) -> str:
+    """``auto`` -> ``$FAST_COSY_DEVICE`` or ``cuda`` when available, else ``cpu``."""
+    from deployments import constants
+
+    override = constants.device_override()
+    if override:
+        return override
+    if configured != "auto":
+        return configured
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class RuntimeTokenEngine:
+    """:class:`TokenEngine` over ``cosyvoice_runtime.llm.engine.LLMEngine``.
+
+    Builds each request's prefill input (spec §3.3) and applies CosyVoice3's silent-token
+    filter per request (dropped tokens were still fed back to the LLM; only the flow skips them).
+    """
+
+    def __init__(self, model, max_running: int, max_model_len: int) -> None:
+        from cosyvoice_runtime.llm.engine import LLMEngine
+
+        self.model = model
+        self.spec = model.spec
+        self.llm = model.llm
+        self.engine = LLMEngine(model.llm, max_batch_size=max_running, max_seq_len=max_model_len)
+        self.max_running = max_running
+        self._filters: dict[str, Any] = {}
+
+    def add(self, request_id: str, request: LMRequest) -> None:
+        import torch
+
+        from cosyvoice_runtime.llm.inputs import build_lm_input
+        from cosyvoice_runtime.llm.sampling import SamplingParams
+        from cosyvoice_runtime.pipeline import SilentTokenFilter
+
+        lm = build_lm_input(self.llm, torch.as_tensor(request.text_ids, dtype=torch.long),
+                            torch.as_tensor(request.prompt_text_ids, dtype=torch.long),
+                            torch.as_tensor(request.prompt_speech_ids, dtype=torch.long))
+        params = SamplingParams.from_spec(self.spec.llm, seed=request.seed)
+        self.engine.add_request(request_id, lm.embeds, lm.min_len, lm.max_len, params)
+        self._filters[request_id] = SilentTokenFilter(self.spec)
+
+    def step(self) -> list[TokenEvent]:
+        out = []
+        for ev in self.engine.step():
+            keep = self._filters.get(ev.request_id)
+            tokens = [ev.token] if ev.token is not None and (keep is None or keep.keep(ev.token)) else []
+            out.append(TokenEvent(ev.request_id, tokens, ev.finished, ev.finish_reason))
+            if ev.finished:
+                self._filters.pop(ev.request_id, None)
+        return out
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._filters.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def num_running(self) -> int:
+        return self.engine.num_running()
+
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting()
+
+
+class RuntimeToken2Wav:
+    """:class:`Token2WavRuntime` over ``cosyvoice_runtime.token2wav.Token2Wav``."""
+
+    def __init__(self, model) -> None:
+        from cosyvoice_runtime.token2wav import Token2Wav
+
+        self.t2w = Token2Wav(model.spec, model.flow, model.hift)
+        self.sample_rate = model.spec.sample_rate
+        self.device = model.device
+        self.dtype = next(model.flow.parameters()).dtype
+
+    def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> Any:
+        import torch
+
+        from cosyvoice_runtime.token2wav import FlowPrompt
+
+        flow_prompt = FlowPrompt(
+            tokens=torch.as_tensor(prompt.speech_tokens, dtype=torch.int32, device=self.device).reshape(1, -1),
+            feat=torch.as_tensor(prompt.mel, device=self.device).to(self.dtype)[None],
+            embedding=torch.as_tensor(prompt.embedding, device=self.device).to(self.dtype).reshape(1, -1),
+        )
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(int(seed))
+        return self.t2w.new_stream(flow_prompt, stream=stream, speed=speed, generator=generator)
+
+    def next_job(self, state: Any, tokens: Sequence[int], llm_done: bool) -> Any | None:
+        return self.t2w.next_job(state, tokens, llm_done)
+
+    def run_batch(self, jobs: list[Any]) -> list[np.ndarray]:
+        return [a.detach().float().cpu().numpy() for a in self.t2w.run_batch(jobs)]
+
+
+def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
+    """Load the model on the replica's device and wrap the engine and token2wav."""
+    import torch
+
+    from cosyvoice_runtime.errors import ModelLoadError
+    from cosyvoice_runtime.model import load_model
+    from deployments import constants
+
+    mode = constants.mode_override() or cfg.mode
+    if mode == "trt":
+        # Plans are built offline; the runtime's TensorRT estimator is an optional extra.
+        try:
+            from cosyvoice_runtime.trt import engine as _trt_engine  # noqa: F401
+        except ImportError as exc:
+            raise ModelLoadError(cfg.trt_plan_dir or "trt", f"TensorRT mode requested but unavailable: {exc}") from exc
+    device = resolve_device(cfg.device)
+    model = load_model(model_dir, device=device, dtype=getattr(torch, _DTYPES[cfg.dtype]))
+    return SynthesisRuntime(
+        engine=RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len),
+        token2wav=RuntimeToken2Wav(model), device=str(device),
+        details={"family": model.spec.family, "mode": mode, "dtype": cfg.dtype},
+    )
+
+
+def load_frontend_runtime(cfg, model_dir: str) -> FrontendRuntime:
+    """The runtime frontend (normaliser, splitter, tokenizer, prompt features, voice store)."""
+    from deployments.frontend_runtime import RuntimeFrontend
+
+    return RuntimeFrontend(cfg, model_dir)
