@@ -16,6 +16,9 @@ REQUEST_ID_HEADER = "x-request-id"
 # Bounds the replica constructor (model load + warmup); a hung load fails the replica.
 REPLICA_START_TIMEOUT_S = 600.0
 
+# Replica warmup: a few text ids and a zero prompt run once through every stage.
+WARMUP_TEXT_TOKENS = 4
+
 # Histogram boundaries, chosen for TTS latencies / real-time factors / batch sizes.
 TTFA_BUCKETS_S = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
 RTF_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0]

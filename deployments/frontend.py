@@ -30,7 +30,7 @@ from deployments.protocol import (
     VoiceNotFoundError,
     VoicePrompt,
 )
-from deployments.runtime_adapter import FrontendRuntime, ModelSource
+from deployments.runtime_adapter import FrontendRuntime, ModelSource, call_with_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ class TextFrontend:
             else:
                 runtime_factory = _default_factory
         started = time.perf_counter()
-        self.rt = runtime_factory(cfg, source or ModelSource(cfg.model_dir))
+        factory, source = runtime_factory, source or ModelSource(cfg.model_dir)
+        self.rt = call_with_timeout(lambda: factory(cfg, source), cfg.startup_timeout_s, "frontend runtime")
         self.compute = ComputeExecutor(cfg.threads, name="frontend")
         logger.info("frontend ready (%s) in %.1f s", self.rt.family, time.perf_counter() - started)
 

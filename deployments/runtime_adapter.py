@@ -58,6 +58,8 @@ class Token2WavRuntime(Protocol):
     """Per-request stream state + batched flow/HiFT (``cosyvoice_runtime.token2wav``)."""
 
     sample_rate: int
+    n_mels: int  # prompt mel width
+    embedding_dim: int  # speaker embedding width
 
     def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> Any: ...
     def next_job(self, state: Any, tokens: Sequence[int], llm_done: bool) -> Any | None: ...
@@ -207,6 +209,8 @@ class RuntimeToken2Wav:
 
         self.t2w = Token2Wav(model.spec, model.flow, model.hift)
         self.sample_rate = model.spec.sample_rate
+        self.n_mels = model.spec.flow.output_size
+        self.embedding_dim = model.spec.flow.spk_embed_dim
         self.device = model.device
         self.dtype = next(model.flow.parameters()).dtype
 
@@ -261,3 +265,22 @@ def load_frontend_runtime(cfg, model_dir: str) -> FrontendRuntime:
     from deployments.frontend_runtime import RuntimeFrontend
 
     return RuntimeFrontend(cfg, model_dir)
+
+
+def call_with_timeout(fn, timeout_s: float, what: str):
+    """Run a blocking constructor step with a deadline (house style §2.3 rule 11).
+
+    A replica whose model load hangs (stuck filesystem, wedged driver) fails with a clear error
+    instead of sitting in STARTING; Serve then retries or reports it.
+    """
+    import concurrent.futures
+
+    from cosyvoice_runtime.errors import ModelLoadError
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="startup")
+    try:
+        return pool.submit(fn).result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise ModelLoadError(what, f"not ready after {timeout_s:.0f} s") from None
+    finally:
+        pool.shutdown(wait=False)

@@ -33,8 +33,15 @@ from deployments.engine_loop import EngineLoop
 from deployments.gpu_stats import DeviceProbe
 from deployments.observability import ReplicaMetrics
 from deployments.options import DeploymentKnobs, StrictModel
-from deployments.protocol import AudioChunk, InvalidInputError, PreparedRequest, ReplicaHealth, SynthesisResult
-from deployments.runtime_adapter import LMRequest, ModelSource, SynthesisRuntime
+from deployments.protocol import (
+    AudioChunk,
+    InvalidInputError,
+    PreparedRequest,
+    ReplicaHealth,
+    SynthesisResult,
+    VoicePrompt,
+)
+from deployments.runtime_adapter import LMRequest, ModelSource, SynthesisRuntime, call_with_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +68,7 @@ class SynthesizerConfig(DeploymentKnobs):
     compute_threads: PositiveInt = 1
     token2wav: Token2WavBatchConfig = Field(default_factory=Token2WavBatchConfig)
     startup_timeout_s: PositiveFloat = constants.REPLICA_START_TIMEOUT_S
+    warmup: bool = True  # one short utterance through LLM + flow + HiFT before serving
     # Import path "module:callable" returning a SynthesisRuntime (tests inject fakes here).
     runtime_factory: str | None = None
 
@@ -108,7 +116,8 @@ class Synthesizer:
             runtime_factory = _import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
         started = time.perf_counter()
         source = source or ModelSource(cfg.model_dir)
-        self.runtime = runtime_factory(cfg, source)
+        factory = runtime_factory
+        self.runtime = call_with_timeout(lambda: factory(cfg, source), cfg.startup_timeout_s, "synthesizer model")
         self.t2w = self.runtime.token2wav
         self.sample_rate = self.t2w.sample_rate
         self.compute = ComputeExecutor(cfg.compute_threads)
@@ -118,6 +127,8 @@ class Synthesizer:
         self.t2w_batch_sizes: Counter[int] = Counter()
         self._token2wav.set_max_batch_size(cfg.token2wav.max_batch_size)
         self._token2wav.set_batch_wait_timeout_s(cfg.token2wav.batch_wait_timeout_s)
+        if cfg.warmup:
+            call_with_timeout(self._warmup, cfg.startup_timeout_s, "synthesizer warmup")
         logger.info("synthesizer ready on %s in %.1f s (model %s)", self.runtime.device,
                     time.perf_counter() - started, source)
 
@@ -201,6 +212,29 @@ class Synthesizer:
         return {"gpu_utilization_pct": util, "engine_running": float(engine.running)}
 
     # ---------------------------------------------------------------- internals
+    def _warmup(self) -> None:
+        """Drive one tiny request through the engine and token2wav synchronously (before serving)."""
+        n_prompt = 2 * constants.WARMUP_TEXT_TOKENS
+        prompt = VoicePrompt(family="warmup", prompt_text_ids=np.zeros(0, np.int32),
+                             speech_tokens=np.zeros(n_prompt, np.int32),
+                             mel=np.zeros((2 * n_prompt, self.t2w.n_mels), np.float32),
+                             embedding=np.zeros(self.t2w.embedding_dim, np.float32))
+        engine = self.runtime.engine
+        lm = LMRequest(text_ids=np.arange(1, constants.WARMUP_TEXT_TOKENS + 1, dtype=np.int32),
+                       prompt_text_ids=np.zeros(0, np.int32), prompt_speech_ids=prompt.speech_tokens, seed=0)
+        started = time.perf_counter()
+        engine.add("__warmup__", lm)
+        tokens, done = [], False
+        while not done and engine.has_unfinished():
+            for event in engine.step():
+                tokens.extend(event.new_tokens)
+                done = done or event.finished
+        state = self.t2w.new_stream(prompt, stream=False, speed=1.0, seed=0)
+        if tokens:
+            while (job := self.t2w.next_job(state, tokens, llm_done=True)) is not None:
+                self.t2w.run_batch([job])
+        logger.info("warmup: %d tokens in %.2f s", len(tokens), time.perf_counter() - started)
+
     async def _synthesize_piece(self, req: PreparedRequest, p: int, piece) -> AsyncIterator[tuple[np.ndarray, bool]]:
         if piece.text_ids.size == 0:
             raise InvalidInputError(f"text piece {p} has no tokens")

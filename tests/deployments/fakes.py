@@ -93,6 +93,8 @@ class FakeJob:
 
 class FakeToken2Wav:
     sample_rate = SAMPLE_RATE
+    n_mels = 80
+    embedding_dim = 192
 
     def __init__(self, batch_s: float = BATCH_S) -> None:
         self.batch_s = batch_s
