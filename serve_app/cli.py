@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     args.rest = rest
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not args.verbose:  # one line per HTTP request would break the progress bar
+        for noisy in ("httpx", "httpcore"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return int(args.func(args) or 0)
     except CliError as exc:
