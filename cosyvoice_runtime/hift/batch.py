@@ -14,7 +14,7 @@ grouped by input length and each group is one exact batch; the random source sta
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -53,6 +53,11 @@ class F0Predictor(nn.Module):
         """Frames of look-ahead of the first conv (0 for the non-causal predictor)."""
         return self.condnet[0].causal_padding if self.causal else 0
 
+    @property
+    def left_context(self) -> int:
+        """Frames of left context the causal predictor reads (sum of the causal convs' padding)."""
+        return sum(m.causal_padding for m in list(self.condnet)[1:] if isinstance(m, CausalConv1d))
+
     def forward(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """(B, in_channels, T) -> (B, T) Hz, or (B, T - look_right) when not finalizing.
 

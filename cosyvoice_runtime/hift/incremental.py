@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from cosyvoice_runtime.config import HiftSpec
+from cosyvoice_runtime.hift.generator import CONV_POST_KERNEL
 
 CONTEXT_MARGIN_FRAMES = 2
 
@@ -54,7 +55,7 @@ def left_context_frames(spec: HiftSpec) -> int:
         src = _mrf_span(spec.source_resblock_kernel_sizes[i], tuple(spec.source_resblock_dilation_sizes[i]))
         total += (k - 1 + mrf + src + 1) / rate + down_kernels[i] / stft_rate
     n_fft_frames = spec.istft_n_fft // spec.istft_hop
-    total += (7 - 1 + 2 * n_fft_frames) / stft_rate  # conv_post + STFT + iSTFT spans
+    total += (CONV_POST_KERNEL - 1 + 2 * n_fft_frames) / stft_rate  # conv_post + STFT + iSTFT spans
     return math.ceil(total) + CONTEXT_MARGIN_FRAMES
 
 
@@ -85,7 +86,7 @@ def incremental_vocode(hift, state, finalize: bool) -> torch.Tensor:
         return mel.new_zeros(1, 0)
     src = hift.m_source
     n_ctx = left_context_frames(hift.spec)
-    f0_ctx = (len(hift.f0_predictor.condnet) // 2 - 1) * 2  # four causal k=3 convs: 2 frames each
+    f0_ctx = hift.f0_predictor.left_context
     a = max(0, start - n_ctx)
     fa = max(0, a - f0_ctx)
     f0 = hift.f0(mel[:, :, fa:], finalize=True)[:, a - fa:].float()

@@ -53,7 +53,7 @@ class NoiseRecipe:
     samples: int  # buffer length (300 s)
 
     @classmethod
-    def from_specs(cls, hift: HiftSpec, flow: FlowSpec) -> "NoiseRecipe":
+    def from_specs(cls, hift: HiftSpec, flow: FlowSpec) -> NoiseRecipe:
         return cls(
             mel_bins=flow.output_size, noise_frames=flow.noise_frames, flow_vocab=flow.vocab_size,
             flow_input=flow.input_size, spk_embed_dim=flow.spk_embed_dim, flow_output=flow.output_size,

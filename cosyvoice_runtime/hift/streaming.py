@@ -62,7 +62,7 @@ class VocoderStream:
 
     @classmethod
     def create(cls, spec: ModelSpec, generator: torch.Generator | None = None, seed: int | None = None,
-               strategy: str = "recompute") -> "VocoderStream":
+               strategy: str = "recompute") -> VocoderStream:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy}")
         return cls(causal=spec.hift.causal, samples_per_frame=spec.hift.samples_per_frame,

@@ -46,7 +46,7 @@ def test_causal_padding_matches_the_official_rule():
 
 
 def test_cv3_lag_and_output_lengths():
-    spec, hift = load_hift(CASES["cosyvoice3"].model_dir)
+    _spec, hift = load_hift(CASES["cosyvoice3"].model_dir)
     assert (hift.f0_look_right, hift.conv_pre_look_right, hift.lag_frames) == (3, 4, 8)
     mel = CASES["cosyvoice3"].t("mel")
     t = mel.shape[2]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.hift.generator import build_hift
 from cosyvoice_runtime.hift.noise import NoiseRecipe, replay_noise_buffers
 from cosyvoice_runtime.weights import load_checkpoint
-from tests.runtime.parity.common import ParityCase, assert_matches, checker
+from tests.runtime.parity.common import ParityCase, assert_matches, checker, parity_dir
 
 HIFT_PREFIX = "generator."
 
@@ -97,6 +98,10 @@ def _check_cv3_buffers(case: ParityCase, spec: ModelSpec, hift) -> None:
     nb = case.params["noise_buffers"]
     src = hift.m_source
     np.testing.assert_array_equal(src.rand_ini.cpu().numpy(), np.asarray(nb["rand_ini"], dtype=np.float32))
+    index = json.loads((parity_dir() / "index.json").read_text())
+    recorded = index["models"].get(case.family, {}).get("checks", {}).get("causal_hift_buffers", {})
+    if "rand_ini_values" in recorded:
+        assert src.rand_ini.flatten().tolist() == recorded["rand_ini_values"]
     n = int(nb["prefix_len"])
     assert _sha256(src.sine_waves[:, :n]) == nb["sine_waves_prefix_sha256"], f"{case.id}: sine_waves prefix differs"
     head = case.tensors["sine_waves_head"]
