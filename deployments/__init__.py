@@ -3,4 +3,4 @@
 Handle-level messages and errors live in :mod:`deployments.protocol`; environment variables are
 read only in :mod:`deployments.constants`.
 """
-__all__ = ["protocol", "frontend", "synthesizer", "autoscaling_policy"]
+__all__ = ["autoscaling_policy", "frontend", "protocol", "synthesizer"]

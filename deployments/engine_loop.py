@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from deployments.compute import ComputeExecutor
 from deployments.protocol import EngineDeadError, EngineStats

@@ -11,7 +11,8 @@ import importlib
 import logging
 import re
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt
@@ -71,7 +72,8 @@ def _default_factory(cfg: FrontendConfig, source: ModelSource) -> FrontendRuntim
 class TextFrontend:
     """See the module docstring. Constructed by ``serve_app.app.build_app``."""
 
-    def __init__(self, cfg: FrontendConfig, source: ModelSource | None = None, runtime_factory: FrontendFactory | None = None) -> None:
+    def __init__(self, cfg: FrontendConfig, source: ModelSource | None = None,
+                 runtime_factory: FrontendFactory | None = None) -> None:
         self.cfg = cfg
         if runtime_factory is None:
             if cfg.runtime_factory:
@@ -126,9 +128,11 @@ class TextFrontend:
     def _prompt_from_audio(self, audio: np.ndarray, sample_rate: int, prompt_text: str) -> VoicePrompt:
         duration = len(audio) / float(sample_rate)
         if duration > self.cfg.max_prompt_audio_s:
-            raise PayloadTooLargeError(f"prompt audio is {duration:.1f} s; the limit is {self.cfg.max_prompt_audio_s} s")
+            raise PayloadTooLargeError(
+                f"prompt audio is {duration:.1f} s; the limit is {self.cfg.max_prompt_audio_s} s")
         if duration < self.cfg.min_prompt_audio_s:
-            raise InvalidInputError(f"prompt audio is {duration:.2f} s; at least {self.cfg.min_prompt_audio_s} s needed")
+            raise InvalidInputError(
+                f"prompt audio is {duration:.2f} s; at least {self.cfg.min_prompt_audio_s} s needed")
         return self.rt.prompt_from_audio(audio, sample_rate, self._with_cv3_prefix(prompt_text))
 
     def _with_cv3_prefix(self, text: str) -> str:
@@ -188,4 +192,4 @@ class TextFrontend:
 
 def _info(voice_id: str, prompt: VoicePrompt) -> VoiceInfo:
     return VoiceInfo(voice_id=voice_id, prompt_text=prompt.prompt_text, family=prompt.family,
-                     num_prompt_tokens=int(len(prompt.speech_tokens)))
+                     num_prompt_tokens=len(prompt.speech_tokens))

@@ -19,7 +19,7 @@ class ReplicaMetrics:
         self.recorded: dict[str, list] = {"ttfa": [], "rtf": [], "batch": [], "status": []}
 
     @classmethod
-    def for_replica(cls, component: str) -> "ReplicaMetrics":
+    def for_replica(cls, component: str) -> ReplicaMetrics:
         try:
             from ray import serve
             from ray.serve.metrics import Counter, Gauge, Histogram

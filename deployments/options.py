@@ -46,7 +46,7 @@ class GpuUtilizationPolicyConfig(StrictModel):
     metric: str = "gpu_utilization_pct"
 
     @model_validator(mode="after")
-    def _band(self) -> "GpuUtilizationPolicyConfig":
+    def _band(self) -> GpuUtilizationPolicyConfig:
         if self.low_pct >= self.high_pct:
             raise ValueError(f"low_pct ({self.low_pct}) must be below high_pct ({self.high_pct})")
         return self
@@ -66,7 +66,7 @@ class AutoscalingKnobs(StrictModel):
     gpu_utilization: GpuUtilizationPolicyConfig = Field(default_factory=GpuUtilizationPolicyConfig)
 
     @model_validator(mode="after")
-    def _bounds(self) -> "AutoscalingKnobs":
+    def _bounds(self) -> AutoscalingKnobs:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
         if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
@@ -106,7 +106,7 @@ class DeploymentKnobs(StrictModel):
     graceful_shutdown_timeout_s: PositiveFloat = 20.0
 
     @model_validator(mode="after")
-    def _replicas(self) -> "DeploymentKnobs":
+    def _replicas(self) -> DeploymentKnobs:
         if self.num_replicas is not None and self.autoscaling is not None:
             raise ValueError("give either num_replicas or autoscaling, not both")
         if self.autoscaling is not None and self.autoscaling.target_ongoing_requests > self.max_ongoing_requests:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cosyvoice_runtime.errors import (  # noqa: F401  (re-exported)
+from cosyvoice_runtime.errors import (
     ConfigError,
     CosyVoiceError,
     InvalidInputError,
@@ -26,10 +26,26 @@ from cosyvoice_runtime.errors import (  # noqa: F401  (re-exported)
 )
 
 __all__ = [
-    "SynthesisMode", "SynthesisRequest", "VoicePrompt", "TextPiece", "PreparedRequest", "AudioChunk",
-    "SynthesisResult", "VoiceInfo", "EngineStats", "ReplicaHealth",
-    "CosyVoiceError", "InvalidInputError", "VoiceNotFoundError", "ModelLoadError", "ConfigError",
-    "ServingError", "VoiceExistsError", "OverloadedError", "EngineDeadError", "PayloadTooLargeError",
+    "AudioChunk",
+    "ConfigError",
+    "CosyVoiceError",
+    "EngineDeadError",
+    "EngineStats",
+    "InvalidInputError",
+    "ModelLoadError",
+    "OverloadedError",
+    "PayloadTooLargeError",
+    "PreparedRequest",
+    "ReplicaHealth",
+    "ServingError",
+    "SynthesisMode",
+    "SynthesisRequest",
+    "SynthesisResult",
+    "TextPiece",
+    "VoiceExistsError",
+    "VoiceInfo",
+    "VoiceNotFoundError",
+    "VoicePrompt",
 ]
 
 
@@ -62,7 +78,7 @@ class EngineDeadError(ServingError):
 
 
 # ------------------------------------------------------------------------------------- messages
-class SynthesisMode(str, enum.Enum):
+class SynthesisMode(enum.StrEnum):
     """CosyVoice inference modes (spec §1.2)."""
 
     ZERO_SHOT = "zero_shot"  # uploaded prompt audio + its transcript

@@ -21,7 +21,8 @@ import importlib
 import logging
 import time
 from collections import Counter
-from typing import Any, AsyncIterator, Callable, Literal
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
@@ -73,7 +74,7 @@ class SynthesizerConfig(DeploymentKnobs):
     runtime_factory: str | None = None
 
     @model_validator(mode="after")
-    def _capacity(self) -> "SynthesizerConfig":
+    def _capacity(self) -> SynthesizerConfig:
         if self.max_ongoing_requests > self.max_running:
             # Every admitted request must get a decode slot at once; excess waits in Serve's queue,
             # where max_queued_requests bounds it and answers 429.
@@ -109,7 +110,8 @@ class Synthesizer:
         metrics: exporter; a no-op one is used outside a replica.
     """
 
-    def __init__(self, cfg: SynthesizerConfig, source: ModelSource | None = None, runtime_factory: RuntimeFactory | None = None,
+    def __init__(self, cfg: SynthesizerConfig, source: ModelSource | None = None,
+                 runtime_factory: RuntimeFactory | None = None,
                  metrics: ReplicaMetrics | None = None) -> None:
         self.cfg = cfg
         if runtime_factory is None:

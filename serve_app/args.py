@@ -35,14 +35,14 @@ class AppArgs(StrictModel):
     synthesizer: SynthesizerConfig = Field(default_factory=SynthesizerConfig)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "AppArgs":
+    def _consistent(self) -> AppArgs:
         fm, sm = self.frontend.model_dir, self.synthesizer.model_dir
         if fm and sm and fm != sm:
             raise ValueError("frontend.model_dir and synthesizer.model_dir must name the same model")
         return self
 
     @classmethod
-    def from_file(cls, path: str | Path, app_name: str | None = None) -> "AppArgs":
+    def from_file(cls, path: str | Path, app_name: str | None = None) -> AppArgs:
         """Read a YAML/JSON file: bare args, or a serve config (``applications[].args``)."""
         data = yaml.safe_load(Path(path).read_text()) or {}
         if isinstance(data, dict) and "applications" in data:

@@ -18,13 +18,14 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from pydantic import Field, PositiveInt
 from ray.serve.exceptions import BackPressureError
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.datastructures import UploadFile
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route

@@ -42,7 +42,7 @@ class FakeEngine:
         self.aborted: list[str] = []
 
     def add(self, request_id: str, request: LMRequest) -> None:
-        target = TOKENS_PER_TEXT_ID * int(len(request.text_ids))
+        target = TOKENS_PER_TEXT_ID * len(request.text_ids)
         self.waiting[request_id] = _Seq(request, target)
 
     def abort(self, request_id: str) -> None:

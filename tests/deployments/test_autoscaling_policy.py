@@ -13,7 +13,7 @@ DEP = DeploymentID(name="Synthesizer", app_name="tts")
 def _ctx(utils: list[float] | None, requests: float = 0.0, target_ongoing: float = 24, lo: int = 1, hi: int = 8,
          state: dict | None = None) -> AutoscalingContext:
     replicas = [ReplicaID(unique_id=f"r{i}", deployment_id=DEP) for i in range(len(utils or [1]))]
-    metrics = {"gpu_utilization_pct": {r: u for r, u in zip(replicas, utils)}} if utils is not None else {}
+    metrics = {"gpu_utilization_pct": {r: u for r, u in zip(replicas, utils, strict=True)}} if utils is not None else {}
     return AutoscalingContext(
         deployment_id=DEP, deployment_name="Synthesizer", app_name="tts", current_num_replicas=len(replicas),
         target_num_replicas=len(replicas), running_replicas=replicas, total_num_requests=requests,

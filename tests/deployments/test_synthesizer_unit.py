@@ -23,7 +23,8 @@ def _prompt() -> VoicePrompt:
 
 
 def _req(rid: str, n_ids: int, stream: bool, pieces: int = 1) -> PreparedRequest:
-    return PreparedRequest(request_id=rid, pieces=[TextPiece("x", np.arange(n_ids, dtype=np.int32)) for _ in range(pieces)],
+    text = [TextPiece("x", np.arange(n_ids, dtype=np.int32)) for _ in range(pieces)]
+    return PreparedRequest(request_id=rid, pieces=text,
                            prompt=_prompt(), llm_prompt_text_ids=np.zeros(0, np.int32), llm_use_prompt_speech=True,
                            stream=stream)
 

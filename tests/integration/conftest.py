@@ -12,7 +12,7 @@ import socket
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray starts anything
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import pytest  # noqa: E402
+import pytest
 
 APP_NAME = "tts"
 

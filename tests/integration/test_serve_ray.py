@@ -136,13 +136,17 @@ def _post(url, path, **kw):
     return httpx.post(f"{url}{path}", timeout=30, **kw)
 
 
+_ZS = {"text": "x", "mode": "zero_shot", "prompt_text": "t"}
 BAD = [
-    ("/v1/audio/speech", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "invalid_json"),
+    ("/v1/audio/speech", {"content": b"{not json", "headers": {"content-type": "application/json"}},
+     400, "invalid_json"),
     ("/v1/audio/speech", {"json": {"model": "tts-1", "voice": "alice"}}, 400, "invalid_input"),  # no input
     ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "", "voice": "alice"}}, 400, "invalid_input"),
-    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "alice", "speed": 9}}, 400, "invalid_input"),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "alice", "speed": 9}},
+     400, "invalid_input"),
     ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "../etc"}}, 400, "invalid_input"),
-    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "alice", "colour": 1}}, 400, "invalid_input"),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "alice", "colour": 1}},
+     400, "invalid_input"),
     ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "alice", "response_format": "aac"}},
      400, "invalid_input"),
     ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "x", "voice": "alice", "response_format": "mp3",
@@ -153,13 +157,14 @@ BAD = [
     ("/v1/tts", {"json": {"text": "x", "mode": "zero_shot"}}, 400, "invalid_input"),  # no prompt audio
     ("/v1/tts", {"json": {"text": "x", "mode": "karaoke", "voice_id": "alice"}}, 400, "invalid_input"),
     ("/v1/tts", {"json": {"text": "x", "mode": "instruct", "voice_id": "alice"}}, 400, "invalid_input"),
-    ("/v1/tts", {"data": {"text": "x", "mode": "zero_shot", "prompt_text": "t"},
+    ("/v1/tts", {"data": _ZS,
                  "files": {"prompt_audio": ("p.wav", b"garbage", "audio/wav")}}, 400, "invalid_input"),
+    # zero-shot without the transcript of the prompt audio
     ("/v1/tts", {"data": {"text": "x", "mode": "zero_shot"},
-                 "files": {"prompt_audio": ("p.wav", _prompt_wav(), "audio/wav")}}, 400, "invalid_input"),  # no transcript
-    ("/v1/tts", {"data": {"text": "x", "mode": "zero_shot", "prompt_text": "t"},
-                 "files": {"prompt_audio": ("p.wav", _prompt_wav(0.1), "audio/wav")}}, 400, "invalid_input"),  # too short
-    ("/v1/tts", {"data": {"text": "x", "mode": "zero_shot", "prompt_text": "t"},
+                 "files": {"prompt_audio": ("p.wav", _prompt_wav(), "audio/wav")}}, 400, "invalid_input"),
+    ("/v1/tts", {"data": _ZS,  # prompt too short
+                 "files": {"prompt_audio": ("p.wav", _prompt_wav(0.1), "audio/wav")}}, 400, "invalid_input"),
+    ("/v1/tts", {"data": _ZS,
                  "files": {"prompt_audio": ("p.wav", _prompt_wav(31.0, 8000), "audio/wav")}}, 413, "payload_too_large"),
     ("/v1/voices", {"json": {"voice_id": "v"}}, 415, "unsupported_media_type"),
     ("/v1/voices", {"files": [("voice_id", (None, "v")), ("prompt_text", (None, "t"))]}, 400, "invalid_input"),

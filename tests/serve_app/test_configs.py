@@ -45,9 +45,9 @@ def test_config_parses_strictly(path: Path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_build_app_binds_three_deployments_with_backpressure(path: Path):
-    from serve_app.app import build_app
     from deployments.frontend import TextFrontend
     from deployments.synthesizer import Synthesizer
+    from serve_app.app import build_app
     from serve_app.ingress import TTSIngress
 
     args = AppArgs.from_file(path)
