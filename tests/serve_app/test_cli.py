@@ -253,3 +253,43 @@ def test_make_tiny_model_writes_the_official_layout(tmp_path, capsys):
     assert cli.main(["make-tiny-model", "--out", str(tmp_path / "m"), "--family", "cosyvoice3"]) == 0
     assert (tmp_path / "m" / "cosyvoice3.yaml").is_file() and (tmp_path / "m" / "checksums.json").is_file()
     assert "RANDOM-WEIGHT" in capsys.readouterr().out
+
+
+class FakePipeline:
+    """Records what the CLI hands the reference pipeline; returns 0.1 s per text id."""
+
+    def __init__(self):
+        self.calls = []
+        self.spec = argparse.Namespace(sample_rate=24000)
+
+    def tts(self, text_ids, voice, stream, speed, seed):
+        import torch
+
+        self.calls.append((text_ids, voice, stream, speed, seed))
+        yield torch.full((2400 * int(text_ids.numel()),), 0.1)
+
+
+def test_synth_local_prepares_with_the_frontend_and_runs_the_pipeline(tmp_path, monkeypatch):
+    import torch
+
+    from deployments.frontend import FrontendConfig, TextFrontend
+    from tests.deployments import fakes
+
+    frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
+    pipeline = FakePipeline()
+    monkeypatch.setattr(cli_synth, "_local_session", lambda args: (frontend, pipeline, "cpu"))
+    prompt = tmp_path / "prompt.wav"
+    sf.write(prompt, np.zeros(16000 * 2, dtype=np.float32), 16000)
+    args = cli.build_parser().parse_args(["synth", "-o", str(tmp_path / "local.wav"), "--no-progress",
+                                          "--prompt-wav", str(prompt), "--prompt-text", "hi", "--seed", "3",
+                                          "Ab. Cd."])
+    assert cli_synth.run(args) == 0
+    # The fake frontend splits "Ab. Cd." into two pieces of 3 byte-ids each.
+    assert [c[0].tolist() for c in pipeline.calls] == [list(b"Ab."), list(b"Cd.")]
+    voice = pipeline.calls[0][1]
+    assert voice.prompt_text_ids.tolist() == list(b"hi")  # zero-shot: the transcript goes to the LLM
+    assert voice.llm_prompt_speech_ids.numel() == 50 and voice.flow.tokens.shape == (1, 50)
+    assert voice.flow.feat.shape == (1, 100, 80) and voice.flow.embedding.shape == (1, 192)
+    assert voice.flow.tokens.dtype == torch.int32 and pipeline.calls[0][4] == 3
+    audio, sr = sf.read(tmp_path / "local.wav", dtype="float32")
+    assert sr == 24000 and audio.size == 2400 * 6 and abs(audio.mean() - 0.1) < 1e-3
