@@ -37,6 +37,7 @@ class EngineLoop:
         self.steps = 0
         self.aborted = 0
         self.finished = 0
+        self.tokens = 0  # speech tokens delivered (tokens/s = rate of this counter)
         self.step_batch_sizes: list[int] = []  # sequences per step (bounded, see _record)
 
     # ---------------------------------------------------------------- request side
@@ -122,6 +123,7 @@ class EngineLoop:
                 self.steps += 1
                 self._record(len(events))  # sequences advanced by this step (decode batch + prefills)
                 for event in events:
+                    self.tokens += len(event.new_tokens)
                     queue = self._queues.get(event.request_id)
                     if event.finished:
                         self.finished += 1

@@ -188,6 +188,7 @@ class Synthesizer:
             "engine": engine.__dict__,
             "step_batch_sizes": dict(Counter(self.loop.step_batch_sizes)),
             "token2wav_batch_sizes": dict(self.t2w_batch_sizes),
+            "generated_tokens_total": self.loop.tokens,
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
             "gpu_memory_allocated_bytes": allocated,
             "gpu_memory_total_bytes": total,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from deployments import constants
 
@@ -37,6 +37,10 @@ class _ReplicaSnapshotCollector:
             g = GaugeMetricFamily(name, doc, labels=["replica"])
             g.add_metric(replica, float(engine.get(key, 0)))
             yield g
+        tokens = CounterMetricFamily("tts_generated_tokens", "Speech tokens generated (rate = tokens/s)",
+                                     labels=["replica"])
+        tokens.add_metric(replica, float(snap.get("generated_tokens_total", 0)))
+        yield tokens
         for name, key, doc in (("tts_device_utilization_pct", "utilization_pct", "Measured device utilisation"),
                                ("tts_gpu_memory_allocated_bytes", "gpu_memory_allocated_bytes", "GPU memory allocated"),
                                ("tts_gpu_memory_total_bytes", "gpu_memory_total_bytes", "GPU memory total")):

@@ -78,6 +78,7 @@ def test_requests_join_running_batch_and_respect_slots():
     sizes = s.loop.step_batch_sizes
     assert max(sizes) == 2  # never more than the slots, and batched (> 1)
     assert s.loop.stats().finished == 3 and s.loop.stats().running == 0
+    assert s.loop.tokens == 3 * 15 * fakes.TOKENS_PER_TEXT_ID
 
 
 def test_abandoned_stream_aborts_and_frees_its_slot():
