@@ -20,6 +20,7 @@ from pydantic import Field, PositiveFloat, PositiveInt
 from deployments.compute import ComputeExecutor
 from deployments.options import DeploymentKnobs
 from deployments.protocol import (
+    CosyVoiceError,
     InvalidInputError,
     PayloadTooLargeError,
     PreparedRequest,
@@ -30,6 +31,7 @@ from deployments.protocol import (
     VoiceInfo,
     VoiceNotFoundError,
     VoicePrompt,
+    portable_error,
 )
 from deployments.runtime_adapter import FrontendRuntime, ModelSource, call_with_timeout
 
@@ -90,7 +92,7 @@ class TextFrontend:
     # ---------------------------------------------------------------- handle API
     async def prepare(self, req: SynthesisRequest) -> PreparedRequest:
         """Validate, normalise, split and tokenise; resolve the prompt for ``req.mode``."""
-        return await self.compute.run(self._prepare, req)
+        return await self._run(self._prepare, req)
 
     async def register_voice(self, voice_id: str, prompt_text: str, audio: np.ndarray, sample_rate: int,
                              overwrite: bool = False) -> VoiceInfo:
@@ -99,23 +101,33 @@ class TextFrontend:
             raise InvalidInputError("prompt_text (the transcript of the audio) is required")
         if not overwrite and voice_id in self.rt.list_voices():
             raise VoiceExistsError(f"voice '{voice_id}' already exists")
-        prompt = await self.compute.run(self._prompt_from_audio, audio, sample_rate, prompt_text)
-        await self.compute.run(self.rt.save_voice, voice_id, prompt)
+        prompt = await self._run(self._prompt_from_audio, audio, sample_rate, prompt_text)
+        await self._run(self.rt.save_voice, voice_id, prompt)
         return _info(voice_id, prompt)
 
     async def list_voices(self) -> list[VoiceInfo]:
-        ids = await self.compute.run(self.rt.list_voices)
+        ids = await self._run(self.rt.list_voices)
         return [await self.get_voice(v) for v in sorted(ids)]
 
     async def get_voice(self, voice_id: str) -> VoiceInfo:
         check_voice_id(voice_id)
-        return _info(voice_id, await self.compute.run(self.rt.load_voice, voice_id))
+        return _info(voice_id, await self._run(self.rt.load_voice, voice_id))
 
     async def delete_voice(self, voice_id: str) -> None:
         check_voice_id(voice_id)
         if voice_id not in self.rt.list_voices():
             raise VoiceNotFoundError(f"voice '{voice_id}' not found")
-        await self.compute.run(self.rt.delete_voice, voice_id)
+        await self._run(self.rt.delete_voice, voice_id)
+
+    async def _run(self, fn, *args):
+        """Blocking runtime work on the executor; runtime errors made portable across Ray."""
+        try:
+            return await self.compute.run(fn, *args)
+        except CosyVoiceError as exc:
+            portable = portable_error(exc)
+            if portable is exc:
+                raise
+            raise portable from None
 
     def check_health(self) -> None:
         pass  # stateless CPU work: a replica that answers is healthy

@@ -213,3 +213,33 @@ class ReplicaHealth:
     gpu_utilization_pct: float | None = None
     engine: EngineStats | None = None
     detail: dict = field(default_factory=dict)
+
+
+# Runtime errors that mean "too large" (cosyvoice_runtime.frontend.errors), answered with 413.
+_TOO_LARGE_NAMES = frozenset({"TextTooLongError", "PromptTooLongError"})
+
+
+def portable_error(exc: BaseException) -> BaseException:
+    """An equivalent of ``exc`` that survives the trip through Ray.
+
+    Ray re-raises a replica's exception in the caller by unpickling it; classes whose constructor
+    takes other arguments than the message (several runtime errors do) fail to unpickle and arrive
+    as a bare ``RayTaskError``, which would turn a 4xx into a 500. Those are mapped to the nearest
+    class of this module, keeping the message.
+    """
+    import pickle
+
+    if not isinstance(exc, CosyVoiceError):
+        return exc
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any unpickling failure means "not portable"
+        pass
+    message = str(exc)
+    if type(exc).__name__ in _TOO_LARGE_NAMES:
+        return PayloadTooLargeError(message)
+    for cls in (VoiceNotFoundError, VoiceExistsError, PayloadTooLargeError, InvalidInputError, ModelLoadError):
+        if isinstance(exc, cls):
+            return cls(message) if cls is not ModelLoadError else ServingError(message)
+    return ServingError(message)

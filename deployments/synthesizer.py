@@ -35,12 +35,14 @@ from deployments.gpu_stats import DeviceProbe
 from deployments.observability import ReplicaMetrics
 from deployments.options import DeploymentKnobs, StrictModel
 from deployments.protocol import (
+    CosyVoiceError,
     AudioChunk,
     InvalidInputError,
     PreparedRequest,
     ReplicaHealth,
     SynthesisResult,
     VoicePrompt,
+    portable_error,
 )
 from deployments.runtime_adapter import LMRequest, ModelSource, SynthesisRuntime, call_with_timeout
 
@@ -157,6 +159,12 @@ class Synthesizer:
         except GeneratorExit:
             status = "cancelled"
             raise
+        except CosyVoiceError as exc:
+            status = "error"
+            portable = portable_error(exc)
+            if portable is exc:
+                raise
+            raise portable from None
         except Exception:
             status = "error"
             raise

@@ -68,3 +68,26 @@ def test_client_request_id_is_kept_when_well_formed():
         "request_id"] == "abc-123"
     rid = json.loads(response_for(_request([(b"x-request-id", b"bad id")]), InvalidInputError("x")).body)["request_id"]
     assert rid != "bad id" and len(rid) == 32
+
+
+def test_runtime_errors_with_custom_constructors_are_made_portable():
+    import pickle
+
+    from deployments.protocol import portable_error
+
+    class TextTooLongError(InvalidInputError):  # the shape of cosyvoice_runtime.frontend.errors
+        def __init__(self, length: int, limit: int) -> None:
+            super().__init__(f"text has {length} characters, the limit is {limit}")
+
+    class VoiceFamilyMismatchError(InvalidInputError):
+        def __init__(self, voice_id: str, a: str, b: str) -> None:
+            super().__init__(f"voice '{voice_id}' was registered for {a}, this model is {b}")
+
+    too_long = portable_error(TextTooLongError(5000, 4096))
+    assert type(too_long) is PayloadTooLargeError and "5000" in str(too_long)
+    mismatch = portable_error(VoiceFamilyMismatchError("v", "cosyvoice2", "cosyvoice3"))
+    assert type(mismatch) is InvalidInputError and pickle.loads(pickle.dumps(mismatch)).args == mismatch.args
+    plain = VoiceNotFoundError("voice 'x' not found")
+    assert portable_error(plain) is plain
+    overloaded = pickle.loads(pickle.dumps(OverloadedError("full", retry_after_s=4)))
+    assert overloaded.retry_after_s == 4 and str(overloaded) == "full"
