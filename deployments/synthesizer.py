@@ -35,8 +35,8 @@ from deployments.gpu_stats import DeviceProbe
 from deployments.observability import ReplicaMetrics
 from deployments.options import DeploymentKnobs, StrictModel
 from deployments.protocol import (
-    CosyVoiceError,
     AudioChunk,
+    CosyVoiceError,
     InvalidInputError,
     PreparedRequest,
     ReplicaHealth,
