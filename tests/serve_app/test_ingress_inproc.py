@@ -1,0 +1,114 @@
+"""The ingress's Starlette app without Ray: real TextFrontend/Synthesizer objects (with injected
+fake runtimes) behind in-process stand-ins for DeploymentHandles. Fast checks of routing,
+parsing, codecs and the error shape; the same paths run through real Ray in tests/integration.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import wave
+
+import httpx
+import numpy as np
+import soundfile as sf
+
+from deployments.frontend import FrontendConfig, TextFrontend
+from deployments.synthesizer import Synthesizer, SynthesizerConfig
+from serve_app.ingress import IngressConfig, TTSIngress
+from tests.deployments import fakes
+
+
+class _Response:
+    def __init__(self, coro_fn, *args):
+        self._fn, self._args = coro_fn, args
+
+    def __await__(self):
+        return self._fn(*self._args).__await__()
+
+
+class _Stream:
+    def __init__(self, agen):
+        self._agen = agen
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._agen.__anext__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Method:
+    def __init__(self, target, name, stream):
+        self._fn, self._stream = getattr(target, name), stream
+
+    def remote(self, *args):
+        return _Stream(self._fn(*args)) if self._stream else _Response(self._fn, *args)
+
+
+class FakeHandle:
+    def __init__(self, target, stream=False):
+        self._target, self._stream = target, stream
+
+    def options(self, stream=False):
+        return FakeHandle(self._target, stream)
+
+    def __getattr__(self, name):
+        fn = getattr(self._target, name)
+        if not asyncio.iscoroutinefunction(fn) and not self._stream:
+            async def wrapped(*a):
+                return fn(*a)
+            return _Method(type("T", (), {name: staticmethod(wrapped)}), name, False)
+        return _Method(self._target, name, self._stream)
+
+
+def _app():
+    frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
+    synth = Synthesizer(SynthesizerConfig(max_running=4, max_ongoing_requests=4, warmup=False,
+                                          token2wav={"max_batch_size": 4}),
+                        runtime_factory=fakes.fake_synthesis_runtime)
+
+    async def direct(job):
+        return (await synth.compute.run(synth.t2w.run_batch, [job]))[0]
+
+    synth._token2wav = direct
+    ingress = TTSIngress(IngressConfig(max_input_chars=100), FakeHandle(frontend), FakeHandle(synth))
+    return ingress.__serve_build_asgi_app__()
+
+
+def _wav(seconds=1.0, sr=16000) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, np.full(int(seconds * sr), 0.1, np.float32), sr, format="WAV")
+    return buf.getvalue()
+
+
+def test_routes_end_to_end_in_process():
+    async def main():
+        transport = httpx.ASGITransport(app=_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post("/v1/voices", data={"voice_id": "v1", "prompt_text": "hi"},
+                             files={"audio": ("a.wav", _wav(), "audio/wav")})
+            assert r.status_code == 201 and r.json()["num_prompt_tokens"] == 25
+            r = await c.post("/v1/audio/speech", json={"model": "m", "input": "Hi.", "voice": "v1",
+                                                        "response_format": "wav"})
+            assert r.status_code == 200
+            with wave.open(io.BytesIO(r.content)) as w:
+                assert w.getnframes() == 3 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
+            r = await c.post("/v1/audio/speech", json={"model": "m", "input": "Hello there.", "voice": "v1",
+                                                        "response_format": "pcm", "stream": True})
+            n_samples = 12 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN  # 12 text ids
+            assert r.status_code == 200 and len(r.content) == 2 * n_samples
+            r = await c.post("/v1/audio/speech", json={"model": "m", "input": "x" * 101, "voice": "v1"})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+            r = await c.post("/v1/audio/speech", json={"model": "m", "input": "x", "voice": "nobody"})
+            assert r.status_code == 404 and set(r.json()) == {"error", "request_id"}
+            r = await c.get("/metrics")
+            assert r.status_code == 200 and "tts_http_requests_total" in r.text
+            assert 'status="404"' in r.text and "tts_engine_running" in r.text
+            r = await c.get("/health")
+            assert r.status_code == 200 and r.json()["synthesizer_replicas"]["local"]["ready"]
+
+    asyncio.run(main())
