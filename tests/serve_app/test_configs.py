@@ -144,3 +144,16 @@ def test_local_config_fits_one_two_core_cpu_machine():
         assert cfg.resources.num_gpus == 0
     assert total_cpu <= 2.0
     assert args.synthesizer.device == "cpu" and args.model_dir is None
+
+
+def test_serve_builder_path_validates_args():
+    """What `serve run`/`serve deploy` do with `args`: call the builder through Serve's helper."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.deployment import Application
+
+    from serve_app.app import build_app
+
+    args = application_of(_load(ROOT / "configs/local.yaml"))["args"]
+    assert isinstance(call_user_app_builder_with_args_if_necessary(build_app, args), Application)
+    with pytest.raises(ValidationError, match="replicas_max"):
+        call_user_app_builder_with_args_if_necessary(build_app, {**args, "replicas_max": 3})
