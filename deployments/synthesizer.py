@@ -28,6 +28,7 @@ import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from ray import serve
 
+from cosyvoice_runtime.config import ENDOFPROMPT_TOKEN_ID
 from deployments import constants
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
@@ -231,7 +232,9 @@ class Synthesizer:
                              mel=np.zeros((2 * n_prompt, self.t2w.n_mels), np.float32),
                              embedding=np.zeros(self.t2w.embedding_dim, np.float32))
         engine = self.runtime.engine
-        lm = LMRequest(text_ids=np.arange(1, constants.WARMUP_TEXT_TOKENS + 1, dtype=np.int32),
+        # <|endofprompt|> first: CosyVoice3 refuses text without it; for CosyVoice2 it is a plain id.
+        text_ids = np.array([ENDOFPROMPT_TOKEN_ID, *range(1, constants.WARMUP_TEXT_TOKENS)], dtype=np.int32)
+        lm = LMRequest(text_ids=text_ids,
                        prompt_text_ids=np.zeros(0, np.int32), prompt_speech_ids=prompt.speech_tokens, seed=0)
         started = time.perf_counter()
         engine.add("__warmup__", lm)
