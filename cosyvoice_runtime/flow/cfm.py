@@ -1,0 +1,108 @@
+"""Conditional flow matching solver (``CausalConditionalCFM`` inference, spec §4.5).
+
+The solver owns the ODE loop: fixed initial noise, cosine time grid, Euler steps and
+classifier-free guidance with a batch of two (conditional row, unconditional row with mu, spks
+and cond zeroed). The estimator is any module with the plain tensor signature
+``estimator(x, mask, mu, t, spks, cond, streaming) -> (2B, 80, T)``, so a TensorRT engine is a
+drop-in swap.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+from cosyvoice_runtime.config import FlowSpec
+
+# The official CFM seeds every RNG with 0 at construction and draws this buffer once.
+NOISE_SEED = 0
+
+
+@functools.lru_cache(maxsize=4)
+def fixed_noise(n_mels: int, frames: int) -> torch.Tensor:
+    """(1, n_mels, frames) standard normal from a CPU generator seeded with 0.
+
+    Identical to the official ``torch.manual_seed(0); torch.randn([1, 80, 15000])``; cached per
+    process and never written to.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(NOISE_SEED)
+    return torch.randn(1, n_mels, frames, generator=gen)
+
+
+def time_grid(n_steps: int, scheduler: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """t_span of ``n_steps + 1`` points (cosine: ``1 - cos(pi/2 * k/n)``), in the compute dtype."""
+    t = torch.linspace(0, 1, n_steps + 1, device=device, dtype=dtype)
+    if scheduler == "cosine":
+        t = 1 - torch.cos(t * 0.5 * math.pi)
+    elif scheduler != "linear":
+        raise ValueError(f"unknown t_scheduler {scheduler}")
+    return t
+
+
+class CFMSolver(nn.Module):
+    """The ``decoder`` of the flow: holds the estimator (key prefix ``decoder.estimator``)."""
+
+    def __init__(self, spec: FlowSpec, estimator: nn.Module) -> None:
+        super().__init__()
+        self.spec = spec
+        self.estimator = estimator
+
+    def noise(self, frames: int, like: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        if offset + frames > self.spec.noise_frames:
+            raise ValueError(f"flow length {offset + frames} frames exceeds the fixed noise buffer "
+                             f"({self.spec.noise_frames} frames)")
+        z = fixed_noise(self.spec.output_size, self.spec.noise_frames)[:, :, offset:offset + frames]
+        return z.to(device=like.device, dtype=like.dtype) * self.spec.temperature
+
+    def forward(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                streaming: bool = False, noise: torch.Tensor | None = None, trace: dict | None = None) -> torch.Tensor:
+        """Integrate the ODE from noise to mel.
+
+        Args:
+            mu: (B, 80, T) encoder output; mask: (B, 1, T); spks: (B, 80); cond: (B, 80, T).
+            noise: (B, 80, T) initial state (default: the fixed noise, first T frames).
+            trace: if given, receives noise, t_steps, est0_out, est_last_x, est_last_out.
+
+        Returns:
+            (B, 80, T) float32.
+        """
+        b, c, t_len = mu.shape
+        dtype = spks.dtype
+        x = (self.noise(t_len, spks).expand(b, -1, -1) if noise is None else noise.to(dtype)).clone()
+        t_span = time_grid(self.spec.n_timesteps, self.spec.t_scheduler, dtype, mu.device)
+        t, dt = t_span[0], t_span[1] - t_span[0]
+        # CFG buffers are filled by copy into one allocation (the TensorRT path binds them).
+        x_in = torch.zeros(2 * b, c, t_len, device=mu.device, dtype=dtype)
+        mask_in = torch.zeros(2 * b, 1, t_len, device=mu.device, dtype=dtype)
+        mu_in = torch.zeros_like(x_in)
+        cond_in = torch.zeros_like(x_in)
+        spks_in = torch.zeros(2 * b, spks.shape[1], device=mu.device, dtype=dtype)
+        t_in = torch.zeros(2 * b, device=mu.device, dtype=dtype)
+        mu_in[:b], spks_in[:b], cond_in[:b] = mu, spks, cond
+        mask_in[:b] = mask_in[b:] = mask
+        rate = self.spec.inference_cfg_rate
+        if trace is not None:
+            trace["noise"] = x.clone()
+            trace["t_steps"] = []
+        n = len(t_span) - 1
+        for step in range(1, n + 1):
+            x_in[:b] = x_in[b:] = x
+            t_in[:] = t
+            v = self.estimator(x_in, mask_in, mu_in, t_in, spks_in, cond_in, streaming)
+            if trace is not None:
+                trace["t_steps"].append(t.clone())
+                if step == 1:
+                    trace["est0_out"] = v.clone()
+                if step == n:
+                    trace["est_last_x"] = x[:1].clone()
+                    trace["est_last_out"] = v.clone()
+            v_cond, v_uncond = v[:b], v[b:]
+            x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
+            t = t + dt
+            if step < n:
+                dt = t_span[step + 1] - t
+        if trace is not None:
+            trace["t_steps"] = torch.stack(trace["t_steps"])
+        return x.float()

@@ -1,0 +1,169 @@
+"""CosyVoice3 estimator: DiT with adaLN-zero, causal conv position embedding (spec §4.7).
+
+Inputs as the U-Net: ``x, mu, cond (B, 80, T)``, ``mask (B, 1, T)``, ``t (B,)``, ``spks (B, 80)``.
+
+NOTE [quirk, reproduced]: the rotary embedding (dim_head wide, interleaved pairs) is applied to
+the (B, T, heads * dim_head) q/k projections *before* the head split, so only the first
+dim_head channels — head 0 — are rotated. The released checkpoint was trained that way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosyvoice_runtime.config import DiTSpec
+from cosyvoice_runtime.flow.masks import attention_mask
+from cosyvoice_runtime.flow.unet import sinusoidal_embedding
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("inv_freq", inv_freq)  # persistent: part of flow.pt
+
+    def forward(self, length: int) -> torch.Tensor:
+        """(1, T, dim) angles, interleaved ``[f0, f0, f1, f1, ...]``, float32."""
+        t = torch.arange(length, device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+        freqs = torch.outer(t, self.inv_freq)
+        return torch.stack((freqs, freqs), dim=-1).flatten(-2).unsqueeze(0)
+
+
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    x = x.unflatten(-1, (-1, 2))
+    x1, x2 = x.unbind(-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``freqs.shape[-1]`` channels of x (B, T, C), in float32."""
+    rot = freqs.shape[-1]
+    head, rest = x[..., :rot].float(), x[..., rot:]
+    head = head * freqs.cos() + _rotate_pairs(head) * freqs.sin()
+    return torch.cat((head.to(x.dtype), rest), dim=-1)
+
+
+class CausalConvPositionEmbedding(nn.Module):
+    def __init__(self, dim: int, kernel: int, groups: int) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
+        self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D), left-padded (causal)."""
+        h = x.transpose(1, 2)
+        h = self.conv1(F.pad(h, (self.kernel - 1, 0)))
+        h = self.conv2(F.pad(h, (self.kernel - 1, 0)))
+        return h.transpose(1, 2)
+
+
+class InputEmbedding(nn.Module):
+    def __init__(self, spec: DiTSpec) -> None:
+        super().__init__()
+        self.proj = nn.Linear(spec.mel_dim * 2 + spec.mu_dim + spec.spk_dim, spec.dim)
+        self.conv_pos_embed = CausalConvPositionEmbedding(spec.dim, spec.conv_pos_kernel, spec.conv_pos_groups)
+
+    def forward(self, x, cond, mu, spks) -> torch.Tensor:
+        """Time-major (B, T, 80) x/cond/mu, (B, 80) spks -> (B, T, D). Order: x, cond, mu, spks."""
+        h = self.proj(torch.cat([x, cond, mu, spks[:, None].expand(-1, x.shape[1], -1)], dim=-1))
+        return self.conv_pos_embed(h) + h
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, dim: int, freq_dim: int) -> None:
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.time_mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.time_mlp(sinusoidal_embedding(t, self.freq_dim).to(t.dtype))
+
+
+class _AdaNorm(nn.Module):
+    """``Linear(SiLU(temb))`` -> n chunks; LayerNorm without affine, eps 1e-6."""
+
+    def __init__(self, dim: int, chunks: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim * chunks)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DiTSpec) -> None:
+        super().__init__()
+        inner = spec.heads * spec.dim_head
+        self.heads = spec.heads
+        self.to_q = nn.Linear(spec.dim, inner)
+        self.to_k = nn.Linear(spec.dim, inner)
+        self.to_v = nn.Linear(spec.dim, inner)
+        self.to_out = nn.ModuleList([nn.Linear(inner, spec.dim)])
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """x (B, T, D); mask (B, 1, T, T) bool."""
+        b, t, _ = x.shape
+        q = apply_rotary(self.to_q(x), freqs)
+        k = apply_rotary(self.to_k(x), freqs)
+        v = self.to_v(x)
+
+        def heads(y):
+            return y.view(b, t, self.heads, -1).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=mask)
+        out = self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
+        valid = mask[:, 0, -1, :].unsqueeze(-1)  # the last query row marks the real frames
+        return out.masked_fill(~valid, 0.0)
+
+
+class _GELUTanhFF(nn.Module):
+    def __init__(self, dim: int, mult: int) -> None:
+        super().__init__()
+        inner = dim * mult
+        self.ff = nn.Sequential(nn.Sequential(nn.Linear(dim, inner), nn.GELU(approximate="tanh")), nn.Identity(),
+                                nn.Linear(inner, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(x)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, spec: DiTSpec) -> None:
+        super().__init__()
+        self.attn_norm = _AdaNorm(spec.dim, 6)
+        self.attn = Attention(spec)
+        self.ff_norm = nn.LayerNorm(spec.dim, elementwise_affine=False, eps=1e-6)
+        self.ff = _GELUTanhFF(spec.dim, spec.ff_mult)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm.linear(F.silu(temb)).chunk(6, dim=1)
+        n = self.attn_norm.norm(x) * (1 + scale_a[:, None]) + shift_a[:, None]
+        x = x + gate_a[:, None] * self.attn(n, mask, freqs)
+        n = self.ff_norm(x) * (1 + scale_f[:, None]) + shift_f[:, None]
+        return x + gate_f[:, None] * self.ff(n)
+
+
+class DiT(nn.Module):
+    """The estimator: ``forward(x, mask, mu, t, spks, cond, streaming) -> (B, 80, T)``."""
+
+    def __init__(self, spec: DiTSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.time_embed = TimestepEmbedding(spec.dim, spec.freq_embed_dim)
+        self.input_embed = InputEmbedding(spec)
+        self.rotary_embed = RotaryEmbedding(spec.dim_head)
+        self.transformer_blocks = nn.ModuleList(DiTBlock(spec) for _ in range(spec.depth))
+        self.norm_out = _AdaNorm(spec.dim, 2)
+        self.proj_out = nn.Linear(spec.dim, spec.out_channels)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+                cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
+        temb = self.time_embed(t)
+        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
+        freqs = self.rotary_embed(h.shape[1])
+        attn = attention_mask(mask, self.spec.static_chunk_size if streaming else 0)[:, None]
+        for block in self.transformer_blocks:
+            h = block(h, temb, attn, freqs)
+        scale, shift = self.norm_out.linear(F.silu(temb)).chunk(2, dim=1)
+        h = self.norm_out.norm(h) * (1 + scale[:, None]) + shift[:, None]
+        return self.proj_out(h).transpose(1, 2)
