@@ -1,0 +1,63 @@
+"""Typed input errors of the frontend.
+
+All are subclasses of :class:`cosyvoice_runtime.errors.InvalidInputError` (or
+:class:`VoiceNotFoundError`), so the serving layer maps every one of them to a client error with
+its message and never shows a stack trace. Messages say what is wrong and what is allowed.
+"""
+from __future__ import annotations
+
+from cosyvoice_runtime.errors import InvalidInputError, VoiceNotFoundError
+
+__all__ = [
+    "EmptyTextError",
+    "TextTooLongError",
+    "InvalidAudioError",
+    "PromptTooShortError",
+    "PromptTooLongError",
+    "VoiceFamilyMismatchError",
+    "InvalidVoiceIdError",
+    "InvalidInputError",
+    "VoiceNotFoundError",
+]
+
+
+class EmptyTextError(InvalidInputError):
+    """The text is empty or whitespace only (or only punctuation after normalisation)."""
+
+
+class TextTooLongError(InvalidInputError):
+    """The text is longer than the configured limit."""
+
+    def __init__(self, length: int, limit: int) -> None:
+        self.length = length
+        self.limit = limit
+        super().__init__(f"text has {length} characters, the limit is {limit}")
+
+
+class InvalidAudioError(InvalidInputError):
+    """The prompt bytes are not decodable audio, or the samples are unusable (NaN, rate 0...)."""
+
+
+class PromptTooShortError(InvalidAudioError):
+    def __init__(self, seconds: float, minimum: float) -> None:
+        self.seconds = seconds
+        self.minimum = minimum
+        super().__init__(f"prompt audio is {seconds:.2f} s long, at least {minimum:g} s is needed")
+
+
+class PromptTooLongError(InvalidAudioError):
+    def __init__(self, seconds: float, maximum: float) -> None:
+        self.seconds = seconds
+        self.maximum = maximum
+        super().__init__(f"prompt audio is {seconds:.2f} s long, at most {maximum:g} s is allowed")
+
+
+class VoiceFamilyMismatchError(InvalidInputError):
+    """A stored voice was computed for the other model family (CV2 and CV3 prompts differ)."""
+
+    def __init__(self, voice_id: str, voice_family: str, model_family: str) -> None:
+        super().__init__(f"voice '{voice_id}' was registered for {voice_family}, this model is {model_family}")
+
+
+class InvalidVoiceIdError(InvalidInputError):
+    """A voice id that is not a safe store key (path separators, '..', control characters...)."""
