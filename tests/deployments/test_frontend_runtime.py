@@ -1,0 +1,83 @@
+"""TextFrontend over the real runtime frontend (tiny model) and the directory voice store."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from deployments.frontend import FrontendConfig, TextFrontend
+from deployments.frontend_runtime import VoiceStore
+from deployments.protocol import (
+    InvalidInputError,
+    PayloadTooLargeError,
+    SynthesisMode,
+    SynthesisRequest,
+    VoiceExistsError,
+    VoiceNotFoundError,
+    VoicePrompt,
+)
+from deployments.runtime_adapter import ModelSource
+
+SR = 16000
+
+
+@pytest.fixture(scope="module")
+def frontend(tmp_path_factory):
+    from cosyvoice_runtime.tiny_model import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("m") / "tiny-cosyvoice2", "cosyvoice2")
+    cfg = FrontendConfig(voices_dir=str(tmp_path_factory.mktemp("voices")))
+    return TextFrontend(cfg, ModelSource(str(model_dir)))
+
+
+def _tone(seconds: float) -> np.ndarray:
+    t = np.arange(int(seconds * SR)) / SR
+    return (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+
+
+def test_register_prepare_delete(frontend):
+    async def main():
+        info = await frontend.register_voice("v1", "Hello, this is my voice.", _tone(3.0), SR)
+        assert info.family == "cosyvoice2" and info.num_prompt_tokens == 75  # 25 tokens/s
+        with pytest.raises(VoiceExistsError):
+            await frontend.register_voice("v1", "again", _tone(3.0), SR)
+        req = SynthesisRequest(request_id="r", text="Hello world. It costs 5 dollars!", voice_id="v1")
+        prepared = await frontend.prepare(req)
+        assert prepared.llm_use_prompt_speech and prepared.prompt.mel.shape == (150, 80)
+        assert len(prepared.llm_prompt_text_ids) > 0
+        assert all(p.text_ids.dtype == np.int32 and p.text_ids.size for p in prepared.pieces)
+        assert "five" in " ".join(p.text for p in prepared.pieces).lower()  # normalised
+        cross = await frontend.prepare(
+            SynthesisRequest(request_id="c", text="Bonjour.", mode=SynthesisMode.CROSS_LINGUAL, voice_id="v1"))
+        assert cross.llm_prompt_text_ids.size == 0 and not cross.llm_use_prompt_speech
+        assert [v.voice_id for v in await frontend.list_voices()] == ["v1"]
+        await frontend.delete_voice("v1")
+        with pytest.raises(VoiceNotFoundError):
+            await frontend.get_voice("v1")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("audio, error", [(_tone(0.2), InvalidInputError), (_tone(31.0), PayloadTooLargeError),
+                                          (np.zeros(SR * 2, np.float32), InvalidInputError)])
+def test_bad_prompts(frontend, audio, error):
+    req = SynthesisRequest(request_id="z", text="Hi.", mode=SynthesisMode.ZERO_SHOT, prompt_text="hi",
+                           prompt_audio=audio, prompt_sample_rate=SR)
+    with pytest.raises(error):
+        asyncio.run(frontend.prepare(req))
+
+
+def test_voice_store_roundtrip_and_overwrite(tmp_path):
+    store = VoiceStore(tmp_path)
+    p = VoicePrompt(family="cosyvoice2", prompt_text="a", prompt_text_ids=np.arange(3, dtype=np.int32),
+                    speech_tokens=np.arange(4, dtype=np.int32), mel=np.ones((8, 80), np.float32),
+                    embedding=np.ones(192, np.float32))
+    store.save("x", p)
+    store.save("x", VoicePrompt(**{**p.__dict__, "prompt_text": "b"}))
+    got = store.load("x")
+    assert got.prompt_text == "b" and np.array_equal(got.mel, p.mel) and store.list() == ["x"]
+    store.delete("x")
+    assert store.list() == [] and not any(tmp_path.iterdir())
+    with pytest.raises(VoiceNotFoundError):
+        store.load("x")
