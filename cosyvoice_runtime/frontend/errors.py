@@ -25,8 +25,19 @@ class EmptyTextError(InvalidInputError):
     """The text is empty or whitespace only (or only punctuation after normalisation)."""
 
 
-class TextTooLongError(InvalidInputError):
+class _ArgsError(InvalidInputError):
+    """Errors whose constructor takes fields, not a message: pickle them by their fields (Ray)."""
+
+    _fields: tuple[str, ...] = ()
+
+    def __reduce__(self):
+        return type(self), tuple(getattr(self, f) for f in self._fields)
+
+
+class TextTooLongError(_ArgsError):
     """The text is longer than the configured limit."""
+
+    _fields = ("length", "limit")
 
     def __init__(self, length: int, limit: int) -> None:
         self.length = length
@@ -38,24 +49,31 @@ class InvalidAudioError(InvalidInputError):
     """The prompt bytes are not decodable audio, or the samples are unusable (NaN, rate 0...)."""
 
 
-class PromptTooShortError(InvalidAudioError):
+class PromptTooShortError(InvalidAudioError, _ArgsError):
+    _fields = ("seconds", "minimum")
+
     def __init__(self, seconds: float, minimum: float) -> None:
         self.seconds = seconds
         self.minimum = minimum
         super().__init__(f"prompt audio is {seconds:.2f} s long, at least {minimum:g} s is needed")
 
 
-class PromptTooLongError(InvalidAudioError):
+class PromptTooLongError(InvalidAudioError, _ArgsError):
+    _fields = ("seconds", "maximum")
+
     def __init__(self, seconds: float, maximum: float) -> None:
         self.seconds = seconds
         self.maximum = maximum
         super().__init__(f"prompt audio is {seconds:.2f} s long, at most {maximum:g} s is allowed")
 
 
-class VoiceFamilyMismatchError(InvalidInputError):
+class VoiceFamilyMismatchError(_ArgsError):
     """A stored voice was computed for the other model family (CV2 and CV3 prompts differ)."""
 
+    _fields = ("voice_id", "voice_family", "model_family")
+
     def __init__(self, voice_id: str, voice_family: str, model_family: str) -> None:
+        self.voice_id, self.voice_family, self.model_family = voice_id, voice_family, model_family
         super().__init__(f"voice '{voice_id}' was registered for {voice_family}, this model is {model_family}")
 
 
