@@ -1,128 +1,68 @@
 """The production :class:`~deployments.runtime_adapter.FrontendRuntime`.
 
-Text: ``cosyvoice_runtime.frontend`` normaliser + splitter (English piece length measured in
-Qwen2 tokens, as the reference) and tokenizer. Prompts: ``PromptEncoder`` (speech tokenizer,
-CAM++, prompt mel, aligned). Voices: :class:`VoiceStore`, one directory per voice.
+A thin adapter over ``cosyvoice_runtime.frontend``: :class:`Frontend` (wetext normaliser +
+splitter with the English piece length measured in Qwen2 tokens, tokenizer, ONNX prompt encoder)
+and :class:`VoiceRegistry` (one record + safetensors blob per voice, written atomically). It only
+converts between the runtime's ``PromptFeatures`` and the handle message ``VoicePrompt``.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 from deployments import constants
-from deployments.protocol import InvalidInputError, VoiceNotFoundError, VoicePrompt
+from deployments.protocol import VoiceNotFoundError, VoicePrompt
 
 logger = logging.getLogger(__name__)
 
 
-class VoiceStore:
-    """Voices on disk: ``<root>/<voice_id>/{meta.json, features.npz}``, written atomically.
-
-    A shared filesystem makes every frontend replica see every voice (configs/production.yaml).
-    Voice ids are validated by the caller (``deployments.frontend.check_voice_id``).
-    """
-
-    FORMAT = 1
-
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def save(self, voice_id: str, prompt: VoicePrompt) -> None:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{voice_id}.", dir=self.root))
-        try:
-            np.savez(tmp / "features.npz", prompt_text_ids=prompt.prompt_text_ids, speech_tokens=prompt.speech_tokens,
-                     mel=prompt.mel, embedding=prompt.embedding)
-            meta = {"format": self.FORMAT, "family": prompt.family, "prompt_text": prompt.prompt_text,
-                    "created_at": time.time()}
-            (tmp / "meta.json").write_text(json.dumps(meta))
-            target = self.root / voice_id
-            if target.exists():  # overwrite: move the old one aside first, then swap in
-                old = self.root / f".{voice_id}.old.{os.getpid()}"
-                target.rename(old)
-                tmp.rename(target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    def load(self, voice_id: str) -> VoicePrompt:
-        path = self.root / voice_id
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-            with np.load(path / "features.npz") as f:
-                arrays = {k: f[k] for k in f.files}
-        except FileNotFoundError:
-            raise VoiceNotFoundError(f"voice '{voice_id}' not found") from None
-        return VoicePrompt(family=meta["family"], prompt_text=meta.get("prompt_text", ""),
-                           prompt_text_ids=arrays["prompt_text_ids"], speech_tokens=arrays["speech_tokens"],
-                           mel=arrays["mel"], embedding=arrays["embedding"])
-
-    def list(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if not p.name.startswith(".") and (p / "meta.json").exists())
-
-    def delete(self, voice_id: str) -> None:
-        path = self.root / voice_id
-        if not (path / "meta.json").exists():
-            raise VoiceNotFoundError(f"voice '{voice_id}' not found")
-        shutil.rmtree(path)
+def _to_message(features) -> VoicePrompt:
+    return VoicePrompt(family=features.family, prompt_text=features.text, prompt_text_ids=features.text_tokens,
+                       speech_tokens=features.speech_tokens, mel=features.mel, embedding=features.embedding)
 
 
 class RuntimeFrontend:
-    """Text + prompt processing of one model directory (CPU)."""
+    """Text + prompt processing of one model directory (CPU), voices in ``cfg.voices_dir``."""
 
     def __init__(self, cfg, model_dir: str) -> None:
         from cosyvoice_runtime.config import ModelSpec
-        from cosyvoice_runtime.frontend.normalize import TextNormalizer
-        from cosyvoice_runtime.frontend.prompt import PromptEncoder, PromptLimits
-        from cosyvoice_runtime.frontend.tokenizer import TextTokenizer
+        from cosyvoice_runtime.frontend.frontend import Frontend, FrontendLimits
+        from cosyvoice_runtime.frontend.prompt import PromptLimits
+        from cosyvoice_runtime.frontend.voices import VoiceRegistry
 
-        root = Path(model_dir)
-        spec = ModelSpec.from_model_dir(root)
+        spec = ModelSpec.from_model_dir(Path(model_dir))
         self.family = spec.family
         self.sample_rate = spec.sample_rate
-        self.tokenizer = TextTokenizer(root / spec.files["tokenizer"], spec.family)
-        self.normalizer = TextNormalizer(en_length=self.tokenizer.count)
-        self.encoder = PromptEncoder(
-            spec.family, root / spec.files["campplus"], root / spec.files["speech_tokenizer"], spec.mel,
-            spec.token_mel_ratio, PromptLimits(min_seconds=cfg.min_prompt_audio_s, max_seconds=cfg.max_prompt_audio_s),
-        )
-        self.voices = VoiceStore(cfg.voices_dir or constants.default_voices_dir() / spec.family)
+        voices_dir = Path(cfg.voices_dir) if cfg.voices_dir else constants.default_voices_dir() / spec.family
+        limits = FrontendLimits(prompt=PromptLimits(min_seconds=cfg.min_prompt_audio_s,
+                                                    max_seconds=cfg.max_prompt_audio_s))
+        self.frontend = Frontend(spec, registry=VoiceRegistry(voices_dir), limits=limits)
+        self.registry = self.frontend.registry
 
     def split(self, text: str) -> list[str]:
-        return list(self.normalizer.normalize(text, split=True))
+        return list(self.frontend.normalizer.iter_segments(text))
 
     def tokenize(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode(text), dtype=np.int32)
+        return self.frontend.tokens(text)
 
     def prompt_from_audio(self, audio: np.ndarray, sample_rate: int, prompt_text: str) -> VoicePrompt:
-        from cosyvoice_runtime.frontend.audio import to_waveform
-
-        wav = to_waveform(audio, sample_rate)
-        tokens, mel, embedding = self.encoder.encode(wav)
-        text = self.normalizer.normalize(prompt_text, split=False) if prompt_text else ""
-        if not isinstance(text, str):
-            raise InvalidInputError("prompt text must be a string")
-        return VoicePrompt(family=self.family, prompt_text=prompt_text, prompt_text_ids=self.tokenize(text),
-                           speech_tokens=tokens, mel=mel, embedding=embedding)
+        return _to_message(self.frontend.prompt_from_samples(audio, sample_rate, prompt_text))
 
     def save_voice(self, voice_id: str, prompt: VoicePrompt) -> None:
-        self.voices.save(voice_id, prompt)
+        from cosyvoice_runtime.frontend.prompt import PromptFeatures
+
+        self.registry.put(voice_id, PromptFeatures(
+            family=prompt.family, text=prompt.prompt_text, text_tokens=prompt.prompt_text_ids,
+            speech_tokens=prompt.speech_tokens, mel=prompt.mel, embedding=prompt.embedding))
 
     def load_voice(self, voice_id: str) -> VoicePrompt:
-        return self.voices.load(voice_id)
+        return _to_message(self.registry.get(voice_id, family=self.family))
 
     def list_voices(self) -> list[str]:
-        return self.voices.list()
+        return self.registry.list()
 
     def delete_voice(self, voice_id: str) -> None:
-        self.voices.delete(voice_id)
+        if not self.registry.delete(voice_id):
+            raise VoiceNotFoundError(f"voice '{voice_id}' not found")

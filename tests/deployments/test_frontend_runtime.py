@@ -1,4 +1,4 @@
-"""TextFrontend over the real runtime frontend (tiny model) and the directory voice store."""
+"""TextFrontend over the real runtime frontend and voice registry (tiny model)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from deployments.frontend import FrontendConfig, TextFrontend
-from deployments.frontend_runtime import VoiceStore
 from deployments.protocol import (
     InvalidInputError,
     PayloadTooLargeError,
@@ -15,7 +14,6 @@ from deployments.protocol import (
     SynthesisRequest,
     VoiceExistsError,
     VoiceNotFoundError,
-    VoicePrompt,
 )
 from deployments.runtime_adapter import ModelSource
 
@@ -66,18 +64,3 @@ def test_bad_prompts(frontend, audio, error):
                            prompt_audio=audio, prompt_sample_rate=SR)
     with pytest.raises(error):
         asyncio.run(frontend.prepare(req))
-
-
-def test_voice_store_roundtrip_and_overwrite(tmp_path):
-    store = VoiceStore(tmp_path)
-    p = VoicePrompt(family="cosyvoice2", prompt_text="a", prompt_text_ids=np.arange(3, dtype=np.int32),
-                    speech_tokens=np.arange(4, dtype=np.int32), mel=np.ones((8, 80), np.float32),
-                    embedding=np.ones(192, np.float32))
-    store.save("x", p)
-    store.save("x", VoicePrompt(**{**p.__dict__, "prompt_text": "b"}))
-    got = store.load("x")
-    assert got.prompt_text == "b" and np.array_equal(got.mel, p.mel) and store.list() == ["x"]
-    store.delete("x")
-    assert store.list() == [] and not any(tmp_path.iterdir())
-    with pytest.raises(VoiceNotFoundError):
-        store.load("x")
