@@ -10,6 +10,11 @@ Token selection and the stop/length rules are :func:`~cosyvoice_runtime.llm.gene
 and :func:`~cosyvoice_runtime.llm.generate.commit_token`, the same functions the single-request
 reference loop uses; sampling randomness is per request (its own ``torch.Generator``).
 
+With ``use_cuda_graphs`` on a CUDA model the decode step (model + sampling) runs through
+:class:`~cosyvoice_runtime.llm.cuda_graph.DecodeRunner`: one CUDA graph replay per step for a
+padded batch bucket, one host sync. Call :meth:`LLMEngine.capture_graphs` at startup to
+capture every bucket up front (otherwise each is captured on first use).
+
 The engine is synchronous and single-threaded; the deployment's loop task drives it.
 """
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from cosyvoice_runtime.errors import InvalidInputError
+from cosyvoice_runtime.llm.cuda_graph import DEFAULT_HISTORY_WIDTH, DecodeRunner
 from cosyvoice_runtime.llm.generate import (
     DecodeState,
     SampleFn,
@@ -28,7 +34,7 @@ from cosyvoice_runtime.llm.generate import (
     select_tokens,
 )
 from cosyvoice_runtime.llm.kv_cache import KVCache
-from cosyvoice_runtime.llm.sampling import SamplingParams, make_generator
+from cosyvoice_runtime.llm.sampling import SamplingParams, make_generator, min_len_mask_ids
 from cosyvoice_runtime.llm.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -69,18 +75,39 @@ class LLMEngine:
         official_quirks: the official min-length rule (mask only index S) instead of masking
             every stop id.
         return_logits: attach each step's logits to the events.
+        use_cuda_graphs: on a CUDA model, decode through captured CUDA graphs (ignored on CPU).
+        static_decode: decode through the padded, bucketed step of the graphs even without
+            capturing (default: iff graphs are used; True on CPU runs that step eagerly, tests).
+        history_width: emitted ids per row the in-graph RAS repetition check sees.
     """
 
     def __init__(self, model, max_batch_size: int = 16, max_seq_len: int = 2048, *, max_prefills_per_step: int = 4,
-                 official_quirks: bool = False, return_logits: bool = False) -> None:
+                 official_quirks: bool = False, return_logits: bool = False, use_cuda_graphs: bool = False,
+                 static_decode: bool | None = None, history_width: int = DEFAULT_HISTORY_WIDTH) -> None:
         self.model = model
         self.spec = model.spec
         self.max_running = max_batch_size
         self.official_quirks = official_quirks
         self.return_logits = return_logits
-        self.cache = KVCache.for_model(model, max_batch_size, max_seq_len)
+        device = next(model.parameters()).device
+        graphs = use_cuda_graphs and device.type == "cuda"
+        static = graphs if static_decode is None else static_decode
+        # The static step pads its batch with rows that write into one extra, never scheduled slot.
+        self.cache = KVCache.for_model(model, max_batch_size + (1 if static else 0), max_seq_len)
         self.scheduler = Scheduler(max_batch_size, max_batch_size, max_seq_len, max_prefills_per_step)
+        self.runner = None
+        if static:
+            self.runner = DecodeRunner(model, self.cache, max_batch_size, pad_slot=max_batch_size,
+                                       stop_mask_ids=min_len_mask_ids(self.spec, official_quirks),
+                                       history_width=history_width, use_graphs=graphs)
         self._requests: dict[str, _Request] = {}
+
+    def capture_graphs(self) -> int:
+        """Capture every decode graph now (startup); returns how many exist (0 without graphs)."""
+        if self.runner is None:
+            return 0
+        with torch.inference_mode():
+            return self.runner.capture()
 
     @property
     def device(self) -> torch.device:
@@ -147,11 +174,14 @@ class LLMEngine:
         with torch.inference_mode():
             if plan.decode:
                 reqs = [self._requests[s.request_id] for s in plan.decode]
-                last = torch.tensor([r.state.tokens[-1] for r in reqs], device=self.device)
-                hidden = self.model.decode(self.model.embed_speech(last), self.cache, [s.slot for s in plan.decode])
-                logits = self.model.logits(hidden)
-                tokens = select_tokens(self.spec, logits, [r.state for r in reqs], [r.sample_fn for r in reqs],
-                                       self.official_quirks)
+                slots = [s.slot for s in plan.decode]
+                if self.runner is None:
+                    last = torch.tensor([r.state.tokens[-1] for r in reqs], device=self.device)
+                    logits = self.model.logits(self.model.decode(self.model.embed_speech(last), self.cache, slots))
+                    tokens = select_tokens(self.spec, logits, [r.state for r in reqs], [r.sample_fn for r in reqs],
+                                           self.official_quirks)
+                else:
+                    tokens, logits = self._static_decode(reqs, slots)
                 events += [self._commit(r, tok, logits[i]) for i, (r, tok) in enumerate(zip(reqs, tokens))]
             for seq in plan.prefill:
                 req = self._requests[seq.request_id]
@@ -164,6 +194,21 @@ class LLMEngine:
                 token = select_tokens(self.spec, logits[None], [req.state], [req.sample_fn], self.official_quirks)[0]
                 events.append(self._commit(req, token, logits))
         return events
+
+    def _static_decode(self, reqs: list[_Request], slots: list[int]) -> tuple[list[int], torch.Tensor]:
+        states = [r.state for r in reqs]
+        tokens, logits = self.runner.step([s.tokens[-1] for s in states], slots, states)
+        if self.return_logits:
+            logits = logits.clone()  # the runner's buffer is overwritten by the next step
+        # Rows the in-step sampler does not serve (custom sampler, official RNG, wide window).
+        rest = [i for i, r in enumerate(reqs) if r.sample_fn is not default_sample_fn
+                or not self.runner.can_sample(r.state.params)]
+        if rest:
+            picked = select_tokens(self.spec, logits[rest], [states[i] for i in rest], [reqs[i].sample_fn for i in rest],
+                                   self.official_quirks)
+            for i, tok in zip(rest, picked):
+                tokens[i] = tok
+        return tokens, logits
 
     def _commit(self, req: _Request, token: int, logits: torch.Tensor) -> LLMEvent:
         state = req.state

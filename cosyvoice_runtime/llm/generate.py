@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import torch
 
 from cosyvoice_runtime.config import LLMSpec
+from cosyvoice_runtime.llm import batch_sampling as bs
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.sampling import SamplingParams, mask_ids_, min_len_mask_ids, sample
 
@@ -41,6 +42,19 @@ class DecodeState:
     finished: bool = False
     finish_reason: str | None = None
     stop_token: int | None = None
+    rng_seed: int | None = None  # counter-based sampler seed (see ``seed``)
+
+    @property
+    def seed(self) -> int:
+        """The request's sampler seed: its generator's seed, else ``params.seed``, else random (fixed once drawn)."""
+        if self.rng_seed is None:
+            if self.generator is not None:
+                self.rng_seed = self.generator.initial_seed()
+            elif self.params.seed is not None:
+                self.rng_seed = int(self.params.seed)
+            else:
+                self.rng_seed = bs.random_seed()
+        return self.rng_seed
 
     def finish(self, reason: str, stop_token: int | None = None) -> None:
         self.finished, self.finish_reason, self.stop_token = True, reason, stop_token
@@ -52,8 +66,25 @@ SampleFn = Callable[[torch.Tensor, DecodeState], int]
 StepHook = Callable[[int, torch.Tensor, torch.Tensor, int], None]
 
 
+def uses_batch_sampler(state: DecodeState, sample_fn: SampleFn) -> bool:
+    """True when the request's token comes from :func:`batch_sampling.sample_rows`."""
+    return sample_fn is default_sample_fn and not state.params.official_rng
+
+
+def pack_states(states: list[DecodeState], width: int | None = None, out=None):
+    """:func:`batch_sampling.pack_rows` for decode states (``width`` default: the largest window)."""
+    if width is None:
+        width = max(s.params.win_size for s in states)
+    return bs.pack_rows([s.params for s in states], [s.tokens for s in states], [s.step for s in states],
+                        [s.seed for s in states], [s.step < s.min_len for s in states], width, out)
+
+
 def default_sample_fn(logp: torch.Tensor, state: DecodeState) -> int:
-    return sample(logp, state.params, state.tokens, state.generator)
+    """The request's own rule: official-RNG-exact per row, else the counter-based batch sampler."""
+    if state.params.official_rng:
+        return sample(logp, state.params, state.tokens, state.generator)
+    rows = torch.from_numpy(pack_states([state])).to(logp.device)
+    return int(bs.sample_rows(logp[None], rows)[0])
 
 
 def select_tokens(spec: LLMSpec, logits: torch.Tensor, states: list[DecodeState], sample_fns: list[SampleFn],
@@ -73,7 +104,17 @@ def select_tokens(spec: LLMSpec, logits: torch.Tensor, states: list[DecodeState]
         logp[torch.tensor(rows, device=logp.device)[:, None], ids[None]] = -float("inf")
     if all(fn is default_sample_fn and s.params.method == "greedy" for fn, s in zip(sample_fns, states)):
         return logp.argmax(dim=-1).tolist()  # one device sync for the whole batch
-    return [fn(logp[i], s) for i, (fn, s) in enumerate(zip(sample_fns, states))]
+    batched = [i for i, (fn, s) in enumerate(zip(sample_fns, states)) if uses_batch_sampler(s, fn)]
+    out: list[int | None] = [None] * len(states)
+    if batched:  # every default-sampled row in one call and one sync
+        rows = torch.from_numpy(pack_states([states[i] for i in batched])).to(logp.device)
+        sub = logp if len(batched) == len(states) else logp[torch.tensor(batched, device=logp.device)]
+        for i, tok in zip(batched, bs.sample_rows(sub, rows).tolist()):
+            out[i] = tok
+    for i, (fn, s) in enumerate(zip(sample_fns, states)):
+        if out[i] is None:
+            out[i] = fn(logp[i], s)
+    return out
 
 
 def select_token(spec: LLMSpec, logits: torch.Tensor, state: DecodeState, sample_fn: SampleFn = default_sample_fn,

@@ -85,6 +85,28 @@ class KVCache:
         vc[rows, :, positions] = v.transpose(1, 2)
         return kc[slot_index, :, :total], vc[slot_index, :, :total]
 
+    def write_at(self, layer: int, slot_index: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one new key/value per row at tensor positions; return a fixed key window.
+
+        Tensors only, no host ints, so that it can be captured in a CUDA graph.
+
+        Args:
+            slot_index: (B,) long slot of each row (rows may repeat a scratch slot).
+            positions: (B,) long position of each row's new token.
+            k, v: (B, num_kv_heads, 1, head_dim).
+            window: key positions to return (static).
+
+        Returns:
+            keys, values: (B, num_kv_heads, window, head_dim), gathered from the slots; keys past
+            a row's position are stale and must be masked.
+        """
+        kc, vc = self.k[layer], self.v[layer]
+        # Advanced indices at dims 0 and 2 around a full slice: the indexed shape is (B, heads, dim).
+        kc[slot_index, :, positions] = k[:, :, 0]
+        vc[slot_index, :, positions] = v[:, :, 0]
+        return kc[:, :, :window].index_select(0, slot_index), vc[:, :, :window].index_select(0, slot_index)
+
     def advance(self, slots: list[int], new_tokens: int) -> None:
         for s in slots:
             self.lengths[s] += new_tokens

@@ -80,7 +80,7 @@ class Qwen2Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if attn.cache is not None:
-            k, v = attn.cache.write(attn.layer, attn.slots, attn.slot_index, attn.positions, k, v, attn.total)
+            k, v = attn.store(k, v)
         group = self.num_heads // self.num_kv_heads
         # Query head j uses kv head j // group: fold the group into the query-length axis so the
         # kv heads are never repeated in memory. Row g*T + t of the folded query is (g, t).
@@ -113,6 +113,12 @@ class _AttnContext:
         self.cache, self.slots, self.positions, self.mask, self.slot_index = cache, slots, positions, mask, slot_index
         self.total = total
         self.layer = 0
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's new keys/values into the cache; return the attended window."""
+        if self.slots is None:  # tensor-only decode step (CUDA-graph capturable)
+            return self.cache.write_at(self.layer, self.slot_index, self.positions[:, 0], k, v, self.total)
+        return self.cache.write(self.layer, self.slots, self.slot_index, self.positions, k, v, self.total)
 
 
 class Qwen2MLP(nn.Module):
@@ -193,6 +199,32 @@ class Qwen2Model(nn.Module):
         if cache is not None:
             cache.advance(slots, t)
         return self.norm(x)
+
+
+    def decode_static(self, inputs_embeds: torch.Tensor, cache: KVCache, slot_index: torch.Tensor,
+                      positions: torch.Tensor, window: int) -> torch.Tensor:
+        """One decode step from tensors only (the computation a CUDA graph captures).
+
+        Args:
+            inputs_embeds: (B, H) one new embedding per row.
+            slot_index: (B,) long KV slot of each row; padding rows point at a scratch slot.
+            positions: (B,) long position of each new token (= the slot's current length).
+            window: attended key positions, > every position of the batch, <= ``cache.max_len``.
+
+        Returns:
+            (B, H) final-norm hidden. The cache is written at (slot, position) per row; the
+            host-side ``cache.lengths`` are NOT advanced (the caller owns them).
+        """
+        pos = positions[:, None]
+        keys = torch.arange(window, device=inputs_embeds.device)
+        mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, 1, window)
+        attn = _AttnContext(cache, None, pos, mask, slot_index, window)
+        cos, sin = self.rotary_emb(pos, inputs_embeds.dtype)
+        x = inputs_embeds[:, None]
+        for i, layer in enumerate(self.layers):
+            attn.layer = i
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)[:, 0]
 
 
 class Qwen2ForCausalLM(nn.Module):
@@ -281,6 +313,12 @@ class SpeechLM(nn.Module):
     def decode(self, inputs_embeds: torch.Tensor, cache: KVCache, slots: list[int]) -> torch.Tensor:
         """One step for a batch: (B, H) one new embedding per slot -> (B, H) hidden."""
         return self.forward(inputs_embeds[:, None], cache=cache, slots=slots)[:, 0]
+
+    def decode_static(self, tokens: torch.Tensor, cache: KVCache, slot_index: torch.Tensor, positions: torch.Tensor,
+                      window: int) -> torch.Tensor:
+        """Fed speech ids (B,) -> (B, vocab_out) logits, tensors only (see ``Qwen2Model.decode_static``)."""
+        hidden = self.backbone.decode_static(self.embed_speech(tokens), cache, slot_index, positions, window)
+        return self.logits(hidden)
 
 
 def build_llm(spec: LLMSpec) -> SpeechLM:

@@ -1,0 +1,204 @@
+"""Bucketed decode step with static buffers, captured as one CUDA graph per shape.
+
+A decode step of the engine is ~600 small kernels (24 layers) plus sampling; launched one by
+one from Python it is bound by CPU launch overhead (13.8 ms at batch 1 on an H200, with the GPU
+busy for ~4 ms). :class:`DecodeRunner` runs the whole step - embedding of the fed ids, the 24
+layers with the KV write at per-row positions, attention over a fixed key window with a
+per-row length mask, final norm, ``llm_decoder`` logits, log-softmax, min-length mask and the
+batched sampler of :mod:`~cosyvoice_runtime.llm.batch_sampling` - from static device buffers,
+so that on CUDA it is captured once per (batch bucket, key window) and replayed: one
+host-to-device copy of the packed per-row inputs, one graph launch, one device-to-host copy of
+the chosen ids (the step's only sync).
+
+Shapes are bucketed: the batch is padded to the next batch bucket (padding rows write into a
+scratch KV slot at position 0 and are ignored), and the attended key window is the next key
+bucket (powers of two from ``MIN_KEY_WINDOW``, capped at the cache's ``max_len``) above the
+longest position of the batch. Why key buckets and not one graph over the slot's whole
+``max_len``: decoding is memory-bound, and the attention reads (and the slot gather copies)
+``B x window`` keys and values per layer; at batch 64 and ``max_len`` 2048 a full window
+moves ~5 GB per step (bf16), several times the 0.7 GB of weights, while a power-of-two bucket
+at most doubles the keys actually needed. The cost is more graphs (batch buckets x key
+buckets, ~35), each small; they share one memory pool.
+
+Without CUDA (or with ``use_graphs=False``) the same computation runs eagerly, which is how
+the CPU tests check it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from cosyvoice_runtime.llm import batch_sampling as bs
+from cosyvoice_runtime.llm.generate import pack_states
+from cosyvoice_runtime.llm.kv_cache import KVCache
+from cosyvoice_runtime.llm.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MIN_KEY_WINDOW = 128
+DEFAULT_HISTORY_WIDTH = 16  # >= the yaml's win_size (10); rows with a larger window sample eagerly
+_DECODE_COLS = 3  # fed id, slot, position; the sampler's columns follow
+
+
+def default_batch_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, ... below ``max_batch_size``, then ``max_batch_size`` itself."""
+    out, b = [], 1
+    while b < max_batch_size:
+        out.append(b)
+        b *= 2
+    return out + [max_batch_size]
+
+
+def default_key_buckets(max_len: int) -> list[int]:
+    """``MIN_KEY_WINDOW``, doubling, capped at (and ending with) ``max_len``."""
+    out, w = [], MIN_KEY_WINDOW
+    while w < max_len:
+        out.append(w)
+        w *= 2
+    return out + [max_len]
+
+
+def _bucket(buckets: Sequence[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+class DecodeRunner:
+    """One engine decode step from static buffers; CUDA-graph replay on CUDA.
+
+    Args:
+        model: :class:`~cosyvoice_runtime.llm.model.SpeechLM` (eval, on the cache's device).
+        cache: the engine's KV cache; ``pad_slot`` is a slot the scheduler never hands out.
+        max_batch_size: largest decode batch.
+        stop_mask_ids: ids masked for rows still below their min length.
+        history_width: emitted ids kept per row for the RAS repetition check.
+        use_graphs: capture CUDA graphs (default: iff the cache is on CUDA).
+    """
+
+    def __init__(self, model, cache: KVCache, max_batch_size: int, pad_slot: int, stop_mask_ids: Sequence[int], *,
+                 history_width: int = DEFAULT_HISTORY_WIDTH, batch_buckets: Sequence[int] | None = None,
+                 key_buckets: Sequence[int] | None = None, use_graphs: bool | None = None) -> None:
+        if not 0 <= pad_slot < cache.num_slots:
+            raise ValueError(f"pad_slot {pad_slot} is not a slot of a {cache.num_slots}-slot cache")
+        self.model, self.cache, self.pad_slot = model, cache, pad_slot
+        self.history_width = history_width
+        self.batch_buckets = sorted(batch_buckets or default_batch_buckets(max_batch_size))
+        self.key_buckets = sorted(key_buckets or default_key_buckets(cache.max_len))
+        if self.batch_buckets[-1] < max_batch_size or self.key_buckets[-1] > cache.max_len:
+            raise ValueError(f"buckets {self.batch_buckets} / {self.key_buckets} do not fit batch {max_batch_size} "
+                             f"and max_len {cache.max_len}")
+        dev = cache.device
+        self.use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
+        rows, cols = self.batch_buckets[-1], _DECODE_COLS + bs.num_cols(history_width)
+        self._host = torch.zeros(rows, cols, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._rows = torch.zeros(rows, cols, dtype=torch.long, device=dev)
+        vocab = model.llm_decoder.out_features
+        self._logits = torch.zeros(rows, vocab, dtype=cache.dtype, device=dev)
+        self._ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self._stop_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        self._stop_mask[list(stop_mask_ids)] = True
+        # Padding row: scratch slot, position 0 (key 0 is visible, so its softmax is finite), greedy.
+        pad = bs.pack_rows([_PAD_PARAMS], [[]], [0], [0], [False], history_width)[0]
+        self._pad_row = torch.tensor([0, pad_slot, 0] + pad.tolist(), dtype=torch.long)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    # -- the step --------------------------------------------------------------------------
+    def can_sample(self, params) -> bool:
+        """Whether the in-step sampler serves these params (else the caller samples from the logits)."""
+        return not params.official_rng and (params.method != "ras" or params.win_size <= self.history_width)
+
+    def step(self, tokens: Sequence[int], slots: Sequence[int], states: Sequence) -> tuple[list[int], torch.Tensor]:
+        """Feed one id per running slot, advance the slots, choose the next ids.
+
+        Args:
+            tokens: the last emitted id of each row.
+            slots: each row's KV slot.
+            states: each row's :class:`~cosyvoice_runtime.llm.generate.DecodeState` (sampler
+                inputs; rows whose params ``can_sample`` rejects get a placeholder id).
+
+        Returns:
+            ids: the chosen id per row; logits: (B, V) view of a static buffer, overwritten by
+            the next step (clone to keep).
+        """
+        n = len(slots)
+        positions = [self.cache.lengths[s] for s in slots]
+        self.cache.check_room(list(slots), 1)
+        b = _bucket(self.batch_buckets, n)
+        window = _bucket(self.key_buckets, max(positions) + 1)
+        graph = self._graph(b, window) if self.use_graphs else None
+        host = self._host_np
+        host[n:b] = self._pad_row.numpy()
+        host[:n, 0], host[:n, 1], host[:n, 2] = tokens, slots, positions
+        served = [st if self.can_sample(st.params) else _PadState for st in states]
+        pack_states(served, self.history_width, out=host[:n, _DECODE_COLS:])
+        self._rows[:b].copy_(self._host[:b], non_blocking=True)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._body(b, window)
+        ids = self._ids[:n].tolist()  # the step's one host sync
+        self.cache.advance(list(slots), 1)
+        return ids, self._logits[:n]
+
+    def _body(self, b: int, window: int) -> None:
+        """The captured computation: static inputs ``_rows[:b]`` -> ``_logits[:b]``, ``_ids[:b]``."""
+        rows = self._rows[:b]
+        logits = self.model.decode_static(rows[:, 0], self.cache, rows[:, 1], rows[:, 2], window)
+        self._logits[:b].copy_(logits)
+        sampler_rows = rows[:, _DECODE_COLS:]
+        logp = bs.mask_min_len(logits.float().log_softmax(-1), sampler_rows, self._stop_mask)
+        self._ids[:b].copy_(bs.sample_rows(logp, sampler_rows))
+
+    # -- graphs ----------------------------------------------------------------------------
+    def capture(self, batch_sizes: Sequence[int] | None = None, windows: Sequence[int] | None = None) -> int:
+        """Capture the graphs of these buckets now (default: all); returns how many exist."""
+        if self.use_graphs:
+            for b in batch_sizes or self.batch_buckets:
+                for w in windows or self.key_buckets:
+                    self._graph(_bucket(self.batch_buckets, b), _bucket(self.key_buckets, w))
+        return len(self._graphs)
+
+    def _graph(self, b: int, window: int) -> torch.cuda.CUDAGraph:
+        graph = self._graphs.get((b, window))
+        if graph is not None:
+            return graph
+        # Every row points at the scratch slot, so the warm-up run writes nothing that matters.
+        self._rows[:b].copy_(self._pad_row.to(self._rows.device).expand(b, -1))
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):  # warm-up: cuBLAS/cuDNN handles and plans, lazy buffers
+            self._body(b, window)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (token2wav) may keep using the GPU during the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._body(b, window)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graphs[(b, window)] = graph
+        logger.debug("captured decode graph batch=%d window=%d", b, window)
+        return graph
+
+
+class _PadStateType:
+    """Sampler inputs of a row the in-step sampler does not serve (greedy placeholder)."""
+
+    tokens: list[int] = []
+    step = 0
+    min_len = 0
+    seed = 0
+
+    @property
+    def params(self):
+        return _PAD_PARAMS
+
+
+_PAD_PARAMS = SamplingParams(method="greedy", top_k=1, win_size=0, tau_r=0.0)
+_PadState = _PadStateType()

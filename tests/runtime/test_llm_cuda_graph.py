@@ -1,0 +1,145 @@
+"""The padded, fixed-window decode step (what the CUDA graphs capture) equals the eager decode."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cosyvoice_runtime.llm.cuda_graph import DecodeRunner, default_batch_buckets, default_key_buckets
+from cosyvoice_runtime.llm.engine import LLMEngine
+from cosyvoice_runtime.llm.kv_cache import KVCache
+from cosyvoice_runtime.llm.sampling import SamplingParams, min_len_mask_ids
+from tests.runtime.test_llm_engine import S, prompts, reference, run_engine, tiny_model
+
+
+def test_buckets():
+    assert default_batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert default_batch_buckets(24) == [1, 2, 4, 8, 16, 24]
+    assert default_batch_buckets(1) == [1]
+    assert default_key_buckets(1000) == [128, 256, 512, 1000]
+    assert default_key_buckets(100) == [100]
+
+
+def _filled_cache(model, lengths, num_slots, max_len, slots):
+    cache = KVCache.for_model(model, num_slots, max_len)
+    for x, s in zip(prompts(lengths, seed=11), slots):
+        model.prefill(x, cache, s)
+    return cache
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+@pytest.mark.parametrize("window", [None, 128])
+def test_static_decode_equals_eager_decode_for_a_mixed_batch(family, window):
+    model = tiny_model(family)
+    slots, lengths = [3, 0, 5, 1], [4, 33, 17, 60]
+    tokens = torch.tensor([1, 7, S - 1, 12])
+    with torch.inference_mode():
+        eager_cache = _filled_cache(model, lengths, 7, 128, slots)
+        static_cache = copy.deepcopy(eager_cache)
+        ref = model.logits(model.decode(model.embed_speech(tokens), eager_cache, slots))
+        # Pad to a bucket of 6 rows: two padding rows write into scratch slot 6 at position 0.
+        pad = 6
+        slot_index = torch.tensor(slots + [pad, pad])
+        positions = torch.tensor(lengths + [0, 0])
+        win = window or max(lengths) + 1  # the tightest window, and a wider bucket
+        got = model.decode_static(torch.cat([tokens, torch.zeros(2, dtype=torch.long)]), static_cache, slot_index,
+                                  positions, win)[:4]
+    assert (got - ref).abs().max() < 1e-4
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    for layer in range(len(eager_cache.k)):  # the new keys/values landed at each row's position
+        for s, n in zip(slots, lengths):
+            for a, b in ((eager_cache.k, static_cache.k), (eager_cache.v, static_cache.v)):
+                assert (a[layer][s, :, :n + 1] - b[layer][s, :, :n + 1]).abs().max() < 1e-5
+
+
+def test_runner_step_eagerly_advances_lengths_and_returns_the_batch():
+    model = tiny_model()
+    with torch.inference_mode():
+        cache = _filled_cache(model, [5, 9], 3, 64, [0, 1])
+    runner = DecodeRunner(model, cache, 2, pad_slot=2, stop_mask_ids=min_len_mask_ids(model.spec),
+                          use_graphs=False)
+    assert not runner.use_graphs
+    from cosyvoice_runtime.llm.generate import DecodeState
+
+    states = [DecodeState(min_len=0, max_len=10, params=SamplingParams(method="greedy"), tokens=[3]),
+              DecodeState(min_len=5, max_len=10, params=SamplingParams(method="greedy"), tokens=[4])]
+    with torch.inference_mode():
+        ref_cache = copy.deepcopy(cache)
+        ref = model.logits(model.decode(model.embed_speech(torch.tensor([3, 4])), ref_cache, [0, 1]))
+        ids, logits = runner.step([3, 4], [0, 1], states)
+    assert cache.lengths == [6, 10, 0]  # the scratch slot's length never moves
+    assert (logits - ref).abs().max() < 1e-4
+    masked = ref.float().log_softmax(-1)
+    masked[1, list(min_len_mask_ids(model.spec))] = -float("inf")  # row 1 is below its min length
+    assert ids == masked.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_static_engine_equals_reference_for_joining_requests(family):
+    model = tiny_model(family)
+    greedy = SamplingParams(method="greedy")
+    xs = prompts([5, 11, 8, 21, 2, 3], seed=3)
+    schedule = {
+        0: [("a", xs[0], 6, 6, greedy), ("b", xs[1], 15, 15, SamplingParams(seed=4)),
+            ("c", xs[2], 9, 9, greedy)],
+        3: [("d", xs[3], 10, 10, SamplingParams(seed=9)), ("e", xs[4], 0, 20, greedy)],
+        5: [("f", xs[5], 4, 12, SamplingParams(method="top_k_top_p", top_k=5, top_p=0.9, temperature=0.7,
+                                                seed=2))],
+    }
+    engine = LLMEngine(model, max_batch_size=3, max_seq_len=48, return_logits=True, static_decode=True)
+    assert engine.runner is not None and engine.cache.num_slots == 4
+    tokens, logits, reasons = run_engine(engine, schedule)
+    for reqs in schedule.values():
+        for rid, x, lo, hi, params in reqs:
+            ref_tokens, ref_logits, ref_reason = reference(model, x, lo, hi, params)
+            assert tokens[rid] == ref_tokens, rid
+            assert reasons[rid] == ref_reason, rid
+            assert (logits[rid] - ref_logits).abs().max() < 1e-4, rid
+
+
+def test_static_engine_hands_official_rng_and_custom_samplers_to_the_eager_path():
+    model = tiny_model("cosyvoice3")
+    xs = prompts([4, 7, 6], seed=8)
+    calls = []
+
+    def always_three(logp, state):
+        calls.append(state.step)
+        return 3
+
+    official = SamplingParams(seed=5, official_rng=True)
+    wide = SamplingParams(seed=6, win_size=40)  # wider than the in-step history
+    engine = LLMEngine(model, max_batch_size=3, max_seq_len=32, static_decode=True)
+    engine.add_request("o", xs[0], 8, 8, official)
+    engine.add_request("w", xs[1], 8, 8, wide)
+    engine.add_request("c", xs[2], 5, 5, sample_fn=always_three)
+    got = {"o": [], "w": [], "c": []}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.token is not None:
+                got[ev.request_id].append(ev.token)
+    assert got["c"] == [3] * 5 and calls == list(range(5))
+    assert got["o"] == reference(model, xs[0], 8, 8, official)[0]
+    assert got["w"] == reference(model, xs[1], 8, 8, wide)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_engine_equals_eager_engine(dtype):
+    model = tiny_model().to("cuda", dtype)
+    xs = [x.cuda() for x in prompts([5, 40, 17, 130], seed=2)]
+    greedy = SamplingParams(method="greedy")
+    reqs = [(f"r{i}", x, 30, 30, greedy if i % 2 else SamplingParams(seed=i)) for i, x in enumerate(xs)]
+    out = []
+    for graphs in (False, True):
+        engine = LLMEngine(model, max_batch_size=4, max_seq_len=256, return_logits=True, use_cuda_graphs=graphs)
+        assert (engine.runner is not None) == graphs
+        if graphs:
+            assert engine.capture_graphs() == len(engine.runner.batch_buckets) * len(engine.runner.key_buckets)
+        out.append(run_engine(engine, {0: reqs[:2], 3: reqs[2:]}))
+    (tok_e, log_e, _), (tok_g, log_g, _) = out
+    tol = 1e-3 if dtype == torch.float32 else 0.1
+    for rid in tok_e:
+        assert tok_e[rid] == tok_g[rid], rid
+        assert (log_e[rid].float() - log_g[rid].float()).abs().max() < tol, rid
