@@ -49,8 +49,12 @@ def _byte_alphabet() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-def write_tokenizer(out_dir: str | Path, family: str = "cosyvoice2") -> Path:
-    """Write vocab.json, merges.txt and tokenizer_config.json (leaves an existing config.json alone)."""
+def write_tokenizer(out_dir: str | Path, family: str = "cosyvoice2", with_cosyvoice_specials: bool = True) -> Path:
+    """Write vocab.json, merges.txt and tokenizer_config.json (leaves an existing config.json alone).
+
+    ``with_cosyvoice_specials=False`` writes only the Qwen2 base specials, like the released
+    ``CosyVoice-BlankEN`` (the runtime then registers the family's tokens itself).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab: dict[str, int] = {}
@@ -62,7 +66,9 @@ def write_tokenizer(out_dir: str | Path, family: str = "cosyvoice2") -> Path:
     while len(vocab) < QWEN_BASE_VOCAB:
         vocab[f"<unused_{len(vocab)}>"] = len(vocab)
 
-    specials = list(QWEN_BASE_SPECIALS) + list(family_specials(family))  # type: ignore[arg-type]
+    specials = list(QWEN_BASE_SPECIALS)
+    if with_cosyvoice_specials:
+        specials += list(family_specials(family))  # type: ignore[arg-type]
     added = {
         str(QWEN_BASE_VOCAB + i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
                                   "single_word": False, "special": True}

@@ -23,7 +23,7 @@ _INVISIBLE = re.compile("[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u200b-\u200f\u
 _THOUSANDS = re.compile(r"(?<![\d.,])(\d{1,3}(?:,\d{3})+)(?![\d]|,\d)((?:\.\d+)?)")
 _CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros", "cent", "cents"),
              "£": ("pound", "pounds", "penny", "pence")}
-_MONEY = re.compile(r"([$€£])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{1,2}))?(?![\d.])")
+_MONEY = re.compile(r"([$€£])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{1,2}))?(?!\d|\.\d)")
 _EN_ORDINAL = re.compile(r"(?<![A-Za-z0-9.])(\d+)(st|nd|rd|th)(?![A-Za-z])", re.IGNORECASE)
 _DECADE = re.compile(r"(?<![A-Za-z0-9.])(\d{1,3}0)'?s(?![A-Za-z])")
 _DIGITS = re.compile(r"\d+")
