@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from deployments.protocol import VoicePrompt
+from deployments.protocol import InvalidInputError, VoicePrompt
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +162,7 @@ class RuntimeTokenEngine:
         self.llm = model.llm
         self.engine = LLMEngine(model.llm, max_batch_size=max_running, max_seq_len=max_model_len)
         self.max_running = max_running
+        self.max_model_len = max_model_len
         self._filters: dict[str, Any] = {}
 
     def add(self, request_id: str, request: LMRequest) -> None:
@@ -174,8 +175,14 @@ class RuntimeTokenEngine:
         lm = build_lm_input(self.llm, torch.as_tensor(request.text_ids, dtype=torch.long),
                             torch.as_tensor(request.prompt_text_ids, dtype=torch.long),
                             torch.as_tensor(request.prompt_speech_ids, dtype=torch.long))
+        # The 20x text-length bound is a worst case that real speech does not approach; cap it at
+        # what one KV slot holds (finish reason "length") instead of refusing the request.
+        room = self.max_model_len - int(lm.embeds.shape[0]) + 1
+        if room < max(lm.min_len, 1):
+            raise InvalidInputError(f"text piece too long for a decode slot: needs at least "
+                                    f"{int(lm.embeds.shape[0]) + lm.min_len} positions, slots hold {self.max_model_len}")
         params = SamplingParams.from_spec(self.spec.llm, seed=request.seed)
-        self.engine.add_request(request_id, lm.embeds, lm.min_len, lm.max_len, params)
+        self.engine.add_request(request_id, lm.embeds, lm.min_len, min(lm.max_len, room), params)
         self._filters[request_id] = SilentTokenFilter(self.spec)
 
     def step(self) -> list[TokenEvent]:

@@ -79,3 +79,22 @@ def test_engine_loop_over_real_llm_engine():
         return tokens
 
     assert asyncio.run(alone()) == ta
+
+
+def test_length_bound_is_capped_to_the_slot_and_tiny_slots_refuse():
+    from cosyvoice_runtime.errors import InvalidInputError
+    from deployments.runtime_adapter import LMRequest, RuntimeTokenEngine
+
+    model = _model("cosyvoice2")
+    req = LMRequest(text_ids=np.array([100, 200, 300, 400], np.int32), prompt_text_ids=np.zeros(0, np.int32),
+                    prompt_speech_ids=np.arange(5, dtype=np.int32), seed=0)
+    prefill = 1 + 4 + 1 + 5  # sos, text, task id, prompt speech
+    engine = RuntimeTokenEngine(model, max_running=1, max_model_len=prefill + 19)  # 20 < 20x bound of 80
+    engine.add("a", req)
+    tokens = []
+    while engine.has_unfinished():
+        for ev in engine.step():
+            tokens.extend(ev.new_tokens)
+    assert 0 < len(tokens) <= 20
+    with pytest.raises(InvalidInputError, match="too long for a decode slot"):
+        RuntimeTokenEngine(model, max_running=1, max_model_len=prefill + 2).add("b", req)  # min_len is 8
