@@ -179,8 +179,9 @@ class RuntimeTokenEngine:
         # what one KV slot holds (finish reason "length") instead of refusing the request.
         room = self.max_model_len - int(lm.embeds.shape[0]) + 1
         if room < max(lm.min_len, 1):
-            raise InvalidInputError(f"text piece too long for a decode slot: needs at least "
-                                    f"{int(lm.embeds.shape[0]) + lm.min_len} positions, slots hold {self.max_model_len}")
+            need = int(lm.embeds.shape[0]) + lm.min_len
+            raise InvalidInputError(f"text piece too long for a decode slot: needs at least {need} positions, "
+                                    f"slots hold {self.max_model_len}")
         params = SamplingParams.from_spec(self.spec.llm, seed=request.seed)
         self.engine.add_request(request_id, lm.embeds, lm.min_len, min(lm.max_len, room), params)
         self._filters[request_id] = SilentTokenFilter(self.spec)
