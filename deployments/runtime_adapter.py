@@ -228,10 +228,11 @@ class RuntimeToken2Wav:
 
         from cosyvoice_runtime.token2wav import FlowPrompt
 
+        # torch.tensor copies: arrays unpickled from a handle call are read-only.
         flow_prompt = FlowPrompt(
-            tokens=torch.as_tensor(prompt.speech_tokens, dtype=torch.int32, device=self.device).reshape(1, -1),
-            feat=torch.as_tensor(prompt.mel, device=self.device).to(self.dtype)[None],
-            embedding=torch.as_tensor(prompt.embedding, device=self.device).to(self.dtype).reshape(1, -1),
+            tokens=torch.tensor(prompt.speech_tokens, dtype=torch.int32, device=self.device).reshape(1, -1),
+            feat=torch.tensor(prompt.mel, dtype=self.dtype, device=self.device)[None],
+            embedding=torch.tensor(prompt.embedding, dtype=self.dtype, device=self.device).reshape(1, -1),
         )
         generator = None
         if seed is not None:
