@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -15,8 +15,8 @@ interleaved phase (so CV2 can sample its unused id S+1 and abort). The defaults 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 import torch
 

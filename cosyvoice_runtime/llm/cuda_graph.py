@@ -26,12 +26,12 @@ the CPU tests check it.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from cosyvoice_runtime.llm import batch_sampling as bs
-from cosyvoice_runtime.llm.generate import pack_states
+from cosyvoice_runtime.llm.generate import DecodeState, pack_states
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.sampling import SamplingParams
 
@@ -187,18 +187,6 @@ class DecodeRunner:
         return graph
 
 
-class _PadStateType:
-    """Sampler inputs of a row the in-step sampler does not serve (greedy placeholder)."""
-
-    tokens: list[int] = []
-    step = 0
-    min_len = 0
-    seed = 0
-
-    @property
-    def params(self):
-        return _PAD_PARAMS
-
-
+# Sampler inputs of a row the in-step sampler does not serve (a greedy placeholder).
 _PAD_PARAMS = SamplingParams(method="greedy", top_k=1, win_size=0, tau_r=0.0)
-_PadState = _PadStateType()
+_PadState = DecodeState(min_len=0, max_len=1, params=_PAD_PARAMS, rng_seed=0)

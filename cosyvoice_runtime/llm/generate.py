@@ -11,15 +11,15 @@ re-exported here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
 from cosyvoice_runtime.config import LLMSpec
 from cosyvoice_runtime.llm import batch_sampling as bs
 from cosyvoice_runtime.llm.kv_cache import KVCache
-from cosyvoice_runtime.llm.sampling import SamplingParams, mask_ids_, min_len_mask_ids, sample
+from cosyvoice_runtime.llm.sampling import SamplingParams, min_len_mask_ids, sample
 
 logger = logging.getLogger(__name__)
 
@@ -175,4 +175,4 @@ def decode_all(model, lm_input: torch.Tensor, state: DecodeState, sample_fn: Sam
     return list(decode(model, cache, lm_input, state, sample_fn, official_quirks=official_quirks, on_step=on_step))
 
 
-from cosyvoice_runtime.llm.bistream import BistreamState, bistream_decode  # noqa: E402,F401  (re-export)
+from cosyvoice_runtime.llm.bistream import BistreamState, bistream_decode  # noqa: F401  (re-export)

@@ -31,7 +31,7 @@ class KVCache:
         self.lengths = [0] * num_slots
 
     @classmethod
-    def for_model(cls, model, num_slots: int, max_len: int, device=None, dtype=None) -> "KVCache":
+    def for_model(cls, model, num_slots: int, max_len: int, device=None, dtype=None) -> KVCache:
         """A cache sized for a :class:`~cosyvoice_runtime.llm.model.SpeechLM` (or its backbone)."""
         spec = model.backbone_spec
         ref = next(model.parameters())

@@ -71,7 +71,7 @@ class Qwen2Attention(nn.Module):
         self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=True)
         self.o_proj = nn.Linear(spec.num_heads * d, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: "_AttnContext") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: _AttnContext) -> torch.Tensor:
         """x (B, T, H) -> (B, T, H)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)

@@ -14,8 +14,9 @@ set except at float ties with ``top_p``).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ class SamplingParams:
     official_rng: bool = False
 
     @classmethod
-    def from_spec(cls, spec: LLMSpec, **overrides) -> "SamplingParams":
+    def from_spec(cls, spec: LLMSpec, **overrides) -> SamplingParams:
         base = cls(top_p=spec.top_p, top_k=spec.top_k, win_size=spec.win_size, tau_r=spec.tau_r)
         return replace(base, **overrides)
 

@@ -69,7 +69,7 @@ def test_interleaving_and_fill_schedule(quirks):
 
 def test_default_fill_right_away_after_whole_prompt_groups():
     model = tiny()
-    _, fed, state, _ = run(model, list(range(40, 55)), list(range(1, 6)), list(range(15)), quirks=False)
+    _, _fed, state, _ = run(model, list(range(40, 55)), list(range(1, 6)), list(range(15)), quirks=False)
     assert state.tokens[0] == model.spec.fill  # one full group of prompt speech -> ask for text now
     _, _, state_q, _ = run(model, list(range(40, 55)), list(range(1, 6)), list(range(15)), quirks=True)
     assert state_q.tokens[0] != model.spec.fill and state_q.tokens[15] == model.spec.fill
