@@ -161,7 +161,10 @@ def main() -> None:
                                                    max_prefills_per_step=64, use_cuda_graphs=graphs, static_decode=graphs)
                                 fill(engine, b, prompt_len, n_tokens, sampling)
                                 t0 = time.perf_counter()
-                                n_graphs = engine.capture_graphs() if graphs else 0
+                                # All buckets once (the serving-startup cost), else this batch's only.
+                                full = prompt_len == args.long_prompt_len
+                                n_graphs = 0 if not graphs else engine.capture_graphs() if full else \
+                                    engine.runner.capture([b])
                                 cap_s = time.perf_counter() - t0
                                 row = {"dtype": dname, "batch": b, "prompt_len": prompt_len, "graphs": graphs,
                                        "sampling": sampling, **time_steps(engine, args.warmup, args.steps),
