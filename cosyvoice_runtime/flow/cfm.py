@@ -57,7 +57,7 @@ class CFMSolver(nn.Module):
         return z.to(device=like.device, dtype=like.dtype) * self.spec.temperature
 
     def forward(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
-                streaming: bool = False, noise: torch.Tensor | None = None, trace: dict | None = None) -> torch.Tensor:
+                streaming: bool | torch.Tensor = False, noise: torch.Tensor | None = None, trace: dict | None = None) -> torch.Tensor:
         """Integrate the ODE from noise to mel.
 
         Args:
@@ -83,6 +83,8 @@ class CFMSolver(nn.Module):
         mu_in[:b], spks_in[:b], cond_in[:b] = mu, spks, cond
         mask_in[:b] = mask_in[b:] = mask
         rate = self.spec.inference_cfg_rate
+        if isinstance(streaming, torch.Tensor):
+            streaming = streaming.repeat(2)  # per row: conditional rows, then unconditional rows
         if trace is not None:
             trace["noise"] = x.clone()
             trace["t_steps"] = []

@@ -161,7 +161,7 @@ class DiT(nn.Module):
         temb = self.time_embed(t)
         h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
         freqs = self.rotary_embed(h.shape[1])
-        attn = attention_mask(mask, self.spec.static_chunk_size if streaming else 0)[:, None]
+        attn = attention_mask(mask, self.spec.static_chunk_size, streaming)[:, None]
         for block in self.transformer_blocks:
             h = block(h, temb, attn, freqs)
         scale, shift = self.norm_out.linear(F.silu(temb)).chunk(2, dim=1)

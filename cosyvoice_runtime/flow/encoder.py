@@ -152,34 +152,39 @@ class UpsampleConformerEncoder(nn.Module):
         self.up_encoders = nn.ModuleList(ConformerLayer(spec) for _ in range(spec.num_up_blocks))
         self.after_norm = nn.LayerNorm(d, eps=1e-5)
 
-    def forward(self, xs: torch.Tensor, pad_mask: torch.Tensor, context: torch.Tensor | None = None,
-                streaming: bool = False) -> torch.Tensor:
-        """Token embeddings -> frame features.
+    def forward(self, xs: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor,
+                streaming: bool | torch.Tensor = False) -> torch.Tensor:
+        """Right-padded token embeddings -> frame features (spec §4.2, batching §6.2 C).
 
         Args:
-            xs: (B, T, D_in) token embeddings; pad_mask: (B, 1, T) bool, True on real tokens.
-            context: (B, lookahead, D_in) right-context tokens of a non-final streaming call.
-            streaming: block-causal chunk attention (chunk C tokens, then 2C frames).
+            xs: (B, T_in, D_in) token embeddings.
+            valid: (B, T_in) bool, True on the positions an item has: its tokens, followed (for a
+                non-final streaming call) by its look-ahead context tokens.
+            lengths: (B,) tokens that produce output (context tokens excluded).
+            streaming: block-causal chunk attention (chunk C tokens, then 2C frames); one flag or
+                a (B,) bool tensor.
 
         Returns:
-            (B, stride * T, D).
+            (B, stride * max(lengths), D); item i is valid for ``stride * lengths[i]`` frames.
         """
         spec = self.spec
         h = self.embed(xs)
         # NOTE: zero inputs map to non-zero vectors after embed; re-zero padded positions so the
-        # look-ahead conv of the last real token sees zeros, exactly as a lone sequence would.
-        h = h * pad_mask.transpose(1, 2).to(h.dtype)
-        ctx = self.embed(context) if context is not None and context.shape[1] else None
-        h = self.pre_lookahead_layer(h, context=ctx)
+        # look-ahead conv of an item's last position sees zeros (or its context tokens), exactly
+        # as a lone sequence would.
+        h = h * valid.unsqueeze(-1).to(h.dtype)
+        # Context positions only feed the look-ahead conv; from here on they are padding.
+        h = self.pre_lookahead_layer(h)[:, : int(lengths.max())]
+        pad_mask = (torch.arange(h.shape[1], device=h.device)[None, :] < lengths[:, None])[:, None]
         pos = rel_positions(h.shape[1], h.shape[2], h.device, h.dtype)
-        mask = attention_mask(pad_mask, spec.static_chunk_size if streaming else 0)
+        mask = attention_mask(pad_mask, spec.static_chunk_size, streaming)
         for layer in self.encoders:
             h = layer(h, mask, pos)
         h = self.up_layer(h.transpose(1, 2)).transpose(1, 2)
         up_pad = pad_mask.repeat_interleave(spec.upsample_stride, dim=2)
         h = self.up_embed(h)
         pos = rel_positions(h.shape[1], h.shape[2], h.device, h.dtype)
-        mask = attention_mask(up_pad, spec.static_chunk_size * spec.upsample_stride if streaming else 0)
+        mask = attention_mask(up_pad, spec.static_chunk_size * spec.upsample_stride, streaming)
         for layer in self.up_encoders:
             h = layer(h, mask, pos)
         return self.after_norm(h)

@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,26 +39,68 @@ class Flow(nn.Module):
     def estimator(self) -> nn.Module:
         return self.decoder.estimator
 
-    def encode(self, tokens: torch.Tensor, finalize: bool, streaming: bool) -> torch.Tensor:
-        """(1, L + N) token ids -> mu (1, 80, frames); the last look-ahead tokens are context only
-        when not finalizing."""
-        emb = self.input_embedding(tokens.clamp(min=0).long())
+    def encode(self, items: list["FlowItem"]) -> tuple[torch.Tensor, torch.Tensor]:
+        """mu (B, 80, T_max) and frame lengths (B,) for a batch of token sequences.
+
+        Each item's sequence is ``prompt_token ++ token``; a non-final item's last look-ahead
+        tokens are placed right after its output tokens as context (they produce no frames).
+        """
         la = self.spec.pre_lookahead_len
-        context = None
-        if not finalize:
-            emb, context = emb[:, :-la], emb[:, -la:]
+        dev = self.input_embedding.weight.device
+        seqs = [torch.cat([it.prompt_token.reshape(-1), it.token.reshape(-1)]).to(dev) for it in items]
+        lengths = torch.tensor([s.numel() - (0 if it.finalize else la) for s, it in zip(seqs, items)], device=dev)
+        if int(lengths.min()) < 1:
+            raise ValueError("a flow item needs at least one token besides its look-ahead context")
+        t_ext = max(s.numel() for s in seqs)
+        ids = torch.zeros(len(items), t_ext, dtype=torch.long, device=dev)
+        valid = torch.zeros(len(items), t_ext, dtype=torch.bool, device=dev)
+        for i, s in enumerate(seqs):
+            ids[i, : s.numel()] = s.clamp(min=0)
+            valid[i, : s.numel()] = True
+        emb = self.input_embedding(ids) * valid[..., None].to(self.input_embedding.weight.dtype)
+        streaming = torch.tensor([it.streaming for it in items], device=dev)
         if self.spec.family == "cosyvoice2":
-            pad = torch.ones(emb.shape[0], 1, emb.shape[1], dtype=torch.bool, device=emb.device)
-            h = self.encoder_proj(self.encoder(emb, pad, context=context, streaming=streaming))
+            h = self.encoder_proj(self.encoder(emb, valid, lengths, streaming=streaming))
         else:
-            h = self.pre_lookahead_layer(emb, context=context).repeat_interleave(self.spec.token_mel_ratio, dim=1)
-        return h.transpose(1, 2)
+            h = self.pre_lookahead_layer(emb)[:, : int(lengths.max())]
+            h = h.repeat_interleave(self.spec.token_mel_ratio, dim=1)
+        return h.transpose(1, 2), lengths * self.spec.token_mel_ratio
 
     @torch.inference_mode()
+    def inference_batch(self, items: list["FlowItem"], trace: dict | None = None) -> list[torch.Tensor]:
+        """One CFM solve for jobs of several requests (right-padded, per-item masks).
+
+        Every item gets exactly what it would get alone: causal convolutions and key-padding
+        masks keep padding out of valid frames, the fixed noise is indexed by absolute frame, and
+        each item has its own prompt mel, speaker vector and streaming/final attention.
+
+        Returns:
+            per item (1, 80, frames_i - 2 L_i) float32.
+        """
+        dtype = self.spk_embed_affine_layer.weight.dtype
+        dev = self.spk_embed_affine_layer.weight.device
+        emb = torch.cat([it.embedding.reshape(1, -1) for it in items]).to(dev, dtype)
+        spks = self.spk_embed_affine_layer(F.normalize(emb, dim=1))
+        mu, frames = self.encode(items)
+        b, _, total = mu.shape
+        mask = (torch.arange(total, device=dev)[None, :] < frames[:, None])[:, None].to(mu.dtype)
+        cond = torch.zeros(b, self.spec.output_size, total, device=dev, dtype=mu.dtype)
+        for i, it in enumerate(items):
+            n_prompt = it.prompt_feat.shape[1]
+            cond[i, :, :n_prompt] = it.prompt_feat[0].transpose(0, 1).to(mu)
+        mu = mu * mask
+        if trace is not None:
+            trace.update(mu=mu.clone(), spks=spks.clone(), cond=cond.clone())
+        streaming = torch.tensor([it.streaming for it in items], device=dev)
+        feat = self.decoder(mu, mask, spks, cond, streaming=streaming, trace=trace)
+        if trace is not None:
+            trace["feat_full"] = feat.clone()
+        return [feat[i: i + 1, :, it.prompt_feat.shape[1]: int(frames[i])] for i, it in enumerate(items)]
+
     def inference(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
                   embedding: torch.Tensor, streaming: bool = False, finalize: bool = True,
                   trace: dict | None = None) -> torch.Tensor:
-        """Mel of the generated tokens.
+        """Mel of the generated tokens of one request.
 
         Args:
             token: (1, N) speech ids; prompt_token: (1, L); prompt_feat: (1, 2L, 80) frames-major;
@@ -67,21 +111,20 @@ class Flow(nn.Module):
         Returns:
             (1, 80, frames - 2L) float32.
         """
-        dtype = self.spk_embed_affine_layer.weight.dtype
-        spks = self.spk_embed_affine_layer(F.normalize(embedding.to(dtype), dim=1))
-        tokens = torch.cat([prompt_token, token], dim=1).to(self.input_embedding.weight.device)
-        mu = self.encode(tokens, finalize, streaming)
-        total = mu.shape[2]
-        n_prompt = prompt_feat.shape[1]
-        cond = torch.zeros(1, self.spec.output_size, total, device=mu.device, dtype=mu.dtype)
-        cond[:, :, :n_prompt] = prompt_feat.transpose(1, 2).to(mu)
-        mask = torch.ones(1, 1, total, device=mu.device, dtype=mu.dtype)
-        if trace is not None:
-            trace.update(mu=mu.clone(), spks=spks.clone(), cond=cond.clone())
-        feat = self.decoder(mu, mask, spks, cond, streaming=streaming, trace=trace)
-        if trace is not None:
-            trace["feat_full"] = feat.clone()
-        return feat[:, :, n_prompt:]
+        item = FlowItem(token, prompt_token, prompt_feat, embedding, streaming, finalize)
+        return self.inference_batch([item], trace=trace)[0]
+
+
+@dataclass
+class FlowItem:
+    """One flow job: the official ``inference`` arguments of one request."""
+
+    token: torch.Tensor  # (1, N)
+    prompt_token: torch.Tensor  # (1, L)
+    prompt_feat: torch.Tensor  # (1, 2L, 80)
+    embedding: torch.Tensor  # (1, 192)
+    streaming: bool = False
+    finalize: bool = True
 
 
 def build_flow(spec: FlowSpec) -> Flow:

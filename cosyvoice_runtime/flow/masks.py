@@ -13,8 +13,11 @@ def chunk_mask(size: int, chunk: int, device: torch.device) -> torch.Tensor:
     return torch.arange(size, device=device)[None, :] < limit[:, None]
 
 
-def attention_mask(pad_mask: torch.Tensor, chunk: int) -> torch.Tensor:
+def attention_mask(pad_mask: torch.Tensor, chunk: int, streaming: torch.Tensor | bool = True) -> torch.Tensor:
     """(B, T, T) mask from a (B, 1, T) padding mask: padding keys hidden, plus chunks if > 0.
+
+    ``streaming`` (bool or (B,) bool) selects per row whether the chunk mask applies, so
+    streaming and final/offline items can share one batch.
 
     Rows that would see no key at all (a padded query in a chunk of padding) are made all-true,
     as the official helper does, so softmax never sees an empty row.
@@ -23,7 +26,11 @@ def attention_mask(pad_mask: torch.Tensor, chunk: int) -> torch.Tensor:
     t = keys.shape[-1]
     m = keys.expand(-1, t, -1)
     if chunk > 0:
-        m = m & chunk_mask(t, chunk, keys.device)[None]
+        chunked = m & chunk_mask(t, chunk, keys.device)[None]
+        if isinstance(streaming, torch.Tensor):
+            m = torch.where(streaming.to(keys.device).view(-1, 1, 1), chunked, m)
+        elif streaming:
+            m = chunked
     empty = ~m.any(dim=-1, keepdim=True)
     return m | empty
 

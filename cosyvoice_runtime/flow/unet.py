@@ -162,7 +162,7 @@ class CausalUNet(nn.Module):
                 cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
         temb = self.time_mlp(sinusoidal_embedding(t, self.spec.in_channels).to(t.dtype))
         h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)
-        bias = to_bias(attention_mask(mask, self.spec.static_chunk_size if streaming else 0), h.dtype)
+        bias = to_bias(attention_mask(mask, self.spec.static_chunk_size, streaming), h.dtype)
         resnet, blocks, down = self.down_blocks[0]
         h = self._attend(resnet(h, mask, temb), blocks, bias)
         skip = h
