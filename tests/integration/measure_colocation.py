@@ -140,7 +140,7 @@ def main() -> None:
                                       "step_ms_median": 1e3 * statistics.median(lat_llm),
                                       "job_ms_median": 1e3 * statistics.median(lat_flow)}
     res["one_process_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    del engine
+    engine = flow_job = None  # free the first model before the two processes start
     torch.cuda.empty_cache()
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(3), ctx.Queue()
