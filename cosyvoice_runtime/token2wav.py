@@ -21,6 +21,7 @@ import torch
 
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
+from cosyvoice_runtime.flow.flow import FlowItem
 from cosyvoice_runtime.hift.streaming import VocoderStream, vocode_chunk
 
 
@@ -80,8 +81,8 @@ class Token2Wav:
 
     Args:
         spec: the model spec.
-        flow: the token-to-mel module (``inference(token, prompt_token, prompt_feat, embedding,
-            streaming, finalize) -> (1, n_mels, frames)``).
+        flow: the token-to-mel module (:class:`~cosyvoice_runtime.flow.flow.Flow`; its
+            ``inference_batch`` solves the jobs of several requests at once).
         hift: the vocoder module.
         official_final_full_attention: the official code runs the last streamed flow call with
             full attention although all earlier calls used chunk masks (spec §4.8); by default we
@@ -125,17 +126,21 @@ class Token2Wav:
             return Token2WavJob(state, ids, finalize=True, hop=0)
         return None
 
-    @torch.inference_mode()
-    def flow_mel(self, job: Token2WavJob) -> torch.Tensor:
-        """The new mel frames of a job: (1, n_mels, frames) from the request's token offset on."""
+    def _flow_item(self, job: Token2WavJob) -> FlowItem:
         state = job.state
-        streaming_masks = state.stream and not (job.finalize and self.official_final_full_attention)
         p = state.prompt
-        mel = self.flow.inference(
-            token=job.tokens, prompt_token=p.tokens, prompt_feat=p.feat, embedding=p.embedding,
-            streaming=streaming_masks, finalize=job.finalize,
-        )
-        return mel[:, :, state.token_offset * self.ratio:]
+        streaming_masks = state.stream and not (job.finalize and self.official_final_full_attention)
+        return FlowItem(token=job.tokens, prompt_token=p.tokens, prompt_feat=p.feat, embedding=p.embedding,
+                        streaming=streaming_masks, finalize=job.finalize)
+
+    @torch.inference_mode()
+    def flow_mels(self, jobs: list[Token2WavJob]) -> list[torch.Tensor]:
+        """New mel frames of each job, (1, n_mels, frames) from its token offset on; one CFM solve."""
+        mels = self.flow.inference_batch([self._flow_item(job) for job in jobs])
+        return [mel[:, :, job.state.token_offset * self.ratio:] for mel, job in zip(mels, jobs)]
+
+    def flow_mel(self, job: Token2WavJob) -> torch.Tensor:
+        return self.flow_mels([job])[0]
 
     @torch.inference_mode()
     def vocode(self, job: Token2WavJob, mel: torch.Tensor) -> torch.Tensor:
@@ -158,9 +163,19 @@ class Token2Wav:
         """Flow + vocoder for one job; returns the (samples,) audio to emit."""
         return self.vocode(job, self.flow_mel(job))
 
-    def run_batch(self, jobs: list[Token2WavJob]) -> list[torch.Tensor]:
-        """Run jobs of different requests (one per request); the audio of each, in order."""
-        return [self.run(job) for job in jobs]
+    def run_batch(self, jobs: list[Token2WavJob], max_batch: int = 16) -> list[torch.Tensor]:
+        """Run jobs of different requests (at most one per request); the audio of each, in order.
+
+        The flow runs as one batched solve per group of ``max_batch`` jobs; the vocoder glue is per
+        request (its caches are per request and cheap next to the flow).
+        """
+        if len({id(job.state) for job in jobs}) != len(jobs):
+            raise ValueError("a batch may hold at most one job per request (jobs of a request are sequential)")
+        out: list[torch.Tensor] = []
+        for start in range(0, len(jobs), max_batch):
+            group = jobs[start:start + max_batch]
+            out += [self.vocode(job, mel) for job, mel in zip(group, self.flow_mels(group))]
+        return out
 
     def synthesize(self, prompt: FlowPrompt, tokens: Sequence[int] | torch.Tensor, stream: bool = False,
                    speed: float = 1.0, generator: torch.Generator | None = None) -> list[torch.Tensor]:
