@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import logging
 import tempfile
@@ -93,10 +92,14 @@ class _Stream:
 class ReplicaSim:
     """Two threads around one model: LLM engine steps and token2wav jobs, like one GPU replica."""
 
-    def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, estimator_compile: bool = False):
+    def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, cuda_graphs: bool = False,
+                 flow_batch: int = 16):
         self.model = model
         self.n_tokens = n_tokens
-        self.engine = LLMEngine(model.llm, max_batch_size=max_batch, max_seq_len=PROMPT_SPEECH + PROMPT_TEXT + TEXT + n_tokens + 8)
+        self.flow_batch = flow_batch
+        self.engine = LLMEngine(model.llm, max_batch_size=max_batch,
+                                max_seq_len=PROMPT_SPEECH + PROMPT_TEXT + TEXT + n_tokens + 8,
+                                use_cuda_graphs=cuda_graphs and model.device.type == "cuda")
         self.t2w = Token2Wav(model.spec, model.flow, model.hift)
         self.lock = threading.Condition()
         self.streams: dict[str, _Stream] = {}
@@ -149,15 +152,14 @@ class ReplicaSim:
                 if self.stop:
                     return
                 jobs.sort(key=lambda rj: rj[1].state.calls)  # first chunks first
-                for rid, job in jobs:
-                    audio = self.t2w.run(job)
-                    sync(device)
-                    now = time.perf_counter()
-                    with self.lock:
-                        st = self.streams[rid]
-                        st.trace.add_chunk(now, audio.numel())
-                        if job.finalize:
-                            self.lock.notify_all()
+                jobs = jobs[: self.flow_batch]
+                audios = self.t2w.run_batch([j for _, j in jobs], max_batch=self.flow_batch)
+                sync(device)
+                now = time.perf_counter()
+                with self.lock:
+                    for (rid, job), audio in zip(jobs, audios):
+                        self.streams[rid].trace.add_chunk(now, audio.numel())
+                    self.lock.notify_all()
 
     def run(self, voice: VoicePrompt, text: torch.Tensor, concurrency: int, total: int) -> tuple[list[RequestTrace], float]:
         threads = [threading.Thread(target=self._guard(f), daemon=True) for f in (self._llm_loop, self._t2w_loop)]
@@ -227,24 +229,27 @@ def _forced_sampler(model: CosyVoiceModel, n_tokens: int):
     return sample
 
 
-def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_tokens: int, min_requests: int) -> list[dict]:
-    kind, _, prec = mode.partition("-")
-    model = cast(base, DTYPES[prec or "fp32"])
+def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_tokens: int, min_requests: int,
+               flow_batch: int) -> list[dict]:
+    """``mode`` = ``<kind>-<precision>[-graphs]``: kind pytorch | compile (torch.compile of the
+    flow estimator), precision fp32 | fp16 | bf16, ``graphs`` = CUDA graphs for the LLM decode."""
+    kind, prec, *extra = mode.split("-")
+    graphs = "graphs" in extra
+    model = cast(base, DTYPES[prec])
     if kind == "compile":
         est = model.flow.decoder.estimator
         model.flow.decoder.estimator = torch.compile(est, dynamic=True)
     voice, text = make_voice(model)
     rows = []
     # warm-up: one short request (allocations, kernel selection, compilation)
-    ReplicaSim(model, 4, 60).run(voice, text, 2, 2)
+    ReplicaSim(model, 4, 60, cuda_graphs=graphs, flow_batch=flow_batch).run(voice, text, 2, 2)
     for c in concurrencies:
         if model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        sim = ReplicaSim(model, max_batch=c, n_tokens=n_tokens)
+        sim = ReplicaSim(model, max_batch=c, n_tokens=n_tokens, cuda_graphs=graphs, flow_batch=flow_batch)
         traces, wall = sim.run(voice, text, c, max(2 * c, min_requests))
         row = {"mode": mode, "concurrency": c, **summarize(traces, wall)}
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None
-        logger.info("%s c=%d: %s", mode, c, json.dumps(row))
         print(json.dumps(row), flush=True)
         rows.append(row)
     if kind == "compile":
@@ -257,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice3"])
     ap.add_argument("--size", default="full", choices=["full", "tiny"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--modes", default="pytorch-fp32,pytorch-bf16,compile-bf16")
+    ap.add_argument("--modes", default="pytorch-fp32,pytorch-bf16,pytorch-bf16-graphs")
+    ap.add_argument("--flow-batch", type=int, default=16, help="token2wav jobs per batched flow solve")
     ap.add_argument("--concurrency", default="1,4,8,16,32,64")
     ap.add_argument("--tokens", type=int, default=250, help="speech tokens per request (25 = 1 s)")
     ap.add_argument("--min-requests", type=int, default=8)
@@ -273,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"baseline": baseline}), flush=True)
     rows = []
     for mode in args.modes.split(","):
-        rows += bench_mode(base, mode, [int(c) for c in args.concurrency.split(",")], args.tokens, args.min_requests)
+        rows += bench_mode(base, mode, [int(c) for c in args.concurrency.split(",")], args.tokens, args.min_requests,
+                           args.flow_batch)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     from bench.report import write_report
 
