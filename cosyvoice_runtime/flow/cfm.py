@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from cosyvoice_runtime.config import FlowSpec
+from cosyvoice_runtime.errors import InvalidInputError
 
 # The official CFM seeds every RNG with 0 at construction and draws this buffer once.
 NOISE_SEED = 0
@@ -51,7 +52,7 @@ class CFMSolver(nn.Module):
 
     def noise(self, frames: int, like: torch.Tensor, offset: int = 0) -> torch.Tensor:
         if offset + frames > self.spec.noise_frames:
-            raise ValueError(f"flow length {offset + frames} frames exceeds the fixed noise buffer "
+            raise InvalidInputError(f"flow length {offset + frames} frames exceeds the fixed noise buffer "
                              f"({self.spec.noise_frames} frames)")
         z = fixed_noise(self.spec.output_size, self.spec.noise_frames)[:, :, offset:offset + frames]
         return z.to(device=like.device, dtype=like.dtype) * self.spec.temperature
@@ -101,7 +102,9 @@ class CFMSolver(nn.Module):
                     trace["est_last_x"] = x[:1].clone()
                     trace["est_last_out"] = v.clone()
             v_cond, v_uncond = v[:b], v[b:]
-            x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
+            # The DiT does not mask its output; keeping padded frames of a batch at their noise
+            # keeps them finite (an exact no-op where the mask is 1, i.e. for every valid frame).
+            x = x + dt * (((1.0 + rate) * v_cond - rate * v_uncond) * mask)
             t = t + dt
             if step < n:
                 dt = t_span[step + 1] - t

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_runtime.config import FlowSpec
+from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.cfm import CFMSolver
 from cosyvoice_runtime.flow.dit import DiT
 from cosyvoice_runtime.flow.encoder import PreLookaheadLayer, UpsampleConformerEncoder
@@ -20,6 +21,14 @@ from cosyvoice_runtime.flow.unet import CausalUNet
 
 
 class Flow(nn.Module):
+    """Token-to-mel module of either family (official keys: ``input_embedding``,
+    ``spk_embed_affine_layer``, CV2 ``encoder`` + ``encoder_proj`` / CV3 ``pre_lookahead_layer``,
+    and ``decoder.estimator``).
+
+    The module holds no per-request state; ``inference`` is one request, ``inference_batch``
+    several requests in one CFM solve.
+    """
+
     def __init__(self, spec: FlowSpec) -> None:
         super().__init__()
         self.spec = spec
@@ -48,9 +57,10 @@ class Flow(nn.Module):
         la = self.spec.pre_lookahead_len
         dev = self.input_embedding.weight.device
         seqs = [torch.cat([it.prompt_token.reshape(-1), it.token.reshape(-1)]).to(dev) for it in items]
-        lengths = torch.tensor([s.numel() - (0 if it.finalize else la) for s, it in zip(seqs, items)], device=dev)
-        if int(lengths.min()) < 1:
-            raise ValueError("a flow item needs at least one token besides its look-ahead context")
+        n_out = [s.numel() - (0 if it.finalize else la) for s, it in zip(seqs, items)]
+        if min(n_out) < 1:
+            raise InvalidInputError("a flow job needs at least one token besides its look-ahead context")
+        lengths = torch.tensor(n_out, device=dev)
         t_ext = max(s.numel() for s in seqs)
         ids = torch.zeros(len(items), t_ext, dtype=torch.long, device=dev)
         valid = torch.zeros(len(items), t_ext, dtype=torch.bool, device=dev)
@@ -58,11 +68,11 @@ class Flow(nn.Module):
             ids[i, : s.numel()] = s.clamp(min=0)
             valid[i, : s.numel()] = True
         emb = self.input_embedding(ids) * valid[..., None].to(self.input_embedding.weight.dtype)
-        streaming = torch.tensor([it.streaming for it in items], device=dev)
+        streaming = _streaming_flags(items, dev)
         if self.spec.family == "cosyvoice2":
             h = self.encoder_proj(self.encoder(emb, valid, lengths, streaming=streaming))
         else:
-            h = self.pre_lookahead_layer(emb)[:, : int(lengths.max())]
+            h = self.pre_lookahead_layer(emb)[:, : max(n_out)]
             h = h.repeat_interleave(self.spec.token_mel_ratio, dim=1)
         return h.transpose(1, 2), lengths * self.spec.token_mel_ratio
 
@@ -77,25 +87,29 @@ class Flow(nn.Module):
         Returns:
             per item (1, 80, frames_i - 2 L_i) float32.
         """
+        if not items:
+            return []
         dtype = self.spk_embed_affine_layer.weight.dtype
         dev = self.spk_embed_affine_layer.weight.device
         emb = torch.cat([it.embedding.reshape(1, -1) for it in items]).to(dev, dtype)
         spks = self.spk_embed_affine_layer(F.normalize(emb, dim=1))
         mu, frames = self.encode(items)
+        n_frames = frames.tolist()
         b, _, total = mu.shape
         mask = (torch.arange(total, device=dev)[None, :] < frames[:, None])[:, None].to(mu.dtype)
         cond = torch.zeros(b, self.spec.output_size, total, device=dev, dtype=mu.dtype)
         for i, it in enumerate(items):
             n_prompt = it.prompt_feat.shape[1]
+            if n_prompt > n_frames[i]:
+                raise InvalidInputError(f"prompt mel of {n_prompt} frames is longer than the {n_frames[i]} flow frames")
             cond[i, :, :n_prompt] = it.prompt_feat[0].transpose(0, 1).to(mu)
         mu = mu * mask
         if trace is not None:
             trace.update(mu=mu.clone(), spks=spks.clone(), cond=cond.clone())
-        streaming = torch.tensor([it.streaming for it in items], device=dev)
-        feat = self.decoder(mu, mask, spks, cond, streaming=streaming, trace=trace)
+        feat = self.decoder(mu, mask, spks, cond, streaming=_streaming_flags(items, dev), trace=trace)
         if trace is not None:
             trace["feat_full"] = feat.clone()
-        return [feat[i: i + 1, :, it.prompt_feat.shape[1]: int(frames[i])] for i, it in enumerate(items)]
+        return [feat[i: i + 1, :, it.prompt_feat.shape[1]: n_frames[i]] for i, it in enumerate(items)]
 
     def inference(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
                   embedding: torch.Tensor, streaming: bool = False, finalize: bool = True,
@@ -125,6 +139,14 @@ class FlowItem:
     embedding: torch.Tensor  # (1, 192)
     streaming: bool = False
     finalize: bool = True
+
+
+def _streaming_flags(items: list[FlowItem], device: torch.device) -> bool | torch.Tensor:
+    """One flag when all items agree (the plain single-pattern path), else a (B,) bool tensor."""
+    flags = [bool(it.streaming) for it in items]
+    if all(flags) or not any(flags):
+        return flags[0]
+    return torch.tensor(flags, device=device)
 
 
 def build_flow(spec: FlowSpec) -> Flow:
