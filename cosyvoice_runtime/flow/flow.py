@@ -48,7 +48,7 @@ class Flow(nn.Module):
     def estimator(self) -> nn.Module:
         return self.decoder.estimator
 
-    def encode(self, items: list["FlowItem"]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, items: list[FlowItem]) -> tuple[torch.Tensor, torch.Tensor]:
         """mu (B, 80, T_max) and frame lengths (B,) for a batch of token sequences.
 
         Each item's sequence is ``prompt_token ++ token``; a non-final item's last look-ahead
@@ -77,7 +77,7 @@ class Flow(nn.Module):
         return h.transpose(1, 2), lengths * self.spec.token_mel_ratio
 
     @torch.inference_mode()
-    def inference_batch(self, items: list["FlowItem"], trace: dict | None = None) -> list[torch.Tensor]:
+    def inference_batch(self, items: list[FlowItem], trace: dict | None = None) -> list[torch.Tensor]:
         """One CFM solve for jobs of several requests (right-padded, per-item masks).
 
         Every item gets exactly what it would get alone: causal convolutions and key-padding

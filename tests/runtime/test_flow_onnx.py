@@ -7,14 +7,14 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from cosyvoice_runtime.trt.export import (  # noqa: E402
+from cosyvoice_runtime.trt.export import (
     DEFAULT_OPSET,
     INPUT_NAMES,
     OUTPUT_NAME,
     export_estimator,
     verify_onnx,
 )
-from tests.runtime.test_flow_batch import _flow  # noqa: E402
+from tests.runtime.test_flow_batch import _flow
 
 # (batch, frames): odd lengths, batch sizes other than the traced 2, rows right-padded.
 SHAPES = ((1, 16), (2, 137), (3, 260), (5, 61))
