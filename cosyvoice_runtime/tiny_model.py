@@ -238,6 +238,29 @@ def write_config_dir(out_dir: str | Path, family: str, dims: dict | None = None)
     return ModelSpec.from_model_dir(out)
 
 
+DEFAULT_VOICE_WAV = "default_voice.wav"
+DEFAULT_VOICE_TEXT = "default_voice.txt"
+DEFAULT_VOICE_TRANSCRIPT = "This is the default demo voice of the tiny model."
+
+
+def write_default_voice(model_dir: Path, seed: int = 0, seconds: float = 4.0, sample_rate: int = 24000) -> None:
+    """A synthetic prompt recording (a gliding harmonic tone with breath noise) and its transcript,
+    so the demo service has a ``default`` voice without anyone recording one. Not speech either."""
+    import numpy as np
+    import soundfile as sf
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sample_rate)) / sample_rate
+    f0 = 140 + 25 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / sample_rate
+    voiced = sum(np.sin(k * phase) / k for k in range(1, 8))
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 3.0 * t) ** 2
+    wav = 0.2 * envelope * voiced + 0.01 * rng.standard_normal(t.size)
+    sf.write(model_dir / DEFAULT_VOICE_WAV, (wav / np.abs(wav).max() * 0.7).astype(np.float32), sample_rate,
+             subtype="PCM_16")
+    (model_dir / DEFAULT_VOICE_TEXT).write_text(DEFAULT_VOICE_TRANSCRIPT + "\n", encoding="utf-8")
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -270,6 +293,7 @@ def write_tiny_model(out_dir: str | Path, family: str = "cosyvoice2", seed: int 
             modules = build_modules(spec, device="cpu")
         for name, module in modules.items():
             torch.save(ours_to_official(module), tmp / spec.files[name])
+        write_default_voice(tmp, seed=seed)
         tiny_assets.write_campplus_onnx(tmp / spec.files["campplus"], seed=seed)
         tiny_assets.write_speech_tokenizer_onnx(tmp / spec.files["speech_tokenizer"], seed=seed)
         manifest = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
