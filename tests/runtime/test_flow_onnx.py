@@ -2,7 +2,10 @@
 batch sizes and lengths (dynamic batch and T axes), with full and with chunk attention."""
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
@@ -14,7 +17,7 @@ from cosyvoice_runtime.trt.export import (
     export_estimator,
     verify_onnx,
 )
-from tests.runtime.test_flow_batch import _flow
+from tests.runtime.test_flow_batch import _flow, _item
 
 # (batch, frames): odd lengths, batch sizes other than the traced 2, rows right-padded.
 SHAPES = ((1, 16), (2, 137), (3, 260), (5, 61))
@@ -37,3 +40,30 @@ def test_onnx_matches_torch(family, streaming, tmp_path):
 
     worst = verify_onnx(path, estimator, streaming=streaming, shapes=SHAPES, rtol=RTOL, atol=ATOL)
     assert worst < ATOL
+
+
+class _OrtEstimator(torch.nn.Module):
+    """An onnxruntime session behind the estimator signature (what a TensorRT engine also is)."""
+
+    def __init__(self, path) -> None:
+        super().__init__()
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def forward(self, x, mask, mu, t, spks, cond, streaming=False):
+        feeds = {n: a.detach().cpu().numpy() for n, a in zip(INPUT_NAMES, (x, mask, mu, t, spks, cond))}
+        return torch.from_numpy(self.session.run([OUTPUT_NAME], feeds)[0]).to(x)
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_swapped_estimator_gives_the_same_mel(family, tmp_path):
+    """The CFM solver runs any module with the estimator signature: the ONNX estimator inside
+    a batched solve gives the torch mel."""
+    flow = copy.deepcopy(_flow(family))
+    gen = torch.Generator().manual_seed(2)
+    items = [_item(gen, flow, 20, 40, False, True), _item(gen, flow, 9, 21, False, False)]
+    ref = flow.inference_batch(items)
+    flow.decoder.estimator = _OrtEstimator(export_estimator(flow.decoder.estimator, tmp_path / "e.onnx"))
+    for a, b in zip(ref, flow.inference_batch(items)):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 5e-4
