@@ -185,6 +185,32 @@ def main() -> None:
         logger.info("%-5s %-6d %-6d %-7s %10.3f %10.3f", r["dtype"], r["batch"], r["prompt_len"], r["graphs"],
                     r["wall_ms"], r["event_ms"])
     logger.info("errors: %d", len(result["errors"]))
+    with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
+        f.write(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    """The result as a markdown table (eager vs graphs side by side)."""
+    lines = [f"Device: {result['device']}, torch {result['torch']}", "",
+             "| dtype | batch | context | eager ms/step | graphs ms/step | speed-up | graphs event ms | graphs p90 ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = {(r["dtype"], r["batch"], r["prompt_len"], r["graphs"]): r for r in result["timings"]}
+    for (d, b, c, g), r in rows.items():
+        if g:
+            continue
+        gr = rows.get((d, b, c, True))
+        if gr is None:
+            lines.append(f"| {d} | {b} | {c} | {r['wall_ms']:.2f} | - | - | - | - |")
+        else:
+            lines.append(f"| {d} | {b} | {c} | {r['wall_ms']:.2f} | {gr['wall_ms']:.3f} | "
+                         f"{r['wall_ms'] / gr['wall_ms']:.1f}x | {gr['event_ms']:.3f} | {gr['wall_p90_ms']:.3f} |")
+    lines += ["", "Checks (graphs vs eager engine, full-size model, 24 steps, 2 greedy + 2 RAS requests):", ""]
+    lines += [f"- {c}" for c in result["checks"]]
+    lines += [f"- capture: {r['graphs_captured']} graphs in {r['capture_s']} s ({r['dtype']})"
+              for r in result["timings"] if r["graphs"] and r["graphs_captured"] > 7]
+    if result["errors"]:
+        lines += ["", "Errors:", ""] + [f"```\n{e}\n```" for e in result["errors"]]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
