@@ -40,6 +40,17 @@ class RuntimeFrontend:
                                                     max_seconds=cfg.max_prompt_audio_s))
         self.frontend = Frontend(spec, registry=VoiceRegistry(voices_dir), limits=limits)
         self.registry = self.frontend.registry
+        self._register_default_voice(Path(model_dir))
+
+    def _register_default_voice(self, model_dir: Path) -> None:
+        """The tiny demo model ships a synthetic prompt: serve it as voice ``default`` so the
+        printed curl example works on a fresh machine without recording anything."""
+        from cosyvoice_runtime.tiny_model import DEFAULT_VOICE_TEXT, DEFAULT_VOICE_WAV
+
+        wav, text = model_dir / DEFAULT_VOICE_WAV, model_dir / DEFAULT_VOICE_TEXT
+        if wav.is_file() and text.is_file() and not self.registry.exists("default"):
+            self.frontend.register_voice(wav.read_bytes(), text.read_text(encoding="utf-8").strip(),
+                                         voice_id="default")
 
     def split(self, text: str) -> list[str]:
         return list(self.frontend.normalizer.iter_segments(text))

@@ -49,7 +49,7 @@ def test_register_prepare_delete(frontend):
         cross = await frontend.prepare(
             SynthesisRequest(request_id="c", text="Bonjour.", mode=SynthesisMode.CROSS_LINGUAL, voice_id="v1"))
         assert cross.llm_prompt_text_ids.size == 0 and not cross.llm_use_prompt_speech
-        assert [v.voice_id for v in await frontend.list_voices()] == ["v1"]
+        assert [v.voice_id for v in await frontend.list_voices()] == ["default", "v1"]  # + the tiny demo voice
         await frontend.delete_voice("v1")
         with pytest.raises(VoiceNotFoundError):
             await frontend.get_voice("v1")
@@ -64,3 +64,16 @@ def test_bad_prompts(frontend, audio, error):
                            prompt_audio=audio, prompt_sample_rate=SR)
     with pytest.raises(error):
         asyncio.run(frontend.prepare(req))
+
+
+def test_tiny_model_serves_a_default_voice(frontend):
+    """The printed curl example uses voice 'default': it exists on a fresh tiny-model start."""
+    async def main():
+        voices = await frontend.list_voices()
+        assert "default" in [v.voice_id for v in voices]
+        info = await frontend.get_voice("default")
+        assert info.family == "cosyvoice2" and info.num_prompt_tokens == 100  # 4 s at 25 tokens/s
+        prepared = await frontend.prepare(SynthesisRequest(request_id="d", text="Hello world.", voice_id="default"))
+        assert prepared.prompt.mel.shape == (200, 80)
+
+    asyncio.run(main())
