@@ -145,8 +145,9 @@ def usage_banner(cfg: LoadedConfig) -> str:
         lines.append(f"  model: the tiny RANDOM-WEIGHT {args.tiny_family} model: valid audio, NOT speech "
                      "(set model_dir for a real model)")
     lines += [
-        "  register a voice (a 3-10 s prompt recording and its transcript):",
-        f"    curl -s {base}/v1/voices -F voice_id={EXAMPLE_VOICE} -F prompt_text='<transcript>' "
+        "  register your own voice (a 3-10 s prompt recording and its transcript; the tiny model "
+        f"already has '{EXAMPLE_VOICE}'):",
+        f"    curl -s {base}/v1/voices -F voice_id=myvoice -F prompt_text='<transcript>' "
         "-F audio=@prompt.wav",
         "  synthesize to a WAV file:",
         f"    curl -s {base}/v1/audio/speech -H 'Content-Type: application/json' \\",
