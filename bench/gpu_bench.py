@@ -235,6 +235,8 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     flow estimator), precision fp32 | fp16 | bf16, ``graphs`` = CUDA graphs for the LLM decode."""
     kind, prec, *extra = mode.split("-")
     graphs = "graphs" in extra
+    if kind not in ("pytorch", "compile") or prec not in DTYPES or set(extra) - {"graphs"}:
+        raise ValueError(f"unknown mode {mode!r}: expected <pytorch|compile>-<fp32|fp16|bf16>[-graphs]")
     model = cast(base, DTYPES[prec])
     if kind == "compile":
         est = model.flow.decoder.estimator
@@ -277,14 +279,23 @@ def main(argv: list[str] | None = None) -> None:
     run_baseline(base, voice, text, 30, 1)  # warm-up
     baseline = run_baseline(base, voice, text, args.tokens, args.baseline_requests)
     print(json.dumps({"baseline": baseline}), flush=True)
-    rows = []
-    for mode in args.modes.split(","):
-        rows += bench_mode(base, mode, [int(c) for c in args.concurrency.split(",")], args.tokens, args.min_requests,
-                           args.flow_batch)
+    rows: list[dict] = []
+    errors: list[str] = []
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     from bench.report import write_report
 
-    write_report(Path(args.out), device_name, args.family, args.tokens, baseline, rows)
+    for mode in args.modes.split(","):
+        try:
+            rows += bench_mode(base, mode, [int(c) for c in args.concurrency.split(",")], args.tokens,
+                               args.min_requests, args.flow_batch)
+        except Exception as exc:  # keep measuring the other modes; the report lists the failure
+            logger.exception("mode %s failed", mode)
+            errors.append(f"{mode}: {type(exc).__name__}: {exc}")
+        if rows:  # rewrite the report after every mode so a timeout still leaves results
+            notes = "\n".join(f"- mode failed: {e}" for e in errors)
+            write_report(Path(args.out), device_name, args.family, args.tokens, baseline, rows, notes=notes)
+    if errors:
+        print(json.dumps({"errors": errors}), flush=True)
 
 
 if __name__ == "__main__":
