@@ -154,6 +154,7 @@ class TTSIngress:
     async def _synthesize(self, req: SynthesisRequest, fmt: str) -> Response:
         started = time.perf_counter()
         self.metrics.in_flight.inc()
+        handed_to_stream = False  # from then on _stream_body's finally owns the in-flight count
         try:
             prepared = await _admitted(self.frontend.prepare.remote(req))
             if not req.stream:
@@ -167,11 +168,12 @@ class TTSIngress:
             except StopAsyncIteration:
                 first = None
             except BaseException:
-                gen.cancel()
+                _cancel(gen)
                 raise
-        except BaseException:
-            self.metrics.in_flight.dec()
-            raise
+            handed_to_stream = True
+        finally:
+            if not handed_to_stream:
+                self.metrics.in_flight.dec()
         return StreamingResponse(self._stream_body(gen, first, fmt, started), media_type=MEDIA_TYPES[fmt])
 
     async def _stream_body(self, gen, first, fmt: str, started: float):
@@ -193,7 +195,7 @@ class TTSIngress:
             self._observe(started, first_at, samples, sample_rate)
         finally:
             # Disconnect / error: cancel the handle call so the replica aborts the sequence.
-            gen.cancel()
+            _cancel(gen)
             self.metrics.in_flight.dec()
 
     def _observe(self, started: float, first_at: float | None, samples: int, sample_rate: int) -> None:
@@ -327,6 +329,15 @@ async def _admitted(awaitable):
     except BackPressureError as exc:
         raise OverloadedError(f"server is at capacity; retry after {exc.retry_after_s or 1} s",
                               retry_after_s=int(exc.retry_after_s or 1)) from None
+
+
+def _cancel(gen) -> None:
+    """Cancel a streaming handle call. NOTE: ``cancel()`` on a call that Serve rejected re-raises the
+    rejection (BackPressureError), which would replace our JSON 429 with Serve's plain-text one."""
+    try:
+        gen.cancel()
+    except Exception as exc:  # noqa: BLE001 - the call already failed; its error was answered
+        logger.debug("cancel of a failed stream raised %s", type(exc).__name__)
 
 
 async def _json(request: Request) -> Any:

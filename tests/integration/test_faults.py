@@ -1,0 +1,272 @@
+"""Faults on real local Ray: a replica killed mid-stream, timeouts, disconnects, overload, recovery.
+
+Runs as its own application (``/faults``, two synthesizer replicas, fake runtimes) in the
+session's Ray, so that killing a replica does not disturb the other suites' app. Slot accounting
+is read over HTTP: ``/health`` (engine stats of every synthesizer replica) and ``/metrics``
+(``tts_requests_in_flight`` of the ingress).
+
+The long soak (``bench.soak``, 2,000 requests on the tiny model) is ``test_soak`` (``-m slow``).
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.deployments import fakes
+from tests.integration.conftest import TEST_ARGS
+
+pytestmark = pytest.mark.ray
+
+PREFIX = "/faults"
+APP = "faults"
+RETRY_AFTER = 3
+VOICE = "carol"
+
+
+def _expected_samples(text: str) -> int:
+    return len(text.encode()) * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
+
+
+@pytest.fixture(scope="module")
+def faults_app(ray_session):
+    from ray import serve
+
+    from bench.load import synthetic_prompt_wav
+    from serve_app.app import build_app
+    from serve_app.args import AppArgs
+
+    args = {**TEST_ARGS, "synthesizer": {**TEST_ARGS["synthesizer"], "num_replicas": 2, "retry_after_s": RETRY_AFTER,
+                                         "graceful_shutdown_timeout_s": 1}}
+    serve.run(build_app(AppArgs.model_validate(args)), name=APP, route_prefix=PREFIX)
+    url = ray_session["base_url"] + PREFIX
+    r = httpx.post(f"{url}/v1/voices", data={"voice_id": VOICE, "prompt_text": "carol speaking", "overwrite": "true"},
+                   files={"audio": ("c.wav", synthetic_prompt_wav(2.0), "audio/wav")}, timeout=30)
+    assert r.status_code == 201, r.text
+    yield {"url": url}
+    serve.delete(APP)
+
+
+def _speech(text: str, stream: bool = True) -> dict:
+    return {"model": "tts-1", "input": text, "voice": VOICE, "response_format": "pcm", "stream": stream}
+
+
+def _engines(url: str) -> dict[str, dict]:
+    """Engine stats per synthesizer replica (``/health`` probes every replica)."""
+    return {rid: rep["engine"] for rid, rep in httpx.get(f"{url}/health", timeout=30).json()
+            ["synthesizer_replicas"].items()}
+
+
+def _in_flight(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return float(re.search(r"^tts_requests_in_flight(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE).group(1))
+
+
+def _wait_idle(url: str, timeout_s: float = 20.0) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        engines = _engines(url)
+        idle = engines and all(e["running"] == 0 and e["waiting"] == 0 and e["open_streams"] == 0
+                               for e in engines.values())
+        if (idle and _in_flight(url) == 0) or time.monotonic() > deadline:
+            return engines
+        time.sleep(0.2)
+
+
+def _assert_idle(url: str) -> dict[str, dict]:
+    engines = _wait_idle(url)
+    assert all(e["running"] == 0 and e["open_streams"] == 0 for e in engines.values()), engines
+    assert _in_flight(url) == 0
+    return engines
+
+
+def _synth_replicas() -> set[str]:
+    """Names of the app's live synthesizer replica actors (from the GCS; no dashboard needed)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#Synthesizer#"
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
+
+
+def _running(deployment: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications[APP].deployments[deployment]
+    return int(status.replica_states.get("RUNNING", 0))
+
+
+class _Stream(threading.Thread):
+    """One streamed request in a thread: records bytes, first-chunk time and how it ended."""
+
+    def __init__(self, url: str, text: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.text = url, text
+        self.first = threading.Event()
+        self.nbytes = 0
+        self.status: int | None = None
+        self.error: str | None = None
+        self.done_at: float | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/audio/speech", json=_speech(self.text), timeout=60) as r:
+                self.status = r.status_code
+                for part in r.iter_raw():
+                    self.nbytes += len(part)
+                    self.first.set()
+        except httpx.HTTPError as exc:
+            self.error = type(exc).__name__
+        finally:
+            self.first.set()
+            self.done_at = time.monotonic()
+
+
+# ------------------------------------------------------------------------------ replica crash
+def test_killed_replica_mid_stream(faults_app):
+    """Streams on the killed replica end with a transport error (no hang), the others finish whole,
+    Serve starts a replacement, and new requests succeed."""
+    import ray
+
+    url = faults_app["url"]
+    assert _running("Synthesizer") == 2
+    before = _synth_replicas()
+    assert len(before) == 2
+    text = "k" * 700  # ~5.6 s of fake decoding per stream
+    streams = [_Stream(url, text) for _ in range(6)]
+    for s in streams:  # one at a time, so the router sees each replica's load when placing the next
+        s.start()
+        assert s.first.wait(30) and s.status == 200, (s.status, s.error)
+    victim_name = min(before)
+    killed_at = time.monotonic()
+    ray.kill(ray.get_actor(victim_name, namespace="serve"), no_restart=True)
+    for s in streams:
+        s.join(60)
+        assert not s.is_alive(), "a stream hung after the replica was killed"
+    complete = [s for s in streams if s.error is None and s.nbytes == 2 * _expected_samples(text)]
+    broken = [s for s in streams if s not in complete]
+    # Routing spreads six streams over two replicas; each side gets at least one.
+    assert complete and broken, [(s.error, s.nbytes) for s in streams]
+    for s in broken:
+        assert s.error in ("RemoteProtocolError", "ReadError"), (s.error, s.nbytes)
+        assert s.done_at - killed_at < 15  # a clean, prompt error, not a timeout
+    # Serve replaces the replica ...
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = _synth_replicas()
+        if len(now) == 2 and victim_name not in now and _running("Synthesizer") == 2:
+            break
+        time.sleep(0.5)
+    assert len(now) == 2 and victim_name not in now, now
+    # ... and new requests (both replicas, unary and streamed) succeed.
+    for stream in (False, True, False, True):
+        r = httpx.post(f"{url}/v1/audio/speech", json=_speech("After the crash.", stream=stream), timeout=30)
+        assert r.status_code == 200 and len(r.content) == 2 * _expected_samples("After the crash.")
+    _assert_idle(url)
+
+
+# ------------------------------------------------------------------------------ slots
+def test_request_timeout_frees_its_slot(faults_app):
+    url = faults_app["url"]
+    _assert_idle(url)
+    before = sum(e["aborted"] for e in _engines(url).values())
+    with pytest.raises(httpx.ReadTimeout):  # a unary request: nothing arrives before the timeout
+        httpx.post(f"{url}/v1/audio/speech", json=_speech("t" * 1500, stream=False), timeout=httpx.Timeout(30, read=1.0))
+    engines = _assert_idle(url)
+    assert sum(e["aborted"] for e in engines.values()) == before + 1  # aborted, not decoded to the end
+
+
+def test_disconnects_free_their_slots(faults_app):
+    url = faults_app["url"]
+    _assert_idle(url)
+    before = sum(e["aborted"] for e in _engines(url).values())
+
+    async def open_and_drop(client):
+        async with client.stream("POST", f"{url}/v1/audio/speech", json=_speech("d" * 1500)) as r:
+            assert r.status_code == 200
+            async for _ in r.aiter_raw():
+                break  # one chunk, then close the connection
+
+    async def main():
+        async with httpx.AsyncClient(timeout=30) as client:
+            await asyncio.gather(*(open_and_drop(client) for _ in range(4)))
+
+    asyncio.run(main())
+    engines = _assert_idle(url)
+    assert sum(e["aborted"] for e in engines.values()) == before + 4
+
+
+# ------------------------------------------------------------------------------ overload
+def test_overload_429_then_recovery(faults_app):
+    url = faults_app["url"]
+    _assert_idle(url)
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as client:
+            # Half streamed: a rejected stream must get the same JSON 429 as a unary request.
+            return await asyncio.gather(*(client.post(f"{url}/v1/audio/speech",
+                                                      json=_speech("o" * 300, stream=i % 2 == 0))
+                                          for i in range(28)))
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) == {200, 429}, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == str(RETRY_AFTER), r.text
+            assert r.json()["error"]["code"] == "queue_full" and r.json()["request_id"]
+        else:
+            assert len(r.content) == 2 * _expected_samples("o" * 300)
+    _assert_idle(url)
+    # Load dropped: every request is served again.
+    for _ in range(6):
+        r = httpx.post(f"{url}/v1/audio/speech", json=_speech("Recovered.", stream=False), timeout=30)
+        assert r.status_code == 200
+
+
+def test_no_request_lost_under_mixed_load(faults_app):
+    """The load generator against the app: every request ends in audio or a documented code."""
+    from bench.load import LoadConfig, LoadGenerator
+
+    cfg = LoadConfig(base_url=faults_app["url"], mode="open", rate_rps=40.0, max_requests=80, max_duration_s=10.0,
+                     texts=("Hi.", "Hello world.", "p" * 120, "q" * 400), voices=(VOICE, "nobody"),
+                     sample_rate=fakes.SAMPLE_RATE, progress=False, seed=7)
+    s = LoadGenerator(cfg).run()["summary"]
+    assert s["requests"] == 80 and s["lost"] == 0, s["outcomes"]
+    assert s["ok"] > 0 and s["outcomes"].get("404:voice_not_found", 0) > 0
+    assert s["retry_after_missing"] == 0
+    _assert_idle(faults_app["url"])
+
+
+# ------------------------------------------------------------------------------ soak (slow)
+@pytest.mark.slow
+def test_soak(ray_session, tmp_path_factory):
+    """2,000 requests on the tiny model (``make soak`` runs the same thing as a script)."""
+    from ray import serve
+
+    from bench.soak import run_soak, write_result
+    from cosyvoice_runtime.tiny_model import write_tiny_model
+    from serve_app.app import build_app
+    from serve_app.args import AppArgs
+
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("soak-model") / "tiny-cosyvoice2", "cosyvoice2")
+    args = AppArgs.model_validate({
+        "model_dir": str(model_dir),
+        "ingress": {"num_replicas": 1, "resources": {"num_cpus": 0.1}},
+        "frontend": {"num_replicas": 1, "resources": {"num_cpus": 0.1},
+                     "voices_dir": str(tmp_path_factory.mktemp("soak-voices"))},
+        "synthesizer": {"num_replicas": 1, "device": "cpu", "max_running": 8, "max_ongoing_requests": 8,
+                        "max_queued_requests": 16, "max_model_len": 1024, "token2wav": {"max_batch_size": 4},
+                        "resources": {"num_cpus": 0.5}},
+    })
+    serve.run(build_app(args), name="soak", route_prefix="/soak")
+    try:
+        result = run_soak(ray_session["base_url"] + "/soak", requests=2000, concurrency=8, progress=False)
+        write_result(result, tmp_path_factory.mktemp("soak-out") / "soak")
+        assert result["requests_lost"] == 0 and not result["violations"], result["violations"]
+        assert result["passed"]
+    finally:
+        serve.delete("soak")
