@@ -123,7 +123,7 @@ class TTSIngress:
 
     # ---------------------------------------------------------------- synthesis routes
     async def openai_speech(self, request: Request) -> Response:
-        body = SpeechRequest.model_validate(await _json(request))
+        body = SpeechRequest.model_validate(await _json(request, self.cfg.max_upload_bytes))
         if self.cfg.model_names and body.model not in self.cfg.model_names:
             raise ApiError(400, f"unknown model '{body.model}'; available: {', '.join(self.cfg.model_names)}",
                            code="model_not_found")
@@ -142,7 +142,7 @@ class TTSIngress:
             if "prompt_audio" in files:
                 audio, sr = decode_upload(files["prompt_audio"])
         else:
-            body = NativeSynthesisFields.model_validate(await _json(request))
+            body = NativeSynthesisFields.model_validate(await _json(request, self.cfg.max_upload_bytes))
         self._check_text(body.text)
         check_format(body.response_format, body.stream)
         req = SynthesisRequest(request_id=request_id_of(request), text=body.text, mode=body.mode,
@@ -340,11 +340,21 @@ def _cancel(gen) -> None:
         logger.debug("cancel of a failed stream raised %s", type(exc).__name__)
 
 
-async def _json(request: Request) -> Any:
-    raw = await request.body()
+async def _json(request: Request, limit: int) -> Any:
+    """The JSON body, refused with a 413 past ``limit`` bytes before it is read (declared length)
+    or as soon as the stream passes it (chunked bodies)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"body is {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"body exceeds {limit} bytes")
+        chunks.append(chunk)
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly nested arrays
         raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
 
 
