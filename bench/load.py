@@ -373,6 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     a = parse_args(argv)
     voices = list(a.voices) + register_voices(a.url, a.register_voices)
     cfg = LoadConfig(base_url=a.url, mode=a.mode, rate_rps=a.rate, concurrency=a.concurrency,

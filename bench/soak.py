@@ -265,6 +265,7 @@ def start_local(config: Path = DEFAULT_CONFIG, voices_dir: str | None = None, nu
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     p = argparse.ArgumentParser(description="Soak the TTS service and check for leaks and lost requests.")
     p.add_argument("--url", default=None, help="a running server (default: start configs/local.yaml here)")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
