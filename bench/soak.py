@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.load import LoadConfig, LoadGenerator, register_voices
+from bench.load import LoadConfig, LoadGenerator, register_voices, write_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,7 @@ def run_soak(base_url: str, requests: int = 2000, warmup: int = 40, concurrency:
         "violations": leaks["violations"],
         "series": sampler.series,
         "passed": lost == 0 and not leaks["violations"] and idle and total == requests,
+        "phase_reports": dict(phases),  # full load reports; write_result stores them beside the soak files
     }
 
 
@@ -229,6 +230,9 @@ def write_result(result: dict[str, Any], stem: str | Path | None = None) -> tupl
     stem = Path(stem) if stem else RESULTS_DIR / f"soak-{result['date']}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     js, md = stem.with_suffix(".json"), stem.with_suffix(".md")
+    result = dict(result)
+    for name, report in (result.pop("phase_reports", None) or {}).items():
+        write_outputs(report, stem.parent / f"{stem.name}-{name}", title=f"{stem.name} {name} loop")
     js.write_text(json.dumps(result, indent=1, default=str) + "\n")
     md.write_text(soak_markdown(result))
     return js, md

@@ -129,3 +129,15 @@ def test_config_is_validated():
         LoadConfig(base_url="x", mode="burst")
     with pytest.raises(ValueError):
         LoadConfig(base_url="x", max_requests=0)
+
+
+def test_soak_bounds_flag_growth_and_dead_workers():
+    from bench.soak import Bounds, check_bounds
+
+    before = {"1": {"title": "ray::A", "rss_mib": 1000.0, "fds": 50}, "2": {"title": "ray::B", "rss_mib": 100.0, "fds": 9},
+              "3": {"title": "ray::C", "rss_mib": 100.0, "fds": 9}}
+    after = {"1": {"title": "ray::A", "rss_mib": 1090.0, "fds": 60}, "2": {"title": "ray::B", "rss_mib": 170.0, "fds": 30}}
+    out = check_bounds(before, after, Bounds(rss_abs_mib=64.0, rss_rel=0.10, fd_slack=16))
+    assert out["workers"]["1"]["rss_allowed_mib"] == 100.0  # 10 % of 1000 MiB beats 64 MiB
+    assert out["violations"] == ["worker 2 (ray::B) RSS grew 70.0 MiB > 64.0", "worker 2 (ray::B) open fds grew 21 > 16",
+                                 "worker 3 (ray::C) died during the soak"]
