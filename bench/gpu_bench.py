@@ -100,6 +100,12 @@ class ReplicaSim:
         self.engine = LLMEngine(model.llm, max_batch_size=max_batch,
                                 max_seq_len=PROMPT_SPEECH + PROMPT_TEXT + TEXT + n_tokens + 8,
                                 use_cuda_graphs=cuda_graphs and model.device.type == "cuda")
+        if cuda_graphs and model.device.type == "cuda":
+            # NOTE: capture every bucket now, on the default stream with nothing else running: a
+            # capture started lazily on the LLM thread while the token2wav thread works fails
+            # ("capturing stream has unjoined work", H200 2026-12-02).
+            self.engine.capture_graphs()
+            sync(model.device)
         self.t2w = Token2Wav(model.spec, model.flow, model.hift)
         self.lock = threading.Condition()
         self.streams: dict[str, _Stream] = {}
@@ -271,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--baseline-requests", type=int, default=3)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="", help="suffix of the report name (several runs on one day)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -293,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
             errors.append(f"{mode}: {type(exc).__name__}: {exc}")
         if rows:  # rewrite the report after every mode so a timeout still leaves results
             notes = "\n".join(f"- mode failed: {e}" for e in errors)
-            write_report(Path(args.out), device_name, args.family, args.tokens, baseline, rows, notes=notes)
+            write_report(Path(args.out), device_name, args.family, args.tokens, baseline, rows, notes=notes,
+                         tag=args.tag)
     if errors:
         print(json.dumps({"errors": errors}), flush=True)
 

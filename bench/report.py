@@ -58,10 +58,10 @@ def _plots(out: Path, stem: str, rows: list[dict], baseline: dict) -> list[str]:
 
 
 def write_report(out: Path, device: str, family: str, n_tokens: int, baseline: dict, rows: list[dict],
-                 date: str | None = None, notes: str = "") -> Path:
+                 date: str | None = None, notes: str = "", tag: str = "") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     date = date or dt.date.today().isoformat()
-    stem = f"{_slug(device)}-{date}"
+    stem = f"{_slug(device)}-{date}" + (f"-{_slug(tag)}" if tag else "")
     plots = _plots(out, stem, rows, baseline)
     best = _best(rows)
     c1 = _at(rows, best["mode"], 1) or {}

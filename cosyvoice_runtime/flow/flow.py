@@ -56,7 +56,7 @@ class Flow(nn.Module):
         """
         la = self.spec.pre_lookahead_len
         dev = self.input_embedding.weight.device
-        seqs = [torch.cat([it.prompt_token.reshape(-1), it.token.reshape(-1)]).to(dev) for it in items]
+        seqs = [torch.cat([it.prompt_token.reshape(-1).to(dev), it.token.reshape(-1).to(dev)]) for it in items]
         n_out = [s.numel() - (0 if it.finalize else la) for s, it in zip(seqs, items)]
         if min(n_out) < 1:
             raise InvalidInputError("a flow job needs at least one token besides its look-ahead context")
