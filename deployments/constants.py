@@ -1,9 +1,10 @@
 """Process-wide constants and the ONLY place that reads environment variables.
 
 Everything configurable per deployment lives in the pydantic configs (``configs/*.yaml``);
-environment variables are reserved for machine-level facts (where models are cached, an
-override of the execution mode for a whole node). They are read by functions, never at import
-time of a deployment module, so a replica reads them on the node it runs on (house style §2.2).
+environment variables are reserved for machine-level facts (where models are cached, the
+execution mode of a node where the config leaves it unset). They are read by functions, never at
+import time of a deployment module, so a replica reads them on the node it runs on (house style
+§2.2).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ LOOP_LAG_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
 # Environment variable names (documented in docs/serving.md).
 ENV_MODEL_DIR = "FAST_COSY_MODEL_DIR"  # model directory used when the config gives none
 ENV_HOME = "FAST_COSY_HOME"  # cache root: generated tiny model, default voice store
-ENV_MODE = "FAST_COSY_MODE"  # overrides SynthesizerConfig.mode on this node ("pytorch" | "trt")
+ENV_MODE = "FAST_COSY_MODE"  # SynthesizerConfig.mode on this node when the config leaves it unset
 ENV_DEVICE = "FAST_COSY_DEVICE"  # overrides SynthesizerConfig.device on this node
 
 
@@ -43,7 +44,8 @@ def model_dir_override() -> str | None:
 
 
 def mode_override() -> str | None:
-    """``$FAST_COSY_MODE`` ("pytorch" | "trt") if set."""
+    """``$FAST_COSY_MODE`` ("pytorch" | "torchscript" | "trt") if set; used only where
+    ``SynthesizerConfig.mode`` is None (the config wins, ``cosyvoice_runtime.modes.resolve_mode``)."""
     value = os.environ.get(ENV_MODE) or None
     return value.lower() if value else None
 

@@ -246,27 +246,63 @@ class RuntimeToken2Wav:
         return [a.detach().float().cpu().numpy() for a in self.t2w.run_batch(jobs)]
 
 
+def replica_limits(cfg, model, dtype_bytes: int):
+    """The flow batch / call sizes this replica accepts: the config, fitted to ``max_mem_gb``."""
+    from cosyvoice_runtime.errors import ModelLoadError
+    from cosyvoice_runtime.trt.profiles import ReplicaLimits, fit_to_memory
+
+    limits = ReplicaLimits(max_flow_batch=cfg.token2wav.max_batch_size)
+    if cfg.max_mem_gb is None:
+        return limits
+    weights = sum(p.numel() * p.element_size() for m in (model.llm, model.flow, model.hift) for p in m.parameters())
+    try:
+        fitted = fit_to_memory(model.spec, cfg.max_mem_gb, limits, weights_bytes=weights, max_running=cfg.max_running,
+                               max_model_len=cfg.max_model_len, dtype_bytes=dtype_bytes)
+    except ValueError as exc:
+        raise ModelLoadError("max_mem_gb", str(exc)) from None
+    if fitted != limits:
+        logger.warning("max_mem_gb %g lowers the flow limits: batch %d -> %d, longest call %.0f s -> %.0f s",
+                       cfg.max_mem_gb, limits.max_flow_batch, fitted.max_flow_batch, limits.max_total_s,
+                       fitted.max_total_s)
+    return fitted
+
+
 def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
-    """Load the model on the replica's device and wrap the engine and token2wav."""
+    """Load the model on the replica's device in the replica's execution mode.
+
+    The mode is resolved here too (config, else ``$FAST_COSY_MODE``, else pytorch) so the
+    loader can be called on its own; :class:`~deployments.synthesizer.Synthesizer` passes a
+    config whose mode is already resolved.
+    """
     import torch
 
-    from cosyvoice_runtime.errors import ModelLoadError
     from cosyvoice_runtime.model import load_model
+    from cosyvoice_runtime.modes import apply_mode, preflight, resolve_mode
+    from cosyvoice_runtime.trt.profiles import derive_profile
     from deployments import constants
 
-    mode = constants.mode_override() or cfg.mode
-    if mode == "trt":
-        # Plans are built offline; the runtime's TensorRT estimator is an optional extra.
-        try:
-            from cosyvoice_runtime.trt import engine as _trt_engine  # noqa: F401
-        except ImportError as exc:
-            raise ModelLoadError(cfg.trt_plan_dir or "trt", f"TensorRT mode requested but unavailable: {exc}") from exc
+    mode, source = resolve_mode(cfg.mode, constants.mode_override())
+    preflight(mode, cfg.trt_plan_dir)  # before the weights: a missing TensorRT fails in seconds
     device = resolve_device(cfg.device)
-    model = load_model(model_dir, device=device, dtype=getattr(torch, _DTYPES[cfg.dtype]))
+    dtype = getattr(torch, _DTYPES[cfg.dtype])
+    model = load_model(model_dir, device=device, dtype=dtype)
+    limits = replica_limits(cfg, model, dtype_bytes=torch.finfo(dtype).bits // 8)
+    trt_estimator = None
+    if mode == "trt":
+        from cosyvoice_runtime.trt.engine import load_trt_estimator
+
+        trt_estimator = load_trt_estimator(cfg.trt_plan_dir, derive_profile(model.spec, limits), device=device,
+                                           pool_size=cfg.compute_threads,
+                                           flow_checkpoint=Path(model_dir) / model.spec.files["flow"])
+    report = apply_mode(model, mode, dtype, trt_estimator=trt_estimator)
+    rate = model.spec.token_frame_rate
     return SynthesisRuntime(
         engine=RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len),
         token2wav=RuntimeToken2Wav(model), device=str(device),
-        details={"family": model.spec.family, "mode": mode, "dtype": cfg.dtype},
+        details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
+                 "compiled": report["compiled"], "estimator": report["estimator"],
+                 "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
+                 "max_flow_tokens": int(limits.max_total_s * rate)},
     )
 
 

@@ -29,6 +29,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from ray import serve
 
 from cosyvoice_runtime.config import ENDOFPROMPT_TOKEN_ID
+from cosyvoice_runtime.modes import preflight, resolve_mode
 from deployments import constants
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
@@ -65,8 +66,12 @@ class SynthesizerConfig(DeploymentKnobs):
     model_dir: str | None = None  # None: AppArgs.model_dir, then $FAST_COSY_MODEL_DIR, then the tiny model
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    mode: Literal["pytorch", "trt"] = "pytorch"  # trt: load prebuilt TensorRT plans for the flow estimator
+    # Execution mode; None: $FAST_COSY_MODE of the node, else pytorch (a value set here wins over the env).
+    # torchscript: torch.compile of the flow estimator + vocoder; trt: prebuilt TensorRT plans of the estimator.
+    mode: Literal["pytorch", "torchscript", "trt"] | None = None
     trt_plan_dir: str | None = None
+    # GPU memory budget of the replica (GiB): lowers the flow batch / longest flow call until the estimate fits.
+    max_mem_gb: PositiveFloat | None = None
     max_running: PositiveInt = 16  # decode slots (sequences in the running batch)
     max_model_len: PositiveInt = 2048  # KV-cache positions per slot (prompt + generated)
     compute_threads: PositiveInt = 1
@@ -121,8 +126,13 @@ class Synthesizer:
             runtime_factory = _import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
         started = time.perf_counter()
         source = source or ModelSource(cfg.model_dir)
+        # Decided once per replica, on its own node; a mode that cannot run here fails now, not mid-request.
+        self.mode, self.mode_source = resolve_mode(cfg.mode, constants.mode_override())
+        logger.info("synthesizer execution mode: %s (from %s)", self.mode, self.mode_source)
+        preflight(self.mode, cfg.trt_plan_dir)
+        resolved = cfg.model_copy(update={"mode": self.mode})
         factory = runtime_factory
-        self.runtime = call_with_timeout(lambda: factory(cfg, source), cfg.startup_timeout_s, "synthesizer model")
+        self.runtime = call_with_timeout(lambda: factory(resolved, source), cfg.startup_timeout_s, "synthesizer model")
         self.t2w = self.runtime.token2wav
         self.sample_rate = self.t2w.sample_rate
         self.compute = ComputeExecutor(cfg.compute_threads)
@@ -130,7 +140,11 @@ class Synthesizer:
         self.probe = DeviceProbe(self.runtime.device)
         self.metrics = metrics or ReplicaMetrics.for_replica("synthesizer")
         self.t2w_batch_sizes: Counter[int] = Counter()
-        self._token2wav.set_max_batch_size(cfg.token2wav.max_batch_size)
+        details = self.runtime.details
+        # max_mem_gb may lower the flow batch and the prompt length this replica accepts.
+        self.max_prompt_tokens: int | None = details.get("max_prompt_tokens")
+        self._token2wav.set_max_batch_size(min(cfg.token2wav.max_batch_size,
+                                               details.get("max_flow_batch", cfg.token2wav.max_batch_size)))
         self._token2wav.set_batch_wait_timeout_s(cfg.token2wav.batch_wait_timeout_s)
         if cfg.warmup:
             call_with_timeout(self._warmup, cfg.startup_timeout_s, "synthesizer warmup")
@@ -145,6 +159,10 @@ class Synthesizer:
         samples = 0
         status = "ok"
         try:
+            n_prompt = len(req.prompt.speech_tokens)
+            if self.max_prompt_tokens is not None and n_prompt > self.max_prompt_tokens:
+                raise InvalidInputError(f"prompt of {n_prompt} speech tokens is longer than this replica accepts "
+                                        f"({self.max_prompt_tokens})")
             last_piece = len(req.pieces) - 1
             for p, piece in enumerate(req.pieces):
                 async for audio, final in self._synthesize_piece(req, p, piece):
@@ -210,6 +228,8 @@ class Synthesizer:
             device=self.runtime.device, gpu_memory_allocated_bytes=stats["gpu_memory_allocated_bytes"],
             gpu_memory_total_bytes=stats["gpu_memory_total_bytes"], gpu_utilization_pct=stats["utilization_pct"],
             engine=self.loop.stats(),
+            detail={"mode": self.mode, "mode_source": self.mode_source,
+                    **{k: v for k, v in self.runtime.details.items() if k not in ("mode", "mode_source")}},
         )
 
     # ---------------------------------------------------------------- Serve hooks

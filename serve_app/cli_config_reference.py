@@ -32,7 +32,8 @@ ignored. `fastcosy doctor --config FILE` validates a file without starting anyth
 Environment variables (read only by `deployments/constants.py`, on the node that runs the
 replica): `FAST_COSY_MODEL_DIR` (model directory when the config gives none),
 `FAST_COSY_HOME` (cache root: generated tiny model, default voice store; default
-`~/.cache/fastcosy`), `FAST_COSY_MODE` (overrides `synthesizer.mode` on that node),
+`~/.cache/fastcosy`), `FAST_COSY_MODE` (`synthesizer.mode` on that node where the config
+sets none; a mode in the config wins),
 `FAST_COSY_DEVICE` (overrides `synthesizer.device` on that node).
 """
 

@@ -178,7 +178,12 @@ def probe_environment(args: argparse.Namespace) -> Environment:
             env.config_error = f"the serving stack does not import ({exc}); install the project first"
     model_dir = model_dir or constants.model_dir_override()
     env.model_dir = Path(model_dir).expanduser() if model_dir else None
-    env.mode = args.mode or constants.mode_override() or (synth.mode if synth else "pytorch")
+    from cosyvoice_runtime.modes import resolve_mode  # the replica's rule: config wins, then the env
+
+    try:
+        env.mode = args.mode or resolve_mode(synth.mode if synth else None, constants.mode_override())[0]
+    except ValueError as exc:  # a bad $FAST_COSY_MODE: the replica would refuse to start too
+        env.config_error, env.mode = str(exc), "pytorch"
     env.device = args.device or constants.device_override() or (synth.device if synth else "auto")
     plan_dir = args.plan_dir or (synth.trt_plan_dir if synth else None)
     env.engine_cache_dir = Path(plan_dir).expanduser() if plan_dir else None
@@ -205,7 +210,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="serve config to check against (model_dir, mode, device, plan dir)")
     p.add_argument("--model-dir", help="model directory (overrides the config)")
     p.add_argument("--plan-dir", help="TensorRT plan directory (overrides synthesizer.trt_plan_dir)")
-    p.add_argument("--mode", choices=["pytorch", "trt"], help="synthesizer mode (overrides the config)")
+    p.add_argument("--mode", choices=["pytorch", "torchscript", "trt"],
+                   help="synthesizer mode (overrides the config)")
     p.add_argument("--device", help="synthesizer device: auto | cpu | cuda | cuda:N (overrides the config)")
     p.add_argument("--ray-address", help="cluster to check: dashboard http://HEAD:8265, or HEAD:6379 / ray://HEAD:10001")
     p.add_argument("--max-mem-gb", type=float, help="GPU memory the synthesizer needs (default: estimated)")

@@ -109,7 +109,7 @@ class EstimatorProfile:
         """Human-readable summary (the build prints it)."""
         lines = ["input   min              opt              max"]
         for name, (lo, opt, hi) in self.shapes().items():
-            lines.append(f"{name:<7} {str(lo):<16} {str(opt):<16} {hi}")
+            lines.append(f"{name:<7} {lo!s:<16} {opt!s:<16} {hi}")
         return "\n".join(lines)
 
 
@@ -201,8 +201,8 @@ def fit_to_memory(spec: ModelSpec, max_mem_gb: float, limits: ReplicaLimits = Re
         ValueError: even the smallest limits do not fit (the message gives the fixed costs).
     """
     budget = max_mem_gb * GIB
-    kw = dict(weights_bytes=weights_bytes, max_running=max_running, max_model_len=max_model_len,
-              dtype_bytes=dtype_bytes, reserve_gb=reserve_gb)
+    kw = {"weights_bytes": weights_bytes, "max_running": max_running, "max_model_len": max_model_len,
+          "dtype_bytes": dtype_bytes, "reserve_gb": reserve_gb}
     for batch in range(limits.max_flow_batch, 0, -1):
         candidate = dataclasses.replace(limits, max_flow_batch=batch)
         if replica_bytes(spec, candidate, **kw) <= budget:

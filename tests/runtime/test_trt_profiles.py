@@ -76,7 +76,7 @@ def test_bad_limits_are_refused():
 def test_memory_budget_lowers_batch_then_length():
     spec = _spec("cosyvoice2")
     # Fixed costs near zero so the (tiny) estimator's activations decide.
-    kw = dict(weights_bytes=1 << 20, max_running=1, max_model_len=16, dtype_bytes=2, reserve_gb=0.0)
+    kw = {"weights_bytes": 1 << 20, "max_running": 1, "max_model_len": 16, "dtype_bytes": 2, "reserve_gb": 0.0}
     full = ReplicaLimits(max_flow_batch=8)
     need = replica_bytes(spec, full, **kw)
     assert fit_to_memory(spec, need / GIB + 0.1, full, **kw) == full  # fits: unchanged
