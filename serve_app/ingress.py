@@ -275,6 +275,8 @@ class TTSIngress:
                     "gpu_memory_total_bytes": res.gpu_memory_total_bytes,
                     "utilization_pct": res.gpu_utilization_pct,
                     "engine": res.engine.__dict__ if res.engine else None,
+                    # the execution mode and where it came from (config / FAST_COSY_MODE / default)
+                    "mode": (res.detail or {}).get("mode"), "mode_source": (res.detail or {}).get("mode_source"),
                 }
         ready = bool(seen) and all(r["ready"] for r in seen.values())
         body = {"status": "ok" if ready else "unavailable", "synthesizer_replicas": seen,

@@ -268,6 +268,7 @@ def test_health_and_metrics(tts_app, voice):
     assert len(replicas) == 1
     (rep,) = replicas.values()
     assert rep["ready"] and rep["device"] == "cpu" and "gpu_memory_allocated_bytes" in rep
+    assert rep["mode"] == "pytorch" and rep["mode_source"] in ("config", "env", "default")
     text = httpx.get(f"{url}/metrics").text
     assert httpx.get(f"{url}/metrics").headers["content-type"].startswith("text/plain")
     for name in ("tts_http_requests_total", "tts_http_errors_total", "tts_time_to_first_audio_seconds_count",
