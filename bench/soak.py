@@ -157,8 +157,10 @@ def run_soak(base_url: str, requests: int = 2000, warmup: int = 40, concurrency:
     started = time.perf_counter()
     n_open = int(requests * open_fraction)
     phases = []
+    # The closed loop gets its share of the duration too, so a time-bounded soak still has an open phase.
+    closed_s = max_duration_s * (1.0 - open_fraction) if n_open else max_duration_s
     closed = LoadGenerator(LoadConfig(mode="closed", concurrency=concurrency, max_requests=requests - n_open,
-                                      max_duration_s=max_duration_s, seed=2, **common)).run()
+                                      max_duration_s=closed_s, seed=2, **common)).run()
     phases.append(("closed", closed))
     if n_open:
         rate = 0.7 * closed["summary"]["requests_per_s"]
