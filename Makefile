@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-slow test-gpu lint
+.PHONY: install serve test test-slow test-gpu soak
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,3 +27,8 @@ test-slow: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "gpu or trt"
+
+# 2,000 requests against a local CPU service on the tiny model (~90 min on 2 cores); writes
+# bench/results/soak-<date>.{json,md}
+soak: $(STAMP)
+	$(VENV)/bin/python -m bench.soak --requests 2000 --concurrency 8
