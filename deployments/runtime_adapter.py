@@ -160,7 +160,15 @@ class RuntimeTokenEngine:
         self.model = model
         self.spec = model.spec
         self.llm = model.llm
-        self.engine = LLMEngine(model.llm, max_batch_size=max_running, max_seq_len=max_model_len)
+        # CUDA graphs per (batch, key window) bucket; the engine ignores the flag off CUDA.
+        self.engine = LLMEngine(model.llm, max_batch_size=max_running, max_seq_len=max_model_len,
+                                use_cuda_graphs=True)
+        # NOTE: capture every decode graph now, before token2wav work runs concurrently: a lazy
+        # capture beside other GPU work fails ("capturing stream has unjoined work", seen in
+        # bench/gpu_bench.py on an H200, 2026-12-02). Graphs: 5 ms vs 26 ms per bf16 decode step at
+        # batch 64 (bench/results/llm-decode-h200-2026-12-02.md). Returns 0 on the CPU.
+        if captured := self.engine.capture_graphs():
+            logger.info("captured %d CUDA graphs for the LLM decode step", captured)
         self.max_running = max_running
         self.max_model_len = max_model_len
         self._filters: dict[str, Any] = {}
