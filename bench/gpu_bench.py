@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import logging
 import tempfile
@@ -57,8 +58,13 @@ def make_model(family: str, size: str, device: str, seed: int = 0) -> CosyVoiceM
 
 
 def cast(model: CosyVoiceModel, dtype: torch.dtype) -> CosyVoiceModel:
-    """LLM and flow in ``dtype``; the vocoder stays float32 (phase accumulation)."""
-    return CosyVoiceModel(spec=model.spec, llm=model.llm.to(dtype), flow=model.flow.to(dtype), hift=model.hift)
+    """Copies of the LLM and flow in ``dtype``; the vocoder stays float32 (phase accumulation).
+
+    ``Module.to`` works in place: copying keeps the fp32 base intact, so a mode measured after a
+    bf16 one does not run on weights rounded to bf16.
+    """
+    return CosyVoiceModel(spec=model.spec, llm=copy.deepcopy(model.llm).to(dtype),
+                          flow=copy.deepcopy(model.flow).to(dtype), hift=model.hift)
 
 
 def make_voice(model: CosyVoiceModel, seed: int = 1) -> tuple[VoicePrompt, torch.Tensor]:
@@ -172,20 +178,16 @@ class ReplicaSim:
         for t in threads:
             t.start()
         t0 = time.perf_counter()
-        submitted = 0
         while True:
             with self.lock:
+                submitted = len(self.streams)
                 active = sum(1 for s in self.streams.values() if not s.state.finished)
-                done = len(self.streams) - active
-                if self.error or done == total:
+                if self.error or submitted - active == total:
                     break
-                if active < concurrency and submitted < total:
-                    pass
-                else:
+                if active >= concurrency or submitted >= total:
                     self.lock.wait(timeout=1.0)
                     continue
             self.submit(f"r{submitted}", voice, text, time.perf_counter())
-            submitted += 1
         wall = time.perf_counter() - t0
         with self.lock:
             self.stop = True
