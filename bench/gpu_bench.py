@@ -93,13 +93,15 @@ class _Stream:
     state: StreamState
     tokens: list[int] = field(default_factory=list)
     llm_done: bool = False
+    first_token_s: float | None = None  # time-to-first-audio breakdown
+    first_job_s: float | None = None  # the first token2wav job started
 
 
 class ReplicaSim:
     """Two threads around one model: LLM engine steps and token2wav jobs, like one GPU replica."""
 
     def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, cuda_graphs: bool = False,
-                 flow_batch: int = 16):
+                 flow_batch: int = 16, min_first_hop: int | None = None):
         self.model = model
         self.n_tokens = n_tokens
         self.flow_batch = flow_batch
@@ -112,7 +114,7 @@ class ReplicaSim:
             # ("capturing stream has unjoined work", H200 2026-12-02).
             self.engine.capture_graphs()
             sync(model.device)
-        self.t2w = Token2Wav(model.spec, model.flow, model.hift)
+        self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=min_first_hop)
         self.lock = threading.Condition()
         self.streams: dict[str, _Stream] = {}
         self.pending: list[tuple[str, torch.Tensor]] = []
@@ -140,11 +142,13 @@ class ReplicaSim:
                 if self.stop:
                     return
                 events = self.engine.step()
+                now = time.perf_counter()
                 with self.lock:
                     for ev in events:
                         st = self.streams[ev.request_id]
                         if ev.token is not None:
                             st.tokens.append(ev.token)
+                            st.first_token_s = st.first_token_s or now
                         st.llm_done = st.llm_done or ev.finished
                     self.lock.notify_all()
 
@@ -165,6 +169,10 @@ class ReplicaSim:
                     return
                 jobs.sort(key=lambda rj: rj[1].state.calls)  # first chunks first
                 jobs = jobs[: self.flow_batch]
+                start = time.perf_counter()
+                for rid, job in jobs:
+                    if job.state.calls == 0:
+                        self.streams[rid].first_job_s = start
                 audios = self.t2w.run_batch([j for _, j in jobs], max_batch=self.flow_batch)
                 sync(device)
                 now = time.perf_counter()
@@ -196,6 +204,7 @@ class ReplicaSim:
             t.join(timeout=30)
         if self.error:
             raise self.error
+        self.breakdown = _ttfa_breakdown(list(self.streams.values()))
         return [s.trace for s in self.streams.values()], wall
 
     def _guard(self, fn):
@@ -209,6 +218,18 @@ class ReplicaSim:
                     self.stop = True
                     self.lock.notify_all()
         return run
+
+
+def _ttfa_breakdown(streams: list[_Stream]) -> dict:
+    """Median ms from submission to the first token, to the first token2wav job, to first audio."""
+    import statistics
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values) * 1e3, 1) if values else None
+
+    return {"first_token_ms_p50": med([s.first_token_s and s.first_token_s - s.trace.submitted_s for s in streams]),
+            "first_job_ms_p50": med([s.first_job_s and s.first_job_s - s.trace.submitted_s for s in streams])}
 
 
 def run_baseline(model: CosyVoiceModel, voice: VoicePrompt, text: torch.Tensor, n_tokens: int, requests: int) -> dict:
@@ -239,26 +260,36 @@ def _forced_sampler(model: CosyVoiceModel, n_tokens: int):
 
 def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_tokens: int, min_requests: int,
                flow_batch: int) -> list[dict]:
-    """``mode`` = ``<kind>-<precision>[-graphs]``: kind pytorch | compile (torch.compile of the
-    flow estimator), precision fp32 | fp16 | bf16, ``graphs`` = CUDA graphs for the LLM decode."""
+    """``mode`` = ``<kind>-<precision>[-<extra>...]``: kind pytorch | compile (torch.compile of
+    the flow estimator), precision fp32 | fp16 | bf16; extras: ``graphs`` = CUDA graphs for the
+    LLM decode step and the flow solve, ``llmgraphs`` = for the LLM decode step only, ``early`` =
+    the first chunk ends at the first attention-chunk boundary (Token2Wav ``min_first_hop=1``)."""
     kind, prec, *extra = mode.split("-")
-    graphs = "graphs" in extra
-    if kind not in ("pytorch", "compile") or prec not in DTYPES or set(extra) - {"graphs"}:
-        raise ValueError(f"unknown mode {mode!r}: expected <pytorch|compile>-<fp32|fp16|bf16>[-graphs]")
+    if kind not in ("pytorch", "compile") or prec not in DTYPES or set(extra) - {"graphs", "llmgraphs", "early"}:
+        raise ValueError(f"unknown mode {mode!r}: expected <pytorch|compile>-<fp32|fp16|bf16>[-graphs|-llmgraphs][-early]")
+    llm_graphs = bool({"graphs", "llmgraphs"} & set(extra))
+    min_first_hop = 1 if "early" in extra else None
     model = cast(base, DTYPES[prec])
     if kind == "compile":
         est = model.flow.decoder.estimator
         model.flow.decoder.estimator = torch.compile(est, dynamic=True)
+    if "graphs" in extra and model.device.type == "cuda":
+        t0 = time.perf_counter()
+        n = model.flow.enable_graphs(max_batch=flow_batch, max_frames=2 * (PROMPT_SPEECH + n_tokens),
+                                     capture=True).capture()
+        logger.info("%s: captured %d flow graphs in %.1f s", mode, n, time.perf_counter() - t0)
     voice, text = make_voice(model)
     rows = []
     # warm-up: one short request (allocations, kernel selection, compilation)
-    ReplicaSim(model, 4, 60, cuda_graphs=graphs, flow_batch=flow_batch).run(voice, text, 2, 2)
+    ReplicaSim(model, 4, 60, cuda_graphs=llm_graphs, flow_batch=flow_batch, min_first_hop=min_first_hop).run(
+        voice, text, 2, 2)
     for c in concurrencies:
         if model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        sim = ReplicaSim(model, max_batch=c, n_tokens=n_tokens, cuda_graphs=graphs, flow_batch=flow_batch)
+        sim = ReplicaSim(model, max_batch=c, n_tokens=n_tokens, cuda_graphs=llm_graphs, flow_batch=flow_batch,
+                         min_first_hop=min_first_hop)
         traces, wall = sim.run(voice, text, c, max(2 * c, min_requests))
-        row = {"mode": mode, "concurrency": c, **summarize(traces, wall)}
+        row = {"mode": mode, "concurrency": c, **summarize(traces, wall), **sim.breakdown}
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -14,14 +14,15 @@ shared model object (so later requests start at the maximum hop); here it is per
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.flow import FlowItem
+from cosyvoice_runtime.hift.batch import vocode_batch
 from cosyvoice_runtime.hift.streaming import VocoderStream, vocode_chunk
 
 
@@ -76,6 +77,21 @@ def prompt_token_pad(n_prompt_tokens: int, hop: int) -> int:
     return math.ceil(n_prompt_tokens / hop) * hop - n_prompt_tokens
 
 
+def first_hop(n_prompt_tokens: int, hop: int, min_first_hop: int | None = None) -> int:
+    """Tokens of the first streamed chunk.
+
+    Official: ``hop + pad``. With ``min_first_hop``: the smallest ``pad + k * hop`` (k >= 0) that
+    is at least ``min_first_hop`` tokens, i.e. the first chunk ends at the first attention-chunk
+    boundary past that many tokens. Every chunk end stays on a boundary, so the mel of emitted
+    frames is the same as with the official schedule (chunk masks: a frame never sees a later
+    chunk); only the first audio comes earlier.
+    """
+    pad = prompt_token_pad(n_prompt_tokens, hop)
+    if min_first_hop is None:
+        return hop + pad
+    return pad + max(0, math.ceil((max(1, min_first_hop) - pad) / hop)) * hop
+
+
 class Token2Wav:
     """Flow + HiFT over per-request :class:`StreamState` objects.
 
@@ -87,14 +103,19 @@ class Token2Wav:
         official_final_full_attention: the official code runs the last streamed flow call with
             full attention although all earlier calls used chunk masks (spec §4.8); by default we
             keep the chunk masks so the final frames are computed like the ones before them.
+        min_first_hop: None = the official first chunk (``hop + pad`` tokens); else the first
+            chunk ends at the first attention-chunk boundary at or past this many tokens
+            (:func:`first_hop`), and a first chunk shorter than ``hop`` is followed by a hop of
+            ``token_hop_len`` (not yet scaled) so the second chunk also comes early.
     """
 
     def __init__(self, spec: ModelSpec, flow: torch.nn.Module, hift: torch.nn.Module,
-                 official_final_full_attention: bool = False) -> None:
+                 official_final_full_attention: bool = False, min_first_hop: int | None = None) -> None:
         self.spec = spec
         self.flow = flow
         self.hift = hift
         self.official_final_full_attention = official_final_full_attention
+        self.min_first_hop = min_first_hop
         self.lookahead = spec.flow.pre_lookahead_len
         self.ratio = spec.flow.token_mel_ratio
 
@@ -118,7 +139,7 @@ class Token2Wav:
         if state.stream:
             hop = state.hop_len
             if state.token_offset == 0:
-                hop += prompt_token_pad(state.prompt.n_tokens, self.spec.stream.token_hop_len)
+                hop = first_hop(state.prompt.n_tokens, self.spec.stream.token_hop_len, self.min_first_hop)
             end = state.token_offset + hop + self.lookahead
             if n >= end:
                 return Token2WavJob(state, ids[:, :end], finalize=False, hop=hop)
@@ -148,16 +169,41 @@ class Token2Wav:
         state = job.state
         audio = vocode_chunk(self.hift, state.vocoder, mel, finalize=job.finalize, generator=state.generator,
                              source_override=job.source_override, speed=state.speed)
+        return self._advance(job, audio)
+
+    def _advance(self, job: Token2WavJob, audio: torch.Tensor) -> torch.Tensor:
+        state = job.state
         state.calls += 1
         if job.finalize:
             state.finished = True
         else:
+            short_first = state.token_offset == 0 and job.hop < state.hop_len
             state.token_offset += job.hop
-            state.hop_len = min(self.spec.stream.token_max_hop_len,
-                                state.hop_len * self.spec.stream.stream_scale_factor)
+            if not short_first:
+                state.hop_len = min(self.spec.stream.token_max_hop_len,
+                                    state.hop_len * self.spec.stream.stream_scale_factor)
         audio = audio.reshape(-1)
         state.samples_out += audio.numel()
         return audio
+
+    @torch.inference_mode()
+    def vocode_many(self, jobs: list[Token2WavJob], mels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`vocode` of jobs of distinct requests; one vocoder batch per equal input length.
+
+        Jobs with a speed change keep the single-request path (speed only exists unstreamed).
+        """
+        batched = [i for i, job in enumerate(jobs) if job.state.speed == 1.0]
+        out: list[torch.Tensor | None] = [None] * len(jobs)
+        if batched:
+            audios = vocode_batch(self.hift, [jobs[i].state.vocoder for i in batched], [mels[i] for i in batched],
+                                  [jobs[i].finalize for i in batched], [jobs[i].state.generator for i in batched],
+                                  [jobs[i].source_override for i in batched])
+            for i, audio in zip(batched, audios):
+                out[i] = self._advance(jobs[i], audio)
+        for i, job in enumerate(jobs):
+            if out[i] is None:
+                out[i] = self.vocode(job, mels[i])
+        return out
 
     def run(self, job: Token2WavJob) -> torch.Tensor:
         """Flow + vocoder for one job; returns the (samples,) audio to emit."""
@@ -166,15 +212,15 @@ class Token2Wav:
     def run_batch(self, jobs: list[Token2WavJob], max_batch: int = 16) -> list[torch.Tensor]:
         """Run jobs of different requests (at most one per request); the audio of each, in order.
 
-        The flow runs as one batched solve per group of ``max_batch`` jobs; the vocoder glue is per
-        request (its caches are per request and cheap next to the flow).
+        The flow runs as one batched solve per group of ``max_batch`` jobs; the vocoder runs one
+        batch per equal input length (:meth:`vocode_many`); each request keeps its own caches.
         """
         if len({id(job.state) for job in jobs}) != len(jobs):
             raise ValueError("a batch may hold at most one job per request (jobs of a request are sequential)")
         out: list[torch.Tensor] = []
         for start in range(0, len(jobs), max_batch):
             group = jobs[start:start + max_batch]
-            out += [self.vocode(job, mel) for job, mel in zip(group, self.flow_mels(group))]
+            out += self.vocode_many(group, self.flow_mels(group))
         return out
 
     def synthesize(self, prompt: FlowPrompt, tokens: Sequence[int] | torch.Tensor, stream: bool = False,

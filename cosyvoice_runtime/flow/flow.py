@@ -17,6 +17,7 @@ from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.cfm import CFMSolver
 from cosyvoice_runtime.flow.dit import DiT
 from cosyvoice_runtime.flow.encoder import PreLookaheadLayer, UpsampleConformerEncoder
+from cosyvoice_runtime.flow.graphs import GraphedSolver
 from cosyvoice_runtime.flow.unet import CausalUNet
 
 
@@ -43,10 +44,25 @@ class Flow(nn.Module):
                                                          spec.pre_lookahead_len)
             estimator = DiT(spec.dit)
         self.decoder = CFMSolver(spec, estimator)
+        # Set by enable_graphs: a plain attribute (not a submodule), so checkpoint keys are unchanged.
+        self.graphed_solver: GraphedSolver | None = None
 
     @property
     def estimator(self) -> nn.Module:
         return self.decoder.estimator
+
+    def enable_graphs(self, max_batch: int = 16, max_frames: int = 1024, capture: bool = False,
+                      use_graphs: bool = True) -> GraphedSolver:
+        """Solve through CUDA graphs per padded (batch, frames) bucket from now on.
+
+        ``capture`` captures every bucket now (replica start-up) instead of on first use;
+        ``use_graphs=False`` runs the padded buckets eagerly (CPU tests).
+        """
+        self.graphed_solver = GraphedSolver(self.decoder, max_batch=max_batch, max_frames=max_frames,
+                                            use_graphs=use_graphs)
+        if capture:
+            self.graphed_solver.capture()
+        return self.graphed_solver
 
     def encode(self, items: list[FlowItem]) -> tuple[torch.Tensor, torch.Tensor]:
         """mu (B, 80, T_max) and frame lengths (B,) for a batch of token sequences.
@@ -106,7 +122,8 @@ class Flow(nn.Module):
         mu = mu * mask
         if trace is not None:
             trace.update(mu=mu.clone(), spks=spks.clone(), cond=cond.clone())
-        feat = self.decoder(mu, mask, spks, cond, streaming=_streaming_flags(items, dev), trace=trace)
+        solve = self.graphed_solver or self.decoder
+        feat = solve(mu, mask, spks, cond, streaming=_streaming_flags(items, dev), trace=trace)
         if trace is not None:
             trace["feat_full"] = feat.clone()
         return [feat[i: i + 1, :, it.prompt_feat.shape[1]: n_frames[i]] for i, it in enumerate(items)]

@@ -6,7 +6,7 @@ import torch
 
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.model import load_model
-from cosyvoice_runtime.token2wav import FlowPrompt, Token2Wav, prompt_token_pad
+from cosyvoice_runtime.token2wav import FlowPrompt, Token2Wav, first_hop, prompt_token_pad
 from tests.runtime.parity.common import parity_dir
 
 
@@ -75,3 +75,38 @@ def test_speed_rejected_for_streaming(model):
         t2w.new_stream(_prompt(model, 20, 0), stream=True, speed=1.5)
     with pytest.raises(InvalidInputError):
         t2w.new_stream(_prompt(model, 20, 0), stream=False, speed=5.0)
+
+
+def test_first_hop_rule():
+    # official: hop + pad
+    assert first_hop(87, 25) == 38 and first_hop(75, 25) == 25
+    # early: the first attention-chunk boundary at or past min_first_hop tokens
+    assert first_hop(87, 25, 1) == 13 and first_hop(87, 25, 13) == 13 and first_hop(87, 25, 14) == 38
+    assert first_hop(75, 25, 10) == 25 and first_hop(74, 25, 0) == 1
+
+
+def _stream_mels(t2w, prompt, tokens):
+    state = t2w.new_stream(prompt, stream=True, generator=torch.Generator().manual_seed(0))
+    mels, hops = [], []
+    while (job := t2w.next_job(state, tokens, llm_done=True)) is not None:
+        mel = t2w.flow_mel(job)
+        hops.append(job.hop)
+        mels.append(mel)
+        t2w.vocode(job, mel)
+    return torch.cat(mels, dim=2), hops
+
+
+def test_early_first_chunk_keeps_the_mel(model):
+    """A first chunk cut at an earlier attention-chunk boundary gives the same mel frames as the
+    official schedule: emitted frames never see a later chunk, so only the timing changes."""
+    official = Token2Wav(model.spec, model.flow, model.hift)
+    early = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=1)
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, 6561, (140,), generator=g).tolist()
+    hop = model.spec.stream.token_hop_len
+    prompt = _prompt(model, 2 * hop - 7, 4)  # pad = 7 tokens
+    want, official_hops = _stream_mels(official, prompt, tokens)
+    got, early_hops = _stream_mels(early, prompt, tokens)
+    assert official_hops[0] == hop + 7 and early_hops[:2] == [7, hop]  # the second hop is not yet scaled
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=5e-4, rtol=5e-4)

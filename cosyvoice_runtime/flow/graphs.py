@@ -1,0 +1,184 @@
+"""The whole CFM solve (every Euler step, CFG included) as one CUDA graph per padded shape.
+
+One estimator call of the full-size CosyVoice2 U-Net is ~1,400 small kernels; launched from
+Python it takes 21 ms on an H200 whatever the batch, while the same call replayed as a CUDA
+graph takes 4.1 ms at batch 2 and 10.9 ms at batch 32 (T = 250 frames, bf16;
+``bench/results/profile-h200-2026-12-02.md``). A streamed flow call runs ten of them, so the
+launch overhead was most of the flow's time and most of the time to first audio.
+
+:class:`GraphedSolver` is a drop-in for :class:`~cosyvoice_runtime.flow.cfm.CFMSolver` in
+:meth:`~cosyvoice_runtime.flow.flow.Flow.inference_batch`: it pads the batch to the next batch
+bucket and the frames to the next multiple of ``frame_step``, copies the inputs into the static
+buffers of that bucket, replays its graph and returns the valid part. Padding changes nothing
+on valid frames: padded frames have mask 0 (the U-Net's convolutions are causal and attention
+hides padded keys; the DiT is masked the same way) and padded rows have an all-zero mask. The
+initial noise of frame ``i`` is the fixed noise at ``i`` whatever the length, so a bucket's
+noise buffer is written once at capture.
+
+Graphs of all buckets share one memory pool: the solve is replayed from one thread at a time
+(the caller's lock) and the output is copied out before the next replay. Without CUDA, or
+for shapes above the largest bucket, or when intermediates are traced, the eager solver runs.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cosyvoice_runtime.flow.cfm import CFMSolver
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FRAME_STEP = 64  # padding granularity of T (mel frames): at most 63 wasted frames per call
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... below ``max_batch``, then ``max_batch``."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+@dataclass
+class _Bucket:
+    """Static buffers of one (batch, frames) graph."""
+
+    graph: torch.cuda.CUDAGraph | None
+    mu: torch.Tensor  # (B, 80, T)
+    mask: torch.Tensor  # (B, 1, T)
+    spks: torch.Tensor  # (B, 80)
+    cond: torch.Tensor  # (B, 80, T)
+    streaming: torch.Tensor  # (B,) bool
+    noise: torch.Tensor  # (B, 80, T)
+    out: torch.Tensor | None = None  # (B, 80, T) float32, written by the replay
+
+
+class GraphedSolver:
+    """CUDA-graph replays of ``solver`` over padded (batch, frames) buckets.
+
+    Args:
+        solver: the flow's CFM solver (its estimator must be capturable: no host syncs).
+        max_batch: largest batch of jobs (before CFG doubling) served by a graph.
+        max_frames: largest flow length in frames served by a graph (longer calls run eagerly).
+        frame_step: frame padding granularity.
+        use_graphs: False runs the same padded buckets eagerly (CPU tests of the padding).
+    """
+
+    def __init__(self, solver: CFMSolver, max_batch: int = 16, max_frames: int = 1024,
+                 frame_step: int = DEFAULT_FRAME_STEP, use_graphs: bool = True) -> None:
+        self.solver = solver
+        self.use_graphs = use_graphs
+        self.batch_buckets = batch_buckets(max_batch)
+        self.frame_step = frame_step
+        self.max_frames = math.ceil(max_frames / frame_step) * frame_step
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._pool = None
+        self._lock = threading.Lock()
+        self.replays = 0
+        self.eager_calls = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.solver.estimator.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.solver.estimator.parameters()).dtype
+
+    def bucket_of(self, batch: int, frames: int) -> tuple[int, int] | None:
+        """The (batch, frames) bucket serving a call, or None when it is too large for any."""
+        if batch > self.batch_buckets[-1] or frames > self.max_frames:
+            return None
+        b = next(x for x in self.batch_buckets if x >= batch)
+        return b, math.ceil(frames / self.frame_step) * self.frame_step
+
+    def frame_buckets(self) -> list[int]:
+        return list(range(self.frame_step, self.max_frames + 1, self.frame_step))
+
+    def capture(self, batch_sizes: Sequence[int] | None = None, frames: Sequence[int] | None = None) -> int:
+        """Capture these buckets now (default: all); returns how many graphs exist."""
+        for b in batch_sizes or self.batch_buckets:
+            for t in frames or self.frame_buckets():
+                key = self.bucket_of(b, t)
+                if key is not None:
+                    with self._lock:
+                        self._get(key)
+        return len(self._buckets)
+
+    def __call__(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                 streaming: bool | torch.Tensor = False, noise: torch.Tensor | None = None,
+                 trace: dict | None = None) -> torch.Tensor:
+        b, _, t_len = mu.shape
+        key = self.bucket_of(b, t_len)
+        graphs = self.use_graphs and mu.device.type == "cuda"
+        if key is None or trace is not None or noise is not None or (self.use_graphs and not graphs):
+            self.eager_calls += 1
+            return self.solver(mu, mask, spks, cond, streaming=streaming, noise=noise, trace=trace)
+        with self._lock:
+            bucket = self._get(key)
+            self._load(bucket, mu, mask, spks, cond, streaming)
+            if bucket.graph is None:
+                bucket.out = self._run(bucket)
+            else:
+                bucket.graph.replay()
+            self.replays += 1
+            return bucket.out[:b, :, :t_len].clone()
+
+    # -- internals -------------------------------------------------------------------------
+    def _load(self, bucket: _Bucket, mu, mask, spks, cond, streaming) -> None:
+        b, _, t_len = mu.shape
+        for buf in (bucket.mu, bucket.mask, bucket.cond, bucket.spks):
+            buf.zero_()
+        bucket.mu[:b, :, :t_len] = mu
+        bucket.mask[:b, :, :t_len] = mask
+        bucket.cond[:b, :, :t_len] = cond
+        bucket.spks[:b] = spks
+        bucket.streaming.fill_(False)
+        bucket.streaming[:b] = streaming if isinstance(streaming, torch.Tensor) else bool(streaming)
+
+    def _run(self, bucket: _Bucket) -> torch.Tensor:
+        return self.solver(bucket.mu, bucket.mask, bucket.spks, bucket.cond, streaming=bucket.streaming,
+                           noise=bucket.noise)
+
+    def _get(self, key: tuple[int, int]) -> _Bucket:
+        bucket = self._buckets.get(key)
+        if bucket is not None:
+            return bucket
+        b, t_len = key
+        dev, dtype = self.device, self.dtype
+        n_mels = self.solver.spec.output_size
+        noise = self.solver.noise(t_len, torch.empty(0, device=dev, dtype=dtype)).expand(b, -1, -1).contiguous()
+        bucket = _Bucket(graph=None, mu=torch.zeros(b, n_mels, t_len, device=dev, dtype=dtype),
+                         mask=torch.zeros(b, 1, t_len, device=dev, dtype=dtype),
+                         spks=torch.zeros(b, n_mels, device=dev, dtype=dtype),
+                         cond=torch.zeros(b, n_mels, t_len, device=dev, dtype=dtype),
+                         streaming=torch.zeros(b, dtype=torch.bool, device=dev), noise=noise)
+        if self.use_graphs:
+            self._capture(bucket)
+        self._buckets[key] = bucket
+        return bucket
+
+    def _capture(self, bucket: _Bucket) -> None:
+        bucket.graph = torch.cuda.CUDAGraph()
+        dev = bucket.mu.device
+        bucket.mask[:, :, :1] = 1  # a non-empty warm-up input
+        current = torch.cuda.current_stream(dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(current)
+        with torch.cuda.stream(side), torch.inference_mode():  # warm-up: cuBLAS/cuDNN plans
+            self._run(bucket)
+        current.wait_stream(side)
+        # thread_local: the LLM thread keeps launching its own graphs while this one is captured.
+        with torch.inference_mode(), torch.cuda.graph(bucket.graph, pool=self._pool,
+                                                      capture_error_mode="thread_local"):
+            bucket.out = self._run(bucket)
+        bucket.mask.zero_()
+        if self._pool is None:
+            self._pool = bucket.graph.pool()
+        logger.debug("captured flow graph %s", tuple(bucket.mu.shape))

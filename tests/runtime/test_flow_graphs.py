@@ -1,0 +1,81 @@
+"""The bucketed flow solve (cosyvoice_runtime.flow.graphs): padding a batch to its (batch,
+frames) bucket changes nothing on valid frames, so the graphed solve returns what the plain
+solve returns. On CPU the buckets run eagerly (``use_graphs=False``): that checks the padding,
+the static buffers and the fixed noise. The marked GPU test checks the captured graphs."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cosyvoice_runtime.flow.graphs import GraphedSolver, batch_buckets
+from tests.runtime.test_flow_batch import FAMILIES, JOBS, _flow, _item
+
+# fp32 on CPU: padded and unpadded runs differ only by summation order in matmuls.
+PAD_TOL = 1e-4
+
+
+def _mels(flow, items):
+    with torch.inference_mode():
+        return flow.inference_batch(items)
+
+
+def test_buckets():
+    assert batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    solver = GraphedSolver(_flow("cosyvoice2").decoder, max_batch=8, max_frames=300, frame_step=64, use_graphs=False)
+    assert solver.max_frames == 320
+    assert solver.bucket_of(3, 65) == (4, 128)
+    assert solver.bucket_of(1, 64) == (1, 64)
+    assert solver.bucket_of(9, 10) is None  # batch above the largest bucket: eager
+    assert solver.bucket_of(2, 321) is None  # longer than the largest frame bucket: eager
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_buckets_equal_plain_solve(family):
+    plain = _flow(family)
+    flow = copy.deepcopy(plain)
+    solver = flow.enable_graphs(max_batch=8, max_frames=512, use_graphs=False)
+    gen = torch.Generator().manual_seed(11)
+    items = [_item(gen, flow, *job) for job in JOBS]
+    want = _mels(plain, items)
+    got = _mels(flow, items)
+    assert solver.replays == 1 and solver.eager_calls == 0
+    for w, g in zip(want, got):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=PAD_TOL, rtol=PAD_TOL)
+    # a single item lands in a smaller bucket, the same frames again
+    one = _mels(flow, items[:1])[0]
+    torch.testing.assert_close(one, want[0], atol=PAD_TOL, rtol=PAD_TOL)
+    assert len(solver._buckets) == 2
+
+
+def test_too_long_or_traced_runs_eagerly():
+    plain = _flow("cosyvoice2")
+    flow = copy.deepcopy(plain)
+    solver = flow.enable_graphs(max_batch=2, max_frames=64, use_graphs=False)
+    gen = torch.Generator().manual_seed(5)
+    item = _item(gen, flow, 20, 40, True, False)  # 2 * (20 + 37) = 114 frames > 64
+    torch.testing.assert_close(_mels(flow, [item])[0], _mels(plain, [item])[0])
+    assert solver.eager_calls == 1 and solver.replays == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_graphs_equal_eager(family):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    plain = copy.deepcopy(_flow(family)).cuda()
+    flow = copy.deepcopy(plain)
+    solver = flow.enable_graphs(max_batch=8, max_frames=512)
+    gen = torch.Generator().manual_seed(11)
+    items = [_item(gen, flow, *job) for job in JOBS]
+    items = [type(it)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(it).items()})
+             for it in items]
+    want = _mels(plain, items)
+    for _ in range(2):  # the second replay reuses the captured graph with fresh inputs
+        got = _mels(flow, items)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
+    assert solver.replays == 2 and len(solver._buckets) == 1
