@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import struct
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -111,30 +113,79 @@ class WavStreamReader:
 
 
 class WavSink:
-    """One output WAV file, opened at the first audio (when the sample rate is known)."""
+    """One output WAV file, written to a temporary file beside it and renamed at the end.
+
+    The temporary file is created by :meth:`open` (before any synthesis, so an unwritable
+    output fails in a second, not after minutes of work); the WAV header is written at the
+    first audio, when the sample rate is known. An existing output is replaced only by
+    :meth:`commit`; a failed or interrupted run leaves it untouched and no partial file behind.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.sample_rate: int | None = None
         self.samples = 0
         self._file = None
+        self._tmp: Path | None = None
+
+    def open(self) -> None:
+        """Check the output can be written: create its folder and the temporary file.
+
+        Raises:
+            CliError: the output is a directory, or its folder cannot be created or written.
+        """
+        if self.path.is_dir():
+            raise CliError(f"output {self.path} is a directory; give a file name (e.g. {self.path / 'speech.wav'})")
+        parent = self.path.parent
+        blocker = next((d for d in (parent, *parent.parents) if d.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise CliError(f"cannot write {self.path}: {blocker} is a file, not a folder")
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=parent)
+        except OSError as exc:
+            raise CliError(f"cannot write {self.path}: {exc.strerror or exc} ({exc.filename or parent})") from None
+        os.close(fd)
+        self._tmp = Path(tmp)
 
     def write(self, samples: np.ndarray, sample_rate: int) -> None:
         import soundfile as sf
 
+        if self._tmp is None:
+            self.open()
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = sf.SoundFile(str(self.path), "w", samplerate=sample_rate, channels=1, subtype="PCM_16")
+            self._file = sf.SoundFile(str(self._tmp), "w", samplerate=sample_rate, channels=1, format="WAV",
+                                      subtype="PCM_16")
             self.sample_rate = sample_rate
         elif sample_rate != self.sample_rate:
             raise CliError(f"sample rate changed mid-stream ({self.sample_rate} -> {sample_rate})")
         if samples.size:
-            self._file.write(samples)
+            try:
+                self._file.write(samples)
+            except (OSError, RuntimeError) as exc:  # soundfile reports a full disk as a RuntimeError
+                raise CliError(f"cannot write {self.path}: {exc}") from None
             self.samples += int(samples.size)
 
-    def close(self) -> None:
+    def commit(self) -> None:
+        """Close the WAV and move it to :attr:`path`."""
         if self._file is not None:
             self._file.close()
+            self._file = None
+        if self._tmp is not None:
+            try:
+                os.replace(self._tmp, self.path)
+            except OSError as exc:
+                raise CliError(f"cannot write {self.path}: {exc.strerror or exc}") from None
+            self._tmp = None
+
+    def discard(self) -> None:
+        """Close and delete the temporary file (after a failure); the output is not touched."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp = None
 
     @property
     def duration_s(self) -> float:
@@ -146,7 +197,7 @@ def _error_text(resp) -> str:
     try:
         err = resp.json().get("error", {})
         return f"HTTP {resp.status_code}: {err.get('message') or resp.text}"
-    except Exception:
+    except (ValueError, AttributeError):  # not JSON, or not our error shape
         return f"HTTP {resp.status_code}: {resp.text[:500]}"
 
 
@@ -155,7 +206,10 @@ def synth_remote(args: argparse.Namespace, segments: list[str], sink: WavSink, p
     import httpx
 
     url = args.url.rstrip("/") + "/v1/tts"
-    prompt = Path(args.prompt_wav).read_bytes() if args.prompt_wav else None
+    try:
+        prompt = Path(args.prompt_wav).read_bytes() if args.prompt_wav else None
+    except OSError as exc:
+        raise CliError(f"cannot read --prompt-wav {args.prompt_wav}: {exc.strerror or exc}") from None
     own = client is None
     client = client or httpx.Client(timeout=httpx.Timeout(_HTTP_TIMEOUT_S, connect=10.0))
     try:
@@ -180,10 +234,13 @@ def synth_remote(args: argparse.Namespace, segments: list[str], sink: WavSink, p
                     resp.read()
                     raise CliError(_error_text(resp))
                 reader = WavStreamReader()
-                for data in resp.iter_bytes():
-                    samples = reader.feed(data)
-                    if samples.size:
-                        sink.write(samples, reader.sample_rate)
+                try:
+                    for data in resp.iter_bytes():
+                        samples = reader.feed(data)
+                        if samples.size:
+                            sink.write(samples, reader.sample_rate)
+                except httpx.HTTPError as exc:
+                    raise CliError(f"the connection to {args.url} broke mid-stream: {exc}") from None
             finally:
                 resp.close()
             progress.update(1)
@@ -251,7 +308,10 @@ def synth_local(args: argparse.Namespace, segments: list[str], sink: WavSink, pr
     if args.prompt_wav:
         import soundfile as sf
 
-        audio, sr = sf.read(args.prompt_wav, dtype="float32", always_2d=True)
+        try:
+            audio, sr = sf.read(args.prompt_wav, dtype="float32", always_2d=True)
+        except (OSError, RuntimeError) as exc:  # soundfile.LibsndfileError is a RuntimeError
+            raise CliError(f"cannot read --prompt-wav {args.prompt_wav}: {exc}") from None
         audio = audio.mean(axis=1)
     for seg in segments:
         req = SynthesisRequest(request_id=uuid.uuid4().hex, text=seg, mode=SynthesisMode(args.mode),
@@ -295,7 +355,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def read_text(args: argparse.Namespace) -> str:
     if args.text_file:
-        return Path(args.text_file).read_text(encoding="utf-8")
+        try:
+            return Path(args.text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"cannot read --text-file {args.text_file}: {getattr(exc, 'strerror', None) or exc}") from None
     if args.text in (None, "-"):
         if sys.stdin is None or sys.stdin.isatty():
             raise CliError("give the text as an argument, with --text-file, or on stdin")
@@ -303,28 +366,52 @@ def read_text(args: argparse.Namespace) -> str:
     return args.text
 
 
-def run(args: argparse.Namespace, client=None) -> int:
-    from tqdm import tqdm
-
+def _check_inputs(args: argparse.Namespace) -> None:
+    """Fail in a second on inputs that would otherwise fail after the model has loaded."""
     if args.voice and args.prompt_wav:
         raise CliError("give either --voice or --prompt-wav, not both")
     if not (args.voice or args.prompt_wav):
         raise CliError("name a registered --voice, or give --prompt-wav (and --prompt-text for zero-shot)")
+    if args.segment_chars < 1:
+        raise CliError("--segment-chars must be at least 1")
+    if args.prompt_wav and not Path(args.prompt_wav).is_file():
+        raise CliError(f"--prompt-wav {args.prompt_wav} does not exist")
+    if not args.url and args.model_dir and not Path(args.model_dir).expanduser().is_dir():
+        raise CliError(f"model directory {args.model_dir} does not exist (write a tiny test model with "
+                       f"fastcosy make-tiny-model --out {args.model_dir}, or point --model-dir at a downloaded "
+                       "CosyVoice2/3 directory)")
+
+
+def run(args: argparse.Namespace, client=None) -> int:
+    from tqdm import tqdm
+
+    from cosyvoice_runtime.errors import CosyVoiceError
+
+    _check_inputs(args)
     args.mode = args.mode or ("voice" if args.voice else "zero_shot")
     segments = split_segments(read_text(args), args.segment_chars)
     if not segments:
         raise CliError("the text is empty")
     sink = WavSink(Path(args.output))
+    sink.open()
     progress = tqdm(total=len(segments), unit="segment", disable=args.no_progress, file=sys.stderr)
     try:
         if args.url:
             synth_remote(args, segments, sink, progress, client=client)
         else:
             synth_local(args, segments, sink, progress)
+        if not sink.samples:
+            raise CliError("no audio was produced")
+        sink.commit()
+    except CosyVoiceError as exc:  # the runtime's deliberate errors: model files, voices, input
+        progress.leave = False  # erase the bar: the error is the last line
+        sink.discard()
+        raise CliError(str(exc)) from None
+    except BaseException:
+        progress.leave = False
+        sink.discard()
+        raise
     finally:
         progress.close()
-        sink.close()
-    if not sink.samples:
-        raise CliError("no audio was produced")
     out(f"wrote {sink.path}: {sink.duration_s:.2f} s at {sink.sample_rate} Hz from {len(segments)} segment(s)")
     return 0

@@ -10,6 +10,9 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import time
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from serve_app.cli_common import EXIT_PROBLEM, CliError, out
@@ -62,9 +65,94 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------ build-trt
 def add_build_trt(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("build-trt", help="offline TensorRT plan build for the flow estimator (arguments are passed "
-                       f"to python -m {TRT_BUILD_MODULE})")
+    # add_help=False: --help reaches the builder's parser, which owns the flags.
+    p = sub.add_parser("build-trt", add_help=False, help="offline TensorRT plan build for the flow estimator "
+                       f"(python -m {TRT_BUILD_MODULE}; fastcosy build-trt --help lists its flags)")
     p.set_defaults(func=run_build_trt, forward_rest=True)
+
+
+@dataclass
+class BuildPlan:
+    """What a build-trt run is asked to build, derived with the builder's own functions."""
+
+    model_dir: Path
+    out: Path
+    family: str
+    precision: str
+    requested: object  # ReplicaLimits from the flags
+    limits: object  # ReplicaLimits after --max-mem-gb
+    max_mem_gb: float | None
+    workspace_gb: float
+    profile: object  # EstimatorProfile
+
+
+def plan_build(builder, argv: list[str]) -> BuildPlan | None:
+    """Parse ``argv`` with the builder's parser and derive its limits and profile (no export);
+    None for a builder without that parser (then there is no summary).
+
+    Raises:
+        SystemExit: bad arguments or ``--help`` (argparse's own behaviour).
+        CliError: the model directory does not load, or the memory budget is too small.
+    """
+    from cosyvoice_runtime.config import ModelSpec
+    from cosyvoice_runtime.errors import CosyVoiceError
+    from cosyvoice_runtime.trt.profiles import ReplicaLimits, derive_profile
+
+    # The builder's parser (the module has no public one): the same flags, defaults and errors.
+    if not (callable(getattr(builder, "_parser", None)) and callable(getattr(builder, "limits_from_args", None))):
+        return None
+    a = builder._parser().parse_args(argv)
+    try:
+        spec = ModelSpec.from_model_dir(a.model_dir)
+        requested = ReplicaLimits(max_flow_batch=a.max_batch, max_prompt_s=a.max_prompt_s, max_total_s=a.max_total_s)
+        limits = builder.limits_from_args(spec, a)
+    except CosyVoiceError as exc:
+        raise CliError(f"cannot build TensorRT plans: {exc}") from None
+    except ValueError as exc:  # limits out of range, or a memory budget below the fixed costs
+        raise CliError(f"cannot build TensorRT plans: {exc}") from None
+    return BuildPlan(model_dir=a.model_dir, out=a.out, family=spec.family, precision="fp16" if a.fp16 else "fp32",
+                     requested=requested, limits=limits, max_mem_gb=a.max_mem_gb, workspace_gb=a.workspace_gb,
+                     profile=derive_profile(spec, limits))
+
+
+def _limits_text(limits) -> str:
+    return (f"flow batch {limits.max_flow_batch}, prompt <= {limits.max_prompt_s:g} s, "
+            f"flow call <= {limits.max_total_s:g} s")
+
+
+def build_summary(plan: BuildPlan, rc: int, started: float) -> str:
+    """The closing summary: profiles, precision, memory budget, files written, outcome."""
+    if plan.max_mem_gb is None:
+        memory = f"none (--max-mem-gb not given): {_limits_text(plan.limits)} as asked"
+    elif plan.limits == plan.requested:
+        memory = f"{plan.max_mem_gb:g} GB: {_limits_text(plan.limits)} fit as asked"
+    else:
+        memory = (f"{plan.max_mem_gb:g} GB: lowered to {_limits_text(plan.limits)} "
+                  f"(asked: flow batch {plan.requested.max_flow_batch}, flow call <= {plan.requested.max_total_s:g} s)")
+    onnx = sorted(p.name for p in plan.out.glob("estimator.*.onnx")) if plan.out.is_dir() else []
+    plans = sorted(p.name for p in plan.out.glob("*.plan")
+                   if p.stat().st_mtime >= started - 1) if plan.out.is_dir() else []
+    if rc == 0:
+        outcome = f"done: serve with synthesizer.mode: trt, trt_plan_dir: {plan.out}"
+    elif not plans and onnx:
+        why = ("TensorRT is not installed here" if importlib.util.find_spec("tensorrt") is None
+               else "see the error above")
+        outcome = (f"stopped after the ONNX export, no TensorRT plan built (exit {rc}: {why}). Run the same "
+                   "command on a node with the serving GPU and the [trt] extra installed")
+    else:
+        outcome = f"failed (exit {rc}; the reason is logged above)"
+    lines = [
+        "build-trt summary",
+        f"  model        {plan.model_dir} ({plan.family})",
+        f"  precision    {plan.precision}",
+        f"  memory       replica budget {memory}; TensorRT workspace {plan.workspace_gb:g} GB",
+        f"  profile      estimator rows (2 x flow batch) {plan.profile.rows}, mel frames {plan.profile.frames}",
+        *("  " + line for line in plan.profile.table().splitlines()),
+        f"  onnx         {', '.join(onnx) or 'none'} in {plan.out}",
+        f"  plans        {', '.join(plans) or 'none built'}",
+        f"  result       {outcome}",
+    ]
+    return "\n".join(lines)
 
 
 def run_build_trt(args: argparse.Namespace) -> int:
@@ -72,13 +160,28 @@ def run_build_trt(args: argparse.Namespace) -> int:
     if builder is None or not callable(getattr(builder, "main", None)):
         raise CliError(f"TensorRT plan building is not available in this installation: {TRT_BUILD_MODULE} (with a "
                        "main(argv)) does not exist. Serve with synthesizer.mode: pytorch meanwhile.")
-    # Without tensorrt the builder still writes the ONNX files, then exits 2 with what to install.
-    return int(builder.main(_forward(args)) or 0)
+    from cosyvoice_runtime.errors import CosyVoiceError
+
+    argv = _forward(args)
+    plan = plan_build(builder, argv)
+    started = time.time()
+    with warnings.catch_warnings():
+        # torch's ONNX exporter warns once per graph pass about Slice folding: noise for an operator.
+        warnings.filterwarnings("ignore", message="Constant folding", category=UserWarning)
+        try:
+            # Without tensorrt the builder still writes the ONNX files, then exits 2 with what to install.
+            rc = int(builder.main(argv) or 0)
+        except CosyVoiceError as exc:
+            raise CliError(f"cannot build TensorRT plans: {exc}") from None
+    if plan is not None:
+        out(build_summary(plan, rc, started))
+    return rc
 
 
 # ---------------------------------------------------------------------------------------- bench
 def add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help=f"GPU streaming benchmark (arguments are passed to python -m {BENCH_MODULE})")
+    p = sub.add_parser("bench", add_help=False, help=f"GPU streaming benchmark (python -m {BENCH_MODULE}, from the "
+                       "repository root; fastcosy bench --help lists its flags)")
     p.set_defaults(func=run_bench, forward_rest=True)
 
 
