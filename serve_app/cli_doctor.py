@@ -157,6 +157,42 @@ def estimate_need_bytes(model_dir: Path | None, dtype: str, max_running: int, ma
     return weights + kv
 
 
+def needed_trt_profile(model_dir: Path | None, synth, max_mem_gb: float | None = None) -> dict | None:
+    """The estimator profile a trt replica asks its plans to cover, computed as the replica does
+    (``deployments.runtime_adapter.replica_limits`` + ``derive_profile``) on meta-device modules
+    (shapes only, no weights read); None when the model directory or the runtime is not
+    available here (the model checks report why).
+    """
+    if model_dir is None or not model_dir.is_dir():
+        return None
+    try:
+        import torch
+
+        from cosyvoice_runtime.config import ModelSpec
+        from cosyvoice_runtime.errors import CosyVoiceError
+        from cosyvoice_runtime.model import build_modules
+        from cosyvoice_runtime.trt.profiles import derive_profile
+        from deployments.runtime_adapter import replica_limits
+        from deployments.synthesizer import SynthesizerConfig
+    except ImportError as exc:
+        logger.debug("no TensorRT profile requirement: %s", exc)
+        return None
+    cfg = synth or SynthesizerConfig()
+    if max_mem_gb is not None:
+        cfg = cfg.model_copy(update={"max_mem_gb": max_mem_gb})
+    try:
+        spec = ModelSpec.from_model_dir(model_dir)
+        dtype = getattr(torch, cfg.dtype)
+        mods = build_modules(spec, device="meta")
+        model = argparse.Namespace(spec=spec, llm=mods["llm"].to(dtype), flow=mods["flow"].to(dtype),
+                                   hift=mods["hift"].to(torch.float32))
+        limits = replica_limits(cfg, model, dtype_bytes=torch.finfo(dtype).bits // 8)
+    except (CosyVoiceError, ValueError, OSError) as exc:
+        logger.debug("no TensorRT profile requirement: %s", exc)
+        return None
+    return derive_profile(spec, limits).to_dict()
+
+
 def probe_environment(args: argparse.Namespace) -> Environment:
     """Facts of this machine plus what the config and flags ask for."""
     from deployments import constants
@@ -195,6 +231,8 @@ def probe_environment(args: argparse.Namespace) -> Environment:
     probe_torch(env)
     probe_tensorrt(env)
     probe_wetext(env)
+    if env.mode == "trt":
+        env.trt_profile_needed = needed_trt_profile(env.model_dir, synth, env.max_mem_gb)
     if env.max_mem_gb is None:
         env.estimated_need_bytes = estimate_need_bytes(
             env.model_dir, synth.dtype if synth else "float32", synth.max_running if synth else 16,

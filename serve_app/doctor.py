@@ -49,8 +49,18 @@ REQUIRED_FILES = {
 # The tokenizer is either the slow pair or a fast tokenizer.json (both appear in the wild).
 _TOKENIZER_ALTERNATIVES = (("CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt"),
                            ("CosyVoice-BlankEN/tokenizer.json",))
-TRT_SOURCE_ONNX = "flow.decoder.estimator.fp32.onnx"
 CHECKSUMS_FILE = "checksums.json"
+FLOW_CHECKPOINT = "flow.pt"
+
+# The TensorRT plan rule of the loader (cosyvoice_runtime.trt.engine: read_plans, select_plans,
+# EngineKey), restated with the standard library so doctor runs before torch is installed.
+# tests/serve_app/test_doctor_trt_rule.py checks that both accept and reject the same plans.
+PLAN_SUFFIX = ".plan"
+PLAN_SIDECAR_SUFFIX = ".json"  # appended to the plan's name
+PLAN_KEY_FIELDS = ("compute_capability", "tensorrt_version", "profile_hash", "precision", "onnx_hash", "attention")
+PLAN_PROFILE_FIELDS = ("rows", "frames", "n_mels", "spk_dim")
+PLAN_PRECISIONS = ("fp16", "fp32")
+PLAN_ATTENTIONS = ("full", "chunk")
 # ONNX files are parsed (catches truncation) only up to this size; larger ones are size-checked.
 _ONNX_PARSE_LIMIT_BYTES = 64 * 1024**2
 
@@ -97,6 +107,9 @@ class Environment:
         wetext_version / wetext_fst_dir: the installed wetext and its bundled FST folder.
         model_dir: the configured model directory (None: the tiny random-weight default).
         engine_cache_dir: where TensorRT plans are read from (``synthesizer.trt_plan_dir``).
+        trt_profile_needed: the estimator profile the replica will ask its plans to cover
+            (``{"rows": (min, opt, max), "frames": (...), "n_mels": n, "spk_dim": n}``, from the
+            model spec and the synthesizer limits); None: coverage is not checked.
         ray_address / ray_probe: cluster address to check and the function that checks it
             (returns None when reachable, else the error text).
         mode / device / needs_gpu: synthesizer execution mode and device, and whether the
@@ -121,6 +134,7 @@ class Environment:
     wetext_fst_dir: Path | None = None
     model_dir: Path | None = None
     engine_cache_dir: Path | None = None
+    trt_profile_needed: dict | None = None
     ray_address: str | None = None
     ray_probe: Callable[[str], str | None] | None = None
     mode: str = "pytorch"
@@ -302,65 +316,149 @@ def check_tensorrt(env: Environment) -> CheckResult:
     return CheckResult("tensorrt", Status.OK, f"TensorRT {env.tensorrt_version}{used}")
 
 
-def _plan_metadata(plan: Path) -> dict:
-    """Build facts of a plan: a ``<plan>.json`` sidecar if present, else tokens in the file name
-    (``..._sm120_trt10.13.plan``)."""
-    sidecar = plan.with_suffix(plan.suffix + ".json")
-    meta: dict = {}
-    if sidecar.exists():
-        try:
-            meta = json.loads(sidecar.read_text())
-        except (OSError, ValueError):
-            meta = {}
-    cap = meta.get("compute_capability") or meta.get("sm")
-    if cap is None and (m := re.search(r"sm_?(\d+)(\d)(?!\d)", plan.name)):
-        cap = f"{m.group(1)}.{m.group(2)}"
-    trt = meta.get("tensorrt_version") or meta.get("trt_version")
-    if trt is None and (m := re.search(r"trt[-_]?(\d+(?:\.\d+)+)", plan.name)):
-        trt = m.group(1).rstrip(".")
-    out = {}
-    if cap is not None:
-        text = str(cap).replace("sm_", "").replace("sm", "")
-        out["capability"] = parse_version(text) if "." in text else (int(text[:-1]), int(text[-1]))
-    if trt is not None:
-        out["tensorrt"] = parse_version(str(trt))
-    return out
+def plan_sidecar_path(plan: Path) -> Path:
+    return plan.with_name(plan.name + PLAN_SIDECAR_SUFFIX)
+
+
+def _valid_range(value) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, int) for v in value)
+            and 1 <= value[0] <= value[1] <= value[2])
+
+
+def read_plan_sidecar(plan: Path) -> tuple[dict | None, str | None]:
+    """``(sidecar, None)`` when the loader can use the plan, else ``(None, why not)``.
+
+    The loader's rule (``read_plans``): a non-empty plan with a ``<plan>.json`` that holds
+    every cache-key field, a known precision and attention, and a well-formed profile.
+    """
+    if plan.stat().st_size == 0:
+        return None, "empty (left by a failed build)"
+    side = plan_sidecar_path(plan)
+    try:
+        meta = json.loads(side.read_text())
+    except FileNotFoundError:
+        return None, f"no {side.name} sidecar (replicas skip plans without one)"
+    except (OSError, ValueError) as exc:
+        return None, f"{side.name} is unreadable ({type(exc).__name__})"
+    if not isinstance(meta, dict):
+        return None, f"{side.name} does not hold an object"
+    missing = [k for k in (*PLAN_KEY_FIELDS, "profile") if k not in meta]
+    if missing:
+        return None, f"{side.name} lacks {', '.join(missing)}"
+    if str(meta["precision"]) not in PLAN_PRECISIONS:
+        return None, f"{side.name}: unknown precision {meta['precision']!r}"
+    if str(meta["attention"]) not in PLAN_ATTENTIONS:
+        return None, f"{side.name}: unknown attention {meta['attention']!r}"
+    prof = meta["profile"]
+    if (not isinstance(prof, dict) or any(k not in prof for k in PLAN_PROFILE_FIELDS)
+            or not _valid_range(prof["rows"]) or not _valid_range(prof["frames"])):
+        return None, f"{side.name}: malformed profile"
+    return meta, None
+
+
+def profile_covers(built: dict, needed: dict) -> bool:
+    """The loader's coverage rule: the plan's ranges hold the needed min and max shapes."""
+    def covers(rows: int, frames: int) -> bool:
+        return built["rows"][0] <= rows <= built["rows"][2] and built["frames"][0] <= frames <= built["frames"][2]
+
+    return (covers(needed["rows"][0], needed["frames"][0]) and covers(needed["rows"][2], needed["frames"][2])
+            and int(built["n_mels"]) == int(needed["n_mels"]) and int(built["spk_dim"]) == int(needed["spk_dim"]))
+
+
+def plan_mismatches(meta: dict, *, compute_capability: str | None, tensorrt_version: str | None,
+                    needed: dict | None = None, flow_sha256: str | None = None) -> list[str]:
+    """Why a replica on this node rejects a plan (the loader's ``select_plans``); [] = it loads it.
+
+    Exact comparisons, as the loader makes them: a plan is valid for one compute capability
+    ("12.0") and one full TensorRT version ("10.13.3.9"; plans do not load across TensorRT
+    releases, patch releases included). A fact passed as None is not compared.
+    """
+    why = []
+    if compute_capability is not None and str(meta["compute_capability"]) != compute_capability:
+        why.append(f"built for sm{meta['compute_capability']}, this GPU is sm{compute_capability}")
+    if tensorrt_version is not None and str(meta["tensorrt_version"]) != tensorrt_version:
+        why.append(f"built with TensorRT {meta['tensorrt_version']}, installed is {tensorrt_version}")
+    if flow_sha256 and meta.get("flow_sha256") and meta["flow_sha256"] != flow_sha256:
+        why.append(f"exported from another {FLOW_CHECKPOINT}")
+    if needed is not None and not profile_covers(meta["profile"], needed):
+        why.append(f"profile rows {tuple(meta['profile']['rows'])} frames {tuple(meta['profile']['frames'])} does "
+                   f"not cover rows {tuple(needed['rows'])} frames {tuple(needed['frames'])}")
+    return why
+
+
+def _capability_text(cap: tuple[int, int]) -> str:
+    return f"{cap[0]}.{cap[1]}"  # as the loader formats torch.cuda.get_device_capability()
+
+
+def _build_command(env: Environment, fp16: bool) -> str:
+    model = env.model_dir or "<model dir>"
+    out = env.engine_cache_dir or "<trt_plan_dir>"
+    cmd = f"fastcosy build-trt --model-dir {model} --out {out}"
+    if fp16:
+        cmd += " --fp16"
+    if env.trt_profile_needed:
+        cmd += f" --max-batch {env.trt_profile_needed['rows'][2] // 2}"
+    return cmd
 
 
 def check_engine_cache(env: Environment) -> list[CheckResult]:
+    """Will a replica find a plan it loads? Same rule as the loader; stale plans beside a usable
+    one are warnings (replicas ignore them), no usable plan is a failure."""
     if env.mode != "trt":
-        return [CheckResult("engine_cache", Status.OK, "skipped (synthesizer.mode is pytorch)")]
-    build_fix = "build plans offline on a node with this GPU: fastcosy build-trt --model-dir <model> --out <plan dir>"
+        return [CheckResult("engine_cache", Status.OK, f"skipped (synthesizer.mode is {env.mode})")]
     root = env.engine_cache_dir
+    build_fix = (f"build plans on a node with this GPU and TensorRT: {_build_command(env, fp16=False)} "
+                 "(add --fp16 for fp16 kernels)")
     if root is None or not root.is_dir():
         return [CheckResult("engine_cache", Status.FAIL, f"TensorRT plan directory {root} does not exist", build_fix)]
-    plans = sorted(root.glob("*.plan"))
+    plans = sorted(root.glob(f"*{PLAN_SUFFIX}"))
     if not plans:
-        return [CheckResult("engine_cache", Status.FAIL, f"no *.plan files in {root}", build_fix)]
-    gpu = next((g for g in env.gpus if g.index == env.device_index()), env.gpus[0] if env.gpus else None)
-    trt_now = parse_version(env.tensorrt_version)
-    out = []
+        return [CheckResult("engine_cache", Status.FAIL, f"no *{PLAN_SUFFIX} files in {root}", build_fix)]
+    gpu = next((g for g in env.gpus if g.index == env.device_index()), None)
+    capability = _capability_text(gpu.capability) if gpu is not None and gpu.capability else None
+    flow = env.model_dir / FLOW_CHECKPOINT if env.model_dir is not None else None
+    flow_sha: str | None = None
+    verdicts: list[tuple[Path, dict | None, list[str]]] = []
     for plan in plans:
-        if plan.stat().st_size == 0:
-            out.append(CheckResult("engine_cache", Status.FAIL, f"{plan.name} is empty (left by a failed build)",
-                                   f"delete {plan} and rebuild: {build_fix}"))
+        meta, unusable = read_plan_sidecar(plan)
+        if meta is None:
+            verdicts.append((plan, None, [unusable]))
             continue
-        meta = _plan_metadata(plan)
-        problems = []
-        built_for = tuple(meta["capability"][:2]) if "capability" in meta else None
-        if built_for and gpu is not None and gpu.capability and built_for != gpu.capability:
-            problems.append(f"built for {_sm(tuple(meta['capability'][:2]))}, this GPU is {_sm(gpu.capability)}")
-        if "tensorrt" in meta and trt_now and tuple(meta["tensorrt"][:2]) != trt_now[:2]:
-            problems.append(f"built with TensorRT {_fmt(meta['tensorrt'])}, installed is {env.tensorrt_version}")
-        if problems:
-            out.append(CheckResult("engine_cache", Status.FAIL, f"{plan.name}: " + "; ".join(problems) +
-                                   " (plans are specific to GPU arch and TensorRT version)", build_fix))
-        elif not meta:
-            out.append(CheckResult("engine_cache", Status.WARN, f"{plan.name}: cannot tell which GPU / TensorRT built "
-                                   "it (no .json sidecar, no sm/trt tokens in the name)",
-                                   "rebuild with fastcosy build-trt, which records both"))
+        if (flow_sha is None and env.verify_checksums and meta.get("flow_sha256") and flow is not None
+                and flow.is_file()):
+            flow_sha = _sha256(flow)
+        verdicts.append((plan, meta, plan_mismatches(meta, compute_capability=capability,
+                                                     tensorrt_version=env.tensorrt_version,
+                                                     needed=env.trt_profile_needed, flow_sha256=flow_sha)))
+    usable = [(p, m) for p, m, why in verdicts if not why]
+    unknown = [what for what, known in (("this GPU's compute capability", capability),
+                                        ("the installed TensorRT version", env.tensorrt_version),
+                                        ("the profile the replica needs", env.trt_profile_needed)) if known is None]
+    out = []
+    for plan, meta, why in verdicts:
+        fix = (f"delete {plan} and rebuild: {_build_command(env, fp16=bool(meta) and meta['precision'] == 'fp16')}"
+               if why else "")
+        if not why:
+            status = Status.WARN if unknown else Status.OK
+            msg = (f"{plan.name}: {meta['attention']} attention, {meta['precision']}, sm{meta['compute_capability']}, "
+                   f"TensorRT {meta['tensorrt_version']}")
+            msg += f"; not compared with {', '.join(unknown)} (not detected)" if unknown else ": a replica loads it"
+            fix = "run doctor on the serving node with tensorrt installed and --config" if unknown else ""
+        elif usable:
+            status = Status.WARN
+            msg = f"{plan.name}: ignored by replicas ({'; '.join(why)}); another plan is usable"
         else:
-            out.append(CheckResult("engine_cache", Status.OK, f"{plan.name} matches this GPU and TensorRT"))
+            status = Status.FAIL
+            msg = f"{plan.name}: {'; '.join(why)} (plans are specific to GPU arch and exact TensorRT version)"
+        out.append(CheckResult("engine_cache", status, msg, fix))
+    if usable:
+        patterns = sorted({m["attention"] for _, m in usable})
+        if patterns == ["full"]:
+            out.append(CheckResult("engine_cache", Status.OK, "no chunk-attention plan: streamed flow calls use the "
+                                   "full-attention one (the official behaviour)"))
+    else:
+        out.append(CheckResult("engine_cache", Status.FAIL, f"no plan in {root} loads on this node: the synthesizer "
+                               "replica will refuse to start", build_fix))
     return out
 
 
@@ -392,11 +490,8 @@ def check_model_dir(env: Environment) -> CheckResult:
     if missing:
         return CheckResult("model_dir", Status.FAIL, f"{family} directory {d} is missing: {', '.join(missing)}",
                            "re-download the model directory (docs/troubleshooting.md lists the official file set)")
-    notes = ""
-    if env.mode == "trt" and not (d / TRT_SOURCE_ONNX).is_file():
-        notes = f"; {TRT_SOURCE_ONNX} is absent (needed to build TensorRT plans, not to serve prebuilt ones)"
-    return CheckResult("model_dir", Status.WARN if notes else Status.OK, f"{family} file set complete in {d}{notes}",
-                       "copy the ONNX estimator from the official download (some mirrors lack it)" if notes else "")
+    # No flow.decoder.estimator.fp32.onnx needed: fastcosy build-trt exports the estimator from flow.pt.
+    return CheckResult("model_dir", Status.OK, f"{family} file set complete in {d}")
 
 
 def _sha256(path: Path) -> str:

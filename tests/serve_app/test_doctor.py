@@ -40,9 +40,9 @@ H200 = GpuInfo(0, "NVIDIA H200", (9, 0), 141 * GIB, 139 * GIB)
 
 
 def gpu_env(**kw) -> Environment:
-    base = dict(torch_version="2.7.1+cu128", torch_cuda_version="12.8", torch_arch_list=CU128_ARCHS,
-                cuda_available=True, gpus=(RTX5090,), driver_version="570.124.04", driver_cuda_version="12.8",
-                needs_gpu=True, device="cuda")
+    base = {"torch_version": "2.7.1+cu128", "torch_cuda_version": "12.8", "torch_arch_list": CU128_ARCHS,
+            "cuda_available": True, "gpus": (RTX5090,), "driver_version": "570.124.04",
+            "driver_cuda_version": "12.8", "needs_gpu": True, "device": "cuda"}
     base.update(kw)
     return Environment(**base)
 
@@ -127,6 +127,17 @@ def test_tensorrt_needed_only_in_trt_mode():
     assert check_tensorrt(Environment(mode="trt", tensorrt_version="10.13.3.9")).status is Status.OK
 
 
+PROFILE = {"rows": [2, 8, 16], "frames": [2, 1550, 3000], "n_mels": 80, "spk_dim": 80}
+
+
+def _meta(**kw) -> dict:
+    """A complete sidecar as ``cosyvoice_runtime.trt.engine.write_sidecar`` writes it."""
+    meta = {"compute_capability": "12.0", "tensorrt_version": "10.13.3.9", "profile_hash": "p" * 12,
+            "precision": "fp16", "onnx_hash": "o" * 16, "attention": "full", "key": "k" * 16, "profile": PROFILE}
+    meta.update(kw)
+    return meta
+
+
 def _plan(d: Path, name: str, meta: dict | None = None, size: int = 16) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     p = d / name
@@ -136,36 +147,102 @@ def _plan(d: Path, name: str, meta: dict | None = None, size: int = 16) -> Path:
     return p
 
 
-def test_engine_cache_matches_gpu_and_trt_version(tmp_path):
-    _plan(tmp_path, "estimator.fp16.plan", {"compute_capability": "12.0", "tensorrt_version": "10.13.3"})
-    env = gpu_env(mode="trt", tensorrt_version="10.13.3.9", engine_cache_dir=tmp_path)
-    assert only(check_engine_cache(env)).status is Status.OK
+def _trt_env(plans: Path, **kw) -> Environment:
+    base = {"mode": "trt", "tensorrt_version": "10.13.3.9", "engine_cache_dir": plans,
+            "trt_profile_needed": PROFILE, "model_dir": Path("/models/cv2")}
+    return gpu_env(**{**base, **kw})
+
+
+def _by_plan(results) -> dict:
+    return {r.message.split(":")[0]: r for r in results if r.message.split(":")[0].endswith(".plan")}
+
+
+def test_engine_cache_plan_for_this_gpu_and_exact_trt_loads(tmp_path):
+    _plan(tmp_path, "full.plan", _meta())
+    _plan(tmp_path, "chunk.plan", _meta(attention="chunk"))
+    results = check_engine_cache(_trt_env(tmp_path))
+    assert [r.status for r in results] == [Status.OK, Status.OK], format_report(results)
+    assert "a replica loads it" in results[0].message
+    assert exit_code(results) == 0
+
+
+def test_engine_cache_patch_release_of_tensorrt_is_a_mismatch(tmp_path):
+    # The loader keys plans by the full TensorRT version: 10.13.3 plans do not load on 10.13.3.9.
+    _plan(tmp_path, "a.plan", _meta(tensorrt_version="10.13.3"))
+    results = check_engine_cache(_trt_env(tmp_path))
+    r = _by_plan(results)["a.plan"]
+    assert r.status is Status.FAIL and "built with TensorRT 10.13.3, installed is 10.13.3.9" in r.message
+    assert "fastcosy build-trt --model-dir /models/cv2 --out " in r.fix and "--fp16 --max-batch 8" in r.fix
+    assert results[-1].status is Status.FAIL and "refuse to start" in results[-1].message
+    assert "fastcosy build-trt" in results[-1].fix and exit_code(results) == 1
 
 
 def test_engine_cache_built_for_another_gpu_fails(tmp_path):
-    _plan(tmp_path, "estimator_sm90_trt10.13.plan")
-    env = gpu_env(mode="trt", tensorrt_version="10.13.3.9", engine_cache_dir=tmp_path)
-    r = only(check_engine_cache(env))
-    assert r.status is Status.FAIL and "sm_90" in r.message and "sm_120" in r.message
+    _plan(tmp_path, "estimator_sm90.plan", _meta(compute_capability="9.0"))
+    r = _by_plan(check_engine_cache(_trt_env(tmp_path)))["estimator_sm90.plan"]
+    assert r.status is Status.FAIL and "built for sm9.0, this GPU is sm12.0" in r.message
     assert "build-trt" in r.fix
 
 
-def test_engine_cache_other_trt_version_empty_plan_and_missing_dir(tmp_path):
-    _plan(tmp_path, "a.plan", {"compute_capability": "12.0", "tensorrt_version": "10.9.0"})
-    _plan(tmp_path, "b.plan", size=0)
-    env = gpu_env(mode="trt", tensorrt_version="10.13.3.9", engine_cache_dir=tmp_path)
-    by_name = {r.message.split(":")[0].split(" ")[0]: r for r in check_engine_cache(env)}
-    assert by_name["a.plan"].status is Status.FAIL and "TensorRT 10.9.0" in by_name["a.plan"].message
-    assert by_name["b.plan"].status is Status.FAIL and "empty" in by_name["b.plan"].message
-    env.engine_cache_dir = tmp_path / "nope"
-    assert only(check_engine_cache(env)).status is Status.FAIL
+def test_engine_cache_profile_must_cover_the_replica(tmp_path):
+    small = {**PROFILE, "rows": [2, 4, 8]}  # built with --max-batch 4, the replica batches 8
+    _plan(tmp_path, "small.plan", _meta(profile=small))
+    r = _by_plan(check_engine_cache(_trt_env(tmp_path)))["small.plan"]
+    assert r.status is Status.FAIL and "does not cover rows (2, 8, 16)" in r.message
+    assert "--max-batch 8" in r.fix
 
 
-def test_engine_cache_without_metadata_warns_and_pytorch_mode_skips(tmp_path):
-    _plan(tmp_path, "estimator.plan")
-    env = gpu_env(mode="trt", tensorrt_version="10.13.3.9", engine_cache_dir=tmp_path)
-    assert only(check_engine_cache(env)).status is Status.WARN
+def test_engine_cache_plan_of_another_flow_checkpoint_fails(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "flow.pt").write_bytes(b"weights v2")
+    _plan(tmp_path / "plans", "a.plan", _meta(flow_sha256=hashlib.sha256(b"weights v1").hexdigest()))
+    env = _trt_env(tmp_path / "plans")
+    env.model_dir = model
+    r = _by_plan(check_engine_cache(env))["a.plan"]
+    assert r.status is Status.FAIL and "another flow.pt" in r.message
+    (model / "flow.pt").write_bytes(b"weights v1")
+    assert exit_code(check_engine_cache(env)) == 0
+
+
+def test_stale_plan_beside_a_usable_one_is_a_warning(tmp_path):
+    _plan(tmp_path, "new.plan", _meta())
+    _plan(tmp_path, "old.plan", _meta(tensorrt_version="10.12.0.36"))
+    results = check_engine_cache(_trt_env(tmp_path))
+    by = _by_plan(results)
+    assert by["new.plan"].status is Status.OK
+    assert by["old.plan"].status is Status.WARN and "ignored by replicas" in by["old.plan"].message
+    assert "delete" in by["old.plan"].fix and exit_code(results) == 0
+
+
+def test_unusable_plans_empty_no_sidecar_incomplete_sidecar_and_missing_dir(tmp_path):
+    _plan(tmp_path, "empty.plan", size=0)
+    _plan(tmp_path, "bare.plan")  # no sidecar: the loader skips it whatever its name says
+    _plan(tmp_path, "partial.plan", {"compute_capability": "12.0", "tensorrt_version": "10.13.3.9"})
+    _plan(tmp_path, "badprec.plan", _meta(precision="int8"))
+    by = _by_plan(check_engine_cache(_trt_env(tmp_path)))
+    assert "empty" in by["empty.plan"].message
+    assert "no bare.plan.json sidecar" in by["bare.plan"].message
+    assert "lacks profile_hash" in by["partial.plan"].message
+    assert "unknown precision 'int8'" in by["badprec.plan"].message
+    assert all(r.status is Status.FAIL for r in by.values())
+    env = _trt_env(tmp_path / "nope")
+    r = only(check_engine_cache(env))
+    assert r.status is Status.FAIL and "does not exist" in r.message and "build-trt" in r.fix
+
+
+def test_engine_cache_without_detected_gpu_or_tensorrt_warns_and_pytorch_mode_skips(tmp_path):
+    _plan(tmp_path, "a.plan", _meta())
+    env = _trt_env(tmp_path, tensorrt_version=None)
+    r = _by_plan(check_engine_cache(env))["a.plan"]
+    assert r.status is Status.WARN and "installed TensorRT version" in r.message
     assert only(check_engine_cache(gpu_env(mode="pytorch"))).status is Status.OK
+
+
+def test_only_full_attention_plans_is_noted_not_failed(tmp_path):
+    _plan(tmp_path, "full.plan", _meta())
+    results = check_engine_cache(_trt_env(tmp_path))
+    assert exit_code(results) == 0 and any("no chunk-attention plan" in r.message for r in results)
 
 
 # ------------------------------------------------------------------------------- model files
@@ -337,3 +414,138 @@ def test_probe_of_this_machine_with_a_config_does_not_crash(tmp_path):
     env = cli_doctor.probe_environment(ns)
     assert env.config_error is None and env.torch_version and env.mode == "pytorch"
     assert env.wetext_version is not None
+
+
+# ------------------------------------------------------------------- probes, faked environment
+FAKE_NVIDIA_SMI = """#!/bin/sh
+case "$*" in
+  *--query-gpu*) echo "0, NVIDIA GeForce RTX 5090, 570.124.04, 12.0, 32607, 5120" ;;
+  *) echo "| NVIDIA-SMI 570.124.04   Driver Version: 570.124.04   CUDA Version: 12.8 |" ;;
+esac
+"""
+
+
+@pytest.fixture()
+def fake_node(tmp_path, monkeypatch):
+    """An RTX 5090 node as the probes see it: nvidia-smi on PATH, a cu124 torch whose arch list
+    lacks sm_120 (CUDA calls faked), and TensorRT 10.13.3.9 importable."""
+    import importlib.machinery
+    import os
+    import sys
+    import types
+
+    import torch
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(FAKE_NVIDIA_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(CU124_ARCHS))
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = "10.13.3.9"
+    trt.__spec__ = importlib.machinery.ModuleSpec("tensorrt", None)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    return tmp_path
+
+
+def _doctor_args(**kw) -> argparse.Namespace:
+    base = {"config": None, "model_dir": None, "plan_dir": None, "mode": None, "device": None, "ray_address": None,
+            "max_mem_gb": None, "no_checksums": True, "json": False}
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_probe_nvidia_smi_parses_driver_cuda_and_gpus(fake_node):
+    driver, cuda, gpus = cli_doctor.probe_nvidia_smi()
+    assert (driver, cuda) == ("570.124.04", "12.8")
+    (gpu,) = gpus
+    assert gpu.name == "NVIDIA GeForce RTX 5090" and gpu.capability == (12, 0)
+    assert gpu.total_bytes == 32607 * 1024**2 and gpu.free_bytes == 5120 * 1024**2
+
+
+def test_probe_without_nvidia_smi_reports_no_driver(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
+    assert cli_doctor.probe_nvidia_smi() == (None, None, [])
+
+
+def test_probe_tensorrt_version_and_import_error(fake_node, monkeypatch):
+    import sys
+
+    env = Environment()
+    cli_doctor.probe_tensorrt(env)
+    assert env.tensorrt_version == "10.13.3.9"
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import raises ImportError
+    env = Environment()
+    cli_doctor.probe_tensorrt(env)
+    assert env.tensorrt_version is None and "ModuleNotFoundError" in env.tensorrt_error
+
+
+def test_faked_rtx5090_node_blocks_serving_with_every_fix(fake_node, tiny_model, capsys):
+    """The whole doctor on the faked node, trt mode: torch lacks sm_120, the plan was built with
+    another TensorRT, 5 GiB free for a 12 GB replica."""
+    plans = fake_node / "plans"
+    _plan(plans, "old.plan", _meta(tensorrt_version="10.12.0.36", precision="fp32"))
+    args = _doctor_args(model_dir=str(tiny_model), mode="trt", plan_dir=str(plans), device="cuda", max_mem_gb=12.0)
+    env = cli_doctor.probe_environment(args)
+    assert env.gpus[0].capability == (12, 0) and env.tensorrt_version == "10.13.3.9"
+    assert env.trt_profile_needed == PROFILE  # from the tiny spec and the default synthesizer limits
+    results = run_checks(env)
+    status = {}
+    for r in results:
+        status.setdefault(r.name, []).append(r)
+    arch = only(status["gpu_arch"])
+    assert arch.status is Status.FAIL and "sm_120" in arch.message and "CUDA 12.8" in arch.fix
+    assert only(status["driver"]).status is Status.OK  # 12.8 driver, 12.4 torch
+    assert only(status["tensorrt"]).status is Status.OK
+    stale = next(r for r in status["engine_cache"] if r.message.startswith("old.plan"))
+    assert stale.status is Status.FAIL and "installed is 10.13.3.9" in stale.message
+    assert f"fastcosy build-trt --model-dir {tiny_model} --out {plans} --max-batch 8" in stale.fix
+    mem = only(status["gpu_memory"])
+    assert mem.status is Status.FAIL and "5.0 GiB free" in mem.message and "max_mem_gb 12" in mem.message
+    assert cli_doctor.run(args, environment=env) == 1
+    assert "serving is blocked" in capsys.readouterr().out
+
+
+def test_probe_needed_profile_follows_the_synthesizer_config(tiny_model):
+    from deployments.synthesizer import SynthesizerConfig
+
+    cfg = SynthesizerConfig(token2wav={"max_batch_size": 3})
+    need = cli_doctor.needed_trt_profile(tiny_model, cfg)
+    assert need["rows"] == [2, 4, 6] and need["frames"][2] == 3000  # opt: half the largest batch, rounded up
+    assert cli_doctor.needed_trt_profile(None, cfg) is None
+
+
+def test_ray_probe_against_a_dashboard_like_http_server():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers = {"/api/version": 200}
+
+    class Dashboard(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(answers.get(self.path, 404))
+            self.end_headers()
+            self.wfile.write(b'{"ray_version": "2.60.0"}')
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Dashboard)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        env = Environment(ray_address=url, ray_probe=cli_doctor.probe_ray)
+        assert check_ray(env).status is Status.OK
+        answers["/api/version"] = 401  # token auth on, no token here
+        r = check_ray(env)
+        assert r.status is Status.FAIL and "auth token" in r.message and "RAY_AUTH_TOKEN" in r.fix
+        gcs = Environment(ray_address=f"127.0.0.1:{server.server_address[1]}", ray_probe=cli_doctor.probe_ray)
+        assert check_ray(gcs).status is Status.OK  # a TCP connect for GCS addresses
+    finally:
+        server.shutdown()
+        server.server_close()
