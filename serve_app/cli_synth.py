@@ -342,10 +342,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-wav", help="prompt recording for zero-shot / cross-lingual (>= 16 kHz, <= 30 s)")
     p.add_argument("--prompt-text", help="transcript of --prompt-wav (zero-shot)")
     p.add_argument("--instruct", help="instruction text (instruct mode)")
-    p.add_argument("--speed", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--speed", type=float, default=1.0, help="speaking rate (default 1.0)")
+    p.add_argument("--seed", type=int, help="sampling seed, for repeatable output")
     p.add_argument("--segment-chars", type=int, default=DEFAULT_SEGMENT_CHARS,
-                   help="longest text segment sent in one request")
+                   help=f"longest text segment synthesised in one request (default {DEFAULT_SEGMENT_CHARS}); "
+                   "the progress bar counts segments")
     p.add_argument("--config", help="local: serve config whose model_dir / voices_dir to use")
     p.add_argument("--model-dir", help="local: model directory (default: config, $FAST_COSY_MODEL_DIR, tiny model)")
     p.add_argument("--device", help="local: cpu | cuda | cuda:N (default: cuda when available)")

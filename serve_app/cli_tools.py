@@ -10,6 +10,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -41,9 +42,10 @@ def _forward(args: argparse.Namespace) -> list[str]:
 # ------------------------------------------------------------------------------ make-tiny-model
 def add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny-model", help="write the tiny random-weight model (official layout; NOT speech)")
-    p.add_argument("--family", choices=["cosyvoice2", "cosyvoice3"], default="cosyvoice2")
+    p.add_argument("--family", choices=["cosyvoice2", "cosyvoice3"], default="cosyvoice2",
+                   help="architecture family (default cosyvoice2: 24 kHz)")
     p.add_argument("--out", required=True, help="directory to create")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0: the same model the service writes)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing directory")
     p.set_defaults(func=run_make_tiny_model)
 
@@ -191,7 +193,11 @@ def run_bench(args: argparse.Namespace) -> int:
         raise CliError(f"the benchmark ({BENCH_MODULE}) is not importable: it lives in the repository's bench/ "
                        "folder, which is not part of the installed package; run fastcosy bench from the "
                        "repository root")
-    return int(bench.main(_forward(args)) or 0)
+    prog, sys.argv[0] = sys.argv[0], "fastcosy bench"  # the benchmark's parser names itself after argv[0]
+    try:
+        return int(bench.main(_forward(args)) or 0)
+    finally:
+        sys.argv[0] = prog
 
 
 # ----------------------------------------------------------------------------- config-reference
