@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import faulthandler
 import json
 import logging
+import sys
 import tempfile
 import threading
 import time
@@ -181,7 +183,13 @@ class ReplicaSim:
                         self.streams[rid].trace.add_chunk(now, audio.numel())
                     self.lock.notify_all()
 
-    def run(self, voice: VoicePrompt, text: torch.Tensor, concurrency: int, total: int) -> tuple[list[RequestTrace], float]:
+    def run(self, voice: VoicePrompt, text: torch.Tensor, concurrency: int, total: int,
+            deadline_s: float = 180.0) -> tuple[list[RequestTrace], float]:
+        """Closed loop of ``concurrency`` streams until ``total`` requests finished.
+
+        Raises TimeoutError (after dumping every thread's stack) when the row takes longer than
+        ``deadline_s``, so one stuck row cannot eat the whole lease.
+        """
         threads = [threading.Thread(target=self._guard(f), daemon=True) for f in (self._llm_loop, self._t2w_loop)]
         for t in threads:
             t.start()
@@ -192,6 +200,11 @@ class ReplicaSim:
                 active = sum(1 for s in self.streams.values() if not s.state.finished)
                 if self.error or submitted - active == total:
                     break
+                if time.perf_counter() - t0 > deadline_s:
+                    faulthandler.dump_traceback(all_threads=True)
+                    self.error = TimeoutError(f"row c={concurrency} not done after {deadline_s:.0f} s: "
+                                              f"{submitted - active}/{total} finished")
+                    break
                 if active >= concurrency or submitted >= total:
                     self.lock.wait(timeout=1.0)
                     continue
@@ -201,7 +214,7 @@ class ReplicaSim:
             self.stop = True
             self.lock.notify_all()
         for t in threads:
-            t.join(timeout=30)
+            t.join(timeout=5 if self.error else 30)
         if self.error:
             raise self.error
         self.breakdown = _ttfa_breakdown(list(self.streams.values()))
@@ -259,25 +272,30 @@ def _forced_sampler(model: CosyVoiceModel, n_tokens: int):
 
 
 def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_tokens: int, min_requests: int,
-               flow_batch: int) -> list[dict]:
+               flow_batch: int, on_row=None, deadline_s: float = 180.0) -> list[dict]:
     """``mode`` = ``<kind>-<precision>[-<extra>...]``: kind pytorch | compile (torch.compile of
     the flow estimator), precision fp32 | fp16 | bf16; extras: ``graphs`` = CUDA graphs for the
     LLM decode step and the flow solve, ``llmgraphs`` = for the LLM decode step only, ``early`` =
-    the first chunk ends at the first attention-chunk boundary (Token2Wav ``min_first_hop=1``)."""
+    the first chunk ends at the first attention-chunk boundary (Token2Wav ``min_first_hop=1``),
+    ``fastswitch`` = a 0.5 ms GIL switch interval (default 5 ms) while the mode runs."""
     kind, prec, *extra = mode.split("-")
-    if kind not in ("pytorch", "compile") or prec not in DTYPES or set(extra) - {"graphs", "llmgraphs", "early"}:
-        raise ValueError(f"unknown mode {mode!r}: expected <pytorch|compile>-<fp32|fp16|bf16>[-graphs|-llmgraphs][-early]")
+    known = {"graphs", "llmgraphs", "early", "fastswitch"}
+    if kind not in ("pytorch", "compile") or prec not in DTYPES or set(extra) - known:
+        raise ValueError(f"unknown mode {mode!r}: expected <pytorch|compile>-<fp32|fp16|bf16>[-{'|-'.join(sorted(known))}]")
+    switch = sys.getswitchinterval()
+    if "fastswitch" in extra:
+        sys.setswitchinterval(0.0005)
+    try:
+        return _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requests, flow_batch, on_row,
+                           deadline_s)
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requests, flow_batch, on_row, deadline_s):
     llm_graphs = bool({"graphs", "llmgraphs"} & set(extra))
     min_first_hop = 1 if "early" in extra else None
-    model = cast(base, DTYPES[prec])
-    if kind == "compile":
-        est = model.flow.decoder.estimator
-        model.flow.decoder.estimator = torch.compile(est, dynamic=True)
-    if "graphs" in extra and model.device.type == "cuda":
-        t0 = time.perf_counter()
-        n = model.flow.enable_graphs(max_batch=flow_batch, max_frames=2 * (PROMPT_SPEECH + n_tokens),
-                                     capture=True).capture()
-        logger.info("%s: captured %d flow graphs in %.1f s", mode, n, time.perf_counter() - t0)
+    model = _prepared(base, kind, prec, "graphs" in extra, flow_batch, n_tokens)
     voice, text = make_voice(model)
     rows = []
     # warm-up: one short request (allocations, kernel selection, compilation)
@@ -288,14 +306,36 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
             torch.cuda.reset_peak_memory_stats()
         sim = ReplicaSim(model, max_batch=c, n_tokens=n_tokens, cuda_graphs=llm_graphs, flow_batch=flow_batch,
                          min_first_hop=min_first_hop)
-        traces, wall = sim.run(voice, text, c, max(2 * c, min_requests))
+        traces, wall = sim.run(voice, text, c, max(2 * c, min_requests), deadline_s=deadline_s)
         row = {"mode": mode, "concurrency": c, **summarize(traces, wall), **sim.breakdown}
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None
         print(json.dumps(row), flush=True)
         rows.append(row)
-    if kind == "compile":
-        model.flow.decoder.estimator = est
+        if on_row is not None:
+            on_row(row)
     return rows
+
+
+_PREPARED: dict[tuple, CosyVoiceModel] = {}
+
+
+def _prepared(base: CosyVoiceModel, kind: str, prec: str, flow_graphs: bool, flow_batch: int,
+              n_tokens: int) -> CosyVoiceModel:
+    """The cast (compiled / graphed) copy of ``base`` for a mode; modes that differ only in
+    scheduling (early, fastswitch) share it, so flow graphs are captured once per run."""
+    key = (id(base), kind, prec, flow_graphs, flow_batch, n_tokens)
+    if key not in _PREPARED:
+        model = cast(base, DTYPES[prec])
+        if kind == "compile":
+            model.flow.decoder.estimator = torch.compile(model.flow.decoder.estimator, dynamic=True)
+        if flow_graphs and model.device.type == "cuda":
+            t0 = time.perf_counter()
+            n = model.flow.enable_graphs(max_batch=flow_batch, max_frames=2 * (PROMPT_SPEECH + n_tokens),
+                                         capture=True).capture()
+            logger.info("captured %d flow graphs in %.1f s", n, time.perf_counter() - t0)
+        _PREPARED.clear()  # one prepared copy at a time: GPU memory
+        _PREPARED[key] = model
+    return _PREPARED[key]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -310,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--baseline-requests", type=int, default=3)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--deadline-s", type=float, default=180.0, help="a row taking longer fails (stacks dumped)")
     ap.add_argument("--tag", default="", help="suffix of the report name (several runs on one day)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -324,17 +365,22 @@ def main(argv: list[str] | None = None) -> None:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     from bench.report import write_report
 
-    for mode in args.modes.split(","):
-        try:
-            rows += bench_mode(base, mode, [int(c) for c in args.concurrency.split(",")], args.tokens,
-                               args.min_requests, args.flow_batch)
-        except Exception as exc:  # keep measuring the other modes; the report lists the failure
-            logger.exception("mode %s failed", mode)
-            errors.append(f"{mode}: {type(exc).__name__}: {exc}")
-        if rows:  # rewrite the report after every mode so a timeout still leaves results
+    def report(row=None):  # rewritten after every row, so a timeout still leaves results
+        if row is not None:
+            rows.append(row)
+        if rows:
             notes = "\n".join(f"- mode failed: {e}" for e in errors)
             write_report(Path(args.out), device_name, args.family, args.tokens, baseline, rows, notes=notes,
                          tag=args.tag)
+
+    for mode in args.modes.split(","):
+        try:
+            bench_mode(base, mode, [int(c) for c in args.concurrency.split(",")], args.tokens,
+                       args.min_requests, args.flow_batch, on_row=report, deadline_s=args.deadline_s)
+        except Exception as exc:  # keep measuring the other modes; the report lists the failure
+            logger.exception("mode %s failed", mode)
+            errors.append(f"{mode}: {type(exc).__name__}: {exc}")
+            report()
     if errors:
         print(json.dumps({"errors": errors}), flush=True)
 

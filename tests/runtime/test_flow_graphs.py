@@ -5,11 +5,14 @@ the static buffers and the fixed noise. The marked GPU test checks the captured 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from cosyvoice_runtime.flow.flow import build_flow
 from cosyvoice_runtime.flow.graphs import GraphedSolver, batch_buckets
+from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from tests.runtime.test_flow_batch import FAMILIES, JOBS, _flow, _item
 
 # fp32 on CPU: padded and unpadded runs differ only by summation order in matmuls.
@@ -63,10 +66,13 @@ def test_too_long_or_traced_runs_eagerly():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cuda_graphs_equal_eager(family):
+def test_cuda_graphs_equal_eager(family, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    plain = copy.deepcopy(_flow(family)).cuda()
+    # The GPU machine has no ../shared parity data: random tiny weights from the project's writer.
+    spec = write_config_dir(tmp_path, family, _TINY[family])
+    torch.manual_seed(0)
+    plain = build_flow(dataclasses.replace(spec.flow, n_timesteps=3)).eval().cuda()
     flow = copy.deepcopy(plain)
     solver = flow.enable_graphs(max_batch=8, max_frames=512)
     gen = torch.Generator().manual_seed(11)
