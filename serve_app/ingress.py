@@ -8,6 +8,10 @@ Routes (docs/serving.md has examples):
 * ``GET /health``, ``GET /metrics``
 
 Only this package knows HTTP, status codes and containers; the deployments get typed messages.
+Limits answered with the JSON error shape: bodies past ``max_upload_bytes`` (413, before the rest
+is read), more than ``max_ongoing_requests`` in progress plus ``max_queued_requests`` waiting in
+this replica (429, :class:`~serve_app.middleware.AdmissionControl`); ``/v1/voices/`` is served
+as ``/v1/voices`` (no redirects).
 Streaming responses fetch the first chunk before sending headers, so errors found while
 preparing (unknown voice, bad prompt) still get their 4xx; after that, a client disconnect
 cancels the handle generator, which aborts the sequence in the synthesizer replica.
@@ -25,6 +29,7 @@ from pydantic import Field, PositiveInt
 from ray.serve.exceptions import BackPressureError
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartParser
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -43,9 +48,15 @@ from deployments.protocol import (
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, encode_audio, make_stream_encoder
 from serve_app.errors import ApiError, install_exception_handlers, request_id_of
 from serve_app.metrics import CONTENT_TYPE, IngressMetrics
+from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
 from serve_app.schemas import NativeSynthesisFields, SpeechRequest, VoiceFields, VoiceOut
 
 logger = logging.getLogger(__name__)
+
+
+# Serve's concurrency limit of an ingress replica, as a multiple of what the app admits or queues
+# (the excess is room for the app's own fast 429s and for /health and /metrics, which are never held).
+SERVE_HEADROOM = 2
 
 
 class IngressConfig(DeploymentKnobs):
@@ -55,40 +66,6 @@ class IngressConfig(DeploymentKnobs):
     max_upload_bytes: PositiveInt = 10 * 1024 * 1024
     model_names: list[str] = Field(default_factory=list)  # accepted `model` values; empty = any
     health_timeout_s: float = Field(5.0, gt=0)
-
-
-_ROUTES = ("/v1/audio/speech", "/v1/tts", "/v1/voices", "/health", "/metrics")
-
-
-class RequestAccounting:
-    """Pure ASGI middleware (no BaseHTTPMiddleware: it would interfere with streaming and
-    disconnect propagation): fixes the request id and counts responses by status."""
-
-    def __init__(self, app, metrics: IngressMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id_of(Request(scope))  # fixed once per request, read by routes and error handlers
-        path = scope.get("path", "")
-        route = next((r for r in _ROUTES if path == r or path.startswith(r + "/")), "other")
-        status = {"code": 500}
-
-        async def send_wrapper(message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            code = status["code"]
-            self.metrics.requests.labels(route, str(code)).inc()
-            if code >= 400:
-                self.metrics.errors.labels(route, "client" if code < 500 else "server").inc()
 
 
 def _voice_out(info: VoiceInfo) -> dict:
@@ -117,8 +94,15 @@ class TTSIngress:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
         ]
-        app = Starlette(routes=routes, middleware=[Middleware(RequestAccounting, metrics=self.metrics)])
-        install_exception_handlers(app, self.cfg.retry_after_s)
+        cfg = self.cfg
+        app = Starlette(routes=routes, middleware=[
+            Middleware(TrailingSlash),
+            Middleware(RequestAccounting, metrics=self.metrics),
+            Middleware(AdmissionControl, max_running=cfg.max_ongoing_requests, max_waiting=cfg.max_queued_requests,
+                       retry_after_s=cfg.retry_after_s),
+        ])
+        app.router.redirect_slashes = False  # TrailingSlash serves "/v1/voices/"; nothing answers 307
+        install_exception_handlers(app, cfg.retry_after_s)
         return app
 
     # ---------------------------------------------------------------- synthesis routes
@@ -293,30 +277,38 @@ class TTSIngress:
 
     @classmethod
     def deployment_options(cls, cfg: IngressConfig) -> dict[str, Any]:
-        return cfg.serve_options("TTSIngress")
+        """Serve options of the ingress. ``max_ongoing_requests`` / ``max_queued_requests`` of the
+        config are enforced by the app itself (:class:`~serve_app.middleware.AdmissionControl`,
+        JSON 429); Serve's limits for this deployment sit above them, so that Serve's own
+        plain-text 429 (from its proxy, before our code runs) needs a burst of more than
+        ``SERVE_HEADROOM * (max_ongoing + max_queued) + max_queued`` requests at one replica."""
+        opts = cfg.serve_options("TTSIngress")
+        opts["max_ongoing_requests"] = SERVE_HEADROOM * (cfg.max_ongoing_requests + cfg.max_queued_requests)
+        return opts
 
     # ---------------------------------------------------------------- parsing helpers
     async def _form(self, request: Request, file_fields: tuple[str, ...]) -> tuple[dict, dict[str, bytes]]:
-        declared = int(request.headers.get("content-length") or 0)
-        if declared > self.cfg.max_upload_bytes:
-            raise PayloadTooLargeError(f"upload is {declared} bytes; the limit is {self.cfg.max_upload_bytes}")
+        body = _body_chunks(request, self.cfg.max_upload_bytes)
+        parser = MultiPartParser(request.headers, body, max_files=len(file_fields), max_fields=32)
         try:
-            form = await request.form(max_files=len(file_fields), max_fields=32)
+            form = await parser.parse()
+        except PayloadTooLargeError:
+            raise
         except Exception as exc:  # malformed multipart
             raise ApiError(400, f"malformed multipart body: {exc}", code="invalid_input") from None
-        fields: dict[str, Any] = {}
-        files: dict[str, bytes] = {}
-        for key, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                if key not in file_fields:
-                    raise ApiError(400, f"unexpected file field '{key}'", code="invalid_input")
-                data = await value.read()
-                if len(data) > self.cfg.max_upload_bytes:
-                    raise PayloadTooLargeError(f"file '{key}' exceeds {self.cfg.max_upload_bytes} bytes")
-                files[key] = data
-            else:
-                fields[key] = value
-        return fields, files
+        try:
+            fields: dict[str, Any] = {}
+            files: dict[str, bytes] = {}
+            for key, value in form.multi_items():
+                if isinstance(value, UploadFile):
+                    if key not in file_fields:
+                        raise ApiError(400, f"unexpected file field '{key}'", code="invalid_input")
+                    files[key] = await value.read()
+                else:
+                    fields[key] = value
+            return fields, files
+        finally:
+            await form.close()  # spooled temporary files
 
 
 async def _admitted(awaitable):
@@ -342,20 +334,26 @@ def _cancel(gen) -> None:
         logger.debug("cancel of a failed stream raised %s", type(exc).__name__)
 
 
-async def _json(request: Request, limit: int) -> Any:
-    """The JSON body, refused with a 413 past ``limit`` bytes before it is read (declared length)
-    or as soon as the stream passes it (chunked bodies)."""
+async def _body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
+    """The request body as it arrives, refused with a 413 past ``limit`` bytes: at once from a
+    declared ``Content-Length``, or as soon as a chunked body passes it (nothing past the limit is
+    read)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"body is {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise PayloadTooLargeError(f"body exceeds {limit} bytes")
-        chunks.append(chunk)
+        yield chunk
+
+
+async def _json(request: Request, limit: int) -> Any:
+    """The JSON body, size-limited as :func:`_body_chunks`."""
+    data = b"".join([chunk async for chunk in _body_chunks(request, limit)])
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly nested arrays
         raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
 

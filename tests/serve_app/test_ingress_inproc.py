@@ -65,7 +65,7 @@ class FakeHandle:
         return _Method(self._target, name, self._stream)
 
 
-def _app():
+def _app(ingress_cfg: IngressConfig | None = None):
     frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
     synth = Synthesizer(SynthesizerConfig(max_running=4, max_ongoing_requests=4, warmup=False,
                                           token2wav={"max_batch_size": 4}),
@@ -75,7 +75,7 @@ def _app():
         return (await synth.compute.run(synth.t2w.run_batch, [job]))[0]
 
     synth._token2wav = direct
-    ingress = TTSIngress(IngressConfig(max_input_chars=100), FakeHandle(frontend), FakeHandle(synth))
+    ingress = TTSIngress(ingress_cfg or IngressConfig(max_input_chars=100), FakeHandle(frontend), FakeHandle(synth))
     return ingress.__serve_build_asgi_app__()
 
 

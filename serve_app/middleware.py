@@ -1,0 +1,144 @@
+"""Pure ASGI middleware of the ingress app (no ``BaseHTTPMiddleware``: it would interfere with
+streaming and disconnect propagation).
+
+Order, outermost first (``TTSIngress.__serve_build_asgi_app__``):
+
+1. :class:`TrailingSlash` rewrites ``/v1/voices/`` to ``/v1/voices`` (Starlette's own
+   ``redirect_slashes`` is turned off: no route ever answers with a redirect);
+2. :class:`RequestAccounting` fixes the request id and counts responses by route and status;
+3. :class:`AdmissionControl` bounds the requests this replica works on and the ones waiting for
+   that, answering the JSON 429 beyond; ``/health`` and ``/metrics`` are never held back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.requests import Request
+
+from serve_app.errors import error_response, request_id_of
+from serve_app.metrics import IngressMetrics
+
+logger = logging.getLogger(__name__)
+
+ROUTES = ("/v1/audio/speech", "/v1/tts", "/v1/voices", "/health", "/metrics")
+UNGATED = frozenset({"/health", "/metrics"})  # probes must answer while the replica is saturated
+
+
+def route_path(scope) -> str:
+    """The path below the app's mount point (Serve puts the route prefix in ``root_path``)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
+
+
+class TrailingSlash:
+    """``/v1/voices/`` is served as ``/v1/voices`` (and ``/health/`` as ``/health``).
+
+    Only slashes that are literally in the request line are stripped (counted on ``raw_path``),
+    so an encoded one (``/v1/voices/%2F``) stays part of the path and gets the JSON 404.
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope = self._strip(scope)
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _strip(scope):
+        path = scope.get("path", "")
+        if len(route_path(scope)) <= 1 or not path.endswith("/"):
+            return scope
+        raw = scope.get("raw_path")
+        if raw is not None:
+            n = len(raw) - len(raw.rstrip(b"/"))
+        else:
+            n = len(path) - len(path.rstrip("/"))
+        n = min(n, len(route_path(scope)) - 1)  # never strip the mount point's own "/"
+        if n <= 0:
+            return scope
+        scope = dict(scope)
+        scope["path"] = path[:-n]
+        if raw is not None:
+            scope["raw_path"] = raw[:-n]
+        return scope
+
+
+class RequestAccounting:
+    """Fixes the request id once per request and counts responses by route and status."""
+
+    def __init__(self, app, metrics: IngressMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id_of(Request(scope))  # fixed once per request, read by routes and error handlers
+        path = route_path(scope)
+        route = next((r for r in ROUTES if path == r or path.startswith(r + "/")), "other")
+        status = {"code": 500}
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            code = status["code"]
+            self.metrics.requests.labels(route, str(code)).inc()
+            if code >= 400:
+                self.metrics.errors.labels(route, "client" if code < 500 else "server").inc()
+
+
+class AdmissionControl:
+    """At most ``max_running`` requests in progress and ``max_waiting`` waiting for a turn (FIFO);
+    beyond that the JSON 429 with ``Retry-After`` at once.
+
+    NOTE: this is the ingress's backpressure, not Serve's. Serve rejects a full ingress queue in
+    its proxy, before any of our code runs, with a plain-text 429; the ingress deployment's Serve
+    limits are therefore set above these (``TTSIngress.deployment_options``), so the proxy only
+    ever hands requests to this replica and this class answers the overload. A request in
+    progress holds its turn until its response (a whole audio stream) is sent or the client goes.
+    """
+
+    def __init__(self, app, max_running: int, max_waiting: int, retry_after_s: int) -> None:
+        self.app = app
+        self.max_running, self.max_waiting, self.retry_after_s = max_running, max_waiting, retry_after_s
+        self.running = self.waiting = self.rejected = 0
+        self._turns: asyncio.Semaphore | None = None  # created on the serving loop, at first use
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or route_path(scope) in UNGATED:
+            await self.app(scope, receive, send)
+            return
+        if self._turns is None:
+            self._turns = asyncio.Semaphore(self.max_running)
+        turns = self._turns
+        if turns.locked() and self.waiting >= self.max_waiting:
+            self.rejected += 1
+            rid = request_id_of(Request(scope))
+            response = error_response(
+                rid, 429, f"server is at capacity ({self.max_running} requests in progress, {self.waiting} "
+                f"waiting); retry after {self.retry_after_s} s", "overloaded_error", "queue_full",
+                {"Retry-After": str(self.retry_after_s)})
+            await response(scope, receive, send)
+            return
+        self.waiting += 1
+        try:
+            await turns.acquire()  # returns at once while a turn is free
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.running -= 1
+            turns.release()

@@ -1,0 +1,129 @@
+"""The ingress's ASGI middleware and body limits in process (no Ray): trailing slashes, the app's
+own admission limit (JSON 429), and 413 for a chunked upload before the rest of it is read.
+The same behaviour over real HTTP through Serve's proxy is in tests/integration/test_ingress_limits.py."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from serve_app.ingress import SERVE_HEADROOM, IngressConfig, TTSIngress
+from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
+from serve_app.metrics import IngressMetrics
+from tests.serve_app.test_ingress_inproc import _app, _wav
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_trailing_slash_variants_answer_like_the_plain_routes():
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=_app()), base_url="http://t") as c:
+            r = await c.post("/v1/voices/", data={"voice_id": "v1", "prompt_text": "hi"},
+                             files={"audio": ("a.wav", _wav(), "audio/wav")})
+            assert r.status_code == 201, r.text
+            plain, slashed = await c.get("/v1/voices"), await c.get("/v1/voices/")
+            assert slashed.status_code == plain.status_code == 200 and slashed.json() == plain.json()
+            assert (await c.get("/v1/voices/v1/")).json()["voice_id"] == "v1"
+            assert (await c.get("/health/")).status_code == 200
+            # An encoded slash is part of the path, not a trailing slash: the JSON 404, never a redirect.
+            r = await c.get("/v1/voices/%2F")
+            assert r.status_code == 404 and set(r.json()) == {"error", "request_id"}
+            r = await c.delete("/v1/voices/")
+            assert r.status_code == 405 and set(r.json()) == {"error", "request_id"}
+            for path in ("/v1/voices/", "/v1/voices//", "/v1/audio/speech/", "/metrics/", "/nope/"):
+                r = await c.request("GET", path)
+                assert r.status_code < 300 or r.status_code >= 400, (path, r.status_code)
+
+    _run(main())
+
+
+def test_trailing_slash_keeps_the_mount_point():
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append((scope["path"], scope.get("raw_path")))
+        await JSONResponse({})(scope, receive, send)
+
+    async def main():
+        mw = TrailingSlash(app)
+        for path, raw in (("/p/", b"/p/"), ("/p/v1/voices/", b"/p/v1/voices/"), ("/p/v1/voices//", b"/p/v1/voices/%2F")):
+            await mw({"type": "http", "path": path, "raw_path": raw, "root_path": "/p", "headers": [],
+                      "method": "GET"}, None, _sink)
+
+    async def _sink(message):
+        pass
+
+    _run(main())
+    assert seen == [("/p/", b"/p/"), ("/p/v1/voices", b"/p/v1/voices"), ("/p/v1/voices//", b"/p/v1/voices/%2F")]
+
+
+def _gated_app(max_running: int, max_waiting: int, gate: asyncio.Event):
+    async def slow(request):
+        await gate.wait()
+        return JSONResponse({"ok": True})
+
+    async def health(request):
+        return JSONResponse({"status": "ok"})
+
+    return Starlette(routes=[Route("/v1/tts", slow, methods=["POST"]), Route("/health", health)], middleware=[
+        Middleware(TrailingSlash), Middleware(RequestAccounting, metrics=IngressMetrics()),
+        Middleware(AdmissionControl, max_running=max_running, max_waiting=max_waiting, retry_after_s=7)])
+
+
+def test_admission_limit_answers_json_429_and_keeps_probes_open():
+    async def main():
+        gate = asyncio.Event()
+        app = _gated_app(2, 3, gate)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            held = [asyncio.create_task(c.post("/v1/tts")) for _ in range(5)]  # 2 running + 3 waiting
+            await asyncio.sleep(0.05)
+            extra = await asyncio.gather(*(c.post("/v1/tts") for _ in range(4)))
+            assert [r.status_code for r in extra] == [429] * 4
+            for r in extra:
+                body = r.json()
+                assert r.headers["retry-after"] == "7" and body["error"]["code"] == "queue_full"
+                assert body["error"]["type"] == "overloaded_error" and body["request_id"]
+            assert (await c.get("/health")).status_code == 200  # never held back
+            gate.set()
+            assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 5
+            assert (await c.post("/v1/tts")).status_code == 200  # turns were all given back
+
+    _run(main())
+
+
+def test_serve_limits_of_the_ingress_sit_above_the_app_limits():
+    cfg = IngressConfig(max_ongoing_requests=4, max_queued_requests=6, retry_after_s=2)
+    opts = TTSIngress.deployment_options(cfg)
+    assert opts["max_ongoing_requests"] == SERVE_HEADROOM * (4 + 6) > 4 + 6
+    assert opts["max_queued_requests"] == 6
+
+
+def test_chunked_upload_past_the_limit_is_refused_before_the_rest_is_read():
+    limit = 256 * 1024
+    sent = {"bytes": 0}
+
+    async def endless():  # no Content-Length: httpx sends it chunked
+        head = (b'--b\r\nContent-Disposition: form-data; name="voice_id"\r\n\r\nv\r\n'
+                b'--b\r\nContent-Disposition: form-data; name="audio"; filename="a.wav"\r\n'
+                b"Content-Type: audio/wav\r\n\r\n")
+        sent["bytes"] += len(head)
+        yield head
+        for _ in range(10_000):
+            sent["bytes"] += 16 * 1024
+            yield b"\0" * 16 * 1024
+
+    async def main():
+        app = _app(IngressConfig(max_upload_bytes=limit))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/voices", content=endless(),
+                                headers={"content-type": "multipart/form-data; boundary=b"})
+
+    r = _run(main())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text
+    assert sent["bytes"] <= limit + 64 * 1024, sent  # stopped at the limit, not after 160 MB
