@@ -270,15 +270,20 @@ def synthetic_prompt_wav(seconds: float = 3.0, sample_rate: int = 16000, pitch_h
     return buf.getvalue()
 
 
-def register_voices(base_url: str, count: int, prefix: str = "load", timeout_s: float = 120.0) -> list[str]:
-    """Register ``count`` synthetic voices (overwriting), return their ids."""
+def register_voices(base_url: str, count: int, prefix: str = "load", timeout_s: float = 120.0,
+                    prompt_seconds: tuple[float, ...] = (3.0,)) -> list[str]:
+    """Register ``count`` synthetic voices (overwriting), return their ids.
+
+    Voice ``k`` gets a ``prompt_seconds[k % len(prompt_seconds)]`` s prompt (the prompt's length is
+    part of every flow call, so it sets much of a short request's cost).
+    """
     ids = []
     for k in range(count):
         voice_id = f"{prefix}{k}"
+        wav = synthetic_prompt_wav(prompt_seconds[k % len(prompt_seconds)], pitch_hz=150.0 + 40 * k)
         r = httpx.post(f"{base_url}/v1/voices", timeout=timeout_s,
                        data={"voice_id": voice_id, "prompt_text": f"Prompt number {k}.", "overwrite": "true"},
-                       files={"audio": (f"{voice_id}.wav", synthetic_prompt_wav(pitch_hz=150.0 + 40 * k),
-                                        "audio/wav")})
+                       files={"audio": (f"{voice_id}.wav", wav, "audio/wav")})
         if r.status_code != 201:
             raise RuntimeError(f"registering voice {voice_id} failed: {r.status_code} {r.text[:200]}")
         ids.append(voice_id)

@@ -40,8 +40,13 @@ logger = logging.getLogger(__name__)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
-# Short texts: the tiny model on 2 shared cores makes ~1 s of (noise) audio per short sentence.
-SOAK_TEXTS = ("Hi.", "Hello world.", "Good morning to you.", "One. Two.", "The quick brown fox jumps.")
+# Cheap requests of mixed lengths: the tiny model's random LLM rarely stops early, so a text of n
+# tokens (about one per character here) decodes up to 20 n speech tokens (0.8 n s of audio), and
+# flow + HiFT, 80 % of the compute, grow with that and with the voice's prompt. 2-12 text tokens
+# keep 2,000 requests within about 40 min on 2 shared cores (the 2026-12-02 mix, up to 25 tokens,
+# managed 378 in 1,000 s).
+SOAK_TEXTS = ("A.", "Hi.", "Yes.", "Okay.", "Hi there.", "Hello world.")
+SOAK_PROMPT_S = (1.0, 1.5, 2.0)  # voice k gets prompt k % 3: mixed prompt lengths too
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,8 @@ def sample_workers(procs: list[psutil.Process]) -> dict[str, dict[str, Any]]:
         try:
             with proc.oneshot():
                 out[str(proc.pid)] = {"title": " ".join(proc.cmdline())[:80],
-                                      "rss_mib": proc.memory_info().rss / 2**20, "fds": proc.num_fds()}
+                                      "rss_mib": proc.memory_info().rss / 2**20, "fds": proc.num_fds(),
+                                      "malloc_arena_max": proc.environ().get("MALLOC_ARENA_MAX")}
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return out
@@ -94,7 +100,30 @@ class Sampler(threading.Thread):
             snap = sample_workers(self.procs)
             self.series.append({"t_s": round(time.perf_counter() - self._t0, 1),
                                 "rss_mib_total": round(sum(w["rss_mib"] for w in snap.values()), 1),
-                                "fds_total": sum(w["fds"] for w in snap.values())})
+                                "fds_total": sum(w["fds"] for w in snap.values()),
+                                "rss_mib": {short_title(w["title"]): round(w["rss_mib"], 1) for w in snap.values()}})
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    return {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def short_title(title: str) -> str:
+    """``ray::ServeReplica:tts:Synthesizer ...`` -> ``Synthesizer``; ``ray::ProxyActor`` -> ``ProxyActor``."""
+    return title.split()[0].split(":")[-1] if title else "?"
+
+
+def rss_over_run(series: list[dict[str, Any]], fractions=(0.25, 0.5, 0.75, 1.0)) -> dict[str, list[float]]:
+    """Per worker, its RSS at the given fractions of the sampled run (the plateau check of the report)."""
+    rows = [r for r in series if "rss_mib" in r]
+    if not rows:
+        return {}
+    names = sorted({n for r in rows for n in r["rss_mib"]})
+    picks = [rows[min(len(rows) - 1, max(0, round(f * len(rows)) - 1))] for f in fractions]
+    return {n: [p["rss_mib"].get(n, float("nan")) for p in picks] for n in names}
 
     def stop(self) -> None:
         self._halt.set()
@@ -114,7 +143,8 @@ def check_bounds(before: dict[str, dict], after: dict[str, dict], bounds: Bounds
         workers[pid] = {"title": b["title"], "rss_mib_after_warmup": round(b["rss_mib"], 1),
                         "rss_mib_after_run": round(a["rss_mib"], 1), "rss_growth_mib": round(d_rss, 1),
                         "rss_allowed_mib": round(allowed, 1), "fds_after_warmup": b["fds"],
-                        "fds_after_run": a["fds"], "fds_growth": d_fds}
+                        "fds_after_run": a["fds"], "fds_growth": d_fds,
+                        "malloc_arena_max": b.get("malloc_arena_max")}
         if d_rss > allowed:
             violations.append(f"worker {pid} ({b['title']}) RSS grew {d_rss:.1f} MiB > {allowed:.1f}")
         if d_fds > bounds.fd_slack:
@@ -142,9 +172,10 @@ def wait_idle(base_url: str, timeout_s: float = 60.0) -> bool:
 def run_soak(base_url: str, requests: int = 2000, warmup: int = 40, concurrency: int = 4, voices: int = 2,
              max_duration_s: float = 3600.0, open_fraction: float = 0.25, sample_every_s: float = 10.0,
              bounds: Bounds = Bounds(), root_pid: int | None = None, texts: tuple[str, ...] = SOAK_TEXTS,
-             progress: bool = True, request_timeout_s: float = 120.0) -> dict[str, Any]:
+             progress: bool = True, request_timeout_s: float = 120.0,
+             prompt_seconds: tuple[float, ...] = SOAK_PROMPT_S) -> dict[str, Any]:
     """Run the soak against ``base_url``; workers are looked up under ``root_pid`` (default: us)."""
-    voice_ids = tuple(register_voices(base_url, voices, prefix="soak"))
+    voice_ids = tuple(register_voices(base_url, voices, prefix="soak", prompt_seconds=prompt_seconds))
     common = {"base_url": base_url, "texts": texts, "voices": voice_ids, "progress": progress,
                   "request_timeout_s": request_timeout_s}
     warm = LoadGenerator(LoadConfig(mode="closed", concurrency=concurrency, max_requests=warmup,
@@ -193,8 +224,12 @@ def run_soak(base_url: str, requests: int = 2000, warmup: int = 40, concurrency:
                    for name, p in phases},
         "idle_after_run": idle,
         "bounds": bounds.__dict__,
+        "sample_every_s": sample_every_s,
         "memory": leaks["workers"],
         "violations": leaks["violations"],
+        "machine": machine(),
+        "texts": list(texts),
+        "voice_prompt_s": [prompt_seconds[k % len(prompt_seconds)] for k in range(voices)],
         "series": sampler.series,
         "passed": lost == 0 and not leaks["violations"] and idle and total == requests,
         "phase_reports": dict(phases),  # full load reports; write_result stores them beside the soak files
@@ -203,8 +238,16 @@ def run_soak(base_url: str, requests: int = 2000, warmup: int = 40, concurrency:
 
 def soak_markdown(result: dict[str, Any]) -> str:
     b = result["bounds"]
+    m = result.get("machine") or {}
     lines = [
         f"# Soak {result['date']}", "",
+        (f"Pass criteria, fixed before the run: all {result['requests_planned']} requests sent, none lost "
+         f"(every one ends in audio or a documented error code), the engine idle afterwards, and per Ray worker "
+         f"RSS growth <= max({b['rss_abs_mib']} MiB, {b['rss_rel']:.0%} of its post-warm-up RSS) and open fds "
+         f"growth <= {b['fd_slack']}, measured after warm-up and after the run."), "",
+        (f"Machine: {m.get('cpus', '?')} CPUs, {m.get('memory_gib', '?')} GiB, {m.get('platform', '?')}, "
+         f"Python {m.get('python', '?')}. "
+         f"Texts {result.get('texts', '?')}; voices with {result.get('voice_prompt_s', '?')} s prompts."), "",
         (f"{result['requests_sent']} of {result['requests_planned']} requests in {result['wall_s']} s against "
         f"`{result['base_url']}`: **{result['requests_ok']} ok, {result['requests_lost']} lost**; "
         f"outcomes {result['outcomes']}. Engine idle after the run: {result['idle_after_run']}. "
@@ -219,11 +262,18 @@ def soak_markdown(result: dict[str, Any]) -> str:
                      f"{s['requests_per_s']:.2f} |")
     lines += ["", (f"Bounds per Ray worker: RSS growth <= max({b['rss_abs_mib']} MiB, {b['rss_rel']:.0%} of the "
               f"post-warm-up RSS); open fds growth <= {b['fd_slack']}."), "",
-              "| worker | RSS after warm-up (MiB) | after run | growth (allowed) | fds after warm-up | after run |",
-              "|---|---|---|---|---|---|"]
+              ("| worker | RSS after warm-up (MiB) | after run | growth (allowed) | fds after warm-up | after run "
+               "| MALLOC_ARENA_MAX |"), "|---|---|---|---|---|---|---|"]
     for w in result["memory"].values():
         lines.append(f"| `{w['title'][:48]}` | {w['rss_mib_after_warmup']} | {w['rss_mib_after_run']} | "
-                     f"{w['rss_growth_mib']} ({w['rss_allowed_mib']}) | {w['fds_after_warmup']} | {w['fds_after_run']} |")
+                     f"{w['rss_growth_mib']} ({w['rss_allowed_mib']}) | {w['fds_after_warmup']} | {w['fds_after_run']} | "
+                     f"{w.get('malloc_arena_max') or 'unset'} |")
+    over = rss_over_run(result.get("series") or [])
+    if over:
+        lines += ["", ("RSS (MiB) at 25 / 50 / 75 / 100 % of the run (samples every "
+                       f"{result.get('sample_every_s', '?')} s; a plateau is flat in the later columns):"), "",
+                  "| worker | 25 % | 50 % | 75 % | 100 % |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | " + " | ".join(f"{v:.1f}" for v in vals) + " |" for name, vals in over.items()]
     lines += ["", "Violations: " + ("; ".join(result["violations"]) or "none"), ""]
     return "\n".join(lines)
 

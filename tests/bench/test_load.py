@@ -141,3 +141,14 @@ def test_soak_bounds_flag_growth_and_dead_workers():
     assert out["workers"]["1"]["rss_allowed_mib"] == 100.0  # 10 % of 1000 MiB beats 64 MiB
     assert out["violations"] == ["worker 2 (ray::B) RSS grew 70.0 MiB > 64.0", "worker 2 (ray::B) open fds grew 21 > 16",
                                  "worker 3 (ray::C) died during the soak"]
+
+
+def test_soak_rss_over_run_and_titles():
+    from bench.soak import rss_over_run, short_title
+
+    assert short_title("ray::ServeReplica:tts:Synthesizer  x") == "Synthesizer"
+    assert short_title("ray::ProxyActor") == "ProxyActor"
+    series = [{"t_s": i, "rss_mib": {"Synthesizer": 600.0 + i, "ProxyActor": 150.0}} for i in range(1, 9)]
+    over = rss_over_run(series)
+    assert over == {"ProxyActor": [150.0] * 4, "Synthesizer": [602.0, 604.0, 606.0, 608.0]}
+    assert rss_over_run([{"t_s": 1, "rss_mib_total": 3.0}]) == {}  # series of older results
