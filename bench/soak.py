@@ -47,6 +47,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yam
 # managed 378 in 1,000 s).
 SOAK_TEXTS = ("A.", "Hi.", "Yes.", "Okay.", "Hi there.", "Hello world.")
 SOAK_PROMPT_S = (1.0, 1.5, 2.0)  # voice k gets prompt k % 3: mixed prompt lengths too
+# Idle time before each memory sample (after warm-up and after the run alike): replicas drop
+# per-request objects and the synthesizer returns freed heap after 1 s idle (deployments/synthesizer.py).
+SETTLE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ class Sampler(threading.Thread):
                                 "fds_total": sum(w["fds"] for w in snap.values()),
                                 "rss_mib": {short_title(w["title"]): round(w["rss_mib"], 1) for w in snap.values()}})
 
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
 
 def machine() -> dict[str, Any]:
     import platform
@@ -113,7 +120,8 @@ def machine() -> dict[str, Any]:
 
 def short_title(title: str) -> str:
     """``ray::ServeReplica:tts:Synthesizer ...`` -> ``Synthesizer``; ``ray::ProxyActor`` -> ``ProxyActor``."""
-    return title.split()[0].split(":")[-1] if title else "?"
+    # Ray retitles a worker with the method it runs ("...:Synthesizer.handle_request_with_rejection").
+    return title.split()[0].split(":")[-1].split(".")[0] if title else "?"
 
 
 def rss_over_run(series: list[dict[str, Any]], fractions=(0.25, 0.5, 0.75, 1.0)) -> dict[str, list[float]]:
@@ -124,10 +132,6 @@ def rss_over_run(series: list[dict[str, Any]], fractions=(0.25, 0.5, 0.75, 1.0))
     names = sorted({n for r in rows for n in r["rss_mib"]})
     picks = [rows[min(len(rows) - 1, max(0, round(f * len(rows)) - 1))] for f in fractions]
     return {n: [p["rss_mib"].get(n, float("nan")) for p in picks] for n in names}
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=5)
 
 
 def check_bounds(before: dict[str, dict], after: dict[str, dict], bounds: Bounds) -> dict[str, Any]:
@@ -169,7 +173,7 @@ def wait_idle(base_url: str, timeout_s: float = 60.0) -> bool:
 
 
 # ---------------------------------------------------------------------------------- the soak
-def run_soak(base_url: str, requests: int = 2000, warmup: int = 40, concurrency: int = 4, voices: int = 2,
+def run_soak(base_url: str, requests: int = 2000, warmup: int = 40, concurrency: int = 4, voices: int = 3,
              max_duration_s: float = 3600.0, open_fraction: float = 0.25, sample_every_s: float = 10.0,
              bounds: Bounds = Bounds(), root_pid: int | None = None, texts: tuple[str, ...] = SOAK_TEXTS,
              progress: bool = True, request_timeout_s: float = 120.0,
@@ -181,6 +185,7 @@ def run_soak(base_url: str, requests: int = 2000, warmup: int = 40, concurrency:
     warm = LoadGenerator(LoadConfig(mode="closed", concurrency=concurrency, max_requests=warmup,
                                     max_duration_s=max_duration_s, seed=1, **common)).run()
     wait_idle(base_url)
+    time.sleep(SETTLE_S)  # the same settling as before the after-run sample: both are idle samples
     procs = ray_workers(root_pid)
     before = sample_workers(procs)
     sampler = Sampler(procs, sample_every_s)
@@ -200,7 +205,7 @@ def run_soak(base_url: str, requests: int = 2000, warmup: int = 40, concurrency:
                                                         max_duration_s=remaining, seed=3, **common)).run()))
     wall = time.perf_counter() - started
     idle = wait_idle(base_url)
-    time.sleep(2.0)  # let replicas drop per-request objects
+    time.sleep(SETTLE_S)
     sampler.stop()
     after = sample_workers(procs)
     leaks = check_bounds(before, after, bounds)
@@ -328,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--voices", type=int, default=2)
+    p.add_argument("--voices", type=int, default=3)
     p.add_argument("--duration", type=float, default=3600.0, help="stop sending after this many seconds")
     p.add_argument("--sample-every", type=float, default=10.0)
     p.add_argument("--out", default=None, help="output stem (default bench/results/soak-<date>)")

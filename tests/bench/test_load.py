@@ -148,7 +148,25 @@ def test_soak_rss_over_run_and_titles():
 
     assert short_title("ray::ServeReplica:tts:Synthesizer  x") == "Synthesizer"
     assert short_title("ray::ProxyActor") == "ProxyActor"
+    assert short_title("ray::ServeReplica:tts:Synthesizer.handle_request_with_rejection") == "Synthesizer"
+    assert short_title("ray::ProxyActor.receive_asgi_messages") == "ProxyActor"
     series = [{"t_s": i, "rss_mib": {"Synthesizer": 600.0 + i, "ProxyActor": 150.0}} for i in range(1, 9)]
     over = rss_over_run(series)
     assert over == {"ProxyActor": [150.0] * 4, "Synthesizer": [602.0, 604.0, 606.0, 608.0]}
     assert rss_over_run([{"t_s": 1, "rss_mib_total": 3.0}]) == {}  # series of older results
+
+
+def test_soak_sampler_records_per_worker_rss_and_stops():
+    import psutil
+
+    from bench.soak import Sampler
+
+    sampler = Sampler([psutil.Process()], every_s=0.05)
+    sampler.start()
+    import time
+
+    time.sleep(0.3)
+    sampler.stop()
+    assert not sampler.is_alive() and sampler.series
+    row = sampler.series[-1]
+    assert row["rss_mib_total"] > 0 and len(row["rss_mib"]) == 1

@@ -1,0 +1,40 @@
+"""Synthesizer memory hygiene without Ray: glibc arenas capped in the replica's env, freed heap
+returned to the OS once the replica has been idle for IDLE_TRIM_DELAY_S (never under load)."""
+from __future__ import annotations
+
+import asyncio
+
+from deployments import synthesizer as synth_mod
+from deployments.synthesizer import Synthesizer, SynthesizerConfig
+from tests.deployments.test_synthesizer_unit import _req, _synth
+
+
+def test_replica_env_caps_malloc_arenas_and_keeps_other_options():
+    opts = Synthesizer.deployment_options(SynthesizerConfig())
+    assert opts["ray_actor_options"]["runtime_env"]["env_vars"] == {"MALLOC_ARENA_MAX": "2"}
+    assert opts["ray_actor_options"]["num_cpus"] == SynthesizerConfig().resources.num_cpus
+
+
+def test_heap_is_trimmed_once_after_idle_not_between_busy_requests(monkeypatch):
+    monkeypatch.setattr(synth_mod, "IDLE_TRIM_DELAY_S", 0.2)
+    calls = []
+    monkeypatch.setattr(synth_mod, "release_free_heap", lambda: calls.append(1) or True)
+    s = _synth()
+
+    async def one(rid):
+        return [c async for c in s.synthesize(_req(rid, 5, stream=True))]
+
+    async def main():
+        await asyncio.gather(one("a"), one("b"))
+        await one("c")  # starts before the delay: the pending trim is called off
+        assert s.heap_trims == 0
+        await asyncio.sleep(0.4)
+        if s._trim_task is not None:
+            await s._trim_task
+
+    asyncio.run(main())
+    assert s.heap_trims == 1 and calls == [1]
+
+
+def test_release_free_heap_runs_here():
+    assert synth_mod.release_free_heap() in (True, False)  # glibc: whether anything was returned
