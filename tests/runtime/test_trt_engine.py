@@ -54,7 +54,7 @@ def _plan(tmp_path, key: EngineKey, profile: EstimatorProfile = PROFILE, **meta)
 
 
 def test_sidecar_round_trip_and_doctor_reads_it(tmp_path):
-    from serve_app.doctor import _plan_metadata
+    from serve_app.doctor import read_plan_sidecar
 
     path = _plan(tmp_path, KEY, flow_sha256="f" * 64)
     (tmp_path / "broken.plan").write_bytes(b"")
@@ -63,7 +63,10 @@ def test_sidecar_round_trip_and_doctor_reads_it(tmp_path):
     assert [p.key for p in plans] == [KEY] and plans[0].profile == PROFILE
     assert plans[0].meta["flow_sha256"] == "f" * 64
     assert any("broken.plan: empty" in s for s in skipped) and any("nosidecar.plan" in s for s in skipped)
-    assert _plan_metadata(path) == {"capability": (9, 0), "tensorrt": (10, 13, 3, 9)}
+    meta, why = read_plan_sidecar(path)
+    assert why is None and (meta["compute_capability"], meta["tensorrt_version"]) == ("9.0", "10.13.3.9")
+    assert read_plan_sidecar(tmp_path / "broken.plan")[0] is None
+    assert "sidecar" in read_plan_sidecar(tmp_path / "nosidecar.plan")[1]
 
 
 def test_plan_selection_rejects_other_gpu_trt_and_small_profiles(tmp_path):
