@@ -122,6 +122,7 @@ class ReplicaSim:
         self.pending: list[tuple[str, torch.Tensor]] = []
         self.stop = False
         self.error: BaseException | None = None
+        self.llm_steps = self.t2w_batches = self.t2w_jobs = 0  # progress counters for a timed-out row
 
     def submit(self, rid: str, voice: VoicePrompt, text: torch.Tensor, t_s: float) -> None:
         lm = build_lm_input(self.model.llm, text, voice.prompt_text_ids, voice.llm_prompt_speech_ids)
@@ -144,6 +145,7 @@ class ReplicaSim:
                 if self.stop:
                     return
                 events = self.engine.step()
+                self.llm_steps += 1
                 now = time.perf_counter()
                 with self.lock:
                     for ev in events:
@@ -177,6 +179,8 @@ class ReplicaSim:
                         self.streams[rid].first_job_s = start
                 audios = self.t2w.run_batch([j for _, j in jobs], max_batch=self.flow_batch)
                 sync(device)
+                self.t2w_batches += 1
+                self.t2w_jobs += len(jobs)
                 now = time.perf_counter()
                 with self.lock:
                     for (rid, job), audio in zip(jobs, audios):
@@ -203,7 +207,7 @@ class ReplicaSim:
                 if time.perf_counter() - t0 > deadline_s:
                     faulthandler.dump_traceback(all_threads=True)
                     self.error = TimeoutError(f"row c={concurrency} not done after {deadline_s:.0f} s: "
-                                              f"{submitted - active}/{total} finished")
+                                              f"{submitted - active}/{total} finished; {self._progress()}")
                     break
                 if active >= concurrency or submitted >= total:
                     self.lock.wait(timeout=1.0)
@@ -219,6 +223,14 @@ class ReplicaSim:
             raise self.error
         self.breakdown = _ttfa_breakdown(list(self.streams.values()))
         return [s.trace for s in self.streams.values()], wall
+
+    def _progress(self) -> str:
+        """Where the unfinished streams stand (caller holds the lock): tells a hang from slowness."""
+        open_ = [s for s in self.streams.values() if not s.state.finished]
+        rows = [f"{len(s.tokens)}tok/{'done' if s.llm_done else 'gen'}/off{s.state.token_offset}/calls{s.state.calls}"
+                for s in open_[:8]]
+        return (f"llm steps {self.llm_steps}, t2w batches {self.t2w_batches} (jobs {self.t2w_jobs}), "
+                f"engine unfinished {self.engine.has_unfinished()}; open streams: {', '.join(rows)}")
 
     def _guard(self, fn):
         def run():
