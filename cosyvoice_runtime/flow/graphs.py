@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.flow.cfm import CFMSolver
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class GraphedSolver:
         self.max_frames = math.ceil(max_frames / frame_step) * frame_step
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
         self._lock = threading.Lock()
         self.replays = 0
         self.eager_calls = 0
@@ -165,19 +167,10 @@ class GraphedSolver:
         return bucket
 
     def _capture(self, bucket: _Bucket) -> None:
-        bucket.graph = torch.cuda.CUDAGraph()
-        dev = bucket.mu.device
         bucket.mask[:, :, :1] = 1  # a non-empty warm-up input
-        current = torch.cuda.current_stream(dev)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(current)
-        with torch.cuda.stream(side), torch.inference_mode():  # warm-up: cuBLAS/cuDNN plans
-            self._run(bucket)
-        current.wait_stream(side)
-        # thread_local: the LLM thread keeps launching its own graphs while this one is captured.
-        with torch.inference_mode(), torch.cuda.graph(bucket.graph, pool=self._pool,
-                                                      capture_error_mode="thread_local"):
-            bucket.out = self._run(bucket)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(bucket.mu.device)  # own cuBLAS workspace
+        bucket.graph, bucket.out = graph_capture.capture(lambda: self._run(bucket), self._capture_stream, self._pool)
         bucket.mask.zero_()
         if self._pool is None:
             self._pool = bucket.graph.pool()

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.llm import batch_sampling as bs
 from cosyvoice_runtime.llm.generate import DecodeState, pack_states
 from cosyvoice_runtime.llm.kv_cache import KVCache
@@ -107,6 +108,7 @@ class DecodeRunner:
         self._pad_row = torch.tensor([0, pad_slot, 0] + pad.tolist(), dtype=torch.long)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
 
     # -- the step --------------------------------------------------------------------------
     def can_sample(self, params) -> bool:
@@ -170,16 +172,9 @@ class DecodeRunner:
             return graph
         # Every row points at the scratch slot, so the warm-up run writes nothing that matters.
         self._rows[:b].copy_(self._pad_row.to(self._rows.device).expand(b, -1))
-        current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):  # warm-up: cuBLAS/cuDNN handles and plans, lazy buffers
-            self._body(b, window)
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads (token2wav) may keep using the GPU during the capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._body(b, window)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()  # own cuBLAS workspace: see graph_capture
+        graph, _ = graph_capture.capture(lambda: self._body(b, window), self._capture_stream, self._pool)
         if self._pool is None:
             self._pool = graph.pool()
         self._graphs[(b, window)] = graph

@@ -1,0 +1,35 @@
+"""One CUDA-graph capture recipe shared by the LLM decode graphs and the flow-solve graphs.
+
+Each owner (a :class:`~cosyvoice_runtime.llm.cuda_graph.StaticDecodeRunner`, a
+:class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`) captures on a capture stream of its
+own. PyTorch keys cuBLAS workspaces by (handle, stream) and a captured GEMM keeps the
+workspace address of its capture stream; ``torch.cuda.graph`` defaults to one process-wide
+capture stream, so without this the LLM graphs and the flow graphs would share one workspace
+and race on it when the LLM thread and the token2wav thread replay them at the same time.
+On an H200 (2026-12-03) that hung both replays for good once batch-16 flow graphs ran
+beside batch-16 decode graphs (``bench/results/nvidia-h200-2026-12-03-flowgraphs.md``);
+see also pytorch/pytorch#193402 on graphs of one capture stream sharing workspace state.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def capture(fn: Callable[[], object], stream: torch.cuda.Stream, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm ``fn`` up on ``stream`` and capture it there; returns ``(graph, fn's output)``.
+
+    The warm-up runs on the capture stream itself so that the cuBLAS/cuDNN handles, plans and
+    workspace a capture uses exist before the capture starts (a capture cannot allocate them).
+    ``thread_local``: other threads may keep using the GPU while one captures.
+    """
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream), torch.inference_mode():
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        out = fn()
+    current.wait_stream(stream)
+    return graph, out
