@@ -9,6 +9,7 @@ in a deployment; unit tests inject fakes of the same protocols through the deplo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +155,7 @@ class RuntimeTokenEngine:
     filter per request (dropped tokens were still fed back to the LLM; only the flow skips them).
     """
 
-    def __init__(self, model, max_running: int, max_model_len: int) -> None:
+    def __init__(self, model, max_running: int, max_model_len: int, cuda_graphs: bool = True) -> None:
         from cosyvoice_runtime.llm.engine import LLMEngine
 
         self.model = model
@@ -162,7 +163,7 @@ class RuntimeTokenEngine:
         self.llm = model.llm
         # CUDA graphs per (batch, key window) bucket; the engine ignores the flag off CUDA.
         self.engine = LLMEngine(model.llm, max_batch_size=max_running, max_seq_len=max_model_len,
-                                use_cuda_graphs=True)
+                                use_cuda_graphs=cuda_graphs)
         # NOTE: capture every decode graph now, before token2wav work runs concurrently: a lazy
         # capture beside other GPU work fails ("capturing stream has unjoined work", seen in
         # bench/gpu_bench.py on an H200, 2026-12-02). Graphs: 5 ms vs 26 ms per bf16 decode step at
@@ -221,10 +222,10 @@ class RuntimeTokenEngine:
 class RuntimeToken2Wav:
     """:class:`Token2WavRuntime` over ``cosyvoice_runtime.token2wav.Token2Wav``."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, early_first_chunk: bool = False) -> None:
         from cosyvoice_runtime.token2wav import Token2Wav
 
-        self.t2w = Token2Wav(model.spec, model.flow, model.hift)
+        self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=1 if early_first_chunk else None)
         self.sample_rate = model.spec.sample_rate
         self.n_mels = model.spec.flow.output_size
         self.embedding_dim = model.spec.flow.spk_embed_dim
@@ -275,6 +276,27 @@ def replica_limits(cfg, model, dtype_bytes: int):
     return fitted
 
 
+def capture_flow_graphs(model, cfg, mode: str, limits) -> int:
+    """Capture the flow-solve CUDA graphs of a CUDA replica in pytorch mode; how many (0: none).
+
+    Buckets: flow batches up to the replica's largest, calls up to ``flow_graph_max_s`` of audio
+    (prompt included). Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-
+    capturestreams.md): with them and the early first chunk, first audio at one stream fell from
+    1.11 s (LLM graphs only, 2026-12-02) to 155 ms.
+    torchscript and trt modes replace the estimator and keep their own execution.
+    """
+    if not cfg.cuda_graphs or mode != "pytorch" or model.device.type != "cuda":
+        return 0
+    rate, ratio = model.spec.token_frame_rate, model.spec.flow.token_mel_ratio
+    max_s = min(cfg.flow_graph_max_s, limits.max_total_s)
+    started = time.perf_counter()
+    solver = model.flow.enable_graphs(max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio)
+    n = solver.capture()
+    logger.info("captured %d CUDA graphs for the flow solve (batch <= %d, calls <= %.0f s) in %.1f s", n,
+                limits.max_flow_batch, max_s, time.perf_counter() - started)
+    return n
+
+
 def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     """Load the model on the replica's device in the replica's execution mode.
 
@@ -303,12 +325,13 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                                            pool_size=cfg.compute_threads,
                                            flow_checkpoint=Path(model_dir) / model.spec.files["flow"])
     report = apply_mode(model, mode, dtype, trt_estimator=trt_estimator)
+    flow_graphs = capture_flow_graphs(model, cfg, mode, limits)
     rate = model.spec.token_frame_rate
     return SynthesisRuntime(
-        engine=RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len),
-        token2wav=RuntimeToken2Wav(model), device=str(device),
+        engine=RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs),
+        token2wav=RuntimeToken2Wav(model, early_first_chunk=cfg.token2wav.early_first_chunk), device=str(device),
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
-                 "compiled": report["compiled"], "estimator": report["estimator"],
+                 "compiled": report["compiled"], "estimator": report["estimator"], "flow_graphs": flow_graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate)},
     )

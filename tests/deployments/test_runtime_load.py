@@ -1,0 +1,66 @@
+"""load_synthesis_runtime on the tiny model: the replica knobs that reach the runtime
+(early first chunk, CUDA graphs of the LLM decode and of the flow solve)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deployments.protocol import VoicePrompt
+from deployments.runtime_adapter import load_synthesis_runtime
+from deployments.synthesizer import SynthesizerConfig
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from cosyvoice_runtime.tiny_model import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "cv2", "cosyvoice2"))
+
+
+def _voice(rt, n_tokens: int = 30) -> VoicePrompt:
+    g = np.random.default_rng(0)
+    return VoicePrompt(family="cosyvoice2", prompt_text_ids=np.arange(5, dtype=np.int32),
+                       speech_tokens=g.integers(0, 100, n_tokens).astype(np.int32),
+                       mel=g.standard_normal((2 * n_tokens, rt.token2wav.n_mels)).astype(np.float32),
+                       embedding=g.standard_normal(rt.token2wav.embedding_dim).astype(np.float32))
+
+
+def _first_job_tokens(rt, voice: VoicePrompt) -> int:
+    state = rt.token2wav.new_stream(voice, stream=True, speed=1.0, seed=0)
+    job = rt.token2wav.next_job(state, list(range(200)), llm_done=False)
+    return int(job.tokens.shape[1])
+
+
+def test_early_first_chunk_is_the_default_and_can_be_turned_off(model_dir):
+    early = load_synthesis_runtime(SynthesizerConfig(device="cpu", warmup=False), model_dir)
+    official = load_synthesis_runtime(
+        SynthesizerConfig(device="cpu", warmup=False, token2wav={"early_first_chunk": False}), model_dir)
+    voice = _voice(early)  # 30 prompt tokens: the next 25-token attention boundary is 20 tokens on
+    # 3 look-ahead tokens follow the chunk's own tokens; official = one hop (25) + the 20-token pad.
+    assert _first_job_tokens(early, voice) == 20 + 3
+    assert _first_job_tokens(official, voice) == 25 + 20 + 3
+    assert early.details["flow_graphs"] == 0 and official.details["flow_graphs"] == 0  # CPU: never graphed
+
+
+def test_unknown_knob_is_rejected():
+    with pytest.raises(ValueError):
+        SynthesizerConfig(token2wav={"early_first_chunks": True})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_replica_captures_flow_graphs_and_matches_eager(model_dir):
+    cfg = dict(device="cuda", warmup=False, flow_graph_max_s=8.0)
+    graphed = load_synthesis_runtime(SynthesizerConfig(**cfg), model_dir)
+    eager = load_synthesis_runtime(SynthesizerConfig(**cfg, cuda_graphs=False), model_dir)
+    assert graphed.details["flow_graphs"] > 0 and eager.details["flow_graphs"] == 0
+    voice = _voice(graphed)
+    tokens = list(range(60))
+    outs = []
+    for rt in (graphed, eager):
+        state = rt.token2wav.new_stream(voice, stream=True, speed=1.0, seed=0)
+        job = rt.token2wav.next_job(state, tokens, llm_done=False)
+        outs.append(rt.token2wav.run_batch([job])[0])
+    assert outs[0].shape == outs[1].shape
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-3, rtol=1e-3)
