@@ -270,7 +270,7 @@ def soak_markdown(result: dict[str, Any]) -> str:
               ("| worker | RSS after warm-up (MiB) | after run | growth (allowed) | fds after warm-up | after run "
                "| MALLOC_ARENA_MAX |"), "|---|---|---|---|---|---|---|"]
     for w in result["memory"].values():
-        lines.append(f"| `{w['title'][:48]}` | {w['rss_mib_after_warmup']} | {w['rss_mib_after_run']} | "
+        lines.append(f"| `{w['title'].strip()[:48]}` | {w['rss_mib_after_warmup']} | {w['rss_mib_after_run']} | "
                      f"{w['rss_growth_mib']} ({w['rss_allowed_mib']}) | {w['fds_after_warmup']} | {w['fds_after_run']} | "
                      f"{w.get('malloc_arena_max') or 'unset'} |")
     over = rss_over_run(result.get("series") or [])
