@@ -100,10 +100,10 @@ def plan_build(builder, argv: list[str]) -> BuildPlan | None:
     from cosyvoice_runtime.errors import CosyVoiceError
     from cosyvoice_runtime.trt.profiles import ReplicaLimits, derive_profile
 
-    # The builder's parser (the module has no public one): the same flags, defaults and errors.
-    if not (callable(getattr(builder, "_parser", None)) and callable(getattr(builder, "limits_from_args", None))):
+    # The builder's own parser: the same flags, defaults and errors.
+    if not (callable(getattr(builder, "build_parser", None)) and callable(getattr(builder, "limits_from_args", None))):
         return None
-    a = builder._parser().parse_args(argv)
+    a = builder.build_parser().parse_args(argv)
     try:
         spec = ModelSpec.from_model_dir(a.model_dir)
         requested = ReplicaLimits(max_flow_batch=a.max_batch, max_prompt_s=a.max_prompt_s, max_total_s=a.max_total_s)

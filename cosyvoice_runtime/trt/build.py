@@ -38,7 +38,7 @@ DEFAULT_WORKSPACE_GB = 4.0
 CHECK_TOL = {"fp32": (1e-2, 1e-3), "fp16": (5e-2, 5e-2)}
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastcosy build-trt", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path, help="plan directory (synthesizer.trt_plan_dir)")
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     from cosyvoice_runtime.trt.engine import EngineKey, gpu_compute_capability, sha256_file, tensorrt_version
     from cosyvoice_runtime.weights import load_checkpoint
 
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     spec = ModelSpec.from_model_dir(args.model_dir)
