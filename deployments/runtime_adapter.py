@@ -148,6 +148,20 @@ def resolve_device(configured: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def own_stream(device):
+    """A CUDA stream of its own for one compute lane (None off CUDA: ``torch.cuda.stream(None)`` is a no-op).
+
+    The LLM lane and the token2wav lane each work on their own stream, so a decode step and a flow
+    batch submitted from the two lane threads run side by side on the GPU instead of queueing on
+    the default stream. No tensor crosses from one lane's stream to the other's: tokens reach
+    token2wav as host ints.
+    """
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
 class RuntimeTokenEngine:
     """:class:`TokenEngine` over ``cosyvoice_runtime.llm.engine.LLMEngine``.
 
@@ -173,8 +187,15 @@ class RuntimeTokenEngine:
         self.max_running = max_running
         self.max_model_len = max_model_len
         self._filters: dict[str, Any] = {}
+        self._stream = own_stream(next(model.llm.parameters()).device)
 
     def add(self, request_id: str, request: LMRequest) -> None:
+        import torch
+
+        with torch.cuda.stream(self._stream):  # the prefill input is built where it is used
+            self._add(request_id, request)
+
+    def _add(self, request_id: str, request: LMRequest) -> None:
         import torch
 
         from cosyvoice_runtime.llm.inputs import build_lm_input
@@ -196,8 +217,12 @@ class RuntimeTokenEngine:
         self._filters[request_id] = SilentTokenFilter(self.spec)
 
     def step(self) -> list[TokenEvent]:
+        import torch
+
         out = []
-        for ev in self.engine.step():
+        with torch.cuda.stream(self._stream):
+            events = self.engine.step()
+        for ev in events:
             keep = self._filters.get(ev.request_id)
             tokens = [ev.token] if ev.token is not None and (keep is None or keep.keep(ev.token)) else []
             out.append(TokenEvent(ev.request_id, tokens, ev.finished, ev.finish_reason))
@@ -231,6 +256,7 @@ class RuntimeToken2Wav:
         self.embedding_dim = model.spec.flow.spk_embed_dim
         self.device = model.device
         self.dtype = next(model.flow.parameters()).dtype
+        self._stream = own_stream(model.device)
 
     def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> Any:
         import torch
@@ -252,7 +278,10 @@ class RuntimeToken2Wav:
         return self.t2w.next_job(state, tokens, llm_done)
 
     def run_batch(self, jobs: list[Any]) -> list[np.ndarray]:
-        return [a.detach().float().cpu().numpy() for a in self.t2w.run_batch(jobs)]
+        import torch
+
+        with torch.cuda.stream(self._stream):  # .cpu() waits for this stream's work only
+            return [a.detach().float().cpu().numpy() for a in self.t2w.run_batch(jobs)]
 
 
 def replica_limits(cfg, model, dtype_bytes: int):

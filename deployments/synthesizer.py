@@ -31,7 +31,7 @@ from ray import serve
 from cosyvoice_runtime.config import ENDOFPROMPT_TOKEN_ID
 from cosyvoice_runtime.modes import preflight, resolve_mode
 from deployments import constants
-from deployments.compute import ComputeExecutor
+from deployments.compute import MAIN as MAIN_LANE, ComputeExecutor
 from deployments.engine_loop import EngineLoop
 from deployments.gpu_stats import DeviceProbe
 from deployments.observability import ReplicaMetrics
@@ -49,6 +49,7 @@ from deployments.protocol import (
 from deployments.runtime_adapter import LMRequest, ModelSource, SynthesisRuntime, call_with_timeout
 
 logger = logging.getLogger(__name__)
+TOKEN2WAV_LANE = "token2wav"  # the compute lane of flow + HiFT batches when stages overlap
 
 RuntimeFactory = Callable[["SynthesizerConfig", ModelSource], SynthesisRuntime]
 MALLOC_ARENA_MAX = "2"  # glibc arenas per synthesizer replica (see deployment_options)
@@ -97,6 +98,10 @@ class SynthesizerConfig(DeploymentKnobs):
     # CUDA replicas: LLM decode steps and (pytorch mode) whole flow solves replayed as CUDA graphs,
     # all captured at start-up (about 0.6 s per flow graph on an H200).
     cuda_graphs: bool = True
+    # LLM steps and token2wav batches on two threads (each with its own CUDA stream) instead of one,
+    # so neither waits for the other; None: on for CUDA replicas, off on the CPU (two cores are
+    # already shared by torch's intra-op threads).
+    overlap_stages: bool | None = None
     # Longest flow call (prompt + audio, seconds) served by a flow graph; longer calls run eagerly.
     flow_graph_max_s: PositiveFloat = 20.0
     token2wav: Token2WavBatchConfig = Field(default_factory=Token2WavBatchConfig)
@@ -159,7 +164,9 @@ class Synthesizer:
         self.runtime = call_with_timeout(lambda: factory(resolved, source), cfg.startup_timeout_s, "synthesizer model")
         self.t2w = self.runtime.token2wav
         self.sample_rate = self.t2w.sample_rate
-        self.compute = ComputeExecutor(cfg.compute_threads)
+        overlap = cfg.overlap_stages if cfg.overlap_stages is not None else self.runtime.device.startswith("cuda")
+        self.compute = ComputeExecutor(cfg.compute_threads, lanes=(TOKEN2WAV_LANE,) if overlap else ())
+        self._t2w_lane = TOKEN2WAV_LANE if overlap else MAIN_LANE
         self.loop = EngineLoop(self.runtime.engine, self.compute)
         self.probe = DeviceProbe(self.runtime.device)
         self.metrics = metrics or ReplicaMetrics.for_replica("synthesizer")
@@ -346,7 +353,7 @@ class Synthesizer:
         """Flow + HiFT over chunk jobs of many streams, as one batch."""
         self.t2w_batch_sizes[len(jobs)] += 1
         self.metrics.observe_batch(len(jobs))
-        return await self.compute.run(self.t2w.run_batch, jobs)
+        return await self.compute.run(self.t2w.run_batch, jobs, lane=self._t2w_lane)
 
     def __del__(self) -> None:
         # Serve calls this on shutdown; also safe under GC outside a replica.

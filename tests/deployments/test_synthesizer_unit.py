@@ -29,14 +29,14 @@ def _req(rid: str, n_ids: int, stream: bool, pieces: int = 1) -> PreparedRequest
                            stream=stream)
 
 
-def _synth(max_running: int = 4) -> Synthesizer:
+def _synth(max_running: int = 4, overlap_stages: bool | None = None) -> Synthesizer:
     cfg = SynthesizerConfig(max_running=max_running, max_ongoing_requests=max_running,
-                            token2wav={"max_batch_size": 2})
+                            token2wav={"max_batch_size": 2}, overlap_stages=overlap_stages)
     s = Synthesizer(cfg, runtime_factory=fakes.fake_synthesis_runtime)
 
     async def direct(job):
         s.t2w_batch_sizes[1] += 1
-        return (await s.compute.run(s.t2w.run_batch, [job]))[0]
+        return (await s.compute.run(s.t2w.run_batch, [job], lane=s._t2w_lane))[0]
 
     s._token2wav = direct
     return s
@@ -138,3 +138,31 @@ def test_capacity_validation():
         SynthesizerConfig(max_running=2, max_ongoing_requests=4)
     with pytest.raises(ValueError, match="trt_plan_dir"):
         SynthesizerConfig(mode="trt")
+
+
+def test_overlapping_stages_run_token2wav_on_its_own_lane():
+    """overlap_stages: flow + HiFT batches on the token2wav thread, decode steps on the main one;
+    off by default on a CPU replica."""
+    import threading
+
+    assert _synth().compute.lanes == ("main",)
+    s = _synth(max_running=2, overlap_stages=True)
+    threads = {"t2w": set(), "llm": set()}
+    run_batch, step = s.t2w.run_batch, s.runtime.engine.step
+
+    def t2w_on(jobs):
+        threads["t2w"].add(threading.current_thread().name)
+        return run_batch(jobs)
+
+    def step_on():
+        threads["llm"].add(threading.current_thread().name)
+        return step()
+
+    s.t2w.run_batch, s.runtime.engine.step = t2w_on, step_on
+
+    async def main():
+        return await asyncio.gather(*(s.synthesize_unary(_req(f"o{i}", 15, stream=True)) for i in range(2)))
+
+    results = asyncio.run(main())
+    assert all(len(r.samples) == 15 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN for r in results)
+    assert threads["t2w"] == {"compute-token2wav_0"} and threads["llm"] == {"compute_0"}
