@@ -19,7 +19,8 @@ def _at(rows: list[dict], mode: str, c: int) -> dict | None:
     return next((r for r in rows if r["mode"] == mode and r["concurrency"] == c), None)
 
 
-def _plots(out: Path, stem: str, rows: list[dict], baseline: dict) -> list[str]:
+def plots(out: Path, stem: str, rows: list[dict], baseline: dict | None) -> list[str]:
+    """Latency and throughput against concurrency, one line per mode; PNG names written to ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,7 +41,7 @@ def _plots(out: Path, stem: str, rows: list[dict], baseline: dict) -> list[str]:
                 ax.plot(cs, [r["ttfa_p99_ms"] for r in rs], marker="x", linestyle="--", label=f"{mode} p99")
             else:
                 ax.plot(cs, [r[key] for r in rs], marker="o", label=mode)
-        if key == "throughput_x_realtime":
+        if key == "throughput_x_realtime" and baseline is not None:
             ax.axhline(baseline["throughput_x_realtime"], color="gray", linestyle=":", label="sequential baseline")
         ax.set_xscale("log", base=2)
         if logy:
@@ -62,7 +63,7 @@ def write_report(out: Path, device: str, family: str, n_tokens: int, baseline: d
     out.mkdir(parents=True, exist_ok=True)
     date = date or dt.date.today().isoformat()
     stem = f"{_slug(device)}-{date}" + (f"-{_slug(tag)}" if tag else "")
-    plots = _plots(out, stem, rows, baseline)
+    pngs = plots(out, stem, rows, baseline)
     best = _best(rows)
     c1 = _at(rows, best["mode"], 1) or {}
     c16 = _at(rows, best["mode"], 16) or {}
@@ -87,7 +88,7 @@ def write_report(out: Path, device: str, family: str, n_tokens: int, baseline: d
             f"| {r['mode']} | {r['concurrency']} | {r['ttfa_p50_ms']:.0f} | {r['ttfa_p99_ms']:.0f} | {r['rtf_p50']:.3f} "
             f"| {r['throughput_x_realtime']:.1f} | {ratio:.1f}x | {r['underruns']} | {mem} |"
         )
-    lines += ["", *[f"![{p}]({p})" for p in plots], ""]
+    lines += ["", *[f"![{p}]({p})" for p in pngs], ""]
     if notes:
         lines += [notes, ""]
     md = out / f"{stem}.md"

@@ -269,13 +269,21 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_tiny_model(out_dir: str | Path, family: str = "cosyvoice2", seed: int = 0, overwrite: bool = False) -> Path:
-    """Write the tiny model directory atomically (temp dir + rename) and return its path."""
+def write_tiny_model(out_dir: str | Path, family: str = "cosyvoice2", seed: int = 0, overwrite: bool = False,
+                     size: str = "tiny") -> Path:
+    """Write the tiny model directory atomically (temp dir + rename) and return its path.
+
+    ``size="full"``: the same directory with the full-size architecture's random weights (the
+    official hyper-parameters, ~2 GB of checkpoints): a GPU replica's real cost without real weights.
+    The tokenizer, voice prompt and ONNX feature models stay tiny.
+    """
     from cosyvoice_runtime.model import build_modules
     from cosyvoice_runtime import tiny_assets
 
     if family not in _TINY:
         raise ValueError(f"family must be one of {sorted(_TINY)}, got {family!r}")
+    if size not in ("tiny", "full"):
+        raise ValueError(f"size must be 'tiny' or 'full', got {size!r}")
     out = Path(out_dir)
     if out.exists():
         if not overwrite:
@@ -284,7 +292,7 @@ def write_tiny_model(out_dir: str | Path, family: str = "cosyvoice2", seed: int 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        spec = write_config_dir(tmp, family, _TINY[family])
+        spec = write_config_dir(tmp, family, _TINY[family] if size == "tiny" else None)
         tiny_assets.write_tokenizer(tmp / "CosyVoice-BlankEN", family)
         # PyTorch's default initialisation is already fan-in scaled; fork the RNG so writing a
         # model never disturbs the caller's random state.
@@ -302,7 +310,7 @@ def write_tiny_model(out_dir: str | Path, family: str = "cosyvoice2", seed: int 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("wrote tiny random-weight %s model to %s", family, out)
+    logger.info("wrote %s random-weight %s model to %s", size, family, out)
     return out
 
 
@@ -312,9 +320,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--size", choices=["tiny", "full"], default="tiny",
+                        help="full: the full-size architecture with random weights (GPU benchmarks)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    print(write_tiny_model(args.out, args.family, args.seed, args.overwrite))
+    print(write_tiny_model(args.out, args.family, args.seed, args.overwrite, size=args.size))
 
 
 if __name__ == "__main__":

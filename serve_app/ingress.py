@@ -261,6 +261,8 @@ class TTSIngress:
                     "engine": res.engine.__dict__ if res.engine else None,
                     # the execution mode and where it came from (config / FAST_COSY_MODE / default)
                     "mode": (res.detail or {}).get("mode"), "mode_source": (res.detail or {}).get("mode_source"),
+                    # what the replica loaded: family, dtype, estimator, CUDA graphs captured, flow limits
+                    "runtime": {k: v for k, v in (res.detail or {}).items() if k not in ("mode", "mode_source")},
                 }
         ready = bool(seen) and all(r["ready"] for r in seen.values())
         body = {"status": "ok" if ready else "unavailable", "synthesizer_replicas": seen,

@@ -69,3 +69,27 @@ def test_synthesises_audio_of_the_right_length(tiny):
     assert whole.numel() == n_tokens * per_token
     assert sum(c.numel() for c in chunks) == n_tokens * per_token and len(chunks) >= 2
     assert whole.abs().max() <= spec.hift.audio_limit and torch.isfinite(whole).all() and whole.std() > 0
+
+
+def test_full_size_writer_builds_the_official_architecture_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    """size="full" builds the modules from the full-size spec; a failure leaves no directory behind.
+
+    (The ~2 GB checkpoints themselves are written on the GPU machine only: bench/device_serve.sh.)
+    """
+    import cosyvoice_runtime.model as model_mod
+    from cosyvoice_runtime.tiny_model import write_tiny_model
+
+    seen = {}
+
+    def capture(spec, device="cpu"):
+        seen["spec"] = spec
+        raise RuntimeError("stop before building 0.5B parameters")
+
+    monkeypatch.setattr(model_mod, "build_modules", capture)
+    with pytest.raises(RuntimeError, match="stop before"):
+        write_tiny_model(tmp_path / "full", "cosyvoice2", size="full")
+    spec = seen["spec"]
+    assert (spec.llm.llm_input_size, spec.flow.output_size, spec.llm.speech_token_size) == (896, 80, 6561)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="size"):
+        write_tiny_model(tmp_path / "x", "cosyvoice2", size="huge")
