@@ -112,3 +112,43 @@ def test_routes_end_to_end_in_process():
             assert r.status_code == 200 and r.json()["synthesizer_replicas"]["local"]["ready"]
 
     asyncio.run(main())
+
+
+def test_health_keeps_answering_when_probes_cannot_reach_busy_replicas(monkeypatch):
+    """Probes queue behind synthesis work; under overload they fail. /health then keeps each
+    replica's last answer (with its age) and rests readiness on Serve's running count."""
+    import serve_app.ingress as ingress_mod
+
+    frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
+    synth = Synthesizer(SynthesizerConfig(max_running=4, max_ongoing_requests=4, warmup=False,
+                                          token2wav={"max_batch_size": 4}), runtime_factory=fakes.fake_synthesis_runtime)
+    app = TTSIngress(IngressConfig(), FakeHandle(frontend), FakeHandle(synth)).__serve_build_asgi_app__()
+    running = {"n": 1}
+    monkeypatch.setattr(ingress_mod, "_running_replicas", lambda name: running["n"])
+    healthy = synth.health
+
+    async def get():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get("/health")
+
+    r = asyncio.run(get())
+    body = r.json()
+    assert r.status_code == 200 and body["probes_failed"] == 0 and body["synthesizer_replicas"]["local"]["ready"]
+
+    def overloaded():
+        raise RuntimeError("replica queue full")
+
+    synth.health = overloaded
+    r = asyncio.run(get())
+    body = r.json()
+    assert r.status_code == 200 and body["probes_failed"] == 2  # 2 probes per running replica
+    assert body["synthesizer_replicas"]["local"]["ready"] and body["synthesizer_replicas"]["local"]["age_s"] >= 0
+    running["n"] = 0  # Serve counts no running replica and none answers: down
+    assert asyncio.run(get()).status_code == 503
+    monkeypatch.setattr(ingress_mod, "HEALTH_MEMORY_S", -1.0)  # memory expired
+    running["n"] = 1
+    r = asyncio.run(get())
+    assert r.status_code == 200 and r.json()["synthesizer_replicas"] == {}
+    synth.health = healthy
+    monkeypatch.setattr(ingress_mod, "HEALTH_MEMORY_S", 60.0)
+    assert asyncio.run(get()).json()["synthesizer_replicas"]["local"]["age_s"] == 0
