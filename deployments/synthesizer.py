@@ -33,7 +33,7 @@ from cosyvoice_runtime.modes import preflight, resolve_mode
 from deployments import constants
 from deployments.compute import MAIN as MAIN_LANE, ComputeExecutor
 from deployments.engine_loop import EngineLoop
-from deployments.gpu_stats import DeviceProbe
+from deployments.gpu_stats import DeviceProbe, release_fragmented_cache
 from deployments.observability import ReplicaMetrics
 from deployments.options import DeploymentKnobs, StrictModel
 from deployments.protocol import (
@@ -175,6 +175,7 @@ class Synthesizer:
         self._trim_timer: asyncio.TimerHandle | None = None
         self._trim_task: asyncio.Task | None = None
         self.heap_trims = 0
+        self.cuda_cache_releases = 0  # empty_cache calls, each after a measured fragmentation
         details = self.runtime.details
         # max_mem_gb may lower the flow batch and the prompt length this replica accepts.
         self.max_prompt_tokens: int | None = details.get("max_prompt_tokens")
@@ -258,6 +259,7 @@ class Synthesizer:
             "step_batch_sizes": dict(Counter(self.loop.step_batch_sizes)),
             "token2wav_batch_sizes": dict(self.t2w_batch_sizes),
             "generated_tokens_total": self.loop.tokens,
+            "cuda_cache_releases": self.cuda_cache_releases,
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
             "gpu_memory_allocated_bytes": allocated,
             "gpu_memory_total_bytes": total,
@@ -302,9 +304,16 @@ class Synthesizer:
             self._trim_timer = None
             if self._active == 0 and (self._trim_task is None or self._trim_task.done()):
                 self.heap_trims += 1
-                self._trim_task = loop.create_task(self.compute.run(release_free_heap))
+                self._trim_task = loop.create_task(self.compute.run(self._release_idle_memory))
 
         self._trim_timer = loop.call_later(IDLE_TRIM_DELAY_S, fire)
+
+    def _release_idle_memory(self) -> None:
+        """Idle only: freed host heap back to the OS; the CUDA cache emptied if measured fragmented."""
+        release_free_heap()
+        cuda = release_fragmented_cache(self.runtime.device)
+        if cuda is not None and cuda["released"]:
+            self.cuda_cache_releases += 1
 
     def _warmup(self) -> None:
         """Drive one tiny request through the engine and token2wav synchronously (before serving)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from deployments import synthesizer as synth_mod
 from deployments.synthesizer import Synthesizer, SynthesizerConfig
 from tests.deployments.test_synthesizer_unit import _req, _synth
@@ -38,3 +40,29 @@ def test_heap_is_trimmed_once_after_idle_not_between_busy_requests(monkeypatch):
 
 def test_release_free_heap_runs_here():
     assert synth_mod.release_free_heap() in (True, False)  # glibc: whether anything was returned
+
+
+def test_cuda_cache_is_emptied_only_when_measured_fragmented():
+    from deployments.gpu_stats import FRAGMENTED_MIN_BYTES, fragmentation, is_fragmented, release_fragmented_cache
+
+    mib = 1 << 20
+    assert not is_fragmented(0, 0)
+    assert not is_fragmented(FRAGMENTED_MIN_BYTES - 1, FRAGMENTED_MIN_BYTES)  # share high, bytes too few
+    assert not is_fragmented(300 * mib, 4096 * mib)  # enough bytes, share 7 %: reusable, keep the cache
+    assert is_fragmented(1200 * mib, 4096 * mib)
+    assert fragmentation({"inactive_split_bytes.all.current": 5, "reserved_bytes.all.current": 9}) == (5, 9)
+    assert release_fragmented_cache("cpu") is None
+
+
+@pytest.mark.gpu
+def test_fragmentation_reading_on_cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from deployments.gpu_stats import release_fragmented_cache
+
+    keep = [torch.empty(1 << 20, device="cuda") for _ in range(8)]
+    del keep[::2]  # free every other block: split, unused memory inside the cache
+    out = release_fragmented_cache("cuda")
+    assert set(out) == {"inactive_split_bytes", "reserved_bytes", "released"} and out["reserved_bytes"] > 0
