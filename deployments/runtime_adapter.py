@@ -247,10 +247,11 @@ class RuntimeTokenEngine:
 class RuntimeToken2Wav:
     """:class:`Token2WavRuntime` over ``cosyvoice_runtime.token2wav.Token2Wav``."""
 
-    def __init__(self, model, early_first_chunk: bool = False) -> None:
+    def __init__(self, model, first_chunk_min_tokens: int | None = None) -> None:
         from cosyvoice_runtime.token2wav import Token2Wav
 
-        self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=1 if early_first_chunk else None)
+        # None: the official first chunk (one hop + alignment pad); else the early one (Token2Wav min_first_hop)
+        self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=first_chunk_min_tokens)
         self.sample_rate = model.spec.sample_rate
         self.n_mels = model.spec.flow.output_size
         self.embedding_dim = model.spec.flow.spk_embed_dim
@@ -358,7 +359,8 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     rate = model.spec.token_frame_rate
     return SynthesisRuntime(
         engine=RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs),
-        token2wav=RuntimeToken2Wav(model, early_first_chunk=cfg.token2wav.early_first_chunk), device=str(device),
+        token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=(
+            cfg.token2wav.first_chunk_min_tokens if cfg.token2wav.early_first_chunk else None)), device=str(device),
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
                  "compiled": report["compiled"], "estimator": report["estimator"], "flow_graphs": flow_graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),

@@ -75,9 +75,13 @@ class Token2WavBatchConfig(StrictModel):
 
     max_batch_size: PositiveInt = 8
     batch_wait_timeout_s: float = Field(0.005, ge=0)
-    # First streamed chunk at the first 25-token attention-chunk boundary after the prompt instead of
-    # one hop later: same mel for every emitted frame (chunk masks), first audio ~1 hop of LLM earlier.
+    # First streamed chunk at the first 25-token attention-chunk boundary after the prompt that is at
+    # least first_chunk_min_tokens away, instead of one hop later: same mel for every emitted frame
+    # (chunk masks), first audio up to one hop of LLM work earlier.
     early_first_chunk: bool = True
+    # Audio of the first chunk (40 ms per token) must outlast making the second one (a full hop of LLM
+    # steps plus a flow call), or the stream stutters right after it starts.
+    first_chunk_min_tokens: PositiveInt = 10
 
 
 class SynthesizerConfig(DeploymentKnobs):

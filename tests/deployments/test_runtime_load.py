@@ -40,6 +40,12 @@ def test_early_first_chunk_is_the_default_and_can_be_turned_off(model_dir):
     # 3 look-ahead tokens follow the chunk's own tokens; official = one hop (25) + the 20-token pad.
     assert _first_job_tokens(early, voice) == 20 + 3
     assert _first_job_tokens(official, voice) == 25 + 20 + 3
+    # 49 prompt tokens: the next boundary is 1 token on, shorter than first_chunk_min_tokens (10):
+    # the chunk ends at the boundary after it (1 + 25), so its 1 s of audio covers making the next.
+    assert _first_job_tokens(early, _voice(early, n_tokens=49)) == 1 + 25 + 3
+    short = load_synthesis_runtime(
+        SynthesizerConfig(device="cpu", warmup=False, token2wav={"first_chunk_min_tokens": 1}), model_dir)
+    assert _first_job_tokens(short, _voice(short, n_tokens=49)) == 1 + 3
     assert early.details["flow_graphs"] == 0 and official.details["flow_graphs"] == 0  # CPU: never graphed
 
 
