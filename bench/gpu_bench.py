@@ -288,7 +288,7 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     """``mode`` = ``<kind>-<precision>[-<extra>...]``: kind pytorch | compile (torch.compile of
     the flow estimator), precision fp32 | fp16 | bf16; extras: ``graphs`` = CUDA graphs for the
     LLM decode step and the flow solve, ``llmgraphs`` = for the LLM decode step only, ``early`` =
-    the first chunk ends at the first attention-chunk boundary (Token2Wav ``min_first_hop=1``),
+    the first chunk ends at the first attention-chunk boundary >= 10 tokens on (Token2Wav ``min_first_hop=10``),
     ``fastswitch`` = a 0.5 ms GIL switch interval (default 5 ms) while the mode runs."""
     kind, prec, *extra = mode.split("-")
     known = {"graphs", "llmgraphs", "early", "fastswitch"}
@@ -306,7 +306,7 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
 
 def _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requests, flow_batch, on_row, deadline_s):
     llm_graphs = bool({"graphs", "llmgraphs"} & set(extra))
-    min_first_hop = 1 if "early" in extra else None
+    min_first_hop = 10 if "early" in extra else None  # the serving default (token2wav.first_chunk_min_tokens)
     model = _prepared(base, kind, prec, "graphs" in extra, flow_batch, n_tokens)
     voice, text = make_voice(model)
     rows = []
