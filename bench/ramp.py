@@ -65,6 +65,23 @@ class HealthSampler(threading.Thread):
         self.series: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
         self._halt = threading.Event()
+        self._nvml = self._nvml_handles()
+
+    @staticmethod
+    def _nvml_handles() -> list:
+        """Every GPU of this node through NVML (utilisation per GPU, read here, not through the service)."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:  # no NVML (CPU machine): the replicas' own figures only
+            return []
+
+    def _gpu_utilization(self) -> list[float]:
+        import pynvml
+
+        return [float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in self._nvml]
 
     def sample(self) -> dict[str, Any]:
         row: dict[str, Any] = {"t_s": round(time.perf_counter() - self.t0, 2)}
@@ -72,8 +89,14 @@ class HealthSampler(threading.Thread):
             body = httpx.get(f"{self.url}/health", timeout=10).json()
         except (httpx.HTTPError, ValueError) as exc:
             return {**row, "error": type(exc).__name__}
-        replicas = body.get("synthesizer_replicas") or {}
+        # Only answers of this poll: /health keeps a replica's last answer for a while when probes
+        # cannot reach it (overload), and a remembered figure plotted as current would mislead.
+        replicas = {rid: r for rid, r in (body.get("synthesizer_replicas") or {}).items()
+                    if r.get("age_s", 0.0) <= self.every_s}
         row["replicas"] = body.get("synthesizer_running_replicas")
+        row["probes_failed"] = body.get("probes_failed", 0)
+        if self._nvml:
+            row["gpu_utilization_pct"] = self._gpu_utilization()
         row["utilization_pct"] = {rid: r.get("utilization_pct") for rid, r in replicas.items()}
         row["queue"] = {rid: (r.get("engine") or {}).get("running", 0) + (r.get("engine") or {}).get("waiting", 0)
                         for rid, r in replicas.items()}
@@ -117,6 +140,9 @@ def phase_figures(phases: list[dict[str, Any]], series: list[dict[str, Any]]) ->
         window = [r for r in series if ph["start_s"] <= r["t_s"] <= ph["end_s"] and "replicas" in r]
         reps = [r["replicas"] for r in window if r["replicas"] is not None]
         utils = [u for r in window for u in r["utilization_pct"].values() if u is not None]
+        gpus = [u for r in window for u in (r.get("gpu_utilization_pct") or [])]
+        ph["gpu_utilization_pct_median"] = statistics.median(gpus) if gpus else None
+        ph["probes_failed"] = sum(r.get("probes_failed", 0) for r in window)
         ph["replicas_min_max"] = [min(reps), max(reps)] if reps else None
         ph["replicas_at_end"] = reps[-1] if reps else None
         ph["utilization_pct_median"] = statistics.median(utils) if utils else None
@@ -140,6 +166,9 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
         axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker=".", linestyle="-", label=rid)
         qs = [(r["t_s"], r["queue"][rid]) for r in series if rid in r["queue"]]
         axes[2].plot([q[0] for q in qs], [q[1] for q in qs], marker=".", linestyle="-", label=rid)
+    gpu = [(r["t_s"], r["gpu_utilization_pct"]) for r in series if r.get("gpu_utilization_pct")]
+    for i in range(len(gpu[0][1]) if gpu else 0):
+        axes[1].plot([g[0] for g in gpu], [g[1][i] for g in gpu], linestyle=":", label=f"GPU {i} (NVML)")
     band = result.get("band_pct")
     if band:
         axes[1].axhspan(band[0], band[1], color="green", alpha=0.15, label="target band")
@@ -164,7 +193,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"Machine: {result['machine']}. Open loop (Poisson) per phase; `/health` sampled every "
              f"{result['sample_s']} s (`bench/ramp.py`).", "",
              "| phase | req/s | s | requests | ok | lost | 429 | TTFA p50 / p99 ms | x real time | replicas min-max (end) "
-             "| utilisation median % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| utilisation median % | /health probes failed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ph in result["phases"]:
         s = ph["summary"]
         reps = ph["replicas_min_max"]
@@ -172,7 +201,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {ph['phase']} | {ph['rate_rps']:g} | {ph['duration_s']:g} | {s['requests']} | {s['ok']} | "
                      f"{s['lost']} | {s['rejected_429']} | {s['ttfa_p50_ms']:.0f} / {s['ttfa_p99_ms']:.0f} | "
                      f"{s['throughput_x_realtime']:.2f} | {reps[0] if reps else '-'}-{reps[1] if reps else '-'} "
-                     f"({ph['replicas_at_end']}) | {'-' if util is None else f'{util:.0f}'} |")
+                     f"({ph['replicas_at_end']}) | {'-' if util is None else f'{util:.0f}'} | "
+                     f"{ph.get('probes_failed', 0)} |")
     lines += ["", f"![{result['plot']}]({result['plot']})", ""]
     return "\n".join(lines)
 

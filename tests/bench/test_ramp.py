@@ -37,4 +37,23 @@ def test_phase_figures_and_report(tmp_path):
     plot(result, tmp_path / "ramp.png", "test")
     assert (tmp_path / "ramp.png").stat().st_size > 10_000
     md = markdown(result)
-    assert "| high | 2 | 10 | 20 | 20 | 0 | 0 | 120 / 300 | 1.50 | 1-2 (2) | 85 |" in md
+    assert "| high | 2 | 10 | 20 | 20 | 0 | 0 | 120 / 300 | 1.50 | 1-2 (2) | 85 | 0 |" in md
+
+
+def test_sampler_keeps_only_answers_of_this_poll(monkeypatch):
+    import httpx
+
+    from bench.ramp import HealthSampler
+
+    body = {"synthesizer_running_replicas": 2, "probes_failed": 3,
+            "synthesizer_replicas": {"fresh": {"age_s": 0.0, "utilization_pct": 77.0, "engine": {"running": 2, "waiting": 1}},
+                                     "stale": {"age_s": 40.0, "utilization_pct": 99.0, "engine": {"running": 4}}}}
+
+    class _R:
+        def json(self):
+            return body
+
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: _R())
+    row = HealthSampler("http://x", every_s=2.0).sample()
+    assert row["replicas"] == 2 and row["probes_failed"] == 3
+    assert row["utilization_pct"] == {"fresh": 77.0} and row["queue"] == {"fresh": 3}
