@@ -161,11 +161,14 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
     axes[0].step(t, [r["replicas"] for r in series], where="post", color="black")
     axes[0].set_ylabel("synthesizer replicas")
     ids = sorted({rid for r in series for rid in r["utilization_pct"]})
+    nan = float("nan")  # a poll without this replica's answer breaks its line: no interpolation over gaps
     for rid in ids:
-        pts = [(r["t_s"], r["utilization_pct"][rid]) for r in series if r["utilization_pct"].get(rid) is not None]
-        axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker=".", linestyle="-", label=rid)
-        qs = [(r["t_s"], r["queue"][rid]) for r in series if rid in r["queue"]]
-        axes[2].plot([q[0] for q in qs], [q[1] for q in qs], marker=".", linestyle="-", label=rid)
+        axes[1].plot(t, [nan if r["utilization_pct"].get(rid) is None else r["utilization_pct"][rid] for r in series],
+                     marker=".", linestyle="-", label=rid)
+        axes[2].plot(t, [r["queue"].get(rid, nan) for r in series], marker=".", linestyle="-", label=rid)
+    unreached = [r["t_s"] for r in series if r.get("probes_failed") and not r["utilization_pct"]]
+    if unreached:
+        axes[1].plot(unreached, [0] * len(unreached), "x", color="red", label="no replica answered /health")
     gpu = [(r["t_s"], r["gpu_utilization_pct"]) for r in series if r.get("gpu_utilization_pct")]
     for i in range(len(gpu[0][1]) if gpu else 0):
         axes[1].plot([g[0] for g in gpu], [g[1][i] for g in gpu], linestyle=":", label=f"GPU {i} (NVML)")
