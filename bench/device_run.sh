@@ -4,7 +4,7 @@
 set -u
 export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
-timeout "${TESTS_S:-90}" python3 -m pytest tests/runtime/test_flow_graphs.py tests/runtime/test_llm_cuda_graph.py -m gpu -q \
+timeout "${TESTS_S:-90}" python3 -m pytest tests/runtime/test_flow_graphs.py tests/runtime/test_llm_cuda_graph.py tests/runtime/test_graph_capture.py -m gpu -q \
   -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
 timeout "${BENCH_S:-420}" python3 -m bench.gpu_bench --deadline-s "${DEADLINE_S:-90}" --family "${FAMILY:-cosyvoice2}" \
   --modes "${MODES:-pytorch-bf16-graphs-early,pytorch-bf16-graphs,pytorch-bf16-llmgraphs}" \

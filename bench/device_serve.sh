@@ -14,7 +14,7 @@ export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
   python3 -c "import ray, pydantic, starlette, wetext; print('ray', ray.__version__, 'pydantic', pydantic.__version__)" 2>&1
   python3 -m pip show aiohttp packaging grpcio protobuf msgpack 2>/dev/null | grep -E '^(Name|Version)' | paste - -
-  timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_flow_graphs.py \
+  timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_flow_graphs.py tests/runtime/test_graph_capture.py \
     tests/runtime/test_llm_cuda_graph.py tests/deployments/test_runtime_load.py 2>&1 | tail -8
 } > "$OUT/checks.txt" 2>&1
 cat "$OUT/checks.txt"

@@ -1,0 +1,78 @@
+"""LLM decode graphs and flow-solve graphs replayed at the same time from two threads, each on its
+own CUDA stream (the layout of a GPU replica and of bench/gpu_bench.py). Captured on one shared
+stream they shared a cuBLAS workspace and hung at batch 16 on an H200 (2026-12-03); each owner now
+captures on a stream of its own (cosyvoice_runtime.graph_capture). GPU only."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cosyvoice_runtime.flow.flow import build_flow
+from cosyvoice_runtime.llm.engine import LLMEngine
+from cosyvoice_runtime.llm.sampling import SamplingParams
+from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from tests.runtime.test_flow_batch import JOBS, _item
+from tests.runtime.test_llm_engine import prompts, run_engine, tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _cuda_items(flow):
+    gen = torch.Generator().manual_seed(11)
+    items = [_item(gen, flow, *job) for job in JOBS]
+    return [type(it)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(it).items()})
+            for it in items]
+
+
+def test_owners_capture_on_own_streams_and_replay_together(tmp_path):
+    spec = write_config_dir(tmp_path, "cosyvoice2", _TINY["cosyvoice2"])
+    torch.manual_seed(0)
+    flow = build_flow(spec.flow).eval().cuda()
+    solver = flow.enable_graphs(max_batch=8, max_frames=512)
+    solver.capture()
+    llm = tiny_model().cuda()
+    engine = LLMEngine(llm, max_batch_size=4, max_seq_len=256, use_cuda_graphs=True)
+    engine.capture_graphs()
+    streams = (solver._capture_stream, engine.runner._capture_stream)
+    assert None not in streams and streams[0] is not streams[1]
+    assert torch.cuda.default_stream() not in streams
+
+    items = _cuda_items(flow)
+    with torch.inference_mode():
+        want_mels = flow.inference_batch(items)
+    greedy = SamplingParams(method="greedy")
+    reqs = [(f"r{i}", x.cuda(), 40, 40, greedy) for i, x in enumerate(prompts([5, 40, 17, 30], seed=2))]
+    want_tokens = run_engine(engine, {0: reqs})[0]
+
+    errors: list[BaseException] = []
+    got: dict[str, object] = {}
+
+    def flow_lane():
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()), torch.inference_mode():
+                for _ in range(20):
+                    got["mels"] = flow.inference_batch(items)
+                torch.cuda.current_stream().synchronize()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def llm_lane():
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                for _ in range(3):
+                    got["tokens"] = run_engine(engine, {0: reqs})[0]
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (flow_lane, llm_lane)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "concurrent graph replays did not finish (hang)"
+    assert not errors, errors
+    assert got["tokens"] == want_tokens
+    for w, g in zip(want_mels, got["mels"]):
+        torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
