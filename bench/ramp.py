@@ -89,10 +89,9 @@ class HealthSampler(threading.Thread):
             body = httpx.get(f"{self.url}/health", timeout=10).json()
         except (httpx.HTTPError, ValueError) as exc:
             return {**row, "error": type(exc).__name__}
-        # Only answers of this poll: /health keeps a replica's last answer for a while when probes
-        # cannot reach it (overload), and a remembered figure plotted as current would mislead.
-        replicas = {rid: r for rid, r in (body.get("synthesizer_replicas") or {}).items()
-                    if r.get("age_s", 0.0) <= self.every_s}
+        # Only answers of this poll (remembered ones are under synthesizer_replicas_unreached):
+        # a remembered figure plotted as current would mislead.
+        replicas = body.get("synthesizer_replicas") or {}
         row["replicas"] = body.get("synthesizer_running_replicas")
         row["probes_failed"] = body.get("probes_failed", 0)
         if self._nvml:

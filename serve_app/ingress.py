@@ -250,9 +250,10 @@ class TTSIngress:
 
         NOTE: a probe is a handle call, so it queues behind synthesis requests: under overload
         the replicas answer late or not at all (measured, bench/results/ramp-cpu-2026-12-03.md:
-        every probe failed for four minutes of 2 req/s against a 1.6 req/s replica). A replica
-        heard from within HEALTH_MEMORY_S keeps its last answer (with its age), and readiness
-        then rests on Serve's own count of running replicas, which its controller health-checks
+        every probe failed for minutes of 2 req/s against a 1.6 req/s replica). A replica heard
+        from within HEALTH_MEMORY_S but not reached now is listed under
+        ``synthesizer_replicas_unreached`` with its last answer and its age, and readiness then
+        rests on Serve's own count of running replicas, which its controller health-checks
         outside the request queue; a busy service is not reported down.
         """
         now = time.monotonic()
@@ -279,12 +280,16 @@ class TTSIngress:
             })
         for rid in [rid for rid, (t, _) in self._health_memory.items() if now - t > HEALTH_MEMORY_S]:
             del self._health_memory[rid]
-        seen = {rid: {**entry, "age_s": round(now - t, 1)} for rid, (t, entry) in self._health_memory.items()}
-        answered = any(not isinstance(res, BaseException) for res in results)
+        # synthesizer_replicas: the answers of this call; unreached: the last answer of the others.
+        seen = {rid: entry for rid, (t, entry) in self._health_memory.items() if t == now}
+        unreached = {rid: {**entry, "age_s": round(now - t, 1)} for rid, (t, entry) in self._health_memory.items()
+                     if t != now}
         # Ready: no replica says otherwise, and one answered now or Serve counts running ones.
-        ready = all(r["ready"] for r in seen.values()) and (answered or ready_replicas > 0)
+        ready = (all(r["ready"] for r in (*seen.values(), *unreached.values()))
+                 and (bool(seen) or ready_replicas > 0))
         body = {"status": "ok" if ready else "unavailable", "synthesizer_replicas": seen,
-                "synthesizer_running_replicas": ready_replicas, "probes_failed": failed}
+                "synthesizer_replicas_unreached": unreached, "synthesizer_running_replicas": ready_replicas,
+                "probes_failed": failed}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:

@@ -46,8 +46,9 @@ def test_sampler_keeps_only_answers_of_this_poll(monkeypatch):
     from bench.ramp import HealthSampler
 
     body = {"synthesizer_running_replicas": 2, "probes_failed": 3,
-            "synthesizer_replicas": {"fresh": {"age_s": 0.0, "utilization_pct": 77.0, "engine": {"running": 2, "waiting": 1}},
-                                     "stale": {"age_s": 40.0, "utilization_pct": 99.0, "engine": {"running": 4}}}}
+            "synthesizer_replicas": {"fresh": {"utilization_pct": 77.0, "engine": {"running": 2, "waiting": 1}}},
+            "synthesizer_replicas_unreached": {"stale": {"age_s": 40.0, "utilization_pct": 99.0,
+                                                         "engine": {"running": 4}}}}
 
     class _R:
         def json(self):
