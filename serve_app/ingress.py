@@ -250,8 +250,8 @@ class TTSIngress:
 
         NOTE: a probe is a handle call, so it queues behind synthesis requests: under overload
         the replicas answer late or not at all (measured, bench/results/ramp-cpu-2026-12-03.md:
-        every probe failed for minutes of 2 req/s against a 1.6 req/s replica). A replica heard
-        from within HEALTH_MEMORY_S but not reached now is listed under
+        every probe failed for minutes while 2 req/s were offered to replicas completing ~0.8
+        req/s). A replica heard from within HEALTH_MEMORY_S but not reached now is listed under
         ``synthesizer_replicas_unreached`` with its last answer and its age, and readiness then
         rests on Serve's own count of running replicas, which its controller health-checks
         outside the request queue; a busy service is not reported down.
@@ -263,11 +263,12 @@ class TTSIngress:
             *(asyncio.wait_for(self.synth.health.remote(), self.cfg.health_timeout_s) for _ in range(probes)),
             return_exceptions=True)
         failed = 0
+        seen: dict[str, dict] = {}  # the answers of this call
         for res in results:
             if isinstance(res, BaseException):
                 failed += 1
                 continue
-            self._health_memory[res.replica_id] = (now, {
+            seen[res.replica_id] = {
                 "ready": res.ready, "device": res.device,
                 "gpu_memory_allocated_bytes": res.gpu_memory_allocated_bytes,
                 "gpu_memory_total_bytes": res.gpu_memory_total_bytes,
@@ -277,13 +278,12 @@ class TTSIngress:
                 "mode": (res.detail or {}).get("mode"), "mode_source": (res.detail or {}).get("mode_source"),
                 # what the replica loaded: family, dtype, estimator, CUDA graphs captured, flow limits
                 "runtime": {k: v for k, v in (res.detail or {}).items() if k not in ("mode", "mode_source")},
-            })
+            }
+        self._health_memory.update({rid: (now, entry) for rid, entry in seen.items()})
         for rid in [rid for rid, (t, _) in self._health_memory.items() if now - t > HEALTH_MEMORY_S]:
             del self._health_memory[rid]
-        # synthesizer_replicas: the answers of this call; unreached: the last answer of the others.
-        seen = {rid: entry for rid, (t, entry) in self._health_memory.items() if t == now}
         unreached = {rid: {**entry, "age_s": round(now - t, 1)} for rid, (t, entry) in self._health_memory.items()
-                     if t != now}
+                     if rid not in seen}
         # Ready: no replica says otherwise, and one answered now or Serve counts running ones.
         ready = (all(r["ready"] for r in (*seen.values(), *unreached.values()))
                  and (bool(seen) or ready_replicas > 0))
