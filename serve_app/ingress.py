@@ -40,6 +40,7 @@ from deployments.protocol import (
     AudioChunk,
     OverloadedError,
     PayloadTooLargeError,
+    ReplicaHealth,
     SynthesisMode,
     SynthesisRequest,
     SynthesisResult,
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 # (the excess is room for the app's own fast 429s and for /health and /metrics, which are never held).
 SERVE_HEADROOM = 2
 HEALTH_MEMORY_S = 60.0  # how long /health keeps a replica's last answer when probes cannot reach it
+HEALTH_PROBE_ROUNDS = 4  # idle misses compound to (1/8)^4 for 2 replicas
 
 
 class IngressConfig(DeploymentKnobs):
@@ -258,27 +260,7 @@ class TTSIngress:
         """
         now = time.monotonic()
         ready_replicas = _running_replicas("Synthesizer")
-        probes = max(2 * (ready_replicas or 1), 1)
-        results = await asyncio.gather(
-            *(asyncio.wait_for(self.synth.health.remote(), self.cfg.health_timeout_s) for _ in range(probes)),
-            return_exceptions=True)
-        failed = 0
-        seen: dict[str, dict] = {}  # the answers of this call
-        for res in results:
-            if isinstance(res, BaseException):
-                failed += 1
-                continue
-            seen[res.replica_id] = {
-                "ready": res.ready, "device": res.device,
-                "gpu_memory_allocated_bytes": res.gpu_memory_allocated_bytes,
-                "gpu_memory_total_bytes": res.gpu_memory_total_bytes,
-                "utilization_pct": res.gpu_utilization_pct,
-                "engine": res.engine.__dict__ if res.engine else None,
-                # the execution mode and where it came from (config / FAST_COSY_MODE / default)
-                "mode": (res.detail or {}).get("mode"), "mode_source": (res.detail or {}).get("mode_source"),
-                # what the replica loaded: family, dtype, estimator, CUDA graphs captured, flow limits
-                "runtime": {k: v for k, v in (res.detail or {}).items() if k not in ("mode", "mode_source")},
-            }
+        seen, failed = await self._probe_synthesizers(ready_replicas)
         self._health_memory.update({rid: (now, entry) for rid, entry in seen.items()})
         for rid in [rid for rid, (t, _) in self._health_memory.items() if now - t > HEALTH_MEMORY_S]:
             del self._health_memory[rid]
@@ -291,6 +273,30 @@ class TTSIngress:
                 "synthesizer_replicas_unreached": unreached, "synthesizer_running_replicas": ready_replicas,
                 "probes_failed": failed}
         return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def _probe_synthesizers(self, running: int) -> tuple[dict[str, dict], int]:
+        """Health answers by replica id, and how many probes failed.
+
+        The handle routes each probe to a replica of its choice, so one round of 2 probes per
+        replica can miss one (2 replicas, 4 probes: 1 in 8 when idle). Another round is sent
+        only while every probe of the last one was answered: a failed probe means busy
+        replicas, and more rounds would only make /health slower under load.
+        """
+        seen: dict[str, dict] = {}
+        failed = 0
+        for _ in range(HEALTH_PROBE_ROUNDS):
+            results = await asyncio.gather(
+                *(asyncio.wait_for(self.synth.health.remote(), self.cfg.health_timeout_s)
+                  for _ in range(2 * max(running, 1))),
+                return_exceptions=True)
+            for res in results:
+                if isinstance(res, BaseException):
+                    failed += 1
+                else:
+                    seen[res.replica_id] = _health_entry(res)
+            if failed or len(seen) >= running:
+                break
+        return seen, failed
 
     async def metrics_endpoint(self, request: Request) -> Response:
         try:
@@ -381,6 +387,22 @@ async def _json(request: Request, limit: int) -> Any:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly nested arrays
         raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
+
+
+def _health_entry(res: ReplicaHealth) -> dict:
+    """One replica's /health entry from its health answer."""
+    detail = res.detail or {}
+    return {
+        "ready": res.ready, "device": res.device,
+        "gpu_memory_allocated_bytes": res.gpu_memory_allocated_bytes,
+        "gpu_memory_total_bytes": res.gpu_memory_total_bytes,
+        "utilization_pct": res.gpu_utilization_pct,
+        "engine": res.engine.__dict__ if res.engine else None,
+        # the execution mode and where it came from (config / FAST_COSY_MODE / default)
+        "mode": detail.get("mode"), "mode_source": detail.get("mode_source"),
+        # what the replica loaded: family, dtype, estimator, CUDA graphs captured, flow limits
+        "runtime": {k: v for k, v in detail.items() if k not in ("mode", "mode_source")},
+    }
 
 
 def _running_replicas(deployment: str) -> int:

@@ -55,10 +55,16 @@ def _speech(text: str, stream: bool = True) -> dict:
     return {"model": "tts-1", "input": text, "voice": VOICE, "response_format": "pcm", "stream": stream}
 
 
-def _engines(url: str) -> dict[str, dict]:
-    """Engine stats per synthesizer replica (``/health`` probes every replica)."""
-    return {rid: rep["engine"] for rid, rep in httpx.get(f"{url}/health", timeout=30).json()
-            ["synthesizer_replicas"].items()}
+def _engines(url: str, timeout_s: float = 20.0) -> dict[str, dict]:
+    """Engine stats of every running synthesizer replica. A /health call can miss a replica
+    (a probe that timed out on a loaded runner); counts summed over replicas need all of them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = {rid: rep["engine"] for rid, rep in httpx.get(f"{url}/health", timeout=30).json()
+                ["synthesizer_replicas"].items()}
+        if len(seen) >= _running("Synthesizer") or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.2)
 
 
 def _in_flight(url: str) -> float:
@@ -176,7 +182,7 @@ def test_request_timeout_frees_its_slot(faults_app):
     with pytest.raises(httpx.ReadTimeout):  # a unary request: nothing arrives before the timeout
         httpx.post(f"{url}/v1/audio/speech", json=_speech("t" * 1500, stream=False), timeout=httpx.Timeout(30, read=1.0))
     engines = _assert_idle(url)
-    assert sum(e["aborted"] for e in engines.values()) == before + 1  # aborted, not decoded to the end
+    assert sum(e["aborted"] for e in engines.values()) == before + 1, engines  # aborted, not decoded to the end
 
 
 def test_disconnects_free_their_slots(faults_app):
@@ -196,7 +202,7 @@ def test_disconnects_free_their_slots(faults_app):
 
     asyncio.run(main())
     engines = _assert_idle(url)
-    assert sum(e["aborted"] for e in engines.values()) == before + 4
+    assert sum(e["aborted"] for e in engines.values()) == before + 4, engines
 
 
 # ------------------------------------------------------------------------------ overload

@@ -155,3 +155,42 @@ def test_health_keeps_answering_when_probes_cannot_reach_busy_replicas(monkeypat
     monkeypatch.setattr(ingress_mod, "HEALTH_MEMORY_S", 60.0)
     body = asyncio.run(get()).json()
     assert "local" in body["synthesizer_replicas"] and body["synthesizer_replicas_unreached"] == {}
+
+
+def test_health_probes_again_until_every_running_replica_answered(monkeypatch):
+    """The handle picks the replica of each probe; a round can miss one. Idle, /health sends more
+    rounds until every replica Serve counts as running answered; a failed probe stops the rounds."""
+    import dataclasses
+
+    import serve_app.ingress as ingress_mod
+
+    frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
+    synth = Synthesizer(SynthesizerConfig(warmup=False), runtime_factory=fakes.fake_synthesis_runtime)
+    app = TTSIngress(IngressConfig(), FakeHandle(frontend), FakeHandle(synth)).__serve_build_asgi_app__()
+    monkeypatch.setattr(ingress_mod, "_running_replicas", lambda name: 2)
+    calls = {"n": 0}
+    real = synth.health
+
+    def routed():  # the first round (4 probes) all land on replica "a", later ones on "b"
+        calls["n"] += 1
+        return dataclasses.replace(real(), replica_id="a" if calls["n"] <= 4 else "b")
+
+    synth.health = routed
+
+    async def get():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get("/health")).json()
+
+    body = asyncio.run(get())
+    assert set(body["synthesizer_replicas"]) == {"a", "b"} and calls["n"] == 8 and body["probes_failed"] == 0
+
+    def busy():
+        calls["n"] += 1
+        if calls["n"] % 4 == 0:
+            raise RuntimeError("replica queue full")
+        return dataclasses.replace(real(), replica_id="a")
+
+    synth.health, calls["n"] = busy, 0
+    body = asyncio.run(get())
+    assert set(body["synthesizer_replicas"]) == {"a"} and body["probes_failed"] == 1 and calls["n"] == 4
+    assert set(body["synthesizer_replicas_unreached"]) == {"b"}  # heard from by the call before
