@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.metrics import RequestTrace, summarize
+from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
 from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.inputs import build_lm_input
 from cosyvoice_runtime.llm.sampling import SamplingParams
@@ -287,11 +288,12 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
                flow_batch: int, on_row=None, deadline_s: float = 180.0) -> list[dict]:
     """``mode`` = ``<kind>-<precision>[-<extra>...]``: kind pytorch | compile (torch.compile of
     the flow estimator), precision fp32 | fp16 | bf16; extras: ``graphs`` = CUDA graphs for the
-    LLM decode step and the flow solve, ``llmgraphs`` = for the LLM decode step only, ``early`` =
+    LLM decode step and the flow solve, ``allgraphs`` = those and the CV2 flow encoder and vocoder
+    (the serving default), ``llmgraphs`` = for the LLM decode step only, ``early`` =
     the first chunk ends at the first attention-chunk boundary >= 10 tokens on (Token2Wav ``min_first_hop=10``),
     ``fastswitch`` = a 0.5 ms GIL switch interval (default 5 ms) while the mode runs."""
     kind, prec, *extra = mode.split("-")
-    known = {"graphs", "llmgraphs", "early", "fastswitch"}
+    known = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch"}
     if kind not in ("pytorch", "compile") or prec not in DTYPES or set(extra) - known:
         raise ValueError(f"unknown mode {mode!r}: expected <pytorch|compile>-<fp32|fp16|bf16>[-{'|-'.join(sorted(known))}]")
     switch = sys.getswitchinterval()
@@ -305,9 +307,10 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
 
 
 def _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requests, flow_batch, on_row, deadline_s):
-    llm_graphs = bool({"graphs", "llmgraphs"} & set(extra))
+    llm_graphs = bool({"graphs", "allgraphs", "llmgraphs"} & set(extra))
     min_first_hop = 10 if "early" in extra else None  # the serving default (token2wav.first_chunk_min_tokens)
-    model = _prepared(base, kind, prec, "graphs" in extra, flow_batch, n_tokens)
+    graphs = "all" if "allgraphs" in extra else "solve" if "graphs" in extra else None
+    model = _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop)
     voice, text = make_voice(model)
     rows = []
     # warm-up: one short request (allocations, kernel selection, compilation)
@@ -321,6 +324,7 @@ def _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requ
         traces, wall = sim.run(voice, text, c, max(2 * c, min_requests), deadline_s=deadline_s)
         row = {"mode": mode, "concurrency": c, **summarize(traces, wall), **sim.breakdown}
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None
+        row.update(_graph_counters(model))
         print(json.dumps(row), flush=True)
         rows.append(row)
         if on_row is not None:
@@ -328,24 +332,43 @@ def _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requ
     return rows
 
 
+def _graph_counters(model: CosyVoiceModel) -> dict:
+    """Replays and eager calls so far of each graph owner (0 when it is off): shows the graphs ran."""
+    out = {}
+    for name, owner in (("solve", model.flow.graphed_solver), ("encoder", model.flow.graphed_encoder),
+                        ("vocoder", getattr(model.hift, "graphed_decode", None))):
+        out[f"{name}_replays"] = owner.replays if owner else 0
+        out[f"{name}_eager"] = owner.eager_calls if owner else 0
+    return out
+
+
 _PREPARED: dict[tuple, CosyVoiceModel] = {}
 
 
-def _prepared(base: CosyVoiceModel, kind: str, prec: str, flow_graphs: bool, flow_batch: int,
-              n_tokens: int) -> CosyVoiceModel:
+def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, flow_batch: int,
+              n_tokens: int, min_first_hop: int | None) -> CosyVoiceModel:
     """The cast (compiled / graphed) copy of ``base`` for a mode; modes that differ only in
-    scheduling (early, fastswitch) share it, so flow graphs are captured once per run."""
-    key = (id(base), kind, prec, flow_graphs, flow_batch, n_tokens)
+    scheduling (fastswitch) share it, so graphs are captured once per run.
+
+    ``graphs``: None, "solve" (the flow solve) or "all" (the solve, the CV2 encoder and the CV2
+    vocoder on a copy of the vocoder, captured as a replica does it)."""
+    key = (id(base), kind, prec, graphs, flow_batch, n_tokens, min_first_hop if graphs == "all" else None)
     if key not in _PREPARED:
+        _PREPARED.clear()  # one prepared copy at a time: GPU memory
         model = cast(base, DTYPES[prec])
         if kind == "compile":
             model.flow.decoder.estimator = torch.compile(model.flow.decoder.estimator, dynamic=True)
-        if flow_graphs and model.device.type == "cuda":
+        if graphs and model.device.type == "cuda":
             t0 = time.perf_counter()
-            n = model.flow.enable_graphs(max_batch=flow_batch, max_frames=2 * (PROMPT_SPEECH + n_tokens),
-                                         capture=True).capture()
-            logger.info("captured %d flow graphs in %.1f s", n, time.perf_counter() - t0)
-        _PREPARED.clear()  # one prepared copy at a time: GPU memory
+            model.flow.enable_graphs(max_batch=flow_batch, max_frames=2 * (PROMPT_SPEECH + n_tokens),
+                                     encoder=graphs == "all")
+            n = model.flow.capture_graphs()
+            n_voc = 0
+            if graphs == "all" and hasattr(model.hift, "enable_graphs"):
+                model.hift = copy.deepcopy(model.hift)  # the base vocoder stays eager for other modes
+                n_voc = graph_streaming_vocoder(model.hift, model.spec, flow_batch,
+                                                min_first_hop=min_first_hop).num_graphs
+            logger.info("captured %d flow and %d vocoder graphs in %.1f s", n, n_voc, time.perf_counter() - t0)
         _PREPARED[key] = model
     return _PREPARED[key]
 

@@ -92,6 +92,12 @@ def first_hop(n_prompt_tokens: int, hop: int, min_first_hop: int | None = None) 
     return pad + max(0, math.ceil((max(1, min_first_hop) - pad) / hop)) * hop
 
 
+def first_chunk_frames(hop: int, token_mel_ratio: int, min_first_hop: int | None = None) -> list[int]:
+    """Every vocoder input length (mel frames) a first streamed chunk can have, over all prompt
+    lengths: the first hop depends only on the prompt length modulo ``hop``."""
+    return sorted({token_mel_ratio * first_hop(n, hop, min_first_hop) for n in range(hop)})
+
+
 class Token2Wav:
     """Flow + HiFT over per-request :class:`StreamState` objects.
 

@@ -306,25 +306,41 @@ def replica_limits(cfg, model, dtype_bytes: int):
     return fitted
 
 
-def capture_flow_graphs(model, cfg, mode: str, limits) -> int:
-    """Capture the flow-solve CUDA graphs of a CUDA replica in pytorch mode; how many (0: none).
+VOCODER_GRAPH_MAX_FRAMES = 512  # ~10 s of audio; whole-utterance (unstreamed) calls beyond it run eagerly
 
-    Buckets: flow batches up to the replica's largest, calls up to ``flow_graph_max_s`` of audio
-    (prompt included). Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-
-    capturestreams.md): with them and the early first chunk, first audio at one stream fell from
-    1.11 s (LLM graphs only, 2026-12-02) to 155 ms.
+
+def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | None) -> dict[str, int]:
+    """Capture the token2wav CUDA graphs of a CUDA replica in pytorch mode: how many of each.
+
+    Flow (``flow_graphs``): the whole CFM solve and, for CosyVoice2, the token encoder, per
+    padded (batch, length) bucket, batches up to the replica's largest and calls up to
+    ``flow_graph_max_s`` of audio (prompt included). Vocoder (``vocoder_graphs``, CosyVoice2):
+    the lengths of every streamed call after the first, for every batch bucket, and every
+    first-chunk length for batches of 1 and 2; other lengths (last chunks) are captured when
+    they recur (:mod:`cosyvoice_runtime.hift.graphs`).
+
+    Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-capturestreams.md):
+    with the solve graphs and the early first chunk, first audio at one stream fell from 1.11 s
+    (LLM graphs only, 2026-12-02) to 155 ms. Encoder and vocoder graphs are not measured yet.
     torchscript and trt modes replace the estimator and keep their own execution.
     """
     if not cfg.cuda_graphs or mode != "pytorch" or model.device.type != "cuda":
-        return 0
-    rate, ratio = model.spec.token_frame_rate, model.spec.flow.token_mel_ratio
+        return {"flow_graphs": 0, "vocoder_graphs": 0}
+    from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
+
+    spec = model.spec
+    rate, ratio = spec.token_frame_rate, spec.flow.token_mel_ratio
     max_s = min(cfg.flow_graph_max_s, limits.max_total_s)
     started = time.perf_counter()
-    solver = model.flow.enable_graphs(max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio)
-    n = solver.capture()
-    logger.info("captured %d CUDA graphs for the flow solve (batch <= %d, calls <= %.0f s) in %.1f s", n,
-                limits.max_flow_batch, max_s, time.perf_counter() - started)
-    return n
+    model.flow.enable_graphs(max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio)
+    n_flow = model.flow.capture_graphs()
+    n_vocoder = 0
+    if hasattr(model.hift, "enable_graphs"):  # the CV2 vocoder
+        n_vocoder = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,
+                                            first_chunk_min_tokens).num_graphs
+    logger.info("captured %d flow and %d vocoder CUDA graphs (batch <= %d, flow calls <= %.0f s) in %.1f s",
+                n_flow, n_vocoder, limits.max_flow_batch, max_s, time.perf_counter() - started)
+    return {"flow_graphs": n_flow, "vocoder_graphs": n_vocoder}
 
 
 def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
@@ -355,14 +371,14 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                                            pool_size=cfg.compute_threads,
                                            flow_checkpoint=Path(model_dir) / model.spec.files["flow"])
     report = apply_mode(model, mode, dtype, trt_estimator=trt_estimator)
-    flow_graphs = capture_flow_graphs(model, cfg, mode, limits)
+    min_first = cfg.token2wav.first_chunk_min_tokens if cfg.token2wav.early_first_chunk else None
+    graphs = capture_graphs(model, cfg, mode, limits, min_first)
     rate = model.spec.token_frame_rate
     return SynthesisRuntime(
         engine=RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs),
-        token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=(
-            cfg.token2wav.first_chunk_min_tokens if cfg.token2wav.early_first_chunk else None)), device=str(device),
+        token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first), device=str(device),
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
-                 "compiled": report["compiled"], "estimator": report["estimator"], "flow_graphs": flow_graphs,
+                 "compiled": report["compiled"], "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate)},
     )

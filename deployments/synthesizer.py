@@ -99,8 +99,9 @@ class SynthesizerConfig(DeploymentKnobs):
     max_running: PositiveInt = 16  # decode slots (sequences in the running batch)
     max_model_len: PositiveInt = 2048  # KV-cache positions per slot (prompt + generated)
     compute_threads: PositiveInt = 1
-    # CUDA replicas: LLM decode steps and (pytorch mode) whole flow solves replayed as CUDA graphs,
-    # all captured at start-up (about 0.6 s per flow graph on an H200).
+    # CUDA replicas: LLM decode steps and (pytorch mode) whole flow solves, the CV2 token encoder and
+    # the CV2 vocoder replayed as CUDA graphs, captured at start-up (about 0.6 s per flow-solve graph
+    # on an H200); vocoder lengths first met in traffic are captured when they recur.
     cuda_graphs: bool = True
     # LLM steps and token2wav batches on two threads (each with its own CUDA stream) instead of one,
     # so neither waits for the other; None: on for CUDA replicas, off on the CPU (two cores are

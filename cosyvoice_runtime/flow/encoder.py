@@ -153,7 +153,7 @@ class UpsampleConformerEncoder(nn.Module):
         self.after_norm = nn.LayerNorm(d, eps=1e-5)
 
     def forward(self, xs: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor,
-                streaming: bool | torch.Tensor = False) -> torch.Tensor:
+                streaming: bool | torch.Tensor = False, n_keep: int | None = None) -> torch.Tensor:
         """Right-padded token embeddings -> frame features (spec §4.2, batching §6.2 C).
 
         Args:
@@ -163,9 +163,13 @@ class UpsampleConformerEncoder(nn.Module):
             lengths: (B,) tokens that produce output (context tokens excluded).
             streaming: block-causal chunk attention (chunk C tokens, then 2C frames); one flag or
                 a (B,) bool tensor.
+            n_keep: token positions kept after the look-ahead layer, at least ``max(lengths)``
+                (default: that, read back from the device). Positions past an item's length are
+                padding whatever their number (hidden keys, causal upsampling), so a CUDA graph
+                keeps a fixed number.
 
         Returns:
-            (B, stride * max(lengths), D); item i is valid for ``stride * lengths[i]`` frames.
+            (B, stride * n_keep, D); item i is valid for ``stride * lengths[i]`` frames.
         """
         spec = self.spec
         h = self.embed(xs)
@@ -174,7 +178,7 @@ class UpsampleConformerEncoder(nn.Module):
         # as a lone sequence would.
         h = h * valid.unsqueeze(-1).to(h.dtype)
         # Context positions only feed the look-ahead conv; from here on they are padding.
-        h = self.pre_lookahead_layer(h)[:, : int(lengths.max())]
+        h = self.pre_lookahead_layer(h)[:, : int(lengths.max()) if n_keep is None else n_keep]
         pad_mask = (torch.arange(h.shape[1], device=h.device)[None, :] < lengths[:, None])[:, None]
         pos = rel_positions(h.shape[1], h.shape[2], h.device, h.dtype)
         mask = attention_mask(pad_mask, spec.static_chunk_size, streaming)

@@ -17,6 +17,7 @@ from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.cfm import CFMSolver
 from cosyvoice_runtime.flow.dit import DiT
 from cosyvoice_runtime.flow.encoder import PreLookaheadLayer, UpsampleConformerEncoder
+from cosyvoice_runtime.flow.encoder_graphs import GraphedEncoder
 from cosyvoice_runtime.flow.graphs import GraphedSolver
 from cosyvoice_runtime.flow.unet import CausalUNet
 
@@ -44,25 +45,38 @@ class Flow(nn.Module):
                                                          spec.pre_lookahead_len)
             estimator = DiT(spec.dit)
         self.decoder = CFMSolver(spec, estimator)
-        # Set by enable_graphs: a plain attribute (not a submodule), so checkpoint keys are unchanged.
+        # Set by enable_graphs: plain attributes (not submodules), so checkpoint keys are unchanged.
         self.graphed_solver: GraphedSolver | None = None
+        self.graphed_encoder: GraphedEncoder | None = None
 
     @property
     def estimator(self) -> nn.Module:
         return self.decoder.estimator
 
     def enable_graphs(self, max_batch: int = 16, max_frames: int = 1024, capture: bool = False,
-                      use_graphs: bool = True) -> GraphedSolver:
-        """Solve through CUDA graphs per padded (batch, frames) bucket from now on.
+                      use_graphs: bool = True, encoder: bool = True) -> GraphedSolver:
+        """Solve (and, for CosyVoice2 with ``encoder``, encode) through CUDA graphs per padded
+        bucket from now on.
 
         ``capture`` captures every bucket now (replica start-up) instead of on first use;
         ``use_graphs=False`` runs the padded buckets eagerly (CPU tests).
         """
         self.graphed_solver = GraphedSolver(self.decoder, max_batch=max_batch, max_frames=max_frames,
                                             use_graphs=use_graphs)
+        self.graphed_encoder = None
+        if encoder and self.spec.family == "cosyvoice2":
+            ratio = self.spec.token_mel_ratio
+            self.graphed_encoder = GraphedEncoder(self, max_batch=max_batch, max_tokens=max_frames // ratio,
+                                                  token_step=self.graphed_solver.frame_step // ratio,
+                                                  use_graphs=use_graphs)
         if capture:
-            self.graphed_solver.capture()
+            self.capture_graphs()
         return self.graphed_solver
+
+    def capture_graphs(self) -> int:
+        """Capture every bucket of the enabled graphs now; how many graphs exist."""
+        n = self.graphed_solver.capture() if self.graphed_solver else 0
+        return n + (self.graphed_encoder.capture() if self.graphed_encoder else 0)
 
     def encode(self, items: list[FlowItem]) -> tuple[torch.Tensor, torch.Tensor]:
         """mu (B, 80, T_max) and frame lengths (B,) for a batch of token sequences.
@@ -83,14 +97,25 @@ class Flow(nn.Module):
         for i, s in enumerate(seqs):
             ids[i, : s.numel()] = s.clamp(min=0)
             valid[i, : s.numel()] = True
-        emb = self.input_embedding(ids) * valid[..., None].to(self.input_embedding.weight.dtype)
         streaming = _streaming_flags(items, dev)
-        if self.spec.family == "cosyvoice2":
-            h = self.encoder_proj(self.encoder(emb, valid, lengths, streaming=streaming))
+        if self.graphed_encoder is not None:
+            h = self.graphed_encoder(ids, valid, lengths, streaming, max(n_out))
         else:
-            h = self.pre_lookahead_layer(emb)[:, : max(n_out)]
-            h = h.repeat_interleave(self.spec.token_mel_ratio, dim=1)
+            h = self.encode_ids(ids, valid, lengths, streaming, max(n_out))
         return h.transpose(1, 2), lengths * self.spec.token_mel_ratio
+
+    def encode_ids(self, ids: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor,
+                   streaming: bool | torch.Tensor, n_keep: int) -> torch.Tensor:
+        """The tensor part of :meth:`encode` (what the encoder graphs capture).
+
+        ids / valid: (B, T_in) right-padded sequences; lengths: (B,) tokens with output; n_keep:
+        tokens of output kept (>= max(lengths)). Returns (B, ratio * n_keep, 80).
+        """
+        emb = self.input_embedding(ids) * valid[..., None].to(self.input_embedding.weight.dtype)
+        if self.spec.family == "cosyvoice2":
+            return self.encoder_proj(self.encoder(emb, valid, lengths, streaming=streaming, n_keep=n_keep))
+        h = self.pre_lookahead_layer(emb)[:, :n_keep]
+        return h.repeat_interleave(self.spec.token_mel_ratio, dim=1)
 
     @torch.inference_mode()
     def inference_batch(self, items: list[FlowItem], trace: dict | None = None) -> list[torch.Tensor]:

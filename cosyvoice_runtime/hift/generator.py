@@ -11,6 +11,7 @@ Parameter names are the official ``hift.pt`` keys (after the ``generator.`` pref
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from torch import nn
 
 from cosyvoice_runtime.config import FlowSpec, HiftSpec
 from cosyvoice_runtime.hift.f0 import F0Predictor
+from cosyvoice_runtime.hift.graphs import GraphedDecode
 from cosyvoice_runtime.hift.layers import (
     CausalConv1d,
     CausalConv1dDownsample,
@@ -36,6 +38,31 @@ CONV_POST_KERNEL = 7
 # After the convs the official code uses F.leaky_relu's default slope, not lrelu_slope [quirk].
 POST_LRELU_SLOPE = 0.01
 MAX_MAGNITUDE = 1e2
+
+
+def overlap_add_istft(spec: torch.Tensor, n_fft: int, hop: int, window: torch.Tensor) -> torch.Tensor:
+    """``torch.istft(spec, n_fft, hop, n_fft, window, center=True)`` without its host sync.
+
+    torch.istft reads its window-envelope check back to the host, which a CUDA graph cannot
+    capture (the vocoder graphs of :mod:`cosyvoice_runtime.hift.graphs`). The same inverse:
+    irfft of every frame, synthesis window, overlap-add (``F.fold``, deterministic), division
+    by the overlap-added squared window, ``n_fft // 2`` samples trimmed at both ends. The
+    periodic Hann window at hop n_fft / 4 never has a zero envelope on the kept samples.
+
+    Args:
+        spec: (B, n_fft // 2 + 1, F) complex.
+
+    Returns:
+        (B, hop · (F - 1)) real.
+    """
+    frames = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None]  # (B, n_fft, F)
+    n_frames = frames.shape[2]
+    length = n_fft + hop * (n_frames - 1)
+    fold = {"output_size": (1, length), "kernel_size": (1, n_fft), "stride": (1, hop)}
+    signal = F.fold(frames, **fold).reshape(frames.shape[0], length)
+    envelope = F.fold((window * window)[None, :, None].expand(1, n_fft, n_frames), **fold).reshape(1, length)
+    half = n_fft // 2
+    return signal[:, half:length - half] / envelope[:, half:length - half]
 
 
 class _HiFTBase(nn.Module):
@@ -109,7 +136,7 @@ class _HiFTBase(nn.Module):
         magnitude = torch.clip(torch.exp(head[:, :bins]), max=MAX_MAGNITUDE)
         phase = torch.sin(head[:, bins:])  # the sine of the raw output is used as phase [quirk]
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        return torch.istft(spec, self.n_fft, self.hop, self.n_fft, window=self.stft_window)
+        return overlap_add_istft(spec, self.n_fft, self.hop, self.stft_window)
 
     def body(self, x: torch.Tensor, s_stft: torch.Tensor) -> torch.Tensor:
         """conv_pre output (B, base, T') + source STFT (B, 18, 120·T' + 1) -> conv_post output."""
@@ -133,8 +160,33 @@ class _HiFTBase(nn.Module):
 class HiFTGenerator(_HiFTBase):
     """CV2 vocoder (non-causal; the source is random per call)."""
 
+    def __init__(self, spec: HiftSpec) -> None:
+        super().__init__(spec)
+        # Set by enable_graphs: a plain attribute (not a submodule), so checkpoint keys are unchanged.
+        self.graphed_decode: GraphedDecode | None = None
+
+    def enable_graphs(self, max_batch: int = 16, max_frames: int = 512, capture_frames: Sequence[int] = (),
+                      use_graphs: bool = True, **kwargs) -> GraphedDecode:
+        """Decode through CUDA graphs per (batch bucket, exact length) from now on.
+
+        ``capture_frames``: lengths captured now, for every batch bucket (replica start-up);
+        ``use_graphs=False`` runs the padded buckets eagerly (CPU tests). See
+        :mod:`cosyvoice_runtime.hift.graphs`.
+        """
+        self.graphed_decode = GraphedDecode(self, max_batch=max_batch, max_frames=max_frames,
+                                            use_graphs=use_graphs, **kwargs)
+        if capture_frames:
+            self.graphed_decode.capture(capture_frames)
+        return self.graphed_decode
+
     def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """mel (B, 80, T) + source (B, 1, 480·T) -> speech (B, 480·T) clamped to ±audio_limit."""
+        if self.graphed_decode is not None:
+            return self.graphed_decode(mel, source)
+        return self.decode_eager(mel, source)
+
+    def decode_eager(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` run op by op (what the graphs capture)."""
         x = self.body(self.conv_pre(mel), self.source_stft(source))
         return torch.clamp(self.istft(x), -self.spec.audio_limit, self.spec.audio_limit)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -54,6 +55,30 @@ def test_padded_buckets_equal_plain_solve(family):
     assert len(solver._buckets) == 2
 
 
+def test_encoder_buckets_equal_plain_encoder():
+    """CosyVoice2's encoder graphs: padded rows and tokens change no valid frame, and the output
+    length lands in the solve bucket the plain length would use."""
+    plain = _flow("cosyvoice2")
+    flow = copy.deepcopy(plain)
+    flow.enable_graphs(max_batch=8, max_frames=512, use_graphs=False)
+    enc = flow.graphed_encoder
+    assert enc.token_step == 32 and enc.max_tokens == 256
+    assert enc.bucket_of(3, 33) == (4, 64) and enc.bucket_of(9, 10) is None and enc.bucket_of(1, 257) is None
+    gen = torch.Generator().manual_seed(4)
+    for jobs in (JOBS, JOBS[1:2], JOBS[:3]):
+        items = [_item(gen, flow, *job) for job in jobs]
+        with torch.inference_mode():
+            (want, want_frames), (got, got_frames) = plain.encode(items), flow.encode(items)
+        assert torch.equal(got_frames, want_frames)
+        assert got.shape[2] % 64 == 0 and got.shape[2] == math.ceil(want.shape[2] / 64) * 64
+        for i, n in enumerate(want_frames.tolist()):
+            torch.testing.assert_close(got[i, :, :n], want[i, :, :n], atol=PAD_TOL, rtol=PAD_TOL)
+    assert enc.replays == 3 and enc.eager_calls == 0 and enc.num_graphs == 3  # (8, 64), (1, 32), (4, 64)
+    cv3 = copy.deepcopy(_flow("cosyvoice3"))
+    cv3.enable_graphs(use_graphs=False)
+    assert cv3.graphed_encoder is None  # CV3 has no conformer encoder
+
+
 def test_too_long_or_traced_runs_eagerly():
     plain = _flow("cosyvoice2")
     flow = copy.deepcopy(plain)
@@ -85,3 +110,5 @@ def test_cuda_graphs_equal_eager(family, tmp_path):
         for w, g in zip(want, got):
             torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
     assert solver.replays == 2 and len(solver._buckets) == 1
+    if family == "cosyvoice2":
+        assert flow.graphed_encoder.replays == 2 and flow.graphed_encoder.num_graphs == 1

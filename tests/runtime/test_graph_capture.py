@@ -1,7 +1,9 @@
-"""LLM decode graphs and flow-solve graphs replayed at the same time from two threads, each on its
-own CUDA stream (the layout of a GPU replica and of bench/gpu_bench.py). Captured on one shared
-stream they shared a cuBLAS workspace and hung at batch 16 on an H200 (2026-12-03); each owner now
-captures on a stream of its own (cosyvoice_runtime.graph_capture). GPU only."""
+"""LLM decode graphs, flow graphs (solve + encoder) and vocoder graphs replayed at the same time
+from threads, each on its own CUDA stream (the layout of a GPU replica and of bench/gpu_bench.py).
+Captured on one shared stream they shared a cuBLAS workspace and hung at batch 16 on an H200
+(2026-12-03); each owner now captures on a stream of its own (cosyvoice_runtime.graph_capture).
+The vocoder lane captures lengths lazily while the LLM lane replays, as a replica does when it
+meets a new first-chunk length. GPU only."""
 from __future__ import annotations
 
 import threading
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from cosyvoice_runtime.flow.flow import build_flow
+from cosyvoice_runtime.hift.generator import build_hift
 from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.sampling import SamplingParams
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
@@ -31,7 +34,7 @@ def test_owners_capture_on_own_streams_and_replay_together(tmp_path):
     torch.manual_seed(0)
     flow = build_flow(spec.flow).eval().cuda()
     solver = flow.enable_graphs(max_batch=8, max_frames=512)
-    solver.capture()
+    assert flow.capture_graphs() == len(solver._buckets) + flow.graphed_encoder.num_graphs
     llm = tiny_model().cuda()
     engine = LLMEngine(llm, max_batch_size=4, max_seq_len=256, use_cuda_graphs=True)
     engine.capture_graphs()
@@ -46,8 +49,29 @@ def test_owners_capture_on_own_streams_and_replay_together(tmp_path):
     reqs = [(f"r{i}", x.cuda(), 40, 40, greedy) for i, x in enumerate(prompts([5, 40, 17, 30], seed=2))]
     want_tokens = run_engine(engine, {0: reqs})[0]
 
+    hift = build_hift(spec.hift)
+    hift.remove_weight_norm()
+    hift = hift.eval().cuda()
+    vocoder = hift.enable_graphs(max_batch=4, max_frames=256, capture_after=2)  # nothing captured yet
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    voc_inputs = []
+    with torch.inference_mode():
+        for rows, frames in ((2, 58), (1, 70), (3, 108)):
+            mel = torch.randn(rows, hift.spec.in_channels, frames, device="cuda", generator=gen)
+            voc_inputs.append((mel, hift.source(hift.f0(mel), generator=gen)))
+        want_audio = [hift.decode_eager(mel, src) for mel, src in voc_inputs]
+
     errors: list[BaseException] = []
     got: dict[str, object] = {}
+
+    def vocoder_lane():
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()), torch.inference_mode():
+                for _ in range(4):  # the second round captures each length, later rounds replay
+                    got["audio"] = [hift.decode(mel, src) for mel, src in voc_inputs]
+                torch.cuda.current_stream().synchronize()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
 
     def flow_lane():
         try:
@@ -66,7 +90,7 @@ def test_owners_capture_on_own_streams_and_replay_together(tmp_path):
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=f, daemon=True) for f in (flow_lane, llm_lane)]
+    threads = [threading.Thread(target=f, daemon=True) for f in (flow_lane, llm_lane, vocoder_lane)]
     for t in threads:
         t.start()
     for t in threads:
@@ -76,3 +100,6 @@ def test_owners_capture_on_own_streams_and_replay_together(tmp_path):
     assert got["tokens"] == want_tokens
     for w, g in zip(want_mels, got["mels"]):
         torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
+    for w, g in zip(want_audio, got["audio"]):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert vocoder.num_graphs == 3 and vocoder.replays == 3 * 3 and vocoder.eager_calls == 3

@@ -1,0 +1,167 @@
+"""The CV2 vocoder's deterministic part (conv_pre .. iSTFT) as CUDA graphs per exact input length.
+
+After the flow solve became one graph replay (:mod:`cosyvoice_runtime.flow.graphs`), the vocoder
+was the largest eager part of a token2wav call: about 500 small kernels (snake activations and
+dilated convs of 12 residual blocks, the source STFT, the iSTFT) launched from Python on the
+token2wav thread, which also holds the GIL the LLM thread needs between its decode steps.
+
+Why exact lengths and not padded ones as in the flow: the CV2 vocoder is non-causal (centred
+convolutions, ConvTranspose upsampling, reflect padding), so frames appended at the end change
+the last tens of frames of an item. Batch rows are independent, so the batch is padded to a
+bucket with zero rows. Streaming makes few lengths: every call after the first feeds
+``mel_cache_len + 2 * hop`` frames with hop 25, 50 then 100 tokens (58, 108, 208 frames for the
+released spec), and a first chunk has one of 25 lengths (its hop follows the prompt length
+modulo 25), so those are captured at start (``deployments.runtime_adapter.capture_graphs``);
+other lengths (last chunks) are captured once seen ``capture_after`` times, up to
+``max_graphs``; the rest run eagerly.
+
+The random source stays outside the graph (each request's own generator and cache overwrite,
+:func:`~cosyvoice_runtime.hift.streaming.cv2_source`); the graph takes mel and source as inputs.
+Graphs share one memory pool: replays run one at a time (lock) and the output is copied out.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cosyvoice_runtime import graph_capture
+from cosyvoice_runtime.flow.graphs import batch_buckets
+
+logger = logging.getLogger(__name__)
+
+
+def streaming_lengths(mel_cache_len: int, token_hop_len: int, token_max_hop_len: int, scale: int,
+                      token_mel_ratio: int) -> list[int]:
+    """Vocoder input lengths (frames) of the streamed calls after the first: cache + 2 x hop."""
+    out, hop = [], token_hop_len
+    while True:
+        out.append(mel_cache_len + token_mel_ratio * hop)
+        if hop >= token_max_hop_len or scale <= 1:
+            return out
+        hop = min(token_max_hop_len, hop * scale)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None
+    mel: torch.Tensor  # (B, 80, T)
+    source: torch.Tensor  # (B, 1, 480 T)
+    out: torch.Tensor | None = None  # (B, 480 T)
+
+
+class GraphedDecode:
+    """Replays of ``hift.decode_eager`` for (batch bucket, exact frames, dtype) shapes.
+
+    Args:
+        hift: a CV2 ``HiFTGenerator``.
+        max_batch: largest batch a graph serves (larger calls run eagerly).
+        max_frames: longest input a graph serves.
+        capture_after: a length not captured at start gets its graph on this many calls.
+        max_graphs: graphs kept at most (each holds its static inputs; activations share the pool).
+        use_graphs: False runs the same padded buckets eagerly (CPU tests of the padding).
+    """
+
+    def __init__(self, hift, max_batch: int = 16, max_frames: int = 512, capture_after: int = 2,
+                 max_graphs: int = 192, use_graphs: bool = True) -> None:
+        self.hift = hift
+        self.batch_buckets = batch_buckets(max_batch)
+        self.max_frames = max_frames
+        self.capture_after = capture_after
+        self.max_graphs = max_graphs
+        self.use_graphs = use_graphs
+        self._graphs: dict[tuple, _Graph] = {}
+        self._calls: Counter[tuple] = Counter()
+        self._pool = None
+        self._stream: torch.cuda.Stream | None = None
+        self._lock = threading.Lock()
+        self.replays = 0
+        self.eager_calls = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def key_of(self, batch: int, frames: int, mel_dtype: torch.dtype, source_dtype: torch.dtype) -> tuple | None:
+        """The graph key serving a call: (batch bucket, frames, dtypes), or None if too large."""
+        if batch > self.batch_buckets[-1] or frames > self.max_frames:
+            return None
+        return next(x for x in self.batch_buckets if x >= batch), int(frames), mel_dtype, source_dtype
+
+    def capture(self, frames: Iterable[int], batch_sizes: Sequence[int] | None = None,
+                dtype: torch.dtype | None = None) -> int:
+        """Capture these lengths for every batch bucket now (replica start); how many graphs exist."""
+        dtype = dtype or next(self.hift.parameters()).dtype
+        for t in frames:
+            for b in batch_sizes or self.batch_buckets:
+                key = self.key_of(b, t, dtype, dtype)
+                if key is not None and len(self._graphs) < self.max_graphs:
+                    with self._lock:
+                        self._get(key)
+        return len(self._graphs)
+
+    def __call__(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        key = self.key_of(mel.shape[0], mel.shape[2], mel.dtype, source.dtype)
+        on_gpu = mel.device.type == "cuda"
+        if key is None or (self.use_graphs and not on_gpu):
+            self.eager_calls += 1
+            return self.hift.decode_eager(mel, source)
+        with self._lock:
+            graph = self._graphs.get(key)
+            if graph is None:
+                self._calls[key] += 1
+                if self._calls[key] < self.capture_after or len(self._graphs) >= self.max_graphs:
+                    self.eager_calls += 1
+                    return self.hift.decode_eager(mel, source)
+                graph = self._get(key)
+            b = mel.shape[0]
+            # Rows past b keep an earlier call's (finite) inputs: rows never mix, so they need
+            # no clearing and their outputs are dropped.
+            graph.mel[:b].copy_(mel)
+            graph.source[:b].copy_(source)
+            if graph.graph is None:
+                graph.out = self.hift.decode_eager(graph.mel, graph.source)
+            else:
+                graph.graph.replay()
+            self.replays += 1
+            return graph.out[:b].clone()
+
+    def _get(self, key: tuple) -> _Graph:
+        graph = self._graphs.get(key)
+        if graph is not None:
+            return graph
+        b, t, mel_dtype, source_dtype = key
+        dev = next(self.hift.parameters()).device
+        graph = _Graph(graph=None, mel=torch.zeros(b, self.hift.spec.in_channels, t, device=dev, dtype=mel_dtype),
+                       source=torch.zeros(b, 1, self.hift.samples_per_frame * t, device=dev, dtype=source_dtype))
+        if self.use_graphs:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(dev)  # own cuBLAS workspace (graph_capture)
+            graph.graph, graph.out = graph_capture.capture(
+                lambda: self.hift.decode_eager(graph.mel, graph.source), self._stream, self._pool)
+            if self._pool is None:
+                self._pool = graph.graph.pool()
+            logger.debug("captured vocoder graph b=%d t=%d", b, t)
+        self._graphs[key] = graph
+        return graph
+
+
+def graph_streaming_vocoder(hift, spec, max_batch: int, max_frames: int = 512,
+                            min_first_hop: int | None = None) -> GraphedDecode:
+    """Turn on the CV2 vocoder graphs and capture the lengths streaming feeds it (replica start).
+
+    Every call after the first (cache + 2 x hop) for every batch bucket; every first-chunk
+    length (:func:`~cosyvoice_runtime.token2wav.first_chunk_frames`; ``min_first_hop`` as the
+    stream's Token2Wav) for batches of 1 and 2, since first chunks rarely share a length.
+    """
+    from cosyvoice_runtime.token2wav import first_chunk_frames
+
+    st, ratio = spec.stream, spec.flow.token_mel_ratio
+    later = streaming_lengths(st.mel_cache_len, st.token_hop_len, st.token_max_hop_len, st.stream_scale_factor, ratio)
+    graphed = hift.enable_graphs(max_batch=max_batch, max_frames=max_frames, capture_frames=later)
+    graphed.capture(first_chunk_frames(st.token_hop_len, ratio, min_first_hop), batch_sizes=[1, 2])
+    return graphed
