@@ -15,7 +15,7 @@ export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=
   python3 -c "import ray, pydantic, starlette, wetext; print('ray', ray.__version__, 'pydantic', pydantic.__version__)" 2>&1
   python3 -m pip show aiohttp packaging grpcio protobuf msgpack 2>/dev/null | grep -E '^(Name|Version)' | paste - -
   timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_flow_graphs.py tests/runtime/test_graph_capture.py \
-    tests/runtime/test_llm_cuda_graph.py tests/deployments/test_runtime_load.py 2>&1 | tail -8
+    tests/runtime/test_hift_graphs.py tests/runtime/test_llm_cuda_graph.py tests/deployments/test_runtime_load.py 2>&1 | tail -8
 } > "$OUT/checks.txt" 2>&1
 cat "$OUT/checks.txt"
 if [ "${COLOC_S:-0}" -gt 0 ]; then

@@ -26,20 +26,26 @@ from cosyvoice_runtime.token2wav import Token2Wav, prompt_token_pad
 
 
 def timed(fn: Callable[[], object], reps: int, device: torch.device) -> dict:
-    """Median / min wall ms and median GPU ms (CUDA events) of ``fn`` over ``reps`` warm runs."""
+    """Median / min wall ms and median GPU ms (CUDA events) of ``fn`` over ``reps`` warm runs
+    (wall clock only on the CPU, where the CPU tests run the same code)."""
+    cuda = torch.device(device).type == "cuda"
     fn()
-    torch.cuda.synchronize(device)
+    if cuda:
+        torch.cuda.synchronize(device)
     wall, gpu = [], []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
-        start.record()
         fn()
-        end.record()
-        torch.cuda.synchronize(device)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize(device)
+            gpu.append(start.elapsed_time(end))
         wall.append((time.perf_counter() - t0) * 1e3)
-        gpu.append(start.elapsed_time(end))
-    return {"wall_ms": statistics.median(wall), "wall_min_ms": min(wall), "gpu_ms": statistics.median(gpu)}
+    return {"wall_ms": statistics.median(wall), "wall_min_ms": min(wall),
+            "gpu_ms": statistics.median(gpu) if gpu else None}
 
 
 def llm_stages(model, voice, text, graphs: bool) -> dict:
@@ -123,7 +129,10 @@ def flow_stages(model, voice, reps: int) -> dict:
 
 
 def _graphed(fn, args):
-    """A CUDA graph replaying ``fn(*args)`` (warmed up on a side stream first)."""
+    """A CUDA graph replaying ``fn(*args)`` (warmed up on a side stream first); the plain call
+    off CUDA."""
+    if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+        return lambda: fn(*args)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -135,45 +144,99 @@ def _graphed(fn, args):
     return graph.replay
 
 
+def execution_variants(fn: Callable, args: tuple, reps: int, device: torch.device) -> dict:
+    """One call of ``fn(*args)`` per execution variant: eager, CUDA graph, torch.jit.trace
+    (frozen), torch.compile (inductor, static shapes) with and without a CUDA graph around it;
+    build times and the largest difference to eager. A variant that fails is reported, not fatal."""
+    out = {}
+    with torch.inference_mode():
+        ref = fn(*args)
+        out["eager"] = timed(lambda: fn(*args), reps, device)
+        out["graph"] = timed(_graphed(fn, args), reps, device)
+        try:
+            t0 = time.perf_counter()
+            owner = getattr(fn, "__self__", None)
+            if isinstance(owner, torch.nn.Module):  # a module's method: trace it as a method of the module
+                module = torch.jit.trace_module(owner, {fn.__name__: args}, check_trace=False)
+                traced = getattr(module, fn.__name__)
+            else:
+                traced = torch.jit.trace(fn, args, check_trace=False)
+                if isinstance(traced, torch.jit.ScriptModule):
+                    traced = torch.jit.freeze(traced.eval())
+            traced(*args)
+            out["jit_trace_build_s"] = time.perf_counter() - t0
+            out["jit_trace"] = timed(lambda: traced(*args), reps, device)
+            out["jit_trace_maxdiff"] = float((traced(*args) - ref).abs().max())
+        except Exception as exc:  # noqa: BLE001 - report, keep measuring
+            out["jit_trace_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        try:
+            t0 = time.perf_counter()
+            comp = torch.compile(fn, dynamic=False)
+            comp(*args)
+            out["compile_build_s"] = time.perf_counter() - t0
+            out["compile"] = timed(lambda: comp(*args), reps, device)
+            out["compile_graph"] = timed(_graphed(comp, args), reps, device)
+            out["compile_maxdiff"] = float((comp(*args) - ref).abs().max())
+        except Exception as exc:  # noqa: BLE001
+            out["compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
 def estimator_variants(model, reps: int, shapes=((2, 256), (32, 512))) -> dict:
-    """One estimator call per execution variant: eager, CUDA graph, torch.jit.trace (frozen),
-    torch.compile (inductor, static shapes) with and without a CUDA graph around it."""
+    """:func:`execution_variants` of one estimator call (CFG-doubled batch, frames)."""
     est = model.flow.decoder.estimator
     dtype = next(est.parameters()).dtype
+    dev = model.device
     out = {}
     for b, frames in shapes:
-        dev = model.device
         x = torch.randn(b, 80, frames, device=dev, dtype=dtype)
         mask = torch.ones(b, 1, frames, device=dev, dtype=dtype)
         t = torch.rand(b, device=dev, dtype=dtype)
         spks = torch.randn(b, 80, device=dev, dtype=dtype)
         flags = torch.ones(b, dtype=torch.bool, device=dev)
-        args = (x, mask, x.clone(), t, spks, x.clone(), flags)
-        key = f"b{b}_T{frames}"
+        key = f"estimator_b{b}_T{frames}"
+        out[key] = execution_variants(est, (x, mask, x.clone(), t, spks, x.clone(), flags), reps, dev)
+        print(json.dumps({key: out[key]}), flush=True)
+    return out
+
+
+def vocoder_variants(model, reps: int, shapes=((1, 26), (1, 58), (16, 208))) -> dict:
+    """:func:`execution_variants` of the CV2 vocoder's deterministic part (mel + source -> audio)
+    at streaming lengths: a 13-token first chunk, a 25-token hop, 16 streams at the 100-token hop."""
+    hift = model.hift
+    if not hasattr(hift, "decode_eager"):
+        return {"skipped": "CV3 vocoder (causal, re-vocodes the accumulated mel)"}
+    dev = model.device
+    g = torch.Generator(device=dev).manual_seed(2)
+    out = {}
+    for b, frames in shapes:
+        mel = torch.randn(b, hift.spec.in_channels, frames, device=dev, generator=g)
         with torch.inference_mode():
-            ref = est(*args)
-            out[f"{key}_eager"] = timed(lambda a=args: est(*a), reps, dev)
-            out[f"{key}_graph"] = timed(_graphed(est, args), reps, dev)
-            try:
-                t0 = time.perf_counter()
-                traced = torch.jit.freeze(torch.jit.trace(est, args, check_trace=False).eval())
-                traced(*args)
-                out[f"{key}_jit_trace_build_s"] = time.perf_counter() - t0
-                out[f"{key}_jit_trace"] = timed(lambda a=args, f=traced: f(*a), reps, dev)
-                out[f"{key}_jit_trace_maxdiff"] = float((traced(*args) - ref).abs().max())
-            except Exception as exc:  # noqa: BLE001 - report, keep measuring
-                out[f"{key}_jit_trace_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            try:
-                t0 = time.perf_counter()
-                comp = torch.compile(est, dynamic=False)
-                comp(*args)
-                out[f"{key}_compile_build_s"] = time.perf_counter() - t0
-                out[f"{key}_compile"] = timed(lambda a=args, f=comp: f(*a), reps, dev)
-                out[f"{key}_compile_graph"] = timed(_graphed(comp, args), reps, dev)
-                out[f"{key}_compile_maxdiff"] = float((comp(*args) - ref).abs().max())
-            except Exception as exc:  # noqa: BLE001
-                out[f"{key}_compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        print(json.dumps({k: v for k, v in out.items() if k.startswith(key)}), flush=True)
+            source = hift.source(hift.f0(mel), generator=g)
+        key = f"vocoder_b{b}_T{frames}"
+        out[key] = execution_variants(hift.decode_eager, (mel, source), reps, dev)
+        print(json.dumps({key: out[key]}), flush=True)
+    return out
+
+
+def encoder_variants(model, reps: int, shapes=((1, 103), (16, 203))) -> dict:
+    """:func:`execution_variants` of the CV2 flow encoder (token ids -> mu) at a first chunk of
+    the bench prompt (87 + 13 + 3 tokens) and 16 jobs at a later chunk."""
+    flow = model.flow
+    if flow.spec.family != "cosyvoice2":
+        return {"skipped": "CV3 has no conformer encoder"}
+    dev = model.device
+    out = {}
+    for b, t_in in shapes:
+        ids = torch.randint(0, flow.spec.vocab_size, (b, t_in), device=dev)
+        valid = torch.ones(b, t_in, dtype=torch.bool, device=dev)
+        n_keep = t_in - flow.spec.pre_lookahead_len
+        lengths = torch.full((b,), n_keep, device=dev)
+        streaming = torch.ones(b, dtype=torch.bool, device=dev)
+        key = f"encoder_b{b}_T{t_in}"
+        out[key] = execution_variants(lambda *a, n=n_keep: flow.encode_ids(*a, n), (ids, valid, lengths, streaming),
+                                      reps, dev)
+        print(json.dumps({key: out[key]}), flush=True)
     return out
 
 
@@ -201,17 +264,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--precision", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", required=True, help="path prefix of the .json / .md written")
-    ap.add_argument("--estimator-only", action="store_true",
-                    help="only the estimator variants: eager / graph / jit.trace / torch.compile")
+    ap.add_argument("--variants-only", action="store_true",
+                    help="only the execution variants (eager / graph / jit.trace / torch.compile) of the "
+                         "flow estimator, the CV2 vocoder and the CV2 flow encoder")
     args = ap.parse_args(argv)
     base = make_model(args.family, "full", "cuda")
     model = cast(base, DTYPES[args.precision])
     voice, text = make_voice(model)
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
            "family": args.family, "precision": args.precision, "text_tokens": TEXT}
-    if args.estimator_only:
-        res["estimator"] = estimator_variants(model, args.reps)
-        Path(f"{args.out}.json").write_text(json.dumps(res, indent=1))
+    if args.variants_only:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        for name, run in (("vocoder", vocoder_variants), ("encoder", encoder_variants),
+                          ("estimator", estimator_variants)):
+            res[name] = run(model, args.reps)
+            Path(f"{args.out}.json").write_text(json.dumps(res, indent=1))  # kept if a later one runs out of time
         return
     res["llm_graphs"] = llm_stages(model, voice, text, graphs=True)
     print(json.dumps(res["llm_graphs"]), flush=True)
