@@ -41,6 +41,7 @@ logger = logging.getLogger("bench")
 
 PROMPT_SPEECH, PROMPT_TEXT, TEXT = 87, 14, 40
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+EDF_SLACK_S = 0.5  # mode extra "edf": jobs due within this are served before the others
 
 
 def sync(device: torch.device) -> None:
@@ -104,8 +105,9 @@ class ReplicaSim:
     """Two threads around one model: LLM engine steps and token2wav jobs, like one GPU replica."""
 
     def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, cuda_graphs: bool = False,
-                 flow_batch: int = 16, min_first_hop: int | None = None):
+                 flow_batch: int = 16, min_first_hop: int | None = None, edf_slack_s: float | None = None):
         self.model = model
+        self.edf_slack_s = edf_slack_s  # None: first chunks first (see _pick)
         self.n_tokens = n_tokens
         self.flow_batch = flow_batch
         self.engine = LLMEngine(model.llm, max_batch_size=max_batch,
@@ -172,8 +174,7 @@ class ReplicaSim:
                         self.lock.wait()
                 if self.stop:
                     return
-                jobs.sort(key=lambda rj: rj[1].state.calls)  # first chunks first
-                jobs = jobs[: self.flow_batch]
+                jobs = self._pick(jobs, time.perf_counter())
                 start = time.perf_counter()
                 for rid, job in jobs:
                     if job.state.calls == 0:
@@ -187,6 +188,22 @@ class ReplicaSim:
                     for (rid, job), audio in zip(jobs, audios):
                         self.streams[rid].trace.add_chunk(now, audio.numel())
                     self.lock.notify_all()
+
+    def _pick(self, jobs: list, now: float) -> list:
+        """The token2wav batch to run now out of the ready jobs (caller holds the lock).
+
+        Default: first chunks first, then up to ``flow_batch`` of the rest. With ``edf_slack_s``:
+        earliest playback deadline first (a stream's audio so far runs out; first audio is due at
+        once), and while some job is due within the slack, only those run: a smaller batch
+        returns sooner, and streams with audio to spare wait for the next one.
+        """
+        if self.edf_slack_s is None:
+            jobs.sort(key=lambda rj: rj[1].state.calls)  # first chunks first
+            return jobs[: self.flow_batch]
+        deadline = {rid: self.streams[rid].trace.playback_deadline_s() for rid, _ in jobs}
+        jobs.sort(key=lambda rj: deadline[rj[0]])
+        urgent = [rj for rj in jobs if deadline[rj[0]] - now < self.edf_slack_s]
+        return (urgent or jobs)[: self.flow_batch]
 
     def run(self, voice: VoicePrompt, text: torch.Tensor, concurrency: int, total: int,
             deadline_s: float = 180.0) -> tuple[list[RequestTrace], float]:
@@ -291,9 +308,11 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     LLM decode step and the flow solve, ``allgraphs`` = those and the CV2 flow encoder and vocoder
     (the serving default), ``llmgraphs`` = for the LLM decode step only, ``early`` =
     the first chunk ends at the first attention-chunk boundary >= 10 tokens on (Token2Wav ``min_first_hop=10``),
-    ``fastswitch`` = a 0.5 ms GIL switch interval (default 5 ms) while the mode runs."""
+    ``fastswitch`` = a 0.5 ms GIL switch interval (default 5 ms) while the mode runs, ``edf`` =
+    token2wav batches by earliest playback deadline, only the jobs due within 0.5 s while any is
+    (:meth:`ReplicaSim._pick`)."""
     kind, prec, *extra = mode.split("-")
-    known = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch"}
+    known = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf"}
     if kind not in ("pytorch", "compile") or prec not in DTYPES or set(extra) - known:
         raise ValueError(f"unknown mode {mode!r}: expected <pytorch|compile>-<fp32|fp16|bf16>[-{'|-'.join(sorted(known))}]")
     switch = sys.getswitchinterval()
@@ -309,18 +328,19 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
 def _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requests, flow_batch, on_row, deadline_s):
     llm_graphs = bool({"graphs", "allgraphs", "llmgraphs"} & set(extra))
     min_first_hop = 10 if "early" in extra else None  # the serving default (token2wav.first_chunk_min_tokens)
+    edf = EDF_SLACK_S if "edf" in extra else None
     graphs = "all" if "allgraphs" in extra else "solve" if "graphs" in extra else None
     model = _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop)
     voice, text = make_voice(model)
     rows = []
     # warm-up: one short request (allocations, kernel selection, compilation)
-    ReplicaSim(model, 4, 60, cuda_graphs=llm_graphs, flow_batch=flow_batch, min_first_hop=min_first_hop).run(
-        voice, text, 2, 2)
+    ReplicaSim(model, 4, 60, cuda_graphs=llm_graphs, flow_batch=flow_batch, min_first_hop=min_first_hop,
+               edf_slack_s=edf).run(voice, text, 2, 2)
     for c in concurrencies:
         if model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         sim = ReplicaSim(model, max_batch=c, n_tokens=n_tokens, cuda_graphs=llm_graphs, flow_batch=flow_batch,
-                         min_first_hop=min_first_hop)
+                         min_first_hop=min_first_hop, edf_slack_s=edf)
         traces, wall = sim.run(voice, text, c, max(2 * c, min_requests), deadline_s=deadline_s)
         row = {"mode": mode, "concurrency": c, **summarize(traces, wall), **sim.breakdown}
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None

@@ -47,8 +47,17 @@ class RequestTrace:
         Playback starts when the first chunk arrives; after an underrun it resumes when the late
         chunk arrives (the player re-buffers), so one stall is counted once.
         """
+        return self._playback()[0]
+
+    def playback_deadline_s(self) -> float:
+        """When the audio received so far finishes playing (the next chunk's deadline); the
+        submission time before the first chunk (first audio is always due)."""
+        return self._playback()[1] if self.chunk_times_s else self.submitted_s
+
+    def _playback(self) -> tuple[int, float]:
+        """(underruns, end of playback) of the chunks so far, under the model of :meth:`underruns`."""
         if not self.chunk_times_s:
-            return 0
+            return 0, self.submitted_s
         play_end = self.chunk_times_s[0]
         count = 0
         for t, n in zip(self.chunk_times_s, self.chunk_samples):
@@ -56,7 +65,7 @@ class RequestTrace:
                 count += 1
                 play_end = t
             play_end += n / self.sample_rate
-        return count
+        return count, play_end
 
 
 def percentile(values: list[float], q: float) -> float:
