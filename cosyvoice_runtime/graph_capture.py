@@ -12,6 +12,7 @@ see also pytorch/pytorch#193402 on graphs of one capture stream sharing workspac
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -33,3 +34,30 @@ def capture(fn: Callable[[], object], stream: torch.cuda.Stream, pool=None) -> t
         out = fn()
     current.wait_stream(stream)
     return graph, out
+
+
+class GraphOwner:
+    """What every token2wav graph owner keeps: graphs by shape key (``_buckets``), its capture
+    stream, the one memory pool its graphs share, the lock its replays and captures take (the
+    static buffers are shared), and counters of replays and eager calls."""
+
+    def __init__(self) -> None:
+        self._buckets: dict = {}
+        self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
+        self._lock = threading.Lock()
+        self.replays = 0
+        self.eager_calls = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._buckets)
+
+    def _capture(self, fn: Callable[[], object], device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
+        """:func:`capture` on this owner's stream (created on first use) into its pool."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device)
+        graph, out = capture(fn, self._capture_stream, self._pool)
+        if self._pool is None:
+            self._pool = graph.pool()
+        return graph, out

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ class _Bucket:
     out: torch.Tensor | None = None  # (B, ratio * K, 80)
 
 
-class GraphedEncoder:
+class GraphedEncoder(graph_capture.GraphOwner):
     """CUDA-graph replays of ``flow.encode_ids`` over (batch, output tokens) buckets.
 
     Args:
@@ -52,22 +51,13 @@ class GraphedEncoder:
 
     def __init__(self, flow, max_batch: int = 16, max_tokens: int = 512, token_step: int = 32,
                  use_graphs: bool = True) -> None:
+        super().__init__()
         self.flow = flow
         self.lookahead = flow.spec.pre_lookahead_len
         self.batch_buckets = batch_buckets(max_batch)
         self.token_step = token_step
         self.max_tokens = math.ceil(max_tokens / token_step) * token_step
         self.use_graphs = use_graphs
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
-        self._pool = None
-        self._stream: torch.cuda.Stream | None = None
-        self._lock = threading.Lock()
-        self.replays = 0
-        self.eager_calls = 0
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._buckets)
 
     def bucket_of(self, batch: int, n_keep: int) -> tuple[int, int] | None:
         if batch > self.batch_buckets[-1] or n_keep > self.max_tokens:
@@ -127,13 +117,9 @@ class GraphedEncoder:
         if self.use_graphs:
             bucket.valid[:, :1] = True  # a non-empty warm-up input
             bucket.lengths.fill_(1)
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(dev)  # own cuBLAS workspace (graph_capture)
-            bucket.graph, bucket.out = graph_capture.capture(lambda: self._run(bucket), self._stream, self._pool)
+            bucket.graph, bucket.out = self._capture(lambda: self._run(bucket), dev)
             bucket.valid.zero_()
             bucket.lengths.zero_()
-            if self._pool is None:
-                self._pool = bucket.graph.pool()
             logger.debug("captured encoder graph b=%d tokens=%d", b, k)
         self._buckets[key] = bucket
         return bucket

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,7 +60,7 @@ class _Bucket:
     out: torch.Tensor | None = None  # (B, 80, T) float32, written by the replay
 
 
-class GraphedSolver:
+class GraphedSolver(graph_capture.GraphOwner):
     """CUDA-graph replays of ``solver`` over padded (batch, frames) buckets.
 
     Args:
@@ -74,17 +73,12 @@ class GraphedSolver:
 
     def __init__(self, solver: CFMSolver, max_batch: int = 16, max_frames: int = 1024,
                  frame_step: int = DEFAULT_FRAME_STEP, use_graphs: bool = True) -> None:
+        super().__init__()
         self.solver = solver
         self.use_graphs = use_graphs
         self.batch_buckets = batch_buckets(max_batch)
         self.frame_step = frame_step
         self.max_frames = math.ceil(max_frames / frame_step) * frame_step
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
-        self._pool = None
-        self._capture_stream: torch.cuda.Stream | None = None
-        self._lock = threading.Lock()
-        self.replays = 0
-        self.eager_calls = 0
 
     @property
     def device(self) -> torch.device:
@@ -169,10 +163,6 @@ class GraphedSolver:
 
     def _capture(self, bucket: _Bucket) -> None:
         bucket.mask[:, :, :1] = 1  # a non-empty warm-up input
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(bucket.mu.device)  # own cuBLAS workspace
-        bucket.graph, bucket.out = graph_capture.capture(lambda: self._run(bucket), self._capture_stream, self._pool)
+        bucket.graph, bucket.out = self._capture(lambda: self._run(bucket), bucket.mu.device)
         bucket.mask.zero_()
-        if self._pool is None:
-            self._pool = bucket.graph.pool()
         logger.debug("captured flow graph %s", tuple(bucket.mu.shape))

@@ -22,7 +22,6 @@ Graphs share one memory pool: replays run one at a time (lock) and the output is
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ class _Graph:
     out: torch.Tensor | None = None  # (B, 480 T)
 
 
-class GraphedDecode:
+class GraphedDecode(graph_capture.GraphOwner):
     """Replays of ``hift.decode_eager`` for (batch bucket, exact frames, dtype) shapes.
 
     Args:
@@ -68,23 +67,14 @@ class GraphedDecode:
 
     def __init__(self, hift, max_batch: int = 16, max_frames: int = 512, capture_after: int = 2,
                  max_graphs: int = 192, use_graphs: bool = True) -> None:
+        super().__init__()
         self.hift = hift
         self.batch_buckets = batch_buckets(max_batch)
         self.max_frames = max_frames
         self.capture_after = capture_after
         self.max_graphs = max_graphs
         self.use_graphs = use_graphs
-        self._graphs: dict[tuple, _Graph] = {}
         self._calls: Counter[tuple] = Counter()
-        self._pool = None
-        self._stream: torch.cuda.Stream | None = None
-        self._lock = threading.Lock()
-        self.replays = 0
-        self.eager_calls = 0
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
 
     def key_of(self, batch: int, frames: int, mel_dtype: torch.dtype, source_dtype: torch.dtype) -> tuple | None:
         """The graph key serving a call: (batch bucket, frames, dtypes), or None if too large."""
@@ -99,10 +89,10 @@ class GraphedDecode:
         for t in frames:
             for b in batch_sizes or self.batch_buckets:
                 key = self.key_of(b, t, dtype, dtype)
-                if key is not None and len(self._graphs) < self.max_graphs:
+                if key is not None and len(self._buckets) < self.max_graphs:
                     with self._lock:
                         self._get(key)
-        return len(self._graphs)
+        return len(self._buckets)
 
     def __call__(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         key = self.key_of(mel.shape[0], mel.shape[2], mel.dtype, source.dtype)
@@ -111,10 +101,10 @@ class GraphedDecode:
             self.eager_calls += 1
             return self.hift.decode_eager(mel, source)
         with self._lock:
-            graph = self._graphs.get(key)
+            graph = self._buckets.get(key)
             if graph is None:
                 self._calls[key] += 1
-                if self._calls[key] < self.capture_after or len(self._graphs) >= self.max_graphs:
+                if self._calls[key] < self.capture_after or len(self._buckets) >= self.max_graphs:
                     self.eager_calls += 1
                     return self.hift.decode_eager(mel, source)
                 graph = self._get(key)
@@ -131,7 +121,7 @@ class GraphedDecode:
             return graph.out[:b].clone()
 
     def _get(self, key: tuple) -> _Graph:
-        graph = self._graphs.get(key)
+        graph = self._buckets.get(key)
         if graph is not None:
             return graph
         b, t, mel_dtype, source_dtype = key
@@ -139,14 +129,9 @@ class GraphedDecode:
         graph = _Graph(graph=None, mel=torch.zeros(b, self.hift.spec.in_channels, t, device=dev, dtype=mel_dtype),
                        source=torch.zeros(b, 1, self.hift.samples_per_frame * t, device=dev, dtype=source_dtype))
         if self.use_graphs:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(dev)  # own cuBLAS workspace (graph_capture)
-            graph.graph, graph.out = graph_capture.capture(
-                lambda: self.hift.decode_eager(graph.mel, graph.source), self._stream, self._pool)
-            if self._pool is None:
-                self._pool = graph.graph.pool()
+            graph.graph, graph.out = self._capture(lambda: self.hift.decode_eager(graph.mel, graph.source), dev)
             logger.debug("captured vocoder graph b=%d t=%d", b, t)
-        self._graphs[key] = graph
+        self._buckets[key] = graph
         return graph
 
 
