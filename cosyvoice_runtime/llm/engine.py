@@ -2,7 +2,7 @@
 
 One :meth:`LLMEngine.step` runs one decode step for every running sequence as a single batch
 (each at its own position, attending only to its own KV slot), then prefills the requests the
-scheduler admitted this step; each prefill yields that request's first token. Requests
+scheduler admitted this step as one padded batch; each prefill yields that request's first token. Requests
 therefore join between decode steps and leave as soon as they finish: their KV slot is free for
 the next step.
 
@@ -39,6 +39,10 @@ from cosyvoice_runtime.llm.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
+# Padded prompt positions per batched prefill forward: bounds its activations (16 prompts of
+# 1,024 positions); admitted requests beyond it are prefilled in further forwards of the step.
+PREFILL_TOKEN_BUDGET = 16384
+
 
 @dataclass
 class LLMEvent:
@@ -71,7 +75,7 @@ class LLMEngine:
         model: the speech LM (eval mode; its device and dtype are used for the cache).
         max_batch_size: KV slots = largest decode batch.
         max_seq_len: positions per slot (prompt + generated); longer requests are refused.
-        max_prefills_per_step: requests admitted per step.
+        max_prefills_per_step: requests admitted (and prefilled together) per step.
         official_quirks: the official min-length rule (mask only index S) instead of masking
             every stop id.
         return_logits: attach each step's logits to the events.
@@ -81,7 +85,7 @@ class LLMEngine:
         history_width: emitted ids per row the in-graph RAS repetition check sees.
     """
 
-    def __init__(self, model, max_batch_size: int = 16, max_seq_len: int = 2048, *, max_prefills_per_step: int = 4,
+    def __init__(self, model, max_batch_size: int = 16, max_seq_len: int = 2048, *, max_prefills_per_step: int = 16,
                  official_quirks: bool = False, return_logits: bool = False, use_cuda_graphs: bool = False,
                  static_decode: bool | None = None, history_width: int = DEFAULT_HISTORY_WIDTH) -> None:
         self.model = model
@@ -183,16 +187,33 @@ class LLMEngine:
                 else:
                     tokens, logits = self._static_decode(reqs, slots)
                 events += [self._commit(r, tok, logits[i]) for i, (r, tok) in enumerate(zip(reqs, tokens))]
-            for seq in plan.prefill:
-                req = self._requests[seq.request_id]
-                req.state.slot = seq.slot
-                self.cache.reset(seq.slot)
-                hidden = self.model.prefill(req.lm_input, self.cache, seq.slot)
-                req.lm_input = req.lm_input[:0]  # the prompt now lives in the cache
-                self.scheduler.mark_prefilled(seq.request_id)
-                logits = self.model.logits(hidden)
-                token = select_tokens(self.spec, logits[None], [req.state], [req.sample_fn], self.official_quirks)[0]
-                events.append(self._commit(req, token, logits))
+            if plan.prefill:
+                events += self._prefill([self._requests[seq.request_id] for seq in plan.prefill],
+                                        [seq.slot for seq in plan.prefill])
+        return events
+
+    def _prefill(self, reqs: list[_Request], slots: list[int]) -> list[LLMEvent]:
+        """The admitted requests' prompts as padded batched forwards of at most
+        ``PREFILL_TOKEN_BUDGET`` padded positions each; each request yields its first token."""
+        for req, slot in zip(reqs, slots):
+            req.state.slot = slot
+            self.cache.reset(slot)
+        groups: list[list[int]] = [[]]
+        for i, req in enumerate(reqs):
+            longest = max([req.lm_input.shape[0]] + [reqs[j].lm_input.shape[0] for j in groups[-1]])
+            if groups[-1] and longest * (len(groups[-1]) + 1) > PREFILL_TOKEN_BUDGET:
+                groups.append([])
+            groups[-1].append(i)
+        hidden = torch.cat([self.model.prefill_batch([reqs[i].lm_input for i in g], self.cache, [slots[i] for i in g])
+                            for g in groups])
+        logits = self.model.logits(hidden)
+        tokens = select_tokens(self.spec, logits, [r.state for r in reqs], [r.sample_fn for r in reqs],
+                               self.official_quirks)
+        events = []
+        for i, req in enumerate(reqs):
+            req.lm_input = req.lm_input[:0]  # the prompt now lives in the cache
+            self.scheduler.mark_prefilled(req.request_id)
+            events.append(self._commit(req, tokens[i], logits[i]))
         return events
 
     def _static_decode(self, reqs: list[_Request], slots: list[int]) -> tuple[list[int], torch.Tensor]:

@@ -310,6 +310,28 @@ class SpeechLM(nn.Module):
         """Append T input embeddings (T, H) to one slot; returns the last position's hidden (H,)."""
         return self.forward(lm_input[None], cache=cache, slots=[slot])[0, -1]
 
+    def prefill_batch(self, lm_inputs: list[torch.Tensor], cache: KVCache, slots: list[int]) -> torch.Tensor:
+        """:meth:`prefill` of several requests as one forward; returns (B, H) last hidden states.
+
+        The inputs are right-padded to the longest. Causal attention keeps padding out of every
+        valid position (a query at p sees keys <= p), and each slot's length is set back to its
+        own end afterwards, so the padded keys written past it are overwritten by its next
+        tokens. One forward instead of one per request: a prefill of the benchmark's prompt is
+        ~600 launch-bound kernels, the same count for 1 or 16 rows.
+        """
+        if len(lm_inputs) == 1:
+            return self.prefill(lm_inputs[0], cache, slots[0])[None]
+        lengths = [int(x.shape[0]) for x in lm_inputs]
+        past = [cache.lengths[s] for s in slots]
+        x = lm_inputs[0].new_zeros(len(lm_inputs), max(lengths), lm_inputs[0].shape[1])
+        for i, inp in enumerate(lm_inputs):
+            x[i, : lengths[i]] = inp
+        hidden = self.forward(x, cache=cache, slots=slots)
+        for s, p, n in zip(slots, past, lengths):
+            cache.lengths[s] = p + n
+        last = torch.tensor([n - 1 for n in lengths], device=hidden.device)
+        return hidden[torch.arange(len(lengths), device=hidden.device), last]
+
     def decode(self, inputs_embeds: torch.Tensor, cache: KVCache, slots: list[int]) -> torch.Tensor:
         """One step for a batch: (B, H) one new embedding per slot -> (B, H) hidden."""
         return self.forward(inputs_embeds[:, None], cache=cache, slots=slots)[:, 0]

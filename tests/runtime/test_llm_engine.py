@@ -150,3 +150,55 @@ def test_stop_token_finishes_without_emitting():
     events = engine.step()
     assert [(e.token, e.finished, e.finish_reason) for e in events] == [(None, True, "stop")]
     assert not engine.has_unfinished() and engine.scheduler.num_free_slots == 2
+
+
+def test_batched_prefill_equals_one_prefill_per_request():
+    """One padded forward for several prompts: the same last hidden state, KV contents and slot
+    lengths as one prefill each, also on a slot that held a longer sequence before."""
+    from cosyvoice_runtime.llm.kv_cache import KVCache
+
+    model = tiny_model()
+    xs = prompts([3, 17, 9], seed=7)
+    single, batched = (KVCache.for_model(model, 4, 32) for _ in range(2))
+    batched.lengths[2] = 25  # stale content of an earlier request (the engine resets the slot)
+    batched.reset(2)
+    with torch.inference_mode():
+        want = torch.stack([model.prefill(x, single, s) for x, s in zip(xs, [0, 2, 3])])
+        got = model.prefill_batch(xs, batched, [0, 2, 3])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert batched.lengths == single.lengths == [3, 0, 17, 9]
+    for layer in range(len(single.k)):
+        for s, n in ((0, 3), (2, 17), (3, 9)):
+            torch.testing.assert_close(batched.k[layer][s, :, :n], single.k[layer][s, :, :n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(batched.v[layer][s, :, :n], single.v[layer][s, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_requests_admitted_together_are_prefilled_in_one_forward():
+    model = tiny_model()
+    calls = []
+    real = model.prefill_batch
+    model.prefill_batch = lambda xs, cache, slots: (calls.append(len(xs)), real(xs, cache, slots))[1]
+    greedy = SamplingParams(method="greedy")
+    engine = LLMEngine(model, max_batch_size=4, max_seq_len=64, max_prefills_per_step=3)
+    reqs = [(f"r{i}", x, 5, 5, greedy) for i, x in enumerate(prompts([4, 10, 6, 8], seed=9))]
+    tokens, _, _ = run_engine(engine, {0: reqs})
+    assert calls == [3, 1]  # three admitted in the first step, the fourth in the next
+    for rid, x, lo, hi, params in reqs:
+        assert tokens[rid] == reference(model, x, lo, hi, params)[0]
+
+
+def test_prefill_token_budget_splits_a_step_into_several_forwards(monkeypatch):
+    import cosyvoice_runtime.llm.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "PREFILL_TOKEN_BUDGET", 30)
+    model = tiny_model()
+    calls = []
+    real = model.prefill_batch
+    model.prefill_batch = lambda xs, cache, slots: (calls.append([x.shape[0] for x in xs]), real(xs, cache, slots))[1]
+    greedy = SamplingParams(method="greedy")
+    engine = LLMEngine(model, max_batch_size=4, max_seq_len=64)
+    reqs = [(f"r{i}", x, 4, 4, greedy) for i, x in enumerate(prompts([4, 10, 6, 20], seed=11))]
+    tokens, _, _ = run_engine(engine, {0: reqs})
+    assert calls == [[4, 10, 6], [20]]  # 3 rows x 10 = 30 padded positions fit; 4 x 20 would not
+    for rid, x, lo, hi, params in reqs:
+        assert tokens[rid] == reference(model, x, lo, hi, params)[0]
