@@ -1,16 +1,39 @@
 #!/usr/bin/env bash
-# One lease of the GPU machine: GPU tests (quick), the streaming benchmark (it matters most),
-# then the execution variants (estimator, vocoder, encoder) if time remains. Results go to $OUT.
+# One lease of the GPU machine: GPU tests (quick), the CosyVoice2 streaming benchmark (it matters
+# most), optionally CosyVoice3 (CV3_S > 0) and the execution variants (VARIANTS_S > 0). Everything
+# is written under /tmp/work and packed into $OUT/results.tgz after every step (a run returns at
+# most 8 files; a step cut short keeps what the earlier ones wrote). The whole script must end
+# inside one run's 600 s: TESTS_S + BENCH_S + CV3_S + VARIANTS_S + ~20 s.
+#   BENCH_S=400 CV3_S=120 bash bench/device_run.sh        # the benchmarks
+#   TESTS_S=1 BENCH_S=0 VARIANTS_S=500 bash bench/device_run.sh   # the execution variants only
 set -u
 export PYTHONPATH=$PWD
-nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
-timeout "${TESTS_S:-90}" python3 -m pytest tests/runtime/test_flow_graphs.py tests/runtime/test_llm_cuda_graph.py tests/runtime/test_graph_capture.py tests/runtime/test_hift_graphs.py -m gpu -q \
-  -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
-timeout "${BENCH_S:-420}" python3 -m bench.gpu_bench --deadline-s "${DEADLINE_S:-90}" --family "${FAMILY:-cosyvoice2}" \
-  --modes "${MODES:-pytorch-bf16-allgraphs-early,pytorch-bf16-allgraphs-early-edf,pytorch-bf16-graphs-early}" \
-  --concurrency "${CONC:-1,4,8,16,32,64}" --tokens 250 --baseline-requests 3 --min-requests 6 \
-  --out "$OUT/results" ${TAG:+--tag "$TAG"} 2>&1 | grep -v Warning | tee "$OUT/bench.log" | tail -30
-if [ "${VARIANTS_S:-0}" -gt 0 ]; then
-  timeout "$VARIANTS_S" python3 -m bench.profile_stages --variants-only --out "$OUT/variants" 2>&1 \
-    | grep -v Warning | tail -8
+W=/tmp/work
+mkdir -p "$W"
+pack() { tar -czf "$OUT/results.tgz" -C "$W" .; }
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$W/gpu.txt"
+timeout "${TESTS_S:-60}" python3 -m pytest tests/runtime/test_flow_graphs.py tests/runtime/test_llm_cuda_graph.py \
+  tests/runtime/test_graph_capture.py tests/runtime/test_hift_graphs.py -m gpu -q -p no:cacheprovider 2>&1 \
+  | tail -8 | tee "$W/gpu_tests.txt"
+pack
+bench() {  # family, seconds, out folder, modes, concurrencies
+  timeout "$2" python3 -m bench.gpu_bench --deadline-s "${DEADLINE_S:-90}" --family "$1" --modes "$4" \
+    --concurrency "$5" --tokens 250 --baseline-requests 3 --min-requests 6 --out "$W/$3" ${TAG:+--tag "$TAG"} 2>&1 \
+    | grep -v Warning > "$W/$3.log"
+  tail -12 "$W/$3.log"
+  pack
+}
+if [ "${BENCH_S:-420}" -gt 0 ]; then
+  bench cosyvoice2 "${BENCH_S:-420}" results \
+    "${MODES:-pytorch-bf16-allgraphs-early,pytorch-bf16-allgraphs-early-edf,pytorch-bf16-graphs-early}" \
+    "${CONC:-1,4,8,16,32,64}"
 fi
+if [ "${CV3_S:-0}" -gt 0 ]; then
+  bench cosyvoice3 "$CV3_S" results-cv3 "${CV3_MODES:-pytorch-bf16-allgraphs-early}" "${CV3_CONC:-1,16,64}"
+fi
+if [ "${VARIANTS_S:-0}" -gt 0 ]; then
+  timeout "$VARIANTS_S" python3 -m bench.profile_stages --variants-only --out "$W/variants" 2>&1 \
+    | grep -v Warning | tail -8
+  pack
+fi
+cp "$W/gpu_tests.txt" "$OUT/"
