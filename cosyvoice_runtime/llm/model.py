@@ -26,7 +26,14 @@ from cosyvoice_runtime.llm.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
-    """Qwen2 RMSNorm: statistics in float32, gain applied in the input dtype."""
+    """Qwen2 RMSNorm through ``F.rms_norm``: statistics in float32.
+
+    HF's Qwen2 casts the normalised value back to the input dtype before the gain; the fused
+    kernel applies the gain in float32 and rounds once. Equal in float32 (tested against the
+    official composite), within one bf16 ulp in bf16. Why: on CUDA it is one kernel where the
+    composite is eight, and 49 norms are ~40 % of a decode step's ~1,000 kernels (counted on the
+    full-size spec, 2026-12-03).
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -34,9 +41,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -72,3 +72,26 @@ def test_keys_tied_head_and_special_rows():
     assert torch.equal(cv2.task_id_embedding(), cv2.llm_embedding.weight[1])
     assert torch.equal(cv3.sos_embedding(), cv3.speech_embedding.weight[30])
     assert torch.equal(cv3.task_id_embedding(), cv3.speech_embedding.weight[32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_the_official_composite(dtype):
+    """HF Qwen2RMSNorm (fp32 statistics, cast back, then the gain) against the fused F.rms_norm:
+    equal in float32, within one bf16 ulp in bf16."""
+    from cosyvoice_runtime.llm.model import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(896, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(896, generator=g) + 0.5)
+    norm = norm.to(dtype).requires_grad_(False)
+    x = (torch.randn(8, 5, 896, generator=g) * 3).to(dtype)
+    h = x.float()
+    official = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    got = norm(x)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, official, atol=1e-6, rtol=1e-6)
+    else:
+        ulp = 2.0 ** -7  # bf16 has 8 significand bits
+        assert float(((got.float() - official.float()).abs() / official.float().abs().clamp_min(1e-2)).max()) <= ulp
