@@ -95,3 +95,22 @@ def test_rms_norm_equals_the_official_composite(dtype):
     else:
         ulp = 2.0 ** -7  # bf16 has 8 significand bits
         assert float(((got.float() - official.float()).abs() / official.float().abs().clamp_min(1e-2)).max()) <= ulp
+
+
+def test_fused_qkv_follows_new_weights_and_dtype():
+    """The concatenated q/k/v weight is rebuilt when the projections change (a checkpoint loaded
+    after a first forward, a dtype cast), so the model always computes with its current weights."""
+    model, other = tiny(), tiny()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(1, 7, 32)
+    with torch.inference_mode():
+        before = model(x)
+        model.load_state_dict(other.state_dict())
+        after, want = model(x), other(x)
+        assert not torch.allclose(before, after)
+        torch.testing.assert_close(after, want, atol=0, rtol=0)
+        model.to(torch.float64)
+        other.to(torch.float64)
+        torch.testing.assert_close(model(x.double()), other(x.double()), atol=0, rtol=0)
