@@ -15,6 +15,7 @@ from torch import nn
 from cosyvoice_runtime.config import DiTSpec
 from cosyvoice_runtime.flow.masks import attention_mask
 from cosyvoice_runtime.flow.unet import sinusoidal_embedding
+from cosyvoice_runtime.fused import fused_linear
 
 
 class RotaryEmbedding(nn.Module):
@@ -99,13 +100,13 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(spec.dim, inner)
         self.to_v = nn.Linear(spec.dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, spec.dim)])
+        self._fused: dict = {}  # q/k/v as one weight (cosyvoice_runtime.fused; checkpoint keys unchanged)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """x (B, T, D); mask (B, 1, T, T) bool."""
         b, t, _ = x.shape
-        q = apply_rotary(self.to_q(x), freqs)
-        k = apply_rotary(self.to_k(x), freqs)
-        v = self.to_v(x)
+        q, k, v = fused_linear(x, (self.to_q, self.to_k, self.to_v), self._fused).chunk(3, dim=-1)
+        q, k = apply_rotary(q, freqs), apply_rotary(k, freqs)
 
         def heads(y):
             return y.view(b, t, self.heads, -1).transpose(1, 2)

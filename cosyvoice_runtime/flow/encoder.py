@@ -13,6 +13,7 @@ from torch import nn
 
 from cosyvoice_runtime.config import ConformerEncoderSpec
 from cosyvoice_runtime.flow.masks import attention_mask
+from cosyvoice_runtime.fused import fused_linear
 
 
 class PreLookaheadLayer(nn.Module):
@@ -79,13 +80,13 @@ class RelPositionAttention(nn.Module):
         self.linear_pos = nn.Linear(dim, dim, bias=False)
         self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.d_k))
         self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.d_k))
+        self._fused: dict = {}  # q/k/v as one weight (cosyvoice_runtime.fused; checkpoint keys unchanged)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: (B, T, D); mask: (B, T, T) bool; pos: (1, 2T-1, D) -> (B, T, D)."""
         b, t, _ = x.shape
-        q = self.linear_q(x).view(b, t, self.h, self.d_k)
-        k = self.linear_k(x).view(b, t, self.h, self.d_k).transpose(1, 2)
-        v = self.linear_v(x).view(b, t, self.h, self.d_k).transpose(1, 2)
+        qkv = fused_linear(x, (self.linear_q, self.linear_k, self.linear_v), self._fused).view(b, t, 3, self.h, self.d_k)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
         p = self.linear_pos(pos).view(1, -1, self.h, self.d_k).transpose(1, 2)  # (1, H, 2T-1, dk)
         ac = torch.matmul((q + self.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))
         bd = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))  # (B, H, T, 2T-1)

@@ -13,6 +13,7 @@ from torch import nn
 
 from cosyvoice_runtime.config import UNetSpec
 from cosyvoice_runtime.flow.masks import attention_mask, to_bias
+from cosyvoice_runtime.fused import fused_linear
 
 
 def sinusoidal_embedding(t: torch.Tensor, dim: int, scale: float = 1000.0) -> torch.Tensor:
@@ -69,16 +70,14 @@ class SelfAttention(nn.Module):
         self.to_k = nn.Linear(dim, inner, bias=False)
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self._fused: dict = {}  # q/k/v as one weight (cosyvoice_runtime.fused; checkpoint keys unchanged)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """x: (B, T, C); bias: (B, T, T) additive -> (B, T, C)."""
         b, t, _ = x.shape
-
-        def heads(y):
-            return y.view(b, t, self.heads, self.head_dim).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x)),
-                                             attn_mask=bias[:, None])
+        qkv = fused_linear(x, (self.to_q, self.to_k, self.to_v), self._fused)
+        q, k, v = qkv.view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None])
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
 
 

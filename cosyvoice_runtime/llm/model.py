@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_runtime.config import LLMSpec, Qwen2Spec
+from cosyvoice_runtime.fused import fused_linear
 from cosyvoice_runtime.llm.kv_cache import KVCache
 
 
@@ -76,19 +77,7 @@ class Qwen2Attention(nn.Module):
         self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=True)
         self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=True)
         self.o_proj = nn.Linear(spec.num_heads * d, h, bias=False)
-        self._fused: dict = {}  # concatenated q/k/v weight and bias (not a buffer: checkpoint keys unchanged)
-
-    def _qkv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The q, k, v projections as one weight and bias, rebuilt when a projection's weights
-        change (loading, ``.to()``): the key is each tensor's storage, version and dtype."""
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        key = tuple((p.weight.data_ptr(), p.weight._version, p.bias.data_ptr(), p.bias._version, p.weight.dtype)
-                    for p in parts)
-        if self._fused.get("key") != key:
-            with torch.no_grad():
-                self._fused = {"key": key, "weight": torch.cat([p.weight for p in parts]),
-                               "bias": torch.cat([p.bias for p in parts])}
-        return self._fused["weight"], self._fused["bias"]
+        self._fused: dict = {}  # q/k/v as one weight (cosyvoice_runtime.fused; checkpoint keys unchanged)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: _AttnContext) -> torch.Tensor:
         """x (B, T, H) -> (B, T, H)."""
@@ -96,8 +85,8 @@ class Qwen2Attention(nn.Module):
         nq, nkv = self.num_heads, self.num_kv_heads
         # One GEMM for q, k and v, and one rotation for q and k together: 4 kernels fewer per layer
         # than three projections and two rotations (launch-bound decode steps).
-        weight, bias = self._qkv()
-        qkv = F.linear(x, weight, bias).view(b, t, nq + 2 * nkv, self.head_dim).transpose(1, 2)
+        qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self._fused)
+        qkv = qkv.view(b, t, nq + 2 * nkv, self.head_dim).transpose(1, 2)
         qk = qkv[:, : nq + nkv]
         qk = qk * cos + rotate_half(qk) * sin
         q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
