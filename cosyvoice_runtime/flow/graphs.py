@@ -157,11 +157,11 @@ class GraphedSolver(graph_capture.GraphOwner):
                          cond=torch.zeros(b, n_mels, t_len, device=dev, dtype=dtype),
                          streaming=torch.zeros(b, dtype=torch.bool, device=dev), noise=noise)
         if self.use_graphs:
-            self._capture(bucket)
+            self._capture_bucket(bucket)
         self._buckets[key] = bucket
         return bucket
 
-    def _capture(self, bucket: _Bucket) -> None:
+    def _capture_bucket(self, bucket: _Bucket) -> None:
         bucket.mask[:, :, :1] = 1  # a non-empty warm-up input
         bucket.graph, bucket.out = self._capture(lambda: self._run(bucket), bucket.mu.device)
         bucket.mask.zero_()
