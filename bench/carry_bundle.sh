@@ -19,7 +19,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
          manylinux1_x86_64 manylinux_2_24_x86_64 manylinux_2_5_x86_64; do PLAT+=(--platform "$p"); done
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${PLAT[@]}" \
   -d "$WORK/dl" "ray[serve]==2.60.0" wetext==0.1.8 soundfile "pydantic>=2.5,<3" "starlette>=1.0.1" \
-  "python-multipart>=0.0.20"
+  "python-multipart>=0.0.20" "grpcio-reflection==1.84.0"
 keep=()
 for whl in "$WORK"/dl/*.whl; do
   name=$(basename "$whl" | cut -d- -f1 | tr 'A-Z-' 'a-z_')

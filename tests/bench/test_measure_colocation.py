@@ -11,5 +11,7 @@ def test_every_layout_is_measured():
     assert res["llm_alone"]["step_ms_median"] > 0 and res["flow_alone"]["job_ms_median"] > 0
     assert res["serial_one_thread"]["step_ms_p95"] >= res["serial_one_thread"]["step_ms_median"] > 0
     assert res["two_threads_one_process"]["job_ms_median"] > 0
+    # every phase timed real decode steps: the 16 requests were still running after each
+    assert [res[k]["running"] for k in ("llm_alone", "serial_one_thread", "two_threads_one_process")] == [16] * 3
     procs = res["two_processes_same_gpu"]
     assert procs["llm"]["median_ms"] > 0 and procs["flow"]["median_ms"] > 0 and procs["wall_s"] > 0

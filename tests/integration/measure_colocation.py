@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 BATCH = 16
+PROMPT_FRAMES = 150  # LLM prompt length of every measured request
 
 
 @dataclass(frozen=True)
@@ -72,14 +73,17 @@ def _build(setup: Setup):
     hift = mods["hift"].eval().requires_grad_(False)
     if hasattr(hift, "remove_weight_norm"):
         hift.remove_weight_norm()
-    engine = LLMEngine(llm, max_batch_size=BATCH, max_seq_len=1024, use_cuda_graphs=setup.graphs)
+    # Three phases decode from this engine (alone, serial, two threads): its requests must outlive
+    # them all, or the later phases time empty steps.
+    n_tokens = 3 * setup.steps + 50
+    engine = LLMEngine(llm, max_batch_size=BATCH, max_seq_len=PROMPT_FRAMES + n_tokens + 8,
+                       use_cuda_graphs=setup.graphs)
     if setup.graphs and dev == "cuda":  # captured before any other thread or process works, as at replica start
         engine.capture_graphs()
         flow.enable_graphs(max_batch=1, max_frames=512, capture=True)
         graph_streaming_vocoder(hift, spec, max_batch=1)
-    n_tokens = setup.steps + 50  # never finishes inside the measurement
     for i in range(BATCH):
-        emb = torch.randn(150, spec.llm.llm_input_size, device=dev, dtype=dtype) * 0.02
+        emb = torch.randn(PROMPT_FRAMES, spec.llm.llm_input_size, device=dev, dtype=dtype) * 0.02
         engine.add_request(f"r{i}", emb, min_len=n_tokens, max_len=n_tokens)
     t2w = Token2Wav(spec, flow, hift)
     lp = 75
@@ -97,6 +101,13 @@ def _build(setup: Setup):
         engine.step(), flow_job()
     setup.sync()
     return engine, flow_job
+
+
+def _still_decoding(engine, phase: str) -> int:
+    running = engine.num_running()
+    if running < BATCH:
+        raise RuntimeError(f"after {phase}: {running} of {BATCH} requests still decoding; the timings are void")
+    return running
 
 
 def _timed(fn, n, sync):
@@ -121,6 +132,7 @@ def _worker(kind, setup, barrier, out):
     barrier.wait()
     if kind == "llm":
         wall, lat = _timed(engine.step, setup.steps, setup.sync)
+        _still_decoding(engine, "the LLM process")
     else:
         wall, lat = _timed(flow_job, setup.flow_jobs, setup.sync)
     out.put((kind, wall, statistics.median(lat), setup.max_allocated_gib()))
@@ -131,7 +143,7 @@ def measure(setup: Setup) -> dict:
                  "cuda_graphs": setup.graphs, "steps": setup.steps, "flow_jobs": setup.flow_jobs}
     engine, flow_job = _build(setup)
     wall, lat = _timed(engine.step, setup.steps, setup.sync)
-    res["llm_alone"] = {"wall_s": wall, "step_ms_median": _ms(lat)}
+    res["llm_alone"] = {"wall_s": wall, "step_ms_median": _ms(lat), "running": _still_decoding(engine, "llm_alone")}
     wall, lat = _timed(flow_job, setup.flow_jobs, setup.sync)
     res["flow_alone"] = {"wall_s": wall, "job_ms_median": _ms(lat)}
     per = max(1, setup.steps // setup.flow_jobs)
@@ -146,6 +158,7 @@ def measure(setup: Setup) -> dict:
         flow_job()
     setup.sync()
     res["serial_one_thread"] = {"wall_s": time.perf_counter() - t, "step_ms_median": _ms(step_lat),
+                                "running": _still_decoding(engine, "serial_one_thread"),
                                 "step_ms_p95": 1e3 * sorted(step_lat)[int(0.95 * len(step_lat))]}
     lat_llm, lat_flow = [], []
 
@@ -163,6 +176,7 @@ def measure(setup: Setup) -> dict:
     [th.start() for th in threads]
     [th.join() for th in threads]
     res["two_threads_one_process"] = {"wall_s": time.perf_counter() - t, "step_ms_median": _ms(lat_llm),
+                                      "running": _still_decoding(engine, "two_threads_one_process"),
                                       "job_ms_median": _ms(lat_flow)}
     res["one_process_max_allocated_gib"] = setup.max_allocated_gib()
     engine = flow_job = None  # free the first model before the two processes start
