@@ -319,9 +319,10 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     first-chunk length for batches of 1 and 2; other lengths (last chunks) are captured when
     they recur (:mod:`cosyvoice_runtime.hift.graphs`).
 
-    Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-capturestreams.md):
-    with the solve graphs and the early first chunk, first audio at one stream fell from 1.11 s
-    (LLM graphs only, 2026-12-02) to 155 ms. Encoder and vocoder graphs are not measured yet.
+    Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-allgraphs.md): with
+    the solve graphs and the early first chunk, first audio at one stream fell from 1.11 s (LLM
+    graphs only, 2026-12-02) to 135 ms; the encoder and vocoder graphs took throughput at 64
+    streams from 90.1x to 115.4x real time (same run).
     torchscript and trt modes replace the estimator and keep their own execution.
     """
     if not cfg.cuda_graphs or mode != "pytorch" or model.device.type != "cuda":
