@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from deployments.deadlines import Playback
+
 
 @dataclass
 class RequestTrace:
@@ -52,20 +54,14 @@ class RequestTrace:
     def playback_deadline_s(self) -> float:
         """When the audio received so far finishes playing (the next chunk's deadline); the
         submission time before the first chunk (first audio is always due)."""
-        return self._playback()[1] if self.chunk_times_s else self.submitted_s
+        return self._playback()[1]
 
     def _playback(self) -> tuple[int, float]:
         """(underruns, end of playback) of the chunks so far, under the model of :meth:`underruns`."""
-        if not self.chunk_times_s:
-            return 0, self.submitted_s
-        play_end = self.chunk_times_s[0]
-        count = 0
+        play = Playback(self.submitted_s)
         for t, n in zip(self.chunk_times_s, self.chunk_samples):
-            if t > play_end + 1e-9:
-                count += 1
-                play_end = t
-            play_end += n / self.sample_rate
-        return count, play_end
+            play.add(t, n / self.sample_rate)
+        return play.underruns, play.deadline_s()
 
 
 def percentile(values: list[float], q: float) -> float:

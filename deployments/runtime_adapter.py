@@ -310,7 +310,7 @@ VOCODER_GRAPH_MAX_FRAMES = 512  # ~10 s of audio; whole-utterance (unstreamed) c
 
 
 def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | None) -> dict[str, int]:
-    """Capture the token2wav CUDA graphs of a CUDA replica in pytorch mode: how many of each.
+    """Capture the token2wav CUDA graphs of a CUDA replica (pytorch, torchscript): how many of each.
 
     Flow (``flow_graphs``): the whole CFM solve and, for CosyVoice2, the token encoder, per
     padded (batch, length) bucket, batches up to the replica's largest and calls up to
@@ -323,9 +323,11 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     the solve graphs and the early first chunk, first audio at one stream fell from 1.11 s (LLM
     graphs only, 2026-12-02) to 135 ms; the encoder and vocoder graphs took throughput at 64
     streams from 90.1x to 115.4x real time (same run).
-    torchscript and trt modes replace the estimator and keep their own execution.
+    torchscript mode captures the same graphs over its compiled modules (each shape's warm-up
+    compiles it first, so start-up is longer); trt mode replaces the estimator and keeps its own
+    execution.
     """
-    if not cfg.cuda_graphs or mode != "pytorch" or model.device.type != "cuda":
+    if not cfg.cuda_graphs or mode not in ("pytorch", "torchscript") or model.device.type != "cuda":
         return {"flow_graphs": 0, "vocoder_graphs": 0}
     from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
 

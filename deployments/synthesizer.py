@@ -32,6 +32,7 @@ from cosyvoice_runtime.config import ENDOFPROMPT_TOKEN_ID
 from cosyvoice_runtime.modes import preflight, resolve_mode
 from deployments import constants
 from deployments.compute import MAIN as MAIN_LANE, ComputeExecutor
+from deployments.deadlines import DEFAULT_SLACK_S, DeadlineGate, Playback
 from deployments.engine_loop import EngineLoop
 from deployments.gpu_stats import DeviceProbe, release_fragmented_cache
 from deployments.observability import ReplicaMetrics
@@ -82,6 +83,9 @@ class Token2WavBatchConfig(StrictModel):
     # Audio of the first chunk (40 ms per token) must outlast making the second one (a full hop of LLM
     # steps plus a flow call), or the stream stutters right after it starts.
     first_chunk_min_tokens: PositiveInt = 10
+    # Deadline-first admission (deployments.deadlines): while a stream's audio runs out within this
+    # many seconds, streams with more audio in hand wait for the next batch. None: first come, first served.
+    deadline_slack_s: PositiveFloat | None = DEFAULT_SLACK_S
 
 
 class SynthesizerConfig(DeploymentKnobs):
@@ -176,6 +180,9 @@ class Synthesizer:
         self.probe = DeviceProbe(self.runtime.device)
         self.metrics = metrics or ReplicaMetrics.for_replica("synthesizer")
         self.t2w_batch_sizes: Counter[int] = Counter()
+        slack = cfg.token2wav.deadline_slack_s
+        self.gate = DeadlineGate(slack) if slack is not None else None
+        self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
         self._active = 0  # synthesize() calls in progress; 0 for IDLE_TRIM_DELAY_S -> release_free_heap
         self._trim_timer: asyncio.TimerHandle | None = None
         self._trim_task: asyncio.Task | None = None
@@ -196,6 +203,7 @@ class Synthesizer:
     async def synthesize(self, req: PreparedRequest) -> AsyncIterator[AudioChunk]:
         """Stream audio chunks of ``req`` as they are produced (handle ``.options(stream=True)``)."""
         started = time.perf_counter()
+        playback = Playback(started)
         index = 0
         samples = 0
         status = "ok"
@@ -210,9 +218,11 @@ class Synthesizer:
                                         f"({self.max_prompt_tokens})")
             last_piece = len(req.pieces) - 1
             for p, piece in enumerate(req.pieces):
-                async for audio, final in self._synthesize_piece(req, p, piece):
+                async for audio, final in self._synthesize_piece(req, p, piece, playback):
+                    now = time.perf_counter()
                     if index == 0:
-                        self.metrics.observe_ttfa(time.perf_counter() - started)
+                        self.metrics.observe_ttfa(now - started)
+                    self.underruns += playback.add(now, len(audio) / self.sample_rate)
                     samples += len(audio)
                     yield AudioChunk(request_id=req.request_id, samples=audio, sample_rate=self.sample_rate,
                                      index=index, piece=p, is_last=final and p == last_piece)
@@ -264,6 +274,8 @@ class Synthesizer:
             "step_batch_sizes": dict(Counter(self.loop.step_batch_sizes)),
             "token2wav_batch_sizes": dict(self.t2w_batch_sizes),
             "generated_tokens_total": self.loop.tokens,
+            "underruns_total": self.underruns,
+            "deadline_held_total": self.gate.held if self.gate is not None else 0,
             "cuda_cache_releases": self.cuda_cache_releases,
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
             "gpu_memory_allocated_bytes": allocated,
@@ -345,7 +357,8 @@ class Synthesizer:
                 self.t2w.run_batch([job])
         logger.info("warmup: %d tokens in %.2f s", len(tokens), time.perf_counter() - started)
 
-    async def _synthesize_piece(self, req: PreparedRequest, p: int, piece) -> AsyncIterator[tuple[np.ndarray, bool]]:
+    async def _synthesize_piece(self, req: PreparedRequest, p: int, piece,
+                                playback: Playback) -> AsyncIterator[tuple[np.ndarray, bool]]:
         if piece.text_ids.size == 0:
             raise InvalidInputError(f"text piece {p} has no tokens")
         prompt = req.prompt
@@ -359,7 +372,11 @@ class Synthesizer:
         async for event in self.loop.generate(f"{req.request_id}/{p}", lm):
             tokens.extend(event.new_tokens)
             while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
-                audio = await self._token2wav(job)
+                if self.gate is None:
+                    audio = await self._token2wav(job)
+                else:
+                    async with self.gate.turn(playback.deadline_s()):
+                        audio = await self._token2wav(job)
                 yield audio, bool(getattr(job, "finalize", False))
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)

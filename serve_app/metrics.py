@@ -41,6 +41,13 @@ class _ReplicaSnapshotCollector:
                                      labels=["replica"])
         tokens.add_metric(replica, float(snap.get("generated_tokens_total", 0)))
         yield tokens
+        for name, key, doc in (("tts_stream_underruns", "underruns_total",
+                                "Chunks made after the request's audio so far had run out (stutters, at the replica)"),
+                               ("tts_token2wav_deadline_held", "deadline_held_total",
+                                "Chunk jobs held back for more urgent ones (deadline-first admission)")):
+            c = CounterMetricFamily(name, doc, labels=["replica"])
+            c.add_metric(replica, float(snap.get(key, 0)))
+            yield c
         for name, key, doc in (("tts_device_utilization_pct", "utilization_pct", "Measured device utilisation"),
                                ("tts_gpu_memory_allocated_bytes", "gpu_memory_allocated_bytes", "GPU memory allocated"),
                                ("tts_gpu_memory_total_bytes", "gpu_memory_total_bytes", "GPU memory total")):

@@ -29,9 +29,9 @@ def _req(rid: str, n_ids: int, stream: bool, pieces: int = 1) -> PreparedRequest
                            stream=stream)
 
 
-def _synth(max_running: int = 4, overlap_stages: bool | None = None) -> Synthesizer:
+def _synth(max_running: int = 4, overlap_stages: bool | None = None, **token2wav) -> Synthesizer:
     cfg = SynthesizerConfig(max_running=max_running, max_ongoing_requests=max_running,
-                            token2wav={"max_batch_size": 2}, overlap_stages=overlap_stages)
+                            token2wav={"max_batch_size": 2, **token2wav}, overlap_stages=overlap_stages)
     s = Synthesizer(cfg, runtime_factory=fakes.fake_synthesis_runtime)
 
     async def direct(job):

@@ -273,7 +273,8 @@ def test_health_and_metrics(tts_app, voice):
     assert httpx.get(f"{url}/metrics").headers["content-type"].startswith("text/plain")
     for name in ("tts_http_requests_total", "tts_http_errors_total", "tts_time_to_first_audio_seconds_count",
                  "tts_rtf_count", "tts_engine_queue_length", "tts_engine_running", "tts_device_utilization_pct",
-                 "tts_token2wav_batch_size_count", "tts_requests_in_flight", "tts_generated_tokens_total"):
+                 "tts_token2wav_batch_size_count", "tts_requests_in_flight", "tts_generated_tokens_total",
+                 "tts_stream_underruns_total", "tts_token2wav_deadline_held_total"):
         assert _metric(text, name), f"{name} missing from /metrics"
     ok = [v for labels, v in _metric(text, "tts_http_requests_total") if 'status="200"' in labels]
     assert sum(ok) > 0
