@@ -4,7 +4,7 @@
 # is written under /tmp/work and packed into $OUT/results.tgz after every step (a run returns at
 # most 8 files; a step cut short keeps what the earlier ones wrote). The whole script must end
 # inside one run's 600 s: TESTS_S + BENCH_S + CV3_S + VARIANTS_S + ~20 s.
-#   BENCH_S=400 CV3_S=120 bash bench/device_run.sh        # the benchmarks
+#   BENCH_S=380 CV3_S=110 bash bench/device_run.sh        # the benchmarks
 #   TESTS_S=1 BENCH_S=0 VARIANTS_S=500 bash bench/device_run.sh   # the execution variants only
 set -u
 export PYTHONPATH=$PWD
@@ -12,8 +12,8 @@ W=/tmp/work
 mkdir -p "$W"
 pack() { tar -czf "$OUT/results.tgz" -C "$W" .; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$W/gpu.txt"
-timeout "${TESTS_S:-60}" python3 -m pytest tests/runtime/test_flow_graphs.py tests/runtime/test_llm_cuda_graph.py \
-  tests/runtime/test_graph_capture.py tests/runtime/test_hift_graphs.py -m gpu -q -p no:cacheprovider 2>&1 \
+timeout "${TESTS_S:-90}" python3 -m pytest tests/runtime/test_flow_graphs.py tests/runtime/test_llm_cuda_graph.py \
+  tests/runtime/test_graph_capture.py tests/runtime/test_hift_graphs.py tests/runtime/test_compiled_graphs.py -m gpu -q -p no:cacheprovider 2>&1 \
   | tail -8 | tee "$W/gpu_tests.txt"
 pack
 bench() {  # family, seconds, out folder, modes, concurrencies
@@ -25,11 +25,11 @@ bench() {  # family, seconds, out folder, modes, concurrencies
 }
 if [ "${BENCH_S:-420}" -gt 0 ]; then
   bench cosyvoice2 "${BENCH_S:-420}" results \
-    "${MODES:-pytorch-bf16-allgraphs-early,pytorch-bf16-allgraphs-early-edf,pytorch-bf16-graphs-early}" \
+    "${MODES:-pytorch-bf16-allgraphs-early-edf,compile-bf16-allgraphs-early-edf}" \
     "${CONC:-1,4,8,16,32,64}"
 fi
 if [ "${CV3_S:-0}" -gt 0 ]; then
-  bench cosyvoice3 "$CV3_S" results-cv3 "${CV3_MODES:-pytorch-bf16-allgraphs-early}" "${CV3_CONC:-1,16,64}"
+  bench cosyvoice3 "$CV3_S" results-cv3 "${CV3_MODES:-pytorch-bf16-allgraphs-early-edf}" "${CV3_CONC:-1,16,64}"
 fi
 if [ "${VARIANTS_S:-0}" -gt 0 ]; then
   timeout "$VARIANTS_S" python3 -m bench.profile_stages --variants-only --out "$W/variants" 2>&1 \

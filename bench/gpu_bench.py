@@ -33,6 +33,7 @@ from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.inputs import build_lm_input
 from cosyvoice_runtime.llm.sampling import SamplingParams
 from cosyvoice_runtime.model import CosyVoiceModel, build_modules
+from cosyvoice_runtime.modes import compile_model
 from cosyvoice_runtime.pipeline import Pipeline, VoicePrompt
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from cosyvoice_runtime.token2wav import FlowPrompt, StreamState, Token2Wav
@@ -304,7 +305,7 @@ def _forced_sampler(model: CosyVoiceModel, n_tokens: int):
 def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_tokens: int, min_requests: int,
                flow_batch: int, on_row=None, deadline_s: float = 180.0) -> list[dict]:
     """``mode`` = ``<kind>-<precision>[-<extra>...]``: kind pytorch | compile (torch.compile of
-    the flow estimator), precision fp32 | fp16 | bf16; extras: ``graphs`` = CUDA graphs for the
+    the flow estimator, the CV2 encoder and the vocoder body, as replica mode torchscript), precision fp32 | fp16 | bf16; extras: ``graphs`` = CUDA graphs for the
     LLM decode step and the flow solve, ``allgraphs`` = those and the CV2 flow encoder and vocoder
     (the serving default), ``llmgraphs`` = for the LLM decode step only, ``early`` =
     the first chunk ends at the first attention-chunk boundary >= 10 tokens on (Token2Wav ``min_first_hop=10``),
@@ -376,8 +377,9 @@ def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, fl
     if key not in _PREPARED:
         _PREPARED.clear()  # one prepared copy at a time: GPU memory
         model = cast(base, DTYPES[prec])
-        if kind == "compile":
-            model.flow.decoder.estimator = torch.compile(model.flow.decoder.estimator, dynamic=True)
+        if kind == "compile":  # what mode torchscript does in a replica: estimator, encoder, vocoder body
+            model.hift = copy.deepcopy(model.hift)  # the base vocoder stays eager for other modes
+            compile_model(model)
         if graphs and model.device.type == "cuda":
             t0 = time.perf_counter()
             model.flow.enable_graphs(max_batch=flow_batch, max_frames=2 * (PROMPT_SPEECH + n_tokens),
@@ -385,7 +387,8 @@ def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, fl
             n = model.flow.capture_graphs()
             n_voc = 0
             if graphs == "all" and hasattr(model.hift, "enable_graphs"):
-                model.hift = copy.deepcopy(model.hift)  # the base vocoder stays eager for other modes
+                if kind != "compile":
+                    model.hift = copy.deepcopy(model.hift)  # the base vocoder stays eager for other modes
                 n_voc = graph_streaming_vocoder(model.hift, model.spec, flow_batch,
                                                 min_first_hop=min_first_hop).num_graphs
             logger.info("captured %d flow and %d vocoder graphs in %.1f s", n, n_voc, time.perf_counter() - t0)

@@ -58,7 +58,7 @@ def test_torchscript_mode_wraps_estimator_and_vocoder_body():
     model = copy.deepcopy(_model())
     est = model.flow.decoder.estimator
     report = apply_mode(model, "torchscript", compile_backend="eager")
-    assert report["compiled"] == ["flow.decoder.estimator", "hift.body"]
+    assert report["compiled"] == ["flow.decoder.estimator", "flow.encoder", "hift.body"]
     assert type(model.flow.decoder.estimator).__name__ == "OptimizedModule"
     assert model.flow.decoder.estimator._orig_mod is est
     assert "body" in vars(model.hift)  # the instance attribute shadows the method
