@@ -25,7 +25,7 @@ bench() {  # family, seconds, out folder, modes, concurrencies
 }
 if [ "${BENCH_S:-420}" -gt 0 ]; then
   bench cosyvoice2 "${BENCH_S:-420}" results \
-    "${MODES:-pytorch-bf16-allgraphs-early-edf,compile-bf16-allgraphs-early-edf}" \
+    "${MODES:-pytorch-bf16-allgraphs-early-edf,compile-bf16-allgraphs-early-edf,compile-bf16-allgraphs-early-edf-llmcompile}" \
     "${CONC:-1,4,8,16,32,64}"
 fi
 if [ "${CV3_S:-0}" -gt 0 ]; then

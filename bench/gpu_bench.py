@@ -106,14 +106,16 @@ class ReplicaSim:
     """Two threads around one model: LLM engine steps and token2wav jobs, like one GPU replica."""
 
     def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, cuda_graphs: bool = False,
-                 flow_batch: int = 16, min_first_hop: int | None = None, edf_slack_s: float | None = None):
+                 flow_batch: int = 16, min_first_hop: int | None = None, edf_slack_s: float | None = None,
+                 llm_compile: str | None = None):
         self.model = model
         self.edf_slack_s = edf_slack_s  # None: first chunks first (see _pick)
         self.n_tokens = n_tokens
         self.flow_batch = flow_batch
         self.engine = LLMEngine(model.llm, max_batch_size=max_batch,
                                 max_seq_len=PROMPT_SPEECH + PROMPT_TEXT + TEXT + n_tokens + 8,
-                                use_cuda_graphs=cuda_graphs and model.device.type == "cuda")
+                                use_cuda_graphs=cuda_graphs and model.device.type == "cuda",
+                                compile_backend=llm_compile)
         if cuda_graphs and model.device.type == "cuda":
             # NOTE: capture every bucket now, on the default stream with nothing else running: a
             # capture started lazily on the LLM thread while the token2wav thread works fails
@@ -303,17 +305,18 @@ def _forced_sampler(model: CosyVoiceModel, n_tokens: int):
 
 
 def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_tokens: int, min_requests: int,
-               flow_batch: int, on_row=None, deadline_s: float = 180.0) -> list[dict]:
+               flow_batch: int, on_row=None, deadline_s: float = 180.0, compile_backend: str = "inductor") -> list[dict]:
     """``mode`` = ``<kind>-<precision>[-<extra>...]``: kind pytorch | compile (torch.compile of
-    the flow estimator, the CV2 encoder and the vocoder body, as replica mode torchscript), precision fp32 | fp16 | bf16; extras: ``graphs`` = CUDA graphs for the
-    LLM decode step and the flow solve, ``allgraphs`` = those and the CV2 flow encoder and vocoder
-    (the serving default), ``llmgraphs`` = for the LLM decode step only, ``early`` =
+    the flow estimator, the CV2 encoder and the vocoder body, as replica mode torchscript),
+    precision fp32 | fp16 | bf16; extras: ``graphs`` = CUDA graphs for the LLM decode step and
+    the flow solve, ``allgraphs`` = those and the CV2 flow encoder and vocoder (the serving default), ``llmgraphs`` = for the LLM decode step only, ``early`` =
     the first chunk ends at the first attention-chunk boundary >= 10 tokens on (Token2Wav ``min_first_hop=10``),
     ``fastswitch`` = a 0.5 ms GIL switch interval (default 5 ms) while the mode runs, ``edf`` =
     token2wav batches by earliest playback deadline, only the jobs due within 0.5 s while any is
-    (:meth:`ReplicaSim._pick`)."""
+    (:meth:`ReplicaSim._pick`), ``llmcompile`` = the LLM decode step through torch.compile before
+    its graphs are captured (what replica mode torchscript adds on CUDA)."""
     kind, prec, *extra = mode.split("-")
-    known = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf"}
+    known = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile"}
     if kind not in ("pytorch", "compile") or prec not in DTYPES or set(extra) - known:
         raise ValueError(f"unknown mode {mode!r}: expected <pytorch|compile>-<fp32|fp16|bf16>[-{'|-'.join(sorted(known))}]")
     switch = sys.getswitchinterval()
@@ -321,27 +324,28 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
         sys.setswitchinterval(0.0005)
     try:
         return _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requests, flow_batch, on_row,
-                           deadline_s)
+                           deadline_s, compile_backend)
     finally:
         sys.setswitchinterval(switch)
 
 
-def _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requests, flow_batch, on_row, deadline_s):
+def _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requests, flow_batch, on_row, deadline_s,
+                compile_backend):
     llm_graphs = bool({"graphs", "allgraphs", "llmgraphs"} & set(extra))
     min_first_hop = 10 if "early" in extra else None  # the serving default (token2wav.first_chunk_min_tokens)
     edf = EDF_SLACK_S if "edf" in extra else None
+    sim_args = {"cuda_graphs": llm_graphs, "flow_batch": flow_batch, "min_first_hop": min_first_hop, "edf_slack_s": edf,
+                "llm_compile": compile_backend if "llmcompile" in extra else None}
     graphs = "all" if "allgraphs" in extra else "solve" if "graphs" in extra else None
-    model = _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop)
+    model = _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop, compile_backend)
     voice, text = make_voice(model)
     rows = []
     # warm-up: one short request (allocations, kernel selection, compilation)
-    ReplicaSim(model, 4, 60, cuda_graphs=llm_graphs, flow_batch=flow_batch, min_first_hop=min_first_hop,
-               edf_slack_s=edf).run(voice, text, 2, 2)
+    ReplicaSim(model, 4, 60, **sim_args).run(voice, text, 2, 2)
     for c in concurrencies:
         if model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        sim = ReplicaSim(model, max_batch=c, n_tokens=n_tokens, cuda_graphs=llm_graphs, flow_batch=flow_batch,
-                         min_first_hop=min_first_hop, edf_slack_s=edf)
+        sim = ReplicaSim(model, max_batch=c, n_tokens=n_tokens, **sim_args)
         traces, wall = sim.run(voice, text, c, max(2 * c, min_requests), deadline_s=deadline_s)
         row = {"mode": mode, "concurrency": c, **summarize(traces, wall), **sim.breakdown}
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None
@@ -367,7 +371,7 @@ _PREPARED: dict[tuple, CosyVoiceModel] = {}
 
 
 def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, flow_batch: int,
-              n_tokens: int, min_first_hop: int | None) -> CosyVoiceModel:
+              n_tokens: int, min_first_hop: int | None, compile_backend: str = "inductor") -> CosyVoiceModel:
     """The cast (compiled / graphed) copy of ``base`` for a mode; modes that differ only in
     scheduling (fastswitch) share it, so graphs are captured once per run.
 
@@ -379,7 +383,7 @@ def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, fl
         model = cast(base, DTYPES[prec])
         if kind == "compile":  # what mode torchscript does in a replica: estimator, encoder, vocoder body
             model.hift = copy.deepcopy(model.hift)  # the base vocoder stays eager for other modes
-            compile_model(model)
+            compile_model(model, backend=compile_backend)
         if graphs and model.device.type == "cuda":
             t0 = time.perf_counter()
             model.flow.enable_graphs(max_batch=flow_batch, max_frames=2 * (PROMPT_SPEECH + n_tokens),
@@ -410,6 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--deadline-s", type=float, default=180.0, help="a row taking longer fails (stacks dumped)")
     ap.add_argument("--tag", default="", help="suffix of the report name (several runs on one day)")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend of compile modes (tests: eager)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -434,7 +439,8 @@ def main(argv: list[str] | None = None) -> None:
     for mode in args.modes.split(","):
         try:
             bench_mode(base, mode, [int(c) for c in args.concurrency.split(",")], args.tokens,
-                       args.min_requests, args.flow_batch, on_row=report, deadline_s=args.deadline_s)
+                       args.min_requests, args.flow_batch, on_row=report, deadline_s=args.deadline_s,
+                       compile_backend=args.compile_backend)
         except Exception as exc:  # keep measuring the other modes; the report lists the failure
             logger.exception("mode %s failed", mode)
             errors.append(f"{mode}: {type(exc).__name__}: {exc}")

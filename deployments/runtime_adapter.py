@@ -169,7 +169,8 @@ class RuntimeTokenEngine:
     filter per request (dropped tokens were still fed back to the LLM; only the flow skips them).
     """
 
-    def __init__(self, model, max_running: int, max_model_len: int, cuda_graphs: bool = True) -> None:
+    def __init__(self, model, max_running: int, max_model_len: int, cuda_graphs: bool = True,
+                 compile_backend: str | None = None) -> None:
         from cosyvoice_runtime.llm.engine import LLMEngine
 
         self.model = model
@@ -177,7 +178,7 @@ class RuntimeTokenEngine:
         self.llm = model.llm
         # CUDA graphs per (batch, key window) bucket; the engine ignores the flag off CUDA.
         self.engine = LLMEngine(model.llm, max_batch_size=max_running, max_seq_len=max_model_len,
-                                use_cuda_graphs=cuda_graphs)
+                                use_cuda_graphs=cuda_graphs, compile_backend=compile_backend)
         # NOTE: capture every decode graph now, before token2wav work runs concurrently: a lazy
         # capture beside other GPU work fails ("capturing stream has unjoined work", seen in
         # bench/gpu_bench.py on an H200, 2026-12-02). Graphs: 5 ms vs 26 ms per bf16 decode step at
@@ -378,7 +379,10 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     graphs = capture_graphs(model, cfg, mode, limits, min_first)
     rate = model.spec.token_frame_rate
     return SynthesisRuntime(
-        engine=RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs),
+        # Mode torchscript compiles the decode step too (CUDA only: its graphs are what it pays for).
+        engine=RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
+                                  compile_backend="inductor" if mode == "torchscript" and device.type == "cuda"
+                                  else None),
         token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first), device=str(device),
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
                  "compiled": report["compiled"], "estimator": report["estimator"], **graphs,

@@ -82,10 +82,17 @@ class DecodeRunner:
 
     def __init__(self, model, cache: KVCache, max_batch_size: int, pad_slot: int, stop_mask_ids: Sequence[int], *,
                  history_width: int = DEFAULT_HISTORY_WIDTH, batch_buckets: Sequence[int] | None = None,
-                 key_buckets: Sequence[int] | None = None, use_graphs: bool | None = None) -> None:
+                 key_buckets: Sequence[int] | None = None, use_graphs: bool | None = None,
+                 compile_backend: str | None = None) -> None:
         if not 0 <= pad_slot < cache.num_slots:
             raise ValueError(f"pad_slot {pad_slot} is not a slot of a {cache.num_slots}-slot cache")
         self.model, self.cache, self.pad_slot = model, cache, pad_slot
+        # compile_backend: the model part of the step through torch.compile (dynamic batch and
+        # window: one build, not one per bucket), captured like the eager step; the fused kernels
+        # cut the kernels per step (mode torchscript).
+        self._decode = model.decode_static
+        if compile_backend is not None:
+            self._decode = torch.compile(model.decode_static, dynamic=True, backend=compile_backend)
         self.history_width = history_width
         self.batch_buckets = sorted(batch_buckets or default_batch_buckets(max_batch_size))
         self.key_buckets = sorted(key_buckets or default_key_buckets(cache.max_len))
@@ -151,7 +158,7 @@ class DecodeRunner:
     def _body(self, b: int, window: int) -> None:
         """The captured computation: static inputs ``_rows[:b]`` -> ``_logits[:b]``, ``_ids[:b]``."""
         rows = self._rows[:b]
-        logits = self.model.decode_static(rows[:, 0], self.cache, rows[:, 1], rows[:, 2], window)
+        logits = self._decode(rows[:, 0], self.cache, rows[:, 1], rows[:, 2], window)
         self._logits[:b].copy_(logits)
         sampler_rows = rows[:, _DECODE_COLS:]
         logp = bs.mask_min_len(logits.float().log_softmax(-1), sampler_rows, self._stop_mask)

@@ -83,11 +83,14 @@ class LLMEngine:
         static_decode: decode through the padded, bucketed step of the graphs even without
             capturing (default: iff graphs are used; True on CPU runs that step eagerly, tests).
         history_width: emitted ids per row the in-graph RAS repetition check sees.
+        compile_backend: ``torch.compile`` the model part of the static decode step with this
+            backend (mode torchscript: ``inductor``; tests: ``eager``); None = not compiled.
     """
 
     def __init__(self, model, max_batch_size: int = 16, max_seq_len: int = 2048, *, max_prefills_per_step: int = 16,
                  official_quirks: bool = False, return_logits: bool = False, use_cuda_graphs: bool = False,
-                 static_decode: bool | None = None, history_width: int = DEFAULT_HISTORY_WIDTH) -> None:
+                 static_decode: bool | None = None, history_width: int = DEFAULT_HISTORY_WIDTH,
+                 compile_backend: str | None = None) -> None:
         self.model = model
         self.spec = model.spec
         self.max_running = max_batch_size
@@ -103,7 +106,8 @@ class LLMEngine:
         if static:
             self.runner = DecodeRunner(model, self.cache, max_batch_size, pad_slot=max_batch_size,
                                        stop_mask_ids=min_len_mask_ids(self.spec, official_quirks),
-                                       history_width=history_width, use_graphs=graphs)
+                                       history_width=history_width, use_graphs=graphs,
+                                       compile_backend=compile_backend)
         self._requests: dict[str, _Request] = {}
 
     def capture_graphs(self) -> int:

@@ -98,6 +98,25 @@ def test_static_engine_equals_reference_for_joining_requests(family):
             assert (logits[rid] - ref_logits).abs().max() < 1e-4, rid
 
 
+def test_compiled_static_step_equals_reference():
+    # Mode torchscript's decode step: dynamo traces the model part (eager backend on the CPU, so
+    # the check is the tracing itself: cache writes, per-row positions, dynamic batch and window).
+    model = tiny_model("cosyvoice2")
+    greedy = SamplingParams(method="greedy")
+    xs = prompts([5, 11, 8], seed=5)
+    schedule = {0: [("a", xs[0], 6, 6, greedy), ("b", xs[1], 12, 12, SamplingParams(seed=4))],
+                2: [("c", xs[2], 9, 9, greedy)]}
+    engine = LLMEngine(model, max_batch_size=3, max_seq_len=48, return_logits=True, static_decode=True,
+                       compile_backend="eager")
+    assert type(engine.runner._decode).__name__ != "method"  # the compiled wrapper, not the bound method
+    tokens, logits, _ = run_engine(engine, schedule)
+    for reqs in schedule.values():
+        for rid, x, lo, hi, params in reqs:
+            ref_tokens, ref_logits, _ = reference(model, x, lo, hi, params)
+            assert tokens[rid] == ref_tokens, rid
+            assert (logits[rid] - ref_logits).abs().max() < 1e-4, rid
+
+
 def test_static_engine_hands_official_rng_and_custom_samplers_to_the_eager_path():
     model = tiny_model("cosyvoice3")
     xs = prompts([4, 7, 6], seed=8)
@@ -125,15 +144,16 @@ def test_static_engine_hands_official_rng_and_custom_samplers_to_the_eager_path(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_engine_equals_eager_engine(dtype):
+@pytest.mark.parametrize("dtype,backend", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "inductor")])
+def test_cuda_graph_engine_equals_eager_engine(dtype, backend):
     model = tiny_model().to("cuda", dtype)
     xs = [x.cuda() for x in prompts([5, 40, 17, 130], seed=2)]
     greedy = SamplingParams(method="greedy")
     reqs = [(f"r{i}", x, 30, 30, greedy if i % 2 else SamplingParams(seed=i)) for i, x in enumerate(xs)]
     out = []
-    for graphs in (False, True):
-        engine = LLMEngine(model, max_batch_size=4, max_seq_len=256, return_logits=True, use_cuda_graphs=graphs)
+    for graphs in (False, True):  # backend: the graphed step compiled first (mode torchscript)
+        engine = LLMEngine(model, max_batch_size=4, max_seq_len=256, return_logits=True, use_cuda_graphs=graphs,
+                           compile_backend=backend if graphs else None)
         assert (engine.runner is not None) == graphs
         if graphs:
             assert engine.capture_graphs() == len(engine.runner.batch_buckets) * len(engine.runner.key_buckets)
