@@ -136,21 +136,31 @@ class Token2Wav:
             vocoder=VocoderStream.create(self.spec), generator=generator,
         )
 
+    def _next_hop(self, state: StreamState) -> int:
+        if state.token_offset == 0:
+            return first_hop(state.prompt.n_tokens, self.spec.stream.token_hop_len, self.min_first_hop)
+        return state.hop_len
+
+    def tokens_needed(self, state: StreamState) -> int | None:
+        """Tokens generated in all at which :meth:`next_job` has the next streamed job; None when
+        the next job is the final one (it waits for the end of generation)."""
+        if state.finished or not state.stream:
+            return None
+        return state.token_offset + self._next_hop(state) + self.lookahead
+
     def next_job(self, state: StreamState, tokens: Sequence[int] | torch.Tensor, llm_done: bool) -> Token2WavJob | None:
         """The job to run now for ``tokens`` generated so far, or None to wait for more tokens."""
         if state.finished:
             return None
-        ids = torch.as_tensor(tokens, dtype=torch.int32).reshape(1, -1)
-        n = ids.shape[1]
-        if state.stream:
-            hop = state.hop_len
-            if state.token_offset == 0:
-                hop = first_hop(state.prompt.n_tokens, self.spec.stream.token_hop_len, self.min_first_hop)
-            end = state.token_offset + hop + self.lookahead
-            if n >= end:
-                return Token2WavJob(state, ids[:, :end], finalize=False, hop=hop)
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.reshape(-1)
+        end = self.tokens_needed(state)
+        n = len(tokens)
+        if end is not None and n >= end:
+            ids = torch.as_tensor(tokens[:end], dtype=torch.int32).reshape(1, -1)
+            return Token2WavJob(state, ids, finalize=False, hop=self._next_hop(state))
         if llm_done:
-            return Token2WavJob(state, ids, finalize=True, hop=0)
+            return Token2WavJob(state, torch.as_tensor(tokens, dtype=torch.int32).reshape(1, -1), finalize=True, hop=0)
         return None
 
     def _flow_item(self, job: Token2WavJob) -> FlowItem:

@@ -65,6 +65,8 @@ class Token2WavRuntime(Protocol):
 
     def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> Any: ...
     def next_job(self, state: Any, tokens: Sequence[int], llm_done: bool) -> Any | None: ...
+    # Tokens in all at which next_job has the next streamed job; None: the next is the final one.
+    def tokens_needed(self, state: Any) -> int | None: ...
     def run_batch(self, jobs: list[Any]) -> list[np.ndarray]: ...
 
 
@@ -278,6 +280,9 @@ class RuntimeToken2Wav:
 
     def next_job(self, state: Any, tokens: Sequence[int], llm_done: bool) -> Any | None:
         return self.t2w.next_job(state, tokens, llm_done)
+
+    def tokens_needed(self, state: Any) -> int | None:
+        return self.t2w.tokens_needed(state)
 
     def run_batch(self, jobs: list[Any]) -> list[np.ndarray]:
         import torch

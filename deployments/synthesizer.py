@@ -369,7 +369,8 @@ class Synthesizer:
         )
         state = self.t2w.new_stream(prompt, stream=req.stream, speed=req.speed, seed=req.seed)
         tokens: list[int] = []
-        async for event in self.loop.generate(f"{req.request_id}/{p}", lm):
+        # Woken when the next chunk's tokens are there (or at the end), not on every decode step.
+        async for event in self.loop.generate(f"{req.request_id}/{p}", lm, need=lambda: self.t2w.tokens_needed(state)):
             tokens.extend(event.new_tokens)
             while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
                 if self.gate is None:

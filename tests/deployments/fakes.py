@@ -103,6 +103,9 @@ class FakeToken2Wav:
     def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> FakeStream:
         return FakeStream(stream=stream, speed=speed)
 
+    def tokens_needed(self, state: FakeStream) -> int | None:
+        return state.offset + HOP if state.stream and not state.finished else None
+
     def next_job(self, state: FakeStream, tokens, llm_done: bool) -> FakeJob | None:
         if state.finished:
             return None
