@@ -37,12 +37,13 @@ from cosyvoice_runtime.modes import compile_model
 from cosyvoice_runtime.pipeline import Pipeline, VoicePrompt
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from cosyvoice_runtime.token2wav import FlowPrompt, StreamState, Token2Wav
+from deployments.deadlines import DEFAULT_SLACK_S
 
 logger = logging.getLogger("bench")
 
 PROMPT_SPEECH, PROMPT_TEXT, TEXT = 87, 14, 40
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-EDF_SLACK_S = 0.5  # mode extra "edf": jobs due within this are served before the others
+EDF_SLACK_S = DEFAULT_SLACK_S  # mode extra "edf": jobs due within this are served first (the replica's default)
 
 
 def sync(device: torch.device) -> None:
@@ -381,8 +382,9 @@ def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, fl
     if key not in _PREPARED:
         _PREPARED.clear()  # one prepared copy at a time: GPU memory
         model = cast(base, DTYPES[prec])
+        if kind == "compile" or graphs == "all":  # both change the vocoder: the base one stays eager for other modes
+            model.hift = copy.deepcopy(model.hift)
         if kind == "compile":  # what mode torchscript does in a replica: estimator, encoder, vocoder body
-            model.hift = copy.deepcopy(model.hift)  # the base vocoder stays eager for other modes
             compile_model(model, backend=compile_backend)
         if graphs and model.device.type == "cuda":
             t0 = time.perf_counter()
@@ -391,8 +393,6 @@ def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, fl
             n = model.flow.capture_graphs()
             n_voc = 0
             if graphs == "all" and hasattr(model.hift, "enable_graphs"):
-                if kind != "compile":
-                    model.hift = copy.deepcopy(model.hift)  # the base vocoder stays eager for other modes
                 n_voc = graph_streaming_vocoder(model.hift, model.spec, flow_batch,
                                                 min_first_hop=min_first_hop).num_graphs
             logger.info("captured %d flow and %d vocoder graphs in %.1f s", n, n_voc, time.perf_counter() - t0)

@@ -155,13 +155,13 @@ class Token2Wav:
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.reshape(-1)
         end = self.tokens_needed(state)
-        n = len(tokens)
-        if end is not None and n >= end:
-            ids = torch.as_tensor(tokens[:end], dtype=torch.int32).reshape(1, -1)
-            return Token2WavJob(state, ids, finalize=False, hop=self._next_hop(state))
-        if llm_done:
-            return Token2WavJob(state, torch.as_tensor(tokens, dtype=torch.int32).reshape(1, -1), finalize=True, hop=0)
-        return None
+        if end is not None and len(tokens) >= end:
+            ids, finalize, hop = tokens[:end], False, self._next_hop(state)
+        elif llm_done:
+            ids, finalize, hop = tokens, True, 0
+        else:
+            return None
+        return Token2WavJob(state, torch.as_tensor(ids, dtype=torch.int32).reshape(1, -1), finalize=finalize, hop=hop)
 
     def _flow_item(self, job: Token2WavJob) -> FlowItem:
         state = job.state

@@ -3,15 +3,17 @@
 Request coroutines call :meth:`EngineLoop.generate`; it registers a per-request
 :class:`_Mailbox`, and the loop task alternates between (a) applying pending adds/aborts and
 (b) one ``engine.step()`` on the compute executor, then drops the step's tokens into the
-mailboxes. A mailbox wakes its consumer only once the request has the tokens the consumer asked
-for (``need``: the next streamed chunk's token count) or has finished, so a step costs one
-coroutine switch per chunk, not one per stream. Measured with zero-cost fakes (64 streams x 250
-tokens, 12-token hops, 2-core VM, 2026-12-03, ``tests/integration/measure_loop.py``, median of
-9 runs): the serving layer's cost per decode step fell from 2.17 to 1.58 ms. New requests therefore join the running batch between two decode steps, finished ones
+mailboxes. New requests therefore join the running batch between two decode steps, finished ones
 leave at once, and a consumer that goes away (client disconnect -> ``CancelledError`` or
 ``GeneratorExit``) aborts its sequence in ``finally``, which frees its decode slot before the
 next step. The engine is touched only by the loop task (adds/aborts) and the executor thread
 (steps), never concurrently, so it needs no locks.
+
+A mailbox wakes its consumer only once the request has the tokens the consumer asked for
+(``need``: the next streamed chunk's token count) or has finished, so a step costs one
+coroutine switch per chunk, not one per stream. Measured with zero-cost fakes (64 streams x 250
+tokens, 12-token hops, 2-core VM, 2026-12-03, ``tests/integration/measure_loop.py``, median of
+9 runs): the serving layer's cost per decode step fell from 2.17 to 1.58 ms.
 """
 from __future__ import annotations
 

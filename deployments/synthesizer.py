@@ -17,6 +17,7 @@ inside :meth:`synthesize`; the ``finally`` of the engine loop's generator aborts
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import time
@@ -373,11 +374,9 @@ class Synthesizer:
         async for event in self.loop.generate(f"{req.request_id}/{p}", lm, need=lambda: self.t2w.tokens_needed(state)):
             tokens.extend(event.new_tokens)
             while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
-                if self.gate is None:
+                turn = self.gate.turn(playback.deadline_s()) if self.gate is not None else contextlib.nullcontext()
+                async with turn:
                     audio = await self._token2wav(job)
-                else:
-                    async with self.gate.turn(playback.deadline_s()):
-                        audio = await self._token2wav(job)
                 yield audio, bool(getattr(job, "finalize", False))
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)

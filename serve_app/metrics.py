@@ -37,11 +37,8 @@ class _ReplicaSnapshotCollector:
             g = GaugeMetricFamily(name, doc, labels=["replica"])
             g.add_metric(replica, float(engine.get(key, 0)))
             yield g
-        tokens = CounterMetricFamily("tts_generated_tokens", "Speech tokens generated (rate = tokens/s)",
-                                     labels=["replica"])
-        tokens.add_metric(replica, float(snap.get("generated_tokens_total", 0)))
-        yield tokens
-        for name, key, doc in (("tts_stream_underruns", "underruns_total",
+        for name, key, doc in (("tts_generated_tokens", "generated_tokens_total", "Speech tokens generated (rate = tokens/s)"),
+                               ("tts_stream_underruns", "underruns_total",
                                 "Chunks made after the request's audio so far had run out (stutters, at the replica)"),
                                ("tts_token2wav_deadline_held", "deadline_held_total",
                                 "Chunk jobs held back for more urgent ones (deadline-first admission)")):
