@@ -6,6 +6,7 @@
 # inside one run's 600 s: TESTS_S + BENCH_S + CV3_S + VARIANTS_S + ~20 s.
 #   BENCH_S=380 CV3_S=110 bash bench/device_run.sh        # the benchmarks
 #   TESTS_S=1 BENCH_S=0 VARIANTS_S=500 bash bench/device_run.sh   # the execution variants only
+#   BENCH_ARGS="--debug cosyvoice_runtime" adds flags to bench/gpu_bench.py (here: a line per captured graph)
 set -u
 export PYTHONPATH=$PWD
 W=/tmp/work
@@ -18,7 +19,7 @@ timeout "${TESTS_S:-90}" python3 -m pytest tests/runtime/test_flow_graphs.py tes
 pack
 bench() {  # family, seconds, out folder, modes, concurrencies
   timeout "$2" python3 -m bench.gpu_bench --deadline-s "${DEADLINE_S:-90}" --family "$1" --modes "$4" \
-    --concurrency "$5" --tokens 250 --baseline-requests 3 --min-requests 6 --out "$W/$3" ${TAG:+--tag "$TAG"} 2>&1 \
+    --concurrency "$5" --tokens 250 --baseline-requests 3 --min-requests 6 --out "$W/$3" ${TAG:+--tag "$TAG"} ${BENCH_ARGS:-} 2>&1 \
     | grep -v Warning > "$W/$3.log"
   tail -12 "$W/$3.log"
   pack

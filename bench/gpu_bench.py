@@ -415,8 +415,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deadline-s", type=float, default=180.0, help="a row taking longer fails (stacks dumped)")
     ap.add_argument("--tag", default="", help="suffix of the report name (several runs on one day)")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend of compile modes (tests: eager)")
+    ap.add_argument("--debug", action="append", default=[], metavar="LOGGER",
+                    help="set this logger to DEBUG, e.g. cosyvoice_runtime: one timestamped line per captured graph")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    for name in args.debug:
+        logging.getLogger(name).setLevel(logging.DEBUG)
     torch.backends.cuda.matmul.allow_tf32 = False
     base = make_model(args.family, args.size, args.device)
     voice, text = make_voice(base)

@@ -11,8 +11,8 @@ from bench.gpu_bench import main
 MODES = ["pytorch-fp32-allgraphs-early-edf-llmcompile", "compile-fp32-early"]
 
 
-def test_tiny_benchmark_writes_a_complete_report(tmp_path):
-    main(["--size", "tiny", "--device", "cpu", "--modes", ",".join(MODES), "--concurrency", "1,2",
+def test_tiny_benchmark_writes_a_complete_report(tmp_path, caplog):
+    main(["--debug", "cosyvoice_runtime", "--size", "tiny", "--device", "cpu", "--modes", ",".join(MODES), "--concurrency", "1,2",
           "--tokens", "30", "--min-requests", "2", "--baseline-requests", "1", "--compile-backend", "eager",
           "--out", str(tmp_path)])
     latest = json.loads((tmp_path / "latest.json").read_text())
@@ -28,3 +28,5 @@ def test_tiny_benchmark_writes_a_complete_report(tmp_path):
     report = (tmp_path / latest["report"]).read_text()
     assert "mode failed" not in report
     assert len(list(tmp_path.glob("*.png"))) == 2
+    # --debug: the graph owners' per-capture lines (padded buckets run eagerly on CPU) are shown
+    assert any(r.name.startswith("cosyvoice_runtime") and r.levelname == "DEBUG" for r in caplog.records)
