@@ -4,6 +4,11 @@ and token2wav, at several numbers of concurrent streams.
 
 Run: .venv/bin/python -m tests.integration.measure_loop [--streams 1,16,64] [--tokens 250]
 
+``--step-ms 5 --t2w-ms 20`` gives the fakes a GPU-like cost instead: a decode step and a
+token2wav batch that sleep (the GIL is free meanwhile, as while a replica waits on CUDA) on two
+lanes as on a GPU replica; ``overhead_ms_per_step`` is then what the serving layer adds to each
+step beyond the step itself.
+
 On a GPU replica this overhead is paid on the replica's event loop between two decode steps
 (the next step is submitted before the consumers run, but they hold the GIL the step's host
 side needs), so it bounds the decode rate: a loop that needs 1 ms per step at 64 streams adds
@@ -31,15 +36,16 @@ def _prompt() -> VoicePrompt:
                        embedding=np.ones(192, np.float32))
 
 
-def _runtime(cfg, source):
-    return SynthesisRuntime(engine=fakes.FakeEngine(max_running=cfg.max_running, step_s=0.0),
-                                  token2wav=fakes.FakeToken2Wav(batch_s=0.0), device="cpu")
+def measure(streams: int, tokens: int, deadline_slack_s: float | None, step_s: float = 0.0,
+            t2w_s: float = 0.0) -> dict:
+    def runtime(cfg, source):
+        return SynthesisRuntime(engine=fakes.FakeEngine(max_running=cfg.max_running, step_s=step_s),
+                                token2wav=fakes.FakeToken2Wav(batch_s=t2w_s), device="cpu")
 
-
-def measure(streams: int, tokens: int, deadline_slack_s: float | None) -> dict:
-    cfg = SynthesizerConfig(max_running=streams, max_ongoing_requests=streams, warmup=False,
+    gpu_like = step_s > 0 or t2w_s > 0
+    cfg = SynthesizerConfig(max_running=streams, max_ongoing_requests=streams, warmup=False, overlap_stages=gpu_like,
                             token2wav={"max_batch_size": min(16, streams), "deadline_slack_s": deadline_slack_s})
-    s = Synthesizer(cfg, runtime_factory=_runtime)
+    s = Synthesizer(cfg, runtime_factory=runtime)
 
     async def direct(job):
         s.t2w_batch_sizes[1] += 1
@@ -63,17 +69,22 @@ def measure(streams: int, tokens: int, deadline_slack_s: float | None) -> dict:
     steps = s.loop.steps
     s.compute.shutdown()
     return {"streams": streams, "tokens_per_stream": tokens, "deadline_slack_s": deadline_slack_s, "steps": steps,
-            "wall_s": wall, "ms_per_step": 1e3 * wall / steps, "us_per_token": 1e6 * wall / (steps * streams)}
+            "step_ms": 1e3 * step_s, "t2w_ms": 1e3 * t2w_s, "wall_s": wall, "ms_per_step": 1e3 * wall / steps,
+            "overhead_ms_per_step": 1e3 * (wall / steps - step_s), "us_per_token": 1e6 * wall / (steps * streams)}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=250)
+    ap.add_argument("--step-ms", type=float, default=0.0, help="fake decode step time (sleeps, GIL free)")
+    ap.add_argument("--t2w-ms", type=float, default=0.0, help="fake token2wav batch time (sleeps, own lane)")
+    ap.add_argument("--slack", default="none,0.5", help="deadline slacks to run (none = FIFO)")
     args = ap.parse_args(argv)
+    slacks = [None if x == "none" else float(x) for x in args.slack.split(",")]
     for n in (int(x) for x in args.streams.split(",")):
-        for slack in (None, 0.5):
-            print(json.dumps(measure(n, args.tokens, slack)), flush=True)
+        for slack in slacks:
+            print(json.dumps(measure(n, args.tokens, slack, args.step_ms / 1e3, args.t2w_ms / 1e3)), flush=True)
 
 
 if __name__ == "__main__":
