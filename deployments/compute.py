@@ -51,6 +51,14 @@ class ComputeExecutor:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pools[lane], self._timed, fn, args)
 
+    def call(self, fn: Callable[..., T], *args, lane: str | None = MAIN) -> T:
+        """:meth:`run` for a caller that is a thread of its own, not the event loop (the engine
+        loop's step thread): blocks that thread until ``fn`` has run on ``lane``; ``lane=None``
+        runs it on the calling thread itself (timed like a lane's work)."""
+        if lane is None:
+            return self._timed(fn, args)
+        return self._pools[lane].submit(self._timed, fn, args).result()
+
     def _timed(self, fn: Callable[..., T], args: tuple) -> T:
         start = time.monotonic()
         try:

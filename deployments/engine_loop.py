@@ -1,13 +1,24 @@
-"""Continuous batching: one asyncio task per replica drives the token engine.
+"""Continuous batching: one step thread per replica drives the token engine.
 
 Request coroutines call :meth:`EngineLoop.generate`; it registers a per-request
-:class:`_Mailbox`, and the loop task alternates between (a) applying pending adds/aborts and
-(b) one ``engine.step()`` on the compute executor, then drops the step's tokens into the
+:class:`_Mailbox` and queues the request. The loop's step thread alternates between (a) applying
+pending adds/aborts and (b) one ``engine.step()``, both on the compute executor's main lane, and
+hands each step's tokens to the event loop (``call_soon_threadsafe``), which drops them into the
 mailboxes. New requests therefore join the running batch between two decode steps, finished ones
 leave at once, and a consumer that goes away (client disconnect -> ``CancelledError`` or
 ``GeneratorExit``) aborts its sequence in ``finally``, which frees its decode slot before the
-next step. The engine is touched only by the loop task (adds/aborts) and the executor thread
-(steps), never concurrently, so it needs no locks.
+next step. The engine is touched only through the main lane (one thread), never concurrently,
+so it needs no locks; the pending adds/aborts are the only state both threads touch (a lock).
+
+Why a thread and not an asyncio task: with a task, the next step was submitted only once the
+event loop got round to the task again, after whatever else was ready (every stream's chunk
+work, ``@serve.batch``, response chunks), so the serving layer's own cost was added to every
+decode step. The thread submits the next step at once; the token hand-over runs on the event
+loop meanwhile. With GPU-like fakes (a 5 ms decode step that sleeps, token2wav on its own lane;
+500 tokens per stream, 2-core VM, 2026-12-03, ``tests/integration/measure_loop.py --step-ms 5``,
+4 interleaved runs each, medians) the serving layer added 0.92 ms to every step at 64 streams
+with a task, 0.53 ms with the thread (16 streams: 0.65 -> 0.38 ms). What remains is mostly the
+GIL: the step's own Python work waits while the event loop thread holds it.
 
 A mailbox wakes its consumer only once the request has the tokens the consumer asked for
 (``need``: the next streamed chunk's token count) or has finished, so a step costs one
@@ -19,14 +30,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from deployments.compute import ComputeExecutor
+from deployments.compute import MAIN, ComputeExecutor
 from deployments.protocol import EngineDeadError, EngineStats
 from deployments.runtime_adapter import LMRequest, TokenEngine, TokenEvent
 
 logger = logging.getLogger(__name__)
+
+IDLE_EXIT_S = 5.0  # an idle step thread ends after this long (no thread per idle EngineLoop in tests)
 
 
 @dataclass
@@ -75,14 +89,21 @@ class _Mailbox:
 class EngineLoop:
     """Owns the engine of one replica; see the module docstring."""
 
-    def __init__(self, engine: TokenEngine, compute: ComputeExecutor) -> None:
+    def __init__(self, engine: TokenEngine, compute: ComputeExecutor, lane: str | None = MAIN) -> None:
+        """``lane``: where the engine's calls run; None = on the step thread itself, for a
+        replica whose token2wav has a lane of its own (GPU), which saves two thread hand-overs
+        per step; with one lane (CPU) the main lane serialises steps with token2wav batches."""
         self.engine = engine
         self.compute = compute
-        self._boxes: dict[str, _Mailbox] = {}
+        self._lane = lane
+        self._boxes: dict[str, _Mailbox] = {}  # event loop only
+        self._lock = threading.Lock()  # guards the two pending collections (event loop <-> step thread)
         self._pending_adds: dict[str, LMRequest] = {}
         self._pending_aborts: set[str] = set()
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._work = threading.Event()  # set when there is something for an idle step thread
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
         self._dead: BaseException | None = None
         self.steps = 0
         self.aborted = 0
@@ -97,16 +118,20 @@ class EngineLoop:
 
         ``need``: how many tokens in all the consumer can use next (None from it: nothing before
         the end); each yielded event carries every token since the previous one. Without
-        ``need``, one event per step that produced tokens.
+        ``need``, an event whenever tokens arrived (one or more steps' worth).
         """
         self.raise_if_dead()
         if request_id in self._boxes:
             raise ValueError(f"duplicate request id {request_id}")
         box = _Mailbox(need)
         self._boxes[request_id] = box
-        self._pending_adds[request_id] = request
-        self._ensure_running()
-        self._wakeup.set()
+        # The loop of the newest request gets the hand-overs (tests run one EngineLoop under
+        # several asyncio.run calls; a replica has one event loop).
+        self._loop = asyncio.get_running_loop()
+        with self._lock:
+            self._pending_adds[request_id] = request
+            self._ensure_running()
+        self._work.set()
         done = False
         try:
             while True:
@@ -126,14 +151,15 @@ class EngineLoop:
             self._boxes.pop(request_id, None)
             if not done:
                 # Abandoned (cancelled, closed, or the consumer raised): free the slot.
-                if self._pending_adds.pop(request_id, None) is None:
-                    self._pending_aborts.add(request_id)
-                    self._wakeup.set()
+                with self._lock:
+                    if self._pending_adds.pop(request_id, None) is None:
+                        self._pending_aborts.add(request_id)
+                self._work.set()
                 self.aborted += 1
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            running=self.engine.num_running(), waiting=self.engine.num_waiting() + len(self._pending_adds),
+            running=self.engine.num_running(), waiting=self.engine.num_waiting() + self._num_pending_adds(),
             open_streams=len(self._boxes), max_running=self.engine.max_running, steps=self.steps,
             aborted=self.aborted, finished=self.finished,
         )
@@ -142,13 +168,20 @@ class EngineLoop:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop stopped: {type(self._dead).__name__}: {self._dead}")
 
-    # ---------------------------------------------------------------- loop side
+    def _num_pending_adds(self) -> int:
+        with self._lock:
+            return len(self._pending_adds)
+
+    # ---------------------------------------------------------------- step thread
     def _ensure_running(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+        """With the lock held: start the step thread unless one is running (it clears
+        ``_thread`` under the lock when it ends idle, so a request queued now is never missed)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._drive, name="engine-step", daemon=True)
+            self._thread.start()
 
     def _apply(self, aborts: set[str], adds: dict[str, LMRequest]) -> dict[str, Exception]:
-        """Executor side: aborts first (frees slots), then adds; per-request add failures returned."""
+        """Main lane: aborts first (frees slots), then adds; per-request add failures returned."""
         for request_id in aborts:
             self.engine.abort(request_id)
         failed: dict[str, Exception] = {}
@@ -159,53 +192,79 @@ class EngineLoop:
                 failed[request_id] = exc
         return failed
 
-    async def _run(self) -> None:
+    def _drive(self) -> None:
+        """The step thread: adds/aborts, then a step, until closed or the engine breaks."""
         try:
-            while True:
-                if self._pending_adds or self._pending_aborts:
-                    # NOTE: building a request's prefill input touches the device, so adds run on
-                    # the compute executor like steps do. A consumer cancelled while its add is
-                    # in flight is no longer pending; its finally queues an abort for next round.
+            while not self._closed:
+                with self._lock:
                     aborts, self._pending_aborts = self._pending_aborts, set()
                     adds, self._pending_adds = self._pending_adds, {}
-                    failed = await self.compute.run(self._apply, aborts, adds)
-                    for request_id, exc in failed.items():
-                        box = self._boxes.get(request_id)
-                        if box is not None:
-                            box.fail(exc)
+                if aborts or adds:
+                    # NOTE: building a request's prefill input touches the device, so adds run on
+                    # the main lane like steps do. A consumer cancelled while its add is in flight
+                    # is no longer pending; its finally queues an abort for the next round.
+                    failed = self.compute.call(self._apply, aborts, adds, lane=self._lane)
+                    if failed:
+                        self._post(self._fail_adds, failed)
                 if not self.engine.has_unfinished():
-                    self._wakeup.clear()
-                    if not self._pending_adds and not self._pending_aborts:
-                        await self._wakeup.wait()
+                    self._work.clear()
+                    with self._lock:  # a request queued after the swap above set _work before or after clear
+                        idle = not (self._pending_adds or self._pending_aborts)
+                    if idle and not self._closed and not self._work.wait(IDLE_EXIT_S):
+                        with self._lock:
+                            if not (self._pending_adds or self._pending_aborts):
+                                self._thread = None  # idle: end; the next request starts a new one
+                                return
                     continue
-                events = await self.compute.run(self.engine.step)
-                self.steps += 1
-                self._record(len(events))  # sequences advanced by this step (decode batch + prefills)
-                for event in events:
-                    self.tokens += len(event.new_tokens)
-                    box = self._boxes.get(event.request_id)
-                    if event.finished:
-                        self.finished += 1
-                    if box is not None:
-                        box.put(event)
-        except asyncio.CancelledError:
-            raise
+                self._post(self._deliver, self.compute.call(self.engine.step, lane=self._lane))
         except BaseException as exc:  # the engine is broken: fail every open request, mark unhealthy
+            if self._closed:  # the executor was shut down under a closing replica
+                return
             logger.exception("engine loop crashed")
-            self._dead = exc
-            dead = EngineDeadError(f"engine loop stopped: {type(exc).__name__}")
-            for box in self._boxes.values():
-                box.fail(dead)
+            self._dead = exc  # before the hand-over: generate() must not queue behind a dead thread
+            self._post(self._fail_all, exc)
+
+    def _post(self, fn, arg) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # that event loop is closed: its requests and mailboxes are gone too
+            pass
+
+    # ---------------------------------------------------------------- event loop side
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        self.steps += 1
+        self._record(len(events))  # sequences advanced by this step (decode batch + prefills)
+        for event in events:
+            self.tokens += len(event.new_tokens)
+            if event.finished:
+                self.finished += 1
+            box = self._boxes.get(event.request_id)
+            if box is not None:
+                box.put(event)
+
+    def _fail_adds(self, failed: dict[str, Exception]) -> None:
+        for request_id, exc in failed.items():
+            box = self._boxes.get(request_id)
+            if box is not None:
+                box.fail(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        dead = EngineDeadError(f"engine loop stopped: {type(exc).__name__}")
+        for box in self._boxes.values():
+            box.fail(dead)
 
     def _record(self, size: int) -> None:
         self.step_batch_sizes.append(size)
         if len(self.step_batch_sizes) > 4096:
             del self.step_batch_sizes[:2048]
 
+    def stop(self) -> None:
+        """Ask the step thread to end after its current call (no wait; safe from ``__del__``)."""
+        self._closed = True
+        self._work.set()
+
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        """Stop the step thread and wait until it has ended."""
+        self.stop()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)

@@ -3,8 +3,8 @@
 One replica owns one model on one device and does both stages (the one-vs-two-deployments
 decision and its measurements are in ``docs/serving.md``):
 
-* the LLM runs in an :class:`~deployments.engine_loop.EngineLoop` (one asyncio task; requests
-  join and leave between decode steps);
+* the LLM runs in an :class:`~deployments.engine_loop.EngineLoop` (one step thread; requests
+  join and leave between decode steps, tokens are handed to the event loop);
 * every request coroutine turns its growing token list into flow + HiFT jobs with its own
   stream state (the hop schedule of the runtime), and submits each job to the
   ``@serve.batch``-ed :meth:`Synthesizer._token2wav`, which runs the jobs of many streams as one
@@ -177,7 +177,7 @@ class Synthesizer:
         overlap = cfg.overlap_stages if cfg.overlap_stages is not None else self.runtime.device.startswith("cuda")
         self.compute = ComputeExecutor(cfg.compute_threads, lanes=(TOKEN2WAV_LANE,) if overlap else ())
         self._t2w_lane = TOKEN2WAV_LANE if overlap else MAIN_LANE
-        self.loop = EngineLoop(self.runtime.engine, self.compute)
+        self.loop = EngineLoop(self.runtime.engine, self.compute, lane=None if overlap else MAIN_LANE)
         self.probe = DeviceProbe(self.runtime.device)
         self.metrics = metrics or ReplicaMetrics.for_replica("synthesizer")
         self.t2w_batch_sizes: Counter[int] = Counter()
@@ -388,9 +388,8 @@ class Synthesizer:
 
     def __del__(self) -> None:
         # Serve calls this on shutdown; also safe under GC outside a replica.
-        task = getattr(getattr(self, "loop", None), "_task", None)
-        if task is not None and not task.done():
-            task.cancel()
+        if hasattr(self, "loop"):
+            self.loop.stop()
         if hasattr(self, "compute"):
             self.compute.shutdown()
 

@@ -1,13 +1,17 @@
-"""EngineLoop mailboxes: a consumer is woken when it has the tokens it asked for, not per step."""
+"""EngineLoop: mailboxes wake a consumer when it has the tokens it asked for, not per step; the step
+thread steps on whatever the event loop is doing, ends when idle, and a broken engine fails every request."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
 
+from deployments import engine_loop
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
+from deployments.protocol import EngineDeadError
 from deployments.runtime_adapter import LMRequest
 from tests.deployments import fakes
 
@@ -23,7 +27,7 @@ def _loop(max_running: int = 4) -> tuple[EngineLoop, fakes.FakeEngine, ComputeEx
     return EngineLoop(engine, compute), engine, compute
 
 
-def test_without_need_every_step_is_an_event():
+def test_without_need_every_token_arrives_once_in_order():
     loop, _, compute = _loop()
 
     async def main():
@@ -31,8 +35,10 @@ def test_without_need_every_step_is_an_event():
 
     events = asyncio.run(main())
     compute.shutdown()
-    assert [len(e.new_tokens) for e in events] == [1] * 10
-    assert [e.finished for e in events] == [False] * 9 + [True]
+    # The step thread may run several steps before the consumer wakes: events carry one or more.
+    tokens = [t for e in events for t in e.new_tokens]
+    assert tokens == [0, 1, 2, 3, 4] * 2 and all(e.new_tokens for e in events)  # the fake cycles its text ids
+    assert [e.finished for e in events] == [False] * (len(events) - 1) + [True] and loop.steps == 10
 
 
 def test_need_coalesces_tokens_up_to_what_the_consumer_can_use():
@@ -77,3 +83,72 @@ def test_a_consumer_cancelled_while_waiting_frees_its_slot():
     events = asyncio.run(main())
     compute.shutdown()
     assert "slow" in engine.aborted and events[-1].finished and loop.aborted == 1
+
+
+def test_steps_go_on_while_the_event_loop_is_busy():
+    """The step thread submits the next step itself: a busy event loop (here blocked outright)
+    delays the token hand-over, not the decode steps."""
+    engine = fakes.FakeEngine(max_running=1, step_s=0.002)
+    compute = ComputeExecutor()
+    loop = EngineLoop(engine, compute)
+
+    async def main():
+        got = []
+        async for e in loop.generate("a", _lm(200)):  # 400 tokens
+            got.append(e)
+            if len(got) == 1:
+                emitted = engine.running["a"].emitted
+                time.sleep(0.2)  # the event loop does nothing else for 200 ms
+                during = engine.running["a"].emitted - emitted
+        return got, during
+
+    events, during = asyncio.run(main())
+    compute.shutdown()
+    # ~100 steps of 2 ms fit in 200 ms; an asyncio task driving the engine would have done <= 1.
+    assert during >= 10, during
+    assert sum(len(e.new_tokens) for e in events) == 400 and events[-1].finished
+
+
+def test_an_idle_step_thread_ends_and_the_next_request_starts_one(monkeypatch):
+    monkeypatch.setattr(engine_loop, "IDLE_EXIT_S", 0.01)
+    loop, _, compute = _loop()
+
+    async def one(rid):
+        return [e async for e in loop.generate(rid, _lm(3))]
+
+    async def main():
+        first = await one("a")
+        for _ in range(200):  # the thread notices it is idle within IDLE_EXIT_S
+            if loop._thread is None:
+                break
+            await asyncio.sleep(0.005)
+        ended = loop._thread is None
+        second = await one("b")
+        return first, ended, second
+
+    first, ended, second = asyncio.run(main())
+    compute.shutdown()
+    assert ended and first[-1].finished and second[-1].finished and loop.steps == 12
+
+
+def test_an_engine_that_raises_fails_every_open_request_and_marks_the_loop_dead():
+    class Broken(fakes.FakeEngine):
+        def step(self):
+            if any(seq.emitted >= 3 for seq in self.running.values()):
+                raise RuntimeError("CUDA error: an illegal memory access")
+            return super().step()
+
+    compute = ComputeExecutor()
+    loop = EngineLoop(Broken(max_running=2, step_s=0.0), compute)
+
+    async def consume(rid):
+        return [e async for e in loop.generate(rid, _lm(50))]
+
+    async def main():
+        return await asyncio.gather(consume("a"), consume("b"), return_exceptions=True)
+
+    results = asyncio.run(main())
+    compute.shutdown()
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    with pytest.raises(EngineDeadError):
+        loop.raise_if_dead()

@@ -141,28 +141,34 @@ def test_capacity_validation():
 
 
 def test_overlapping_stages_run_token2wav_on_its_own_lane():
-    """overlap_stages: flow + HiFT batches on the token2wav thread, decode steps on the main one;
-    off by default on a CPU replica."""
+    """overlap_stages: flow + HiFT batches on the token2wav thread, decode steps on the engine
+    loop's step thread itself (no main-lane hop); off by default on a CPU replica."""
     import threading
 
-    assert _synth().compute.lanes == ("main",)
-    s = _synth(max_running=2, overlap_stages=True)
-    threads = {"t2w": set(), "llm": set()}
-    run_batch, step = s.t2w.run_batch, s.runtime.engine.step
+    def threads_of(s):
+        threads = {"t2w": set(), "llm": set()}
+        run_batch, step = s.t2w.run_batch, s.runtime.engine.step
 
-    def t2w_on(jobs):
-        threads["t2w"].add(threading.current_thread().name)
-        return run_batch(jobs)
+        def t2w_on(jobs):
+            threads["t2w"].add(threading.current_thread().name)
+            return run_batch(jobs)
 
-    def step_on():
-        threads["llm"].add(threading.current_thread().name)
-        return step()
+        def step_on():
+            threads["llm"].add(threading.current_thread().name)
+            return step()
 
-    s.t2w.run_batch, s.runtime.engine.step = t2w_on, step_on
+        s.t2w.run_batch, s.runtime.engine.step = t2w_on, step_on
 
-    async def main():
-        return await asyncio.gather(*(s.synthesize_unary(_req(f"o{i}", 15, stream=True)) for i in range(2)))
+        async def main():
+            return await asyncio.gather(*(s.synthesize_unary(_req(f"o{i}", 15, stream=True)) for i in range(2)))
 
-    results = asyncio.run(main())
-    assert all(len(r.samples) == 15 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN for r in results)
-    assert threads["t2w"] == {"compute-token2wav_0"} and threads["llm"] == {"compute_0"}
+        results = asyncio.run(main())
+        assert all(len(r.samples) == 15 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN for r in results)
+        return threads
+
+    default = _synth(max_running=2)
+    assert default.compute.lanes == ("main",)
+    # one lane: steps and token2wav batches serialised on the main lane's one thread
+    assert threads_of(default) == {"t2w": {"compute_0"}, "llm": {"compute_0"}}
+    assert threads_of(_synth(max_running=2, overlap_stages=True)) == {"t2w": {"compute-token2wav_0"},
+                                                                       "llm": {"engine-step"}}
