@@ -2,13 +2,13 @@
 
 Request coroutines call :meth:`EngineLoop.generate`; it registers a per-request
 :class:`_Mailbox` and queues the request. The loop's step thread alternates between (a) applying
-pending adds/aborts and (b) one ``engine.step()``, both on the compute executor's main lane, and
-hands each step's tokens to the event loop (``call_soon_threadsafe``), which drops them into the
+pending adds/aborts and (b) one ``engine.step()``, both on the engine's lane (the compute
+executor's main lane; on a GPU replica the step thread itself, see ``__init__``), and hands each step's tokens to the event loop (``call_soon_threadsafe``), which drops them into the
 mailboxes. New requests therefore join the running batch between two decode steps, finished ones
 leave at once, and a consumer that goes away (client disconnect -> ``CancelledError`` or
 ``GeneratorExit``) aborts its sequence in ``finally``, which frees its decode slot before the
-next step. The engine is touched only through the main lane (one thread), never concurrently,
-so it needs no locks; the pending adds/aborts are the only state both threads touch (a lock).
+next step. The engine is touched only from that one lane, never concurrently, so it needs no
+locks; the pending adds/aborts are the only state both threads touch (a lock).
 
 Why a thread and not an asyncio task: with a task, the next step was submitted only once the
 event loop got round to the task again, after whatever else was ready (every stream's chunk
@@ -181,7 +181,7 @@ class EngineLoop:
             self._thread.start()
 
     def _apply(self, aborts: set[str], adds: dict[str, LMRequest]) -> dict[str, Exception]:
-        """Main lane: aborts first (frees slots), then adds; per-request add failures returned."""
+        """On the engine's lane: aborts first (frees slots), then adds; per-request add failures returned."""
         for request_id in aborts:
             self.engine.abort(request_id)
         failed: dict[str, Exception] = {}
@@ -200,9 +200,9 @@ class EngineLoop:
                     aborts, self._pending_aborts = self._pending_aborts, set()
                     adds, self._pending_adds = self._pending_adds, {}
                 if aborts or adds:
-                    # NOTE: building a request's prefill input touches the device, so adds run on
-                    # the main lane like steps do. A consumer cancelled while its add is in flight
-                    # is no longer pending; its finally queues an abort for the next round.
+                    # NOTE: building a request's prefill input touches the device, so adds run where
+                    # steps do. A consumer cancelled while its add is in flight is no longer
+                    # pending; its finally queues an abort for the next round.
                     failed = self.compute.call(self._apply, aborts, adds, lane=self._lane)
                     if failed:
                         self._post(self._fail_adds, failed)
