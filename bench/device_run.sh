@@ -30,7 +30,7 @@ if [ "${BENCH_S:-420}" -gt 0 ]; then
     "${CONC:-1,4,8,16,32,64}"
 fi
 if [ "${CV3_S:-0}" -gt 0 ]; then
-  bench cosyvoice3 "$CV3_S" results-cv3 "${CV3_MODES:-pytorch-bf16-allgraphs-early-edf}" "${CV3_CONC:-1,16,64}"
+  bench cosyvoice3 "$CV3_S" results-cv3 "${CV3_MODES:-pytorch-bf16-allgraphs-early-edf,pytorch-bf16-allgraphs-early-edf-vinc}" "${CV3_CONC:-1,16,64}"
 fi
 if [ "${VARIANTS_S:-0}" -gt 0 ]; then
   timeout "$VARIANTS_S" python3 -m bench.profile_stages --variants-only --out "$W/variants" 2>&1 \

@@ -108,7 +108,7 @@ class ReplicaSim:
 
     def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, cuda_graphs: bool = False,
                  flow_batch: int = 16, min_first_hop: int | None = None, edf_slack_s: float | None = None,
-                 llm_compile: str | None = None):
+                 llm_compile: str | None = None, cv3_vocoder: str = "recompute"):
         self.model = model
         self.edf_slack_s = edf_slack_s  # None: first chunks first (see _pick)
         self.n_tokens = n_tokens
@@ -123,7 +123,7 @@ class ReplicaSim:
             # ("capturing stream has unjoined work", H200 2026-12-02).
             self.engine.capture_graphs()
             sync(model.device)
-        self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=min_first_hop)
+        self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=min_first_hop, cv3_vocoder=cv3_vocoder)
         self.lock = threading.Condition()
         self.streams: dict[str, _Stream] = {}
         self.pending: list[tuple[str, torch.Tensor]] = []
@@ -315,9 +315,11 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     ``fastswitch`` = a 0.5 ms GIL switch interval (default 5 ms) while the mode runs, ``edf`` =
     token2wav batches by earliest playback deadline, only the jobs due within 0.5 s while any is
     (:meth:`ReplicaSim._pick`), ``llmcompile`` = the LLM decode step through torch.compile before
-    its graphs are captured (what replica mode torchscript adds on CUDA)."""
+    its graphs are captured (what replica mode torchscript adds on CUDA), ``vinc`` = CosyVoice3's
+    vocoder in the incremental strategy (the replica's default, ``token2wav.cv3_vocoder``; without
+    it the official full recompute)."""
     kind, prec, *extra = mode.split("-")
-    known = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile"}
+    known = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile", "vinc"}
     if kind not in ("pytorch", "compile") or prec not in DTYPES or set(extra) - known:
         raise ValueError(f"unknown mode {mode!r}: expected <pytorch|compile>-<fp32|fp16|bf16>[-{'|-'.join(sorted(known))}]")
     switch = sys.getswitchinterval()
@@ -336,7 +338,8 @@ def _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requ
     min_first_hop = 10 if "early" in extra else None  # the serving default (token2wav.first_chunk_min_tokens)
     edf = EDF_SLACK_S if "edf" in extra else None
     sim_args = {"cuda_graphs": llm_graphs, "flow_batch": flow_batch, "min_first_hop": min_first_hop, "edf_slack_s": edf,
-                "llm_compile": compile_backend if "llmcompile" in extra else None}
+                "llm_compile": compile_backend if "llmcompile" in extra else None,
+                "cv3_vocoder": "incremental" if "vinc" in extra else "recompute"}
     graphs = "all" if "allgraphs" in extra else "solve" if "graphs" in extra else None
     model = _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop, compile_backend)
     voice, text = make_voice(model)

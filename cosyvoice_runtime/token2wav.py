@@ -113,11 +113,16 @@ class Token2Wav:
             chunk ends at the first attention-chunk boundary at or past this many tokens
             (:func:`first_hop`), and a first chunk shorter than ``hop`` is followed by a hop of
             ``token_hop_len`` (not yet scaled) so the second chunk also comes early.
+        cv3_vocoder: CosyVoice3 vocoder strategy: "recompute" (official: the whole accumulated
+            mel every chunk, quadratic in the utterance) or "incremental" (the new frames and a
+            bounded left context; same samples within float noise). CosyVoice2 ignores it.
     """
 
     def __init__(self, spec: ModelSpec, flow: torch.nn.Module, hift: torch.nn.Module,
-                 official_final_full_attention: bool = False, min_first_hop: int | None = None) -> None:
+                 official_final_full_attention: bool = False, min_first_hop: int | None = None,
+                 cv3_vocoder: str = "recompute") -> None:
         self.spec = spec
+        self.cv3_vocoder = cv3_vocoder  # VocoderStream strategy of CV3 streams (CV2 ignores it)
         self.flow = flow
         self.hift = hift
         self.official_final_full_attention = official_final_full_attention
@@ -133,7 +138,7 @@ class Token2Wav:
             raise InvalidInputError("speed != 1 is only supported without streaming")
         return StreamState(
             prompt=prompt, stream=stream, speed=speed, hop_len=self.spec.stream.token_hop_len,
-            vocoder=VocoderStream.create(self.spec), generator=generator,
+            vocoder=VocoderStream.create(self.spec, strategy=self.cv3_vocoder), generator=generator,
         )
 
     def _next_hop(self, state: StreamState) -> int:

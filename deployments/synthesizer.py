@@ -87,6 +87,10 @@ class Token2WavBatchConfig(StrictModel):
     # Deadline-first admission (deployments.deadlines): while a stream's audio runs out within this
     # many seconds, streams with more audio in hand wait for the next batch. None: first come, first served.
     deadline_slack_s: PositiveFloat | None = DEFAULT_SLACK_S
+    # CosyVoice3's causal vocoder: "incremental" vocodes only each chunk's new frames plus a bounded
+    # left context (same samples within float noise, tests/runtime/test_hift_batch.py); "recompute"
+    # re-vocodes the whole accumulated mel every chunk, as the official implementation does.
+    cv3_vocoder: Literal["incremental", "recompute"] = "incremental"
 
 
 class SynthesizerConfig(DeploymentKnobs):

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from cosyvoice_runtime.hift.incremental import emit, plan_window, window_source
 from cosyvoice_runtime.hift.streaming import (
     VocoderStream,
     cv2_finish,
@@ -38,6 +39,18 @@ def pad_mels(mels: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     return out, lengths
 
 
+def decode_padded(hift, mel: torch.Tensor, lengths: Sequence[int], sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """CV3 finalize-mode decode of right-padded mels (B, 80, max T) with each item's own source
+    (1, 1, 480·T_i): [(1, 480·T_i)]. Body batched; source STFT and iSTFT per item (their ends)."""
+    frames_per_mel = hift.samples_per_frame // hift.hop
+    n_frames = frames_per_mel * mel.shape[2] + 1
+    stft = [F.pad(hift.source_stft(src), (0, n_frames - frames_per_mel * t - 1)) for src, t in zip(sources, lengths)]
+    head = hift.body(hift.conv_pre(mel), torch.cat(stft, dim=0))
+    limit = hift.spec.audio_limit
+    return [torch.clamp(hift.istft(head[i:i + 1, :, : frames_per_mel * t + 1]), -limit, limit)
+            for i, t in enumerate(lengths)]
+
+
 @torch.inference_mode()
 def causal_decode_batch(hift, mels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """CV3 finalize-mode vocoding of several mels at once.
@@ -50,16 +63,30 @@ def causal_decode_batch(hift, mels: Sequence[torch.Tensor]) -> list[torch.Tensor
         [(1, 480·T_i)] equal (within float noise) to ``hift.inference(mel_i, finalize=True)[0]``.
     """
     spf = hift.samples_per_frame
-    frames_per_mel = spf // hift.hop
     mel, lengths = pad_mels(mels)
     source = hift.source(hift.f0(mel, finalize=True))  # (B, 1, 480·T)
-    n_frames = frames_per_mel * mel.shape[2] + 1
-    stft = [F.pad(hift.source_stft(source[i:i + 1, :, : spf * t]), (0, n_frames - frames_per_mel * t - 1))
-            for i, t in enumerate(lengths)]
-    head = hift.body(hift.conv_pre(mel), torch.cat(stft, dim=0))
-    limit = hift.spec.audio_limit
-    return [torch.clamp(hift.istft(head[i:i + 1, :, : frames_per_mel * t + 1]), -limit, limit)
-            for i, t in enumerate(lengths)]
+    return decode_padded(hift, mel, lengths, [source[i:i + 1, :, : spf * t] for i, t in enumerate(lengths)])
+
+
+@torch.inference_mode()
+def incremental_decode_batch(hift, states: Sequence[VocoderStream], finalize: Sequence[bool]) -> list[torch.Tensor]:
+    """:func:`~cosyvoice_runtime.hift.incremental.incremental_vocode` of several CV3 streams
+    (mels already accumulated) in one f0 batch and one body batch. Each item's window starts at
+    its own frame and is right-padded; as in :func:`causal_decode_batch` the zero padding past an
+    item's end is what its own finalize-mode window sees."""
+    wins = [plan_window(hift, st, fin) for st, fin in zip(states, finalize)]
+    run = [i for i, w in enumerate(wins) if w is not None]
+    outs = [st.mel.new_zeros(1, 0) for st in states]
+    if not run:
+        return outs
+    f0_in, _ = pad_mels([states[i].mel[:, :, wins[i].fa:] for i in run])
+    f0 = hift.f0(f0_in, finalize=True).float()
+    sources = [window_source(hift, states[i], wins[i], f0[k:k + 1, wins[i].a - wins[i].fa: wins[i].total - wins[i].fa],
+                             finalize[i]) for k, i in enumerate(run)]
+    mel, lengths = pad_mels([states[i].mel[:, :, wins[i].a:] for i in run])
+    for i, speech in zip(run, decode_padded(hift, mel, lengths, sources)):
+        outs[i] = emit(states[i], wins[i], speech)
+    return outs
 
 
 @torch.inference_mode()
@@ -69,7 +96,7 @@ def vocode_batch(hift, states: Sequence[VocoderStream], mel_chunks: Sequence[tor
     """Batched :func:`~cosyvoice_runtime.hift.streaming.vocode_chunk` over several requests.
 
     Each item is one request's chunk (states must be distinct); returns each item's samples to
-    emit, (1, n_i), exactly as the unbatched calls would (CV3 "recompute" strategy semantics).
+    emit, (1, n_i), exactly as the unbatched calls would (CV3: per item its stream's strategy).
     """
     n = len(states)
     if not (len(mel_chunks) == len(finalize) == n) or len({id(s) for s in states}) != n:
@@ -79,12 +106,13 @@ def vocode_batch(hift, states: Sequence[VocoderStream], mel_chunks: Sequence[tor
     for st in states:
         if st.finished:
             raise RuntimeError("vocoder stream already finalized")
-        if st.causal and st.strategy != "recompute":
-            raise ValueError("batched vocoding implements the 'recompute' strategy only")
     outs: list[torch.Tensor | None] = [None] * n
     if states[0].causal:
         full = [cv3_accumulate(st, m) for st, m in zip(states, mel_chunks)]
-        run = [i for i in range(n) if finalize[i] or full[i].shape[2] > hift.lag_frames]
+        inc = [i for i in range(n) if states[i].strategy == "incremental"]
+        for i, out in zip(inc, incremental_decode_batch(hift, [states[i] for i in inc], [finalize[i] for i in inc])):
+            outs[i] = out
+        run = [i for i in range(n) if states[i].strategy == "recompute" and (finalize[i] or full[i].shape[2] > hift.lag_frames)]
         speech = causal_decode_batch(hift, [full[i] for i in run]) if run else []
         for i, sp in zip(run, speech):
             outs[i] = cv3_emit(hift, states[i], sp, full[i].shape[2], finalize[i])

@@ -66,6 +66,57 @@ class IncrementalState:
     cum: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Window:
+    """What one call vocodes (mel frame indices of the request's accumulated mel)."""
+
+    start: int  # first frame whose samples are still to emit
+    end: int  # samples are emitted up to this frame now
+    a: int  # first frame of the vocoded window (left context included)
+    fa: int  # first frame the f0 predictor sees (its own causal context before ``a``)
+    total: int  # accumulated frames
+
+
+def plan_window(hift, state, finalize: bool) -> Window | None:
+    """The window of this call, or None when there is nothing to emit yet."""
+    total = int(state.mel.shape[2])
+    start = state.speech_offset // state.samples_per_frame
+    end = total if finalize else total - hift.lag_frames
+    if end <= start:
+        return None
+    a = max(0, start - left_context_frames(hift.spec))
+    return Window(start=start, end=end, a=a, fa=max(0, a - hift.f0_predictor.left_context), total=total)
+
+
+def window_source(hift, state, win: Window, f0: torch.Tensor, finalize: bool) -> torch.Tensor:
+    """The window's excitation (1, 1, 480·(total - a)) from its f0 (1, total - a), continuing the
+    saved phase; commits the phase of the frames whose f0 is now final."""
+    src = hift.m_source
+    rad = src.frame_rad(f0)
+    inc: IncrementalState | None = state.incremental
+    if inc is None:
+        inc = state.incremental = IncrementalState(cum=rad.new_zeros(1, 0, rad.shape[2], dtype=torch.float64))
+    a = win.a
+    offset = inc.cum[:, a - 1] if a > 0 else rad.new_zeros(1, rad.shape[2], dtype=torch.float64)
+    cum = torch.cumsum(rad.double(), dim=1) + offset.unsqueeze(1)
+    committed = inc.cum.shape[1]
+    final_f0 = win.total if finalize else win.total - hift.f0_look_right
+    if final_f0 > committed:
+        inc.cum = torch.cat([inc.cum, cum[:, committed - a: final_f0 - a]], dim=1)
+    hift._ensure_noise()
+    spf = state.samples_per_frame
+    noise = src.buffer_noise(spf * a, spf * (win.total - a))
+    return src.merge(f0, src.upsample_phase(cum.to(rad.dtype)), noise)
+
+
+def emit(state, win: Window, speech: torch.Tensor) -> torch.Tensor:
+    """The samples of frames [start, end) out of the window's (1, 480·(total - a)) speech."""
+    spf = state.samples_per_frame
+    out = speech[:, spf * (win.start - win.a): spf * (win.end - win.a)]
+    state.speech_offset += out.shape[1]
+    return out
+
+
 def incremental_vocode(hift, state, finalize: bool) -> torch.Tensor:
     """Emit the new samples of ``state.mel`` (already accumulated) for a CV3 stream.
 
@@ -77,33 +128,10 @@ def incremental_vocode(hift, state, finalize: bool) -> torch.Tensor:
     Returns:
         (1, n) float32 samples, equal within float noise to the full-recompute strategy.
     """
+    win = plan_window(hift, state, finalize)
+    if win is None:
+        return state.mel.new_zeros(1, 0)
     mel = state.mel
-    spf = state.samples_per_frame
-    total = int(mel.shape[2])
-    start = state.speech_offset // spf
-    end = total if finalize else total - hift.lag_frames
-    if end <= start:
-        return mel.new_zeros(1, 0)
-    src = hift.m_source
-    n_ctx = left_context_frames(hift.spec)
-    f0_ctx = hift.f0_predictor.left_context
-    a = max(0, start - n_ctx)
-    fa = max(0, a - f0_ctx)
-    f0 = hift.f0(mel[:, :, fa:], finalize=True)[:, a - fa:].float()
-    rad = src.frame_rad(f0)
-    inc: IncrementalState | None = state.incremental
-    if inc is None:
-        inc = state.incremental = IncrementalState(cum=rad.new_zeros(1, 0, rad.shape[2], dtype=torch.float64))
-    offset = inc.cum[:, a - 1] if a > 0 else rad.new_zeros(1, rad.shape[2], dtype=torch.float64)
-    cum = torch.cumsum(rad.double(), dim=1) + offset.unsqueeze(1)
-    committed = inc.cum.shape[1]
-    final_f0 = total if finalize else total - hift.f0_look_right
-    if final_f0 > committed:
-        inc.cum = torch.cat([inc.cum, cum[:, committed - a: final_f0 - a]], dim=1)
-    hift._ensure_noise()
-    noise = src.buffer_noise(spf * a, spf * (total - a))
-    source = src.merge(f0, src.upsample_phase(cum.to(rad.dtype)), noise)
-    speech = hift.decode(mel[:, :, a:], source, finalize=True)
-    out = speech[:, spf * (start - a): spf * (end - a)]
-    state.speech_offset += out.shape[1]
-    return out
+    f0 = hift.f0(mel[:, :, win.fa:], finalize=True)[:, win.a - win.fa:].float()
+    source = window_source(hift, state, win, f0, finalize)
+    return emit(state, win, hift.decode(mel[:, :, win.a:], source, finalize=True))

@@ -180,7 +180,7 @@ def cv3_emit(hift, state: VocoderStream, speech: torch.Tensor, frames: int, fina
 
 def _vocode_cv3(hift, state: VocoderStream, mel: torch.Tensor, finalize: bool, speed: float) -> torch.Tensor:
     cv3_accumulate(state, mel)
-    if state.strategy == "incremental":
+    if state.strategy == "incremental" and speed == 1.0:  # a speed change is one unstreamed call: a full pass anyway
         from cosyvoice_runtime.hift.incremental import incremental_vocode
 
         return incremental_vocode(hift, state, finalize)

@@ -30,3 +30,14 @@ def test_tiny_benchmark_writes_a_complete_report(tmp_path, caplog):
     assert len(list(tmp_path.glob("*.png"))) == 2
     # --debug: the graph owners' per-capture lines (padded buckets run eagerly on CPU) are shown
     assert any(r.name.startswith("cosyvoice_runtime") and r.levelname == "DEBUG" for r in caplog.records)
+
+
+def test_tiny_cosyvoice3_benchmark_with_the_incremental_vocoder(tmp_path):
+    modes = ["pytorch-fp32-early-edf-vinc", "pytorch-fp32-early-edf"]
+    main(["--family", "cosyvoice3", "--size", "tiny", "--device", "cpu", "--modes", ",".join(modes),
+          "--concurrency", "2", "--tokens", "60", "--min-requests", "2", "--baseline-requests", "1",
+          "--out", str(tmp_path)])
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert latest["family"] == "cosyvoice3" and [r["mode"] for r in latest["rows"]] == modes
+    for r in latest["rows"]:
+        assert r["errors"] == 0 and abs(r["audio_s"] - r["requests"] * 60 / 25) < 1e-6, r

@@ -100,3 +100,42 @@ def test_cv3_incremental_stream_equals_full_recompute():
     a, b = torch.cat(ref_out, dim=1), torch.cat(inc_out, dim=1)
     assert a.shape[1] == 480 * long_mel.shape[2]
     assert float((a - b).abs().max()) < TOL
+
+
+def test_cv3_batched_incremental_streams_equal_per_request_recompute():
+    """Three incremental streams vocoded together (different lengths and schedules, chunks below
+    the lag, a stream that ends early) equal each request's reference full recompute."""
+    case, mels = _mels("cosyvoice3")
+    spec, hift = load_hift(case.model_dir)
+    long_mel = torch.cat([mels[0], mels[2], mels[1]], dim=2)  # 380 frames
+    schedules = [_split(long_mel, [20, 5, 30, 17, 60, 11, 90]), _split(mels[1], [3, 30, 40, 1, 12, 6, 10]),
+                 _split(mels[2], [60, 20])]
+    ref = [VocoderStream.create(spec) for _ in schedules]
+    inc = [VocoderStream.create(spec, strategy="incremental") for _ in schedules]
+    ref_out, inc_out = [[] for _ in schedules], [[] for _ in schedules]
+    for c in range(max(len(s) for s in schedules)):
+        live = [k for k, s in enumerate(schedules) if c < len(s)]
+        final = [c == len(schedules[k]) - 1 for k in live]
+        for k, fin in zip(live, final):
+            ref_out[k].append(vocode_chunk(hift, ref[k], schedules[k][c], finalize=fin))
+        got = vocode_batch(hift, [inc[k] for k in live], [schedules[k][c] for k in live], final)
+        for k, g in zip(live, got):
+            assert g.shape == ref_out[k][-1].shape, (c, k)
+            inc_out[k].append(g)
+    for k, mel in enumerate([long_mel, mels[1], mels[2]]):
+        a, b = torch.cat(ref_out[k], dim=1), torch.cat(inc_out[k], dim=1)
+        assert a.shape[1] == 480 * mel.shape[2] and float((a - b).abs().max()) < TOL, k
+    assert all(st.finished for st in inc)
+
+
+def test_cv3_a_batch_may_mix_strategies():
+    case, mels = _mels("cosyvoice3")
+    spec, hift = load_hift(case.model_dir)
+    pairs = [(VocoderStream.create(spec), VocoderStream.create(spec)),
+             (VocoderStream.create(spec), VocoderStream.create(spec, strategy="incremental"))]
+    for fin in (False, True):
+        chunks = [mels[0][:, :, :60], mels[2][:, :, :60]] if not fin else [mels[0][:, :, 60:], mels[2][:, :, 60:]]
+        refs = [vocode_chunk(hift, r, ch, finalize=fin) for (r, _), ch in zip(pairs, chunks)]
+        gots = vocode_batch(hift, [b for _, b in pairs], chunks, [fin, fin])
+        for r, g in zip(refs, gots):
+            assert g.shape == r.shape and float((g - r).abs().max()) < TOL
