@@ -1,4 +1,5 @@
-"""The streaming benchmark (bench/gpu_bench.py) end to end on the CPU with the tiny model: mode
+"""The streaming benchmark (bench/gpu_bench.py) and the CV3 vocoder benchmark (bench/cv3_vocoder.py)
+end to end on the CPU with the tiny model: mode
 parsing and plumbing of every extra that runs without CUDA (graph extras run their padded
 buckets eagerly there), the baseline, the report, the plots and latest.json. The figures
 themselves come from the GPU lease."""
@@ -41,3 +42,17 @@ def test_tiny_cosyvoice3_benchmark_with_the_incremental_vocoder(tmp_path):
     assert latest["family"] == "cosyvoice3" and [r["mode"] for r in latest["rows"]] == modes
     for r in latest["rows"]:
         assert r["errors"] == 0 and abs(r["audio_s"] - r["requests"] * 60 / 25) < 1e-6, r
+
+
+def test_cv3_vocoder_benchmark_times_both_strategies_on_the_same_audio(tmp_path):
+    from bench.cv3_vocoder import main as vocoder_main
+
+    vocoder_main(["--size", "tiny", "--device", "cpu", "--seconds", "4", "--batch", "2", "--reps", "1",
+                  "--out", str(tmp_path / "cv3v")])
+    result = json.loads((tmp_path / "cv3v.json").read_text())
+    assert [r["strategy"] for r in result["rows"]] == ["recompute", "incremental"]
+    assert sum(result["chunk_frames"]) == 4 * 50 and result["chunk_frames"][:2] == [50, 100]  # 25, 50 tokens
+    for r in result["rows"]:
+        assert len(r["per_call_ms"]) == r["calls"] == len(result["chunk_frames"]) and r["total_ms"] > 0
+        assert r["max_abs_diff_vs_recompute"] < 1e-4
+    assert (tmp_path / "cv3v.png").stat().st_size > 0
