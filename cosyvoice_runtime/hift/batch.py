@@ -5,7 +5,8 @@ is causal except the two look-ahead convs, whose zero padding past an item's end
 the item's own finalize run sees, so the batched f0, source and body equal the per-item ones on
 each item's valid frames. The two places that look at an item's *end* are done per item: the
 centred STFT of the source (reflect padding at the end) and the iSTFT (overlap-add envelope at
-the end). Non-final items are cut to ``480·(T - lag)`` samples (spec §5.4 equivalence).
+the end). Non-final items are cut to ``480·(T - lag)`` samples (spec §5.4 equivalence). Streams in the
+"incremental" strategy batch the same way over their windows (new frames + bounded left context).
 
 CV2 (non-causal): padding would change the last tens of frames of a shorter item, so items are
 grouped by input length and each group is one exact batch; the random source stays per item
@@ -81,8 +82,10 @@ def incremental_decode_batch(hift, states: Sequence[VocoderStream], finalize: Se
         return outs
     f0_in, _ = pad_mels([states[i].mel[:, :, wins[i].fa:] for i in run])
     f0 = hift.f0(f0_in, finalize=True).float()
-    sources = [window_source(hift, states[i], wins[i], f0[k:k + 1, wins[i].a - wins[i].fa: wins[i].total - wins[i].fa],
-                             finalize[i]) for k, i in enumerate(run)]
+    sources = []
+    for k, i in enumerate(run):
+        w = wins[i]  # the f0 rows start at w.fa; the window's source starts at w.a
+        sources.append(window_source(hift, states[i], w, f0[k:k + 1, w.a - w.fa: w.total - w.fa], finalize[i]))
     mel, lengths = pad_mels([states[i].mel[:, :, wins[i].a:] for i in run])
     for i, speech in zip(run, decode_padded(hift, mel, lengths, sources)):
         outs[i] = emit(states[i], wins[i], speech)
