@@ -76,7 +76,7 @@ def measure(device: str, seconds: float, batches: list[int], size: str, reps: in
         mels = torch.randn(b, spec.hift.in_channels, sum(sizes), generator=torch.Generator().manual_seed(b)).to(dev)
         audio = {}
         for strategy in STRATEGIES:
-            stream_batch(hift, spec, strategy, mels[:, :, :2 * sizes[0]], sizes[:2])  # warm-up
+            stream_batch(hift, spec, strategy, mels[:, :, :sum(sizes[:2])], sizes[:2])  # warm-up: two calls
             runs = [stream_batch(hift, spec, strategy, mels, sizes) for _ in range(reps)]
             per_call = [statistics.median(r[0][k] for r in runs) for k in range(len(sizes))]
             audio[strategy] = runs[0][1]
@@ -84,7 +84,8 @@ def measure(device: str, seconds: float, batches: list[int], size: str, reps: in
                          "total_ms": sum(per_call), "reps": reps})
         diff = float((audio["recompute"] - audio["incremental"]).abs().max())
         rows[-1]["max_abs_diff_vs_recompute"] = rows[-2]["max_abs_diff_vs_recompute"] = diff
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
+    cpu = f"cpu ({platform.processor() or platform.machine()})"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu
     return {"device": name, "date": time.strftime("%Y-%m-%d"), "size": size, "seconds": seconds,
             "chunk_frames": sizes, "torch_threads": torch.get_num_threads(), "rows": rows}
 

@@ -2,8 +2,9 @@
 # One lease of the GPU machine: GPU tests (quick), the CosyVoice2 streaming benchmark (it matters
 # most), optionally CosyVoice3 (CV3_S > 0), its vocoder strategies (VOC_S > 0) and the execution
 # variants (VARIANTS_S > 0). Everything is written under /tmp/work and packed into $OUT/results.tgz
-# after every step (a run returns at most 8 files; a step cut short keeps what the earlier ones wrote). The whole script must end
-# inside one run's 600 s: TESTS_S + BENCH_S + CV3_S + VOC_S + VARIANTS_S + ~20 s.
+# after every step (a run returns at most 8 files; a step cut short keeps what the earlier ones
+# wrote). The whole script must end inside one run's 600 s: TESTS_S + BENCH_S + CV3_S + VOC_S +
+# VARIANTS_S + ~20 s.
 #   BENCH_S=380 CV3_S=110 bash bench/device_run.sh        # the benchmarks
 #   TESTS_S=1 BENCH_S=0 VARIANTS_S=500 bash bench/device_run.sh   # the execution variants only
 #   BENCH_ARGS="--debug cosyvoice_runtime" adds flags to bench/gpu_bench.py (here: a line per captured graph)
@@ -30,7 +31,8 @@ if [ "${BENCH_S:-420}" -gt 0 ]; then
     "${CONC:-1,4,8,16,32,64}"
 fi
 if [ "${CV3_S:-0}" -gt 0 ]; then
-  bench cosyvoice3 "$CV3_S" results-cv3 "${CV3_MODES:-pytorch-bf16-allgraphs-early-edf,pytorch-bf16-allgraphs-early-edf-vinc}" "${CV3_CONC:-1,16,64}"
+  bench cosyvoice3 "$CV3_S" results-cv3 \
+    "${CV3_MODES:-pytorch-bf16-allgraphs-early-edf,pytorch-bf16-allgraphs-early-edf-vinc}" "${CV3_CONC:-1,16,64}"
 fi
 if [ "${VOC_S:-0}" -gt 0 ]; then  # CosyVoice3 vocoder: full recompute vs incremental, per call
   timeout "$VOC_S" python3 -m bench.cv3_vocoder --seconds 10 --batch 1,8,16 --out "$W/cv3-vocoder" 2>&1 \

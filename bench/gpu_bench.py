@@ -306,12 +306,14 @@ def _forced_sampler(model: CosyVoiceModel, n_tokens: int):
 
 
 def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_tokens: int, min_requests: int,
-               flow_batch: int, on_row=None, deadline_s: float = 180.0, compile_backend: str = "inductor") -> list[dict]:
+               flow_batch: int, on_row=None, deadline_s: float = 180.0,
+               compile_backend: str = "inductor") -> list[dict]:
     """``mode`` = ``<kind>-<precision>[-<extra>...]``: kind pytorch | compile (torch.compile of
     the flow estimator, the CV2 encoder and the vocoder body, as replica mode torchscript),
     precision fp32 | fp16 | bf16; extras: ``graphs`` = CUDA graphs for the LLM decode step and
-    the flow solve, ``allgraphs`` = those and the CV2 flow encoder and vocoder (the serving default), ``llmgraphs`` = for the LLM decode step only, ``early`` =
-    the first chunk ends at the first attention-chunk boundary >= 10 tokens on (Token2Wav ``min_first_hop=10``),
+    the flow solve, ``allgraphs`` = those and the CV2 flow encoder and vocoder (the serving
+    default), ``llmgraphs`` = for the LLM decode step only, ``early`` = the first chunk
+    ends at the first attention-chunk boundary >= 10 tokens on (Token2Wav ``min_first_hop=10``),
     ``fastswitch`` = a 0.5 ms GIL switch interval (default 5 ms) while the mode runs, ``edf`` =
     token2wav batches by earliest playback deadline, only the jobs due within 0.5 s while any is
     (:meth:`ReplicaSim._pick`), ``llmcompile`` = the LLM decode step through torch.compile before
@@ -417,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--deadline-s", type=float, default=180.0, help="a row taking longer fails (stacks dumped)")
     ap.add_argument("--tag", default="", help="suffix of the report name (several runs on one day)")
-    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend of compile modes (tests: eager)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of compile modes (tests: eager)")
     ap.add_argument("--debug", action="append", default=[], metavar="LOGGER",
                     help="set this logger to DEBUG, e.g. cosyvoice_runtime: one timestamped line per captured graph")
     args = ap.parse_args(argv)

@@ -3,8 +3,9 @@
 Request coroutines call :meth:`EngineLoop.generate`; it registers a per-request
 :class:`_Mailbox` and queues the request. The loop's step thread alternates between (a) applying
 pending adds/aborts and (b) one ``engine.step()``, both on the engine's lane (the compute
-executor's main lane; on a GPU replica the step thread itself, see ``__init__``), and hands each step's tokens to the event loop (``call_soon_threadsafe``), which drops them into the
-mailboxes. New requests therefore join the running batch between two decode steps, finished ones
+executor's main lane; on a GPU replica the step thread itself, see ``__init__``), and hands each
+step's tokens to the event loop (``call_soon_threadsafe``), which drops them into the mailboxes.
+New requests therefore join the running batch between two decode steps, finished ones
 leave at once, and a consumer that goes away (client disconnect -> ``CancelledError`` or
 ``GeneratorExit``) aborts its sequence in ``finally``, which frees its decode slot before the
 next step. The engine is touched only from that one lane, never concurrently, so it needs no
@@ -207,14 +208,8 @@ class EngineLoop:
                     if failed:
                         self._post(self._fail_adds, failed)
                 if not self.engine.has_unfinished():
-                    self._work.clear()
-                    with self._lock:  # a request queued after the swap above set _work before or after clear
-                        idle = not (self._pending_adds or self._pending_aborts)
-                    if idle and not self._closed and not self._work.wait(IDLE_EXIT_S):
-                        with self._lock:
-                            if not (self._pending_adds or self._pending_aborts):
-                                self._thread = None  # idle: end; the next request starts a new one
-                                return
+                    if self._idle_too_long():
+                        return
                     continue
                 self._post(self._deliver, self.compute.call(self.engine.step, lane=self._lane))
         except BaseException as exc:  # the engine is broken: fail every open request, mark unhealthy
@@ -223,6 +218,25 @@ class EngineLoop:
             logger.exception("engine loop crashed")
             self._dead = exc  # before the hand-over: generate() must not queue behind a dead thread
             self._post(self._fail_all, exc)
+
+    def _has_pending(self) -> bool:
+        """With the lock held: adds or aborts wait for the step thread."""
+        return bool(self._pending_adds or self._pending_aborts)
+
+    def _idle_too_long(self) -> bool:
+        """Nothing to step: wait for work. True when none came within IDLE_EXIT_S and the thread
+        has ended itself (``_thread`` cleared under the lock: the next request starts a new one)."""
+        self._work.clear()
+        with self._lock:  # a request queued after the swap in _drive set _work before or after clear
+            if self._has_pending():
+                return False
+        if self._closed or self._work.wait(IDLE_EXIT_S):
+            return False
+        with self._lock:
+            if self._has_pending():
+                return False
+            self._thread = None
+            return True
 
     def _post(self, fn, arg) -> None:
         try:

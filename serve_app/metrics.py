@@ -37,7 +37,8 @@ class _ReplicaSnapshotCollector:
             g = GaugeMetricFamily(name, doc, labels=["replica"])
             g.add_metric(replica, float(engine.get(key, 0)))
             yield g
-        for name, key, doc in (("tts_generated_tokens", "generated_tokens_total", "Speech tokens generated (rate = tokens/s)"),
+        for name, key, doc in (("tts_generated_tokens", "generated_tokens_total",
+                                "Speech tokens generated (rate = tokens/s)"),
                                ("tts_stream_underruns", "underruns_total",
                                 "Chunks made after the request's audio so far had run out (stutters, at the replica)"),
                                ("tts_token2wav_deadline_held", "deadline_held_total",

@@ -5,8 +5,9 @@ is causal except the two look-ahead convs, whose zero padding past an item's end
 the item's own finalize run sees, so the batched f0, source and body equal the per-item ones on
 each item's valid frames. The two places that look at an item's *end* are done per item: the
 centred STFT of the source (reflect padding at the end) and the iSTFT (overlap-add envelope at
-the end). Non-final items are cut to ``480·(T - lag)`` samples (spec §5.4 equivalence). Streams in the
-"incremental" strategy batch the same way over their windows (new frames + bounded left context).
+the end). Non-final items are cut to ``480·(T - lag)`` samples (spec §5.4 equivalence). Streams
+in the "incremental" strategy batch the same way over their windows (new frames + bounded left
+context).
 
 CV2 (non-causal): padding would change the last tens of frames of a shorter item, so items are
 grouped by input length and each group is one exact batch; the random source stays per item
@@ -40,12 +41,14 @@ def pad_mels(mels: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     return out, lengths
 
 
-def decode_padded(hift, mel: torch.Tensor, lengths: Sequence[int], sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def decode_padded(hift, mel: torch.Tensor, lengths: Sequence[int],
+                  sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """CV3 finalize-mode decode of right-padded mels (B, 80, max T) with each item's own source
     (1, 1, 480·T_i): [(1, 480·T_i)]. Body batched; source STFT and iSTFT per item (their ends)."""
     frames_per_mel = hift.samples_per_frame // hift.hop
     n_frames = frames_per_mel * mel.shape[2] + 1
-    stft = [F.pad(hift.source_stft(src), (0, n_frames - frames_per_mel * t - 1)) for src, t in zip(sources, lengths)]
+    stft = [F.pad(hift.source_stft(src), (0, n_frames - frames_per_mel * t - 1))
+            for src, t in zip(sources, lengths)]
     head = hift.body(hift.conv_pre(mel), torch.cat(stft, dim=0))
     limit = hift.spec.audio_limit
     return [torch.clamp(hift.istft(head[i:i + 1, :, : frames_per_mel * t + 1]), -limit, limit)
@@ -115,7 +118,8 @@ def vocode_batch(hift, states: Sequence[VocoderStream], mel_chunks: Sequence[tor
         inc = [i for i in range(n) if states[i].strategy == "incremental"]
         for i, out in zip(inc, incremental_decode_batch(hift, [states[i] for i in inc], [finalize[i] for i in inc])):
             outs[i] = out
-        run = [i for i in range(n) if states[i].strategy == "recompute" and (finalize[i] or full[i].shape[2] > hift.lag_frames)]
+        run = [i for i in range(n) if states[i].strategy == "recompute"
+               and (finalize[i] or full[i].shape[2] > hift.lag_frames)]
         speech = causal_decode_batch(hift, [full[i] for i in run]) if run else []
         for i, sp in zip(run, speech):
             outs[i] = cv3_emit(hift, states[i], sp, full[i].shape[2], finalize[i])

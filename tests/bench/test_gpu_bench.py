@@ -13,7 +13,8 @@ MODES = ["pytorch-fp32-allgraphs-early-edf-llmcompile", "compile-fp32-early"]
 
 
 def test_tiny_benchmark_writes_a_complete_report(tmp_path, caplog):
-    main(["--debug", "cosyvoice_runtime", "--size", "tiny", "--device", "cpu", "--modes", ",".join(MODES), "--concurrency", "1,2",
+    main(["--debug", "cosyvoice_runtime", "--size", "tiny", "--device", "cpu", "--modes", ",".join(MODES),
+          "--concurrency", "1,2",
           "--tokens", "30", "--min-requests", "2", "--baseline-requests", "1", "--compile-backend", "eager",
           "--out", str(tmp_path)])
     latest = json.loads((tmp_path / "latest.json").read_text())
