@@ -1,21 +1,29 @@
-"""In-memory audio encoders, whole-utterance and incremental (for chunked streaming).
+"""In-memory audio encoders, whole-utterance and incremental (for chunked streaming), and the
+tempo change used for speeds beyond what the model does itself.
 
-Formats: ``pcm`` (raw s16le mono), ``wav`` (16-bit PCM), and the ones libsndfile (through
-``soundfile``, a maintained binding) can write: ``flac``, ``mp3`` (LAME inside libsndfile) and
-``opus`` (Ogg Opus). Streaming needs an append-only byte stream: PCM, WAV (header with
-"unknown" sizes, ray-serve-notes §5.8) and Ogg Opus (pages are only appended). libsndfile's FLAC
-and MP3 writers seek back at close to fix STREAMINFO / the Xing frame count, and the early header
-they emit is wrong (measured: a streamed FLAC decodes as 2^63 frames, a streamed MP3 as 1/4 of
-its length), so those two are offered for non-streaming responses only.
+Formats (OpenAI's set): ``pcm`` (raw s16le mono), ``wav`` (16-bit PCM), and through PyAV (FFmpeg's
+libraries; a maintained binding) ``mp3`` (LAME, MPEG audio frames), ``opus`` (libopus in Ogg),
+``aac`` (FFmpeg's AAC in ADTS frames) and ``flac``. Every format streams: a streamed body is the
+concatenation of what :class:`StreamEncoder` returns, and it is one valid file:
 
-Nothing touches the filesystem (house style §2.5 rule 22).
+* WAV: a header with "unknown" sizes (ray-serve-notes §5.8), then PCM;
+* MP3 / AAC-ADTS: self-delimiting frames (no Xing/LAME header, which needs a seek back);
+* Ogg Opus: pages of at most ``OGG_PAGE_DURATION_US`` so audio leaves as it is made;
+* FLAC: STREAMINFO with total samples 0 ("unknown", allowed by the FLAC format), then frames.
+  FFmpeg, libFLAC and browsers read it; libsndfile's ``sf.read`` of the whole body needs the length
+  (read it block-wise, or ask for ``stream: false``).
+
+Whole responses (``encode_audio``) are written to a seekable buffer, so FLAC gets its exact
+STREAMINFO and MP3 its Xing header. Nothing touches the filesystem (house style §2.5 rule 22).
 """
 from __future__ import annotations
 
 import io
 import struct
 from abc import ABC, abstractmethod
+from fractions import Fraction
 
+import av
 import numpy as np
 
 from deployments.protocol import InvalidInputError
@@ -26,46 +34,43 @@ MEDIA_TYPES = {
     "flac": "audio/flac",
     "mp3": "audio/mpeg",
     "opus": "audio/ogg",
+    "aac": "audio/aac",
 }
-# format -> (soundfile container, subtype) for the libsndfile-backed ones.
-_SOUNDFILE_FORMATS = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
-_APPEND_ONLY = {"pcm", "wav", "opus"}
+# format -> (FFmpeg muxer, encoder, muxer options, default bit rate; None: the encoder's own)
+_AV_FORMATS: dict[str, tuple[str, str, dict[str, str], int | None]] = {
+    "mp3": ("mp3", "libmp3lame", {}, 64_000),
+    "opus": ("ogg", "libopus", {}, 32_000),
+    "aac": ("adts", "aac", {}, 64_000),
+    "flac": ("flac", "flac", {}, None),
+}
+OGG_PAGE_DURATION_US = 20_000  # the Ogg muxer holds a 1 s page by default: audio would leave late
 # "Unknown length" marker for streamed WAV headers (what ffmpeg and browsers accept).
 _WAV_UNKNOWN_SIZE = 0xFFFFFFFF
+MIN_TEMPO, MAX_TEMPO = 0.5, 2.0  # one atempo stage keeps its quality within this range
 
 
 class UnsupportedFormatError(InvalidInputError):
-    """The requested response format is not available (for this mode)."""
+    """The requested response format is not available."""
 
 
-def _soundfile_can(fmt: str) -> bool:
+def _encoder_available(fmt: str) -> bool:
     try:
-        import soundfile as sf
-    except ImportError:  # pragma: no cover - soundfile is a base dependency
+        av.codec.Codec(_AV_FORMATS[fmt][1], "w")
+    except Exception:  # noqa: BLE001 - a PyAV build without this encoder
         return False
-    container, subtype = _SOUNDFILE_FORMATS[fmt]
-    return container in sf.available_formats() and subtype in sf.available_subtypes(container)
+    return True
 
 
-def supported_formats(stream: bool) -> list[str]:
-    """Formats this process can produce, for streaming or whole responses."""
-    out = []
-    for fmt in MEDIA_TYPES:
-        if fmt in _SOUNDFILE_FORMATS and not _soundfile_can(fmt):
-            continue
-        if stream and fmt not in _APPEND_ONLY:
-            continue
-        out.append(fmt)
-    return out
+def supported_formats(stream: bool = True) -> list[str]:
+    """Formats this process can produce (the same for streamed and whole responses)."""
+    return [fmt for fmt in MEDIA_TYPES if fmt not in _AV_FORMATS or _encoder_available(fmt)]
 
 
-def check_format(fmt: str, stream: bool) -> None:
+def check_format(fmt: str, stream: bool = True) -> None:
     """Raises UnsupportedFormatError (a 400) listing what is supported."""
     allowed = supported_formats(stream)
     if fmt not in allowed:
-        how = "streaming" if stream else "non-streaming"
-        raise UnsupportedFormatError(f"response_format '{fmt}' is not supported for {how} responses; "
-                                     f"supported: {', '.join(allowed)}")
+        raise UnsupportedFormatError(f"response_format '{fmt}' is not supported; supported: {', '.join(allowed)}")
 
 
 def to_int16(samples: np.ndarray) -> np.ndarray:
@@ -87,13 +92,51 @@ def wav_header(sample_rate: int, num_samples: int | None, channels: int = 1, bit
             + b"data" + struct.pack("<I", data_size))
 
 
+def _frame(samples: np.ndarray, sample_rate: int, pts: int | None = None) -> av.AudioFrame:
+    x = np.ascontiguousarray(np.asarray(samples, dtype=np.float32).reshape(1, -1))
+    frame = av.AudioFrame.from_ndarray(x, format="flt", layout="mono")
+    frame.sample_rate = sample_rate
+    if pts is not None:
+        frame.pts, frame.time_base = pts, Fraction(1, sample_rate)
+    return frame
+
+
+class _Resampler:
+    """Streaming rate change (libswresample) of float32 mono; identity when the rates agree."""
+
+    def __init__(self, in_rate: int, out_rate: int) -> None:
+        self.in_rate, self.out_rate = in_rate, out_rate
+        self._rs = av.AudioResampler(format="flt", layout="mono", rate=out_rate) if in_rate != out_rate else None
+
+    def _run(self, frame: av.AudioFrame | None) -> np.ndarray:
+        frames = self._rs.resample(frame)
+        if not frames:
+            return np.zeros(0, np.float32)
+        return np.concatenate([f.to_ndarray().reshape(-1) for f in frames]).astype(np.float32, copy=False)
+
+    def process(self, samples: np.ndarray) -> np.ndarray:
+        x = np.asarray(samples, dtype=np.float32).reshape(-1)
+        if self._rs is None or x.size == 0:
+            return x
+        return self._run(_frame(x, self.in_rate))
+
+    def finish(self) -> np.ndarray:
+        return np.zeros(0, np.float32) if self._rs is None else self._run(None)
+
+
 class StreamEncoder(ABC):
-    """Incremental encoder: ``encode`` each chunk as it arrives, then ``finish`` once."""
+    """Incremental encoder: ``encode`` each chunk as it arrives, then ``finish`` once.
+
+    Attributes:
+        sample_rate: rate of the samples given to ``encode``.
+        out_rate: rate of the encoded audio.
+    """
 
     media_type: str
 
-    def __init__(self, sample_rate: int) -> None:
+    def __init__(self, sample_rate: int, out_rate: int | None = None) -> None:
         self.sample_rate = sample_rate
+        self.out_rate = out_rate or sample_rate
 
     @abstractmethod
     def encode(self, samples: np.ndarray) -> bytes: ...
@@ -105,8 +148,15 @@ class StreamEncoder(ABC):
 class PcmStreamEncoder(StreamEncoder):
     media_type = MEDIA_TYPES["pcm"]
 
+    def __init__(self, sample_rate: int, out_rate: int | None = None) -> None:
+        super().__init__(sample_rate, out_rate)
+        self._resampler = _Resampler(sample_rate, self.out_rate)
+
     def encode(self, samples: np.ndarray) -> bytes:
-        return to_int16(samples).tobytes()
+        return to_int16(self._resampler.process(samples)).tobytes()
+
+    def finish(self) -> bytes:
+        return to_int16(self._resampler.finish()).tobytes()
 
 
 class WavStreamEncoder(PcmStreamEncoder):
@@ -114,76 +164,174 @@ class WavStreamEncoder(PcmStreamEncoder):
 
     media_type = MEDIA_TYPES["wav"]
 
-    def __init__(self, sample_rate: int) -> None:
-        super().__init__(sample_rate)
+    def __init__(self, sample_rate: int, out_rate: int | None = None) -> None:
+        super().__init__(sample_rate, out_rate)
         self._header_sent = False
 
-    def encode(self, samples: np.ndarray) -> bytes:
-        body = super().encode(samples)
+    def _with_header(self, body: bytes) -> bytes:
         if self._header_sent:
             return body
         self._header_sent = True
-        return wav_header(self.sample_rate, None) + body
+        return wav_header(self.out_rate, None) + body
+
+    def encode(self, samples: np.ndarray) -> bytes:
+        return self._with_header(super().encode(samples))
 
     def finish(self) -> bytes:
         # A zero-sample response still has to be a parseable WAV.
-        return b"" if self._header_sent else wav_header(self.sample_rate, None)
+        return self._with_header(super().finish())
 
 
-class SoundFileStreamEncoder(StreamEncoder):
-    """libsndfile writer on a BytesIO; only bytes appended since the last call are emitted."""
+class _Sink:
+    """Write-only file for PyAV: without ``seek`` the muxer treats the output as a stream."""
 
-    def __init__(self, sample_rate: int, fmt: str) -> None:
-        import soundfile as sf
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
 
-        super().__init__(sample_rate)
-        if fmt not in _APPEND_ONLY:
-            raise UnsupportedFormatError(f"'{fmt}' cannot be streamed")
-        container, subtype = _SOUNDFILE_FORMATS[fmt]
-        self.media_type = MEDIA_TYPES[fmt]
-        self._buf = io.BytesIO()
-        self._file = sf.SoundFile(self._buf, "w", samplerate=sample_rate, channels=1, format=container, subtype=subtype)
-        self._emitted = 0
+    def write(self, data) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
 
-    def _drain(self) -> bytes:
-        view = self._buf.getbuffer()
-        out = bytes(view[self._emitted:])
-        self._emitted = len(view)
-        del view
+    def take(self) -> bytes:
+        out = b"".join(self.parts)
+        self.parts.clear()
         return out
 
+
+def _pick_rate(codec: av.codec.Codec, rate: int) -> int:
+    """``rate`` if the encoder takes it, else the next higher rate it takes (or its highest)."""
+    rates = sorted(codec.audio_rates or ())
+    if not rates or rate in rates:
+        return rate
+    return next((r for r in rates if r >= rate), rates[-1])
+
+
+class AvStreamEncoder(StreamEncoder):
+    """A PyAV encoder + muxer writing to :class:`_Sink` (streaming) or a BytesIO (whole file)."""
+
+    def __init__(self, sample_rate: int, fmt: str, out_rate: int | None = None, bit_rate: int | None = None,
+                 seekable: bool = False) -> None:
+        check_format(fmt)
+        muxer, codec_name, options, default_bit_rate = _AV_FORMATS[fmt]
+        codec = av.codec.Codec(codec_name, "w")
+        super().__init__(sample_rate, _pick_rate(codec, out_rate or sample_rate))
+        self.media_type = MEDIA_TYPES[fmt]
+        self._out = io.BytesIO() if seekable else _Sink()
+        options = {**options, "flush_packets": "1"}
+        if muxer == "ogg":
+            options["page_duration"] = str(OGG_PAGE_DURATION_US)
+        self._container = av.open(self._out, "w", format=muxer, options=options)
+        self._stream = self._container.add_stream(codec_name, rate=self.out_rate, layout="mono")
+        if bit_rate or default_bit_rate:
+            self._stream.codec_context.bit_rate = bit_rate or default_bit_rate
+        # libswresample first: the encoder's own conversion only changes the sample format.
+        self._resampler = _Resampler(sample_rate, self.out_rate)
+        self._pts = 0
+        self._closed = False
+
+    def _mux(self, samples: np.ndarray | None) -> None:
+        if samples is None:
+            packets = self._stream.encode(None)
+        elif samples.size == 0:
+            return
+        else:
+            packets = self._stream.encode(_frame(samples, self.out_rate, self._pts))
+            self._pts += samples.size
+        self._container.mux(packets)
+
+    def _take(self) -> bytes:
+        return self._out.take() if isinstance(self._out, _Sink) else b""
+
     def encode(self, samples: np.ndarray) -> bytes:
-        self._file.write(np.asarray(samples, dtype=np.float32).reshape(-1))
-        return self._drain()
+        self._mux(self._resampler.process(samples))
+        return self._take()
 
     def finish(self) -> bytes:
-        self._file.close()
-        return self._drain()
+        if self._closed:
+            return b""
+        self._closed = True
+        self._mux(self._resampler.finish())
+        self._mux(None)
+        self._container.close()
+        return self._take() if isinstance(self._out, _Sink) else self._out.getvalue()
 
 
-def make_stream_encoder(fmt: str, sample_rate: int) -> StreamEncoder:
+def make_stream_encoder(fmt: str, sample_rate: int, out_rate: int | None = None,
+                        bit_rate: int | None = None) -> StreamEncoder:
+    """An incremental encoder of float32 mono at ``sample_rate`` into ``fmt`` at ``out_rate``
+    (default: the same; an encoder that does not take that rate gets its next higher one)."""
     check_format(fmt, stream=True)
     if fmt == "pcm":
-        return PcmStreamEncoder(sample_rate)
+        return PcmStreamEncoder(sample_rate, out_rate)
     if fmt == "wav":
-        return WavStreamEncoder(sample_rate)
-    return SoundFileStreamEncoder(sample_rate, fmt)
+        return WavStreamEncoder(sample_rate, out_rate)
+    return AvStreamEncoder(sample_rate, fmt, out_rate, bit_rate)
 
 
-def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
+def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str, out_rate: int | None = None) -> bytes:
     """Whole-utterance encoding (exact sizes in headers)."""
     check_format(fmt, stream=False)
-    if fmt == "pcm":
-        return to_int16(samples).tobytes()
-    if fmt == "wav":
-        pcm = to_int16(samples)
-        return wav_header(sample_rate, len(pcm)) + pcm.tobytes()
-    import soundfile as sf
+    if fmt in ("pcm", "wav"):
+        enc = PcmStreamEncoder(sample_rate, out_rate)
+        pcm = enc.encode(samples) + enc.finish()
+        return pcm if fmt == "pcm" else wav_header(enc.out_rate, len(pcm) // 2) + pcm
+    enc = AvStreamEncoder(sample_rate, fmt, out_rate, seekable=True)
+    enc.encode(samples)
+    return enc.finish()
 
-    container, subtype = _SOUNDFILE_FORMATS[fmt]
-    buf = io.BytesIO()
-    sf.write(buf, np.asarray(samples, dtype=np.float32).reshape(-1), sample_rate, format=container, subtype=subtype)
-    return buf.getvalue()
+
+class TempoStretcher:
+    """Streaming tempo change without a pitch change (FFmpeg's ``atempo``, WSOLA), for the part of
+    a requested speed that the model does not produce itself.
+
+    ``factor`` > 1 is faster (shorter audio). Factors outside [MIN_TEMPO, MAX_TEMPO] run as a chain
+    of stages within it, as FFmpeg recommends for quality.
+    """
+
+    def __init__(self, sample_rate: int, factor: float) -> None:
+        if not factor > 0:
+            raise InvalidInputError(f"tempo factor must be positive, got {factor}")
+        self.sample_rate, self.factor = sample_rate, factor
+        stages = []
+        rest = factor
+        while rest > MAX_TEMPO or rest < MIN_TEMPO:
+            step = MAX_TEMPO if rest > MAX_TEMPO else MIN_TEMPO
+            stages.append(step)
+            rest /= step
+        stages.append(rest)
+        self._graph = av.filter.Graph()
+        self._src = self._graph.add_abuffer(format="flt", sample_rate=sample_rate, layout="mono",
+                                            time_base=Fraction(1, sample_rate))
+        node = self._src
+        for step in stages:
+            nxt = self._graph.add("atempo", f"{step:.6f}")
+            node.link_to(nxt)
+            node = nxt
+        self._sink = self._graph.add("abuffersink")
+        node.link_to(self._sink)
+        self._graph.configure()
+        self._pts = 0
+
+    def _drain(self) -> np.ndarray:
+        out = []
+        while True:
+            try:
+                frame = self._sink.pull()
+            except (av.BlockingIOError, av.EOFError):
+                break
+            out.append(frame.to_ndarray().reshape(-1))
+        return np.concatenate(out).astype(np.float32, copy=False) if out else np.zeros(0, np.float32)
+
+    def process(self, samples: np.ndarray) -> np.ndarray:
+        x = np.asarray(samples, dtype=np.float32).reshape(-1)
+        if x.size:
+            self._src.push(_frame(x, self.sample_rate, self._pts))
+            self._pts += x.size
+        return self._drain()
+
+    def finish(self) -> np.ndarray:
+        self._src.push(None)
+        return self._drain()
 
 
 def decode_upload(data: bytes) -> tuple[np.ndarray, int]:
