@@ -1,64 +1,112 @@
-"""Custom Serve autoscaling policy: keep measured GPU utilisation within a band (70-80 %).
+"""Custom Serve autoscaling policy: keep each replica's load within a band (70-80 %).
 
-Configured by ``AutoscalingKnobs.serve_config()`` as
-``autoscaling_config.policy = {"policy_function": "deployments.autoscaling_policy:GpuUtilizationPolicy",
-"policy_kwargs": {...}}``. Serve instantiates the class once on the controller and calls it every
-control-loop tick with an ``AutoscalingContext``; it still applies ``upscale_delay_s`` /
-``downscale_delay_s`` and the replica bounds to what we return. Replicas report the metric from
-``Synthesizer.record_autoscaling_stats`` (NVML utilisation, or the compute busy fraction).
+The load signal is offered load against measured capacity, not device utilisation:
 
-Decision per tick, with ``n`` running replicas, mean utilisation ``u`` and ``mid`` the band centre:
+    load_pct = 100 * (streams in flight + streams queued) / (n * slo_streams)
 
-* ``u > high``: ``max(n + 1, ceil(n * u / mid))`` (scale out, proportionally when far above);
-* ``u < low``:  ``min(n - 1, ceil(n * u / mid))`` (scale in), never below 1;
+``slo_streams`` is how many concurrent streams one replica serves within its latency SLO
+(measured with ``bench/capacity.py``; config key ``autoscaling.load_band.slo_streams``). The
+signal rises in proportion to offered load and does not saturate: NVML's ``utilization.gpu``
+reads ~88 % with one stream and ~96 % from 2 to 64 streams on an H200 (issue 17), so it is
+exported for dashboards only (``deployments.gpu_stats``).
+
+Streams in flight are the replicas' own count (``record_autoscaling_stats`` reports
+``streams_in_flight``, time-averaged by Serve over ``look_back_period_s``); streams queued are the
+requests waiting at handles (``ctx.total_queued_requests``). Before any replica has reported,
+Serve's ``total_num_requests`` (running + queued) stands in.
+
+Decision per tick, with ``n`` running replicas and ``mid`` the band centre:
+
+* ``load > high``: ``max(n + 1, ceil(demand / (slo_streams * mid)))`` (proportional when far above);
+* ``load < low``: ``ceil(demand / (slo_streams * mid))`` if that is below ``n`` (the result sits at
+  or under ``mid``, so it cannot bounce back above ``high``), never below 1; else ``n``;
 * otherwise ``n``;
-* the result is never below the queue-length answer ``ceil(total_requests / target_ongoing)``,
-  so a backlog scales out even when utilisation looks low, and scale-in needs both signals.
+* never below the queue-length answer ``ceil(total_num_requests / target_ongoing_requests)``, so
+  scale-in needs both signals to agree.
 
-Serve cloudpickles this module by value onto the controller: it imports only the stdlib.
+Serve applies ``upscale_delay_s`` / ``downscale_delay_s`` and the replica bounds to the answer.
+Every decision that differs from ``n`` is logged with its inputs (controller log, ``ray.serve``).
+
+Configured by ``AutoscalingKnobs.serve_config()`` as ``autoscaling_config.policy =
+{"policy_function": "deployments.autoscaling_policy:LoadBandPolicy", "policy_kwargs": {...}}``;
+Serve instantiates the class once on the controller. Serve cloudpickles this module by value
+onto the controller: it imports only the stdlib.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
+# The controller's Serve logger, so decisions land in the controller log next to Serve's own.
+logger = logging.getLogger("ray.serve")
 
-class GpuUtilizationPolicy:
-    def __init__(self, low_pct: float = 70.0, high_pct: float = 80.0, metric: str = "gpu_utilization_pct") -> None:
-        if not 0 <= low_pct < high_pct <= 100:
-            raise ValueError(f"need 0 <= low_pct < high_pct <= 100, got {low_pct}, {high_pct}")
+STREAMS_METRIC = "streams_in_flight"
+
+
+class LoadBandPolicy:
+    """Keeps ``load_pct`` (see the module docstring) within ``[low_pct, high_pct]``.
+
+    Args:
+        low_pct: scale in below this load.
+        high_pct: scale out above this load.
+        slo_streams: concurrent streams one replica serves within the SLO (the 100 % mark).
+        metric: the replicas' autoscaling metric counting streams in flight.
+    """
+
+    def __init__(self, low_pct: float = 70.0, high_pct: float = 80.0, slo_streams: float = 8.0,
+                 metric: str = STREAMS_METRIC) -> None:
+        if not 0 < low_pct < high_pct:
+            raise ValueError(f"need 0 < low_pct < high_pct, got {low_pct}, {high_pct}")
+        if slo_streams <= 0:
+            raise ValueError(f"slo_streams must be positive, got {slo_streams}")
         self.low = float(low_pct)
         self.high = float(high_pct)
+        self.slo_streams = float(slo_streams)
         self.metric = metric
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         n = int(ctx.current_num_replicas)
         target_ongoing = float(ctx.config.get_target_ongoing_requests()) if ctx.config is not None else 1.0
         by_queue = math.ceil(float(ctx.total_num_requests or 0) / target_ongoing)
-        util = self.mean_utilization(ctx)
-        state = dict(ctx.policy_state or {})
-        state.update(by_queue=by_queue, mean_util=util)
-        if n == 0 or util is None:
-            # No replicas (scale from zero) or no readings yet: the queue decides alone.
-            decision = max(by_queue, n if util is None else 0)
+        demand = self.demand(ctx)
+        load = self.load_pct(demand, n)
+        if load is None:  # no replicas yet (scale from zero): the queue decides alone
+            decision, reason = by_queue, "no running replica: queue length"
         else:
-            decision = max(self.by_utilization(n, util), by_queue)
+            by_load = self.by_load(n, demand, load)
+            decision = max(by_load, by_queue)
+            reason = "queue length" if by_queue > by_load else "load band"
         lo, hi = int(ctx.capacity_adjusted_min_replicas), int(ctx.capacity_adjusted_max_replicas)
-        decision = max(lo, min(hi, decision))
-        state["decision"] = decision
-        return decision, state
+        bounded = max(lo, min(hi, decision))
+        if bounded != decision:
+            reason += f", bounded to [{lo}, {hi}]"
+        state = dict(ctx.policy_state or {})
+        state.update(demand_streams=demand, load_pct=load, by_queue=by_queue, decision=bounded, reason=reason)
+        if bounded != n:
+            logger.info("autoscaling %s: %d -> %d replicas (%s; load %s %% of %g SLO streams per replica, "
+                        "demand %.1f streams, queue asks %d)", ctx.deployment_name, n, bounded, reason,
+                        "n/a" if load is None else f"{load:.0f}", self.slo_streams, demand, by_queue)
+        return bounded, state
 
-    def by_utilization(self, n: int, util: float) -> int:
-        mid = (self.low + self.high) / 2.0
-        proportional = math.ceil(n * util / mid)
-        if util > self.high:
-            return max(n + 1, proportional)
-        if util < self.low:
-            return max(1, min(n - 1, proportional))
-        return n
-
-    def mean_utilization(self, ctx: Any) -> float | None:
+    def demand(self, ctx: Any) -> float:
+        """Streams in flight at the running replicas plus streams queued at handles."""
         per_replica = (ctx.aggregated_metrics or {}).get(self.metric) or {}
         running = set(ctx.running_replicas or [])
         values = [float(v) for rid, v in per_replica.items() if not running or rid in running]
-        return sum(values) / len(values) if values else None
+        if not values:
+            return float(ctx.total_num_requests or 0)
+        return sum(values) + float(ctx.total_queued_requests or 0)
+
+    def load_pct(self, demand: float, n: int) -> float | None:
+        """The load signal: ``100 * demand / (n * slo_streams)``; None without replicas."""
+        return 100.0 * demand / (n * self.slo_streams) if n > 0 else None
+
+    def by_load(self, n: int, demand: float, load: float) -> int:
+        mid = (self.low + self.high) / 200.0
+        at_mid = max(1, math.ceil(demand / (self.slo_streams * mid)))
+        if load > self.high:
+            return max(n + 1, at_mid)
+        if load < self.low and at_mid < n:
+            return at_mid
+        return n

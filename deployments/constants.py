@@ -31,6 +31,8 @@ ENV_MODEL_DIR = "FAST_COSY_MODEL_DIR"  # model directory used when the config gi
 ENV_HOME = "FAST_COSY_HOME"  # cache root: generated tiny model, default voice store
 ENV_MODE = "FAST_COSY_MODE"  # SynthesizerConfig.mode on this node when the config leaves it unset
 ENV_DEVICE = "FAST_COSY_DEVICE"  # overrides SynthesizerConfig.device on this node
+ENV_API_KEYS = "FAST_COSY_API_KEYS"  # API keys (comma-separated), for the ingress's auth (serve_app/auth.py)
+ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"  # set per Ray worker; maps local CUDA indices to GPUs
 
 
 def home_dir() -> Path:
@@ -53,6 +55,16 @@ def mode_override() -> str | None:
 def device_override() -> str | None:
     """``$FAST_COSY_DEVICE`` ("cpu" | "cuda" | "cuda:N") if set."""
     return os.environ.get(ENV_DEVICE) or None
+
+
+def cuda_visible_devices() -> str | None:
+    """``$CUDA_VISIBLE_DEVICES`` as set (None when unset: every GPU of the node is visible)."""
+    return os.environ.get(ENV_CUDA_VISIBLE_DEVICES)
+
+
+def api_keys_env() -> str | None:
+    """``$FAST_COSY_API_KEYS`` if set and non-empty: ``key`` or ``key:scope+scope`` entries, comma-separated."""
+    return os.environ.get(ENV_API_KEYS) or None
 
 
 def default_voices_dir() -> Path:

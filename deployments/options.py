@@ -37,16 +37,22 @@ class ReplicaResources(StrictModel):
         return opts
 
 
-class GpuUtilizationPolicyConfig(StrictModel):
-    """Custom policy: keep mean measured GPU utilisation within ``[low_pct, high_pct]``."""
+class LoadBandConfig(StrictModel):
+    """Custom policy: keep each replica's load within ``[low_pct, high_pct]`` of its SLO capacity.
+
+    load = (streams in flight + queued) / (replicas * ``slo_streams``); see
+    ``deployments.autoscaling_policy``. ``slo_streams`` is a placeholder (8) until measured on
+    the target GPU with ``bench/capacity.py`` (docs/tuning.md).
+    """
 
     enabled: bool = False
-    low_pct: float = Field(70.0, ge=0, le=100)
-    high_pct: float = Field(80.0, ge=0, le=100)
-    metric: str = "gpu_utilization_pct"
+    low_pct: float = Field(70.0, gt=0)
+    high_pct: float = Field(80.0, gt=0)
+    slo_streams: PositiveFloat = 8.0
+    metric: str = "streams_in_flight"
 
     @model_validator(mode="after")
-    def _band(self) -> GpuUtilizationPolicyConfig:
+    def _band(self) -> LoadBandConfig:
         if self.low_pct >= self.high_pct:
             raise ValueError(f"low_pct ({self.low_pct}) must be below high_pct ({self.high_pct})")
         return self
@@ -63,7 +69,7 @@ class AutoscalingKnobs(StrictModel):
     downscale_delay_s: float = Field(600.0, ge=0)
     # Must exceed the 10 s metrics push interval (Serve warns, and will reject, otherwise).
     look_back_period_s: float = Field(30.0, gt=10)
-    gpu_utilization: GpuUtilizationPolicyConfig = Field(default_factory=GpuUtilizationPolicyConfig)
+    load_band: LoadBandConfig = Field(default_factory=LoadBandConfig)
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingKnobs:
@@ -74,15 +80,11 @@ class AutoscalingKnobs(StrictModel):
         return self
 
     def serve_config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = self.model_dump(exclude={"gpu_utilization"}, exclude_none=True)
-        if self.gpu_utilization.enabled:
+        cfg: dict[str, Any] = self.model_dump(exclude={"load_band"}, exclude_none=True)
+        if self.load_band.enabled:
             cfg["policy"] = {
-                "policy_function": "deployments.autoscaling_policy:GpuUtilizationPolicy",
-                "policy_kwargs": {
-                    "low_pct": self.gpu_utilization.low_pct,
-                    "high_pct": self.gpu_utilization.high_pct,
-                    "metric": self.gpu_utilization.metric,
-                },
+                "policy_function": "deployments.autoscaling_policy:LoadBandPolicy",
+                "policy_kwargs": self.load_band.model_dump(exclude={"enabled"}),
             }
         return cfg
 

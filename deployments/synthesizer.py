@@ -283,6 +283,8 @@ class Synthesizer:
             "deadline_held_total": self.gate.held if self.gate is not None else 0,
             "cuda_cache_releases": self.cuda_cache_releases,
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
+            "sm_activity_pct": self.probe.sm_activity_pct(),
+            "streams_in_flight": self._active,
             "gpu_memory_allocated_bytes": allocated,
             "gpu_memory_total_bytes": total,
         }
@@ -307,7 +309,9 @@ class Synthesizer:
         util = self.probe.utilization_pct(self.compute.busy_fraction())
         engine = self.loop.stats()
         self.metrics.set_engine(engine.running, engine.waiting, util)
-        return {"gpu_utilization_pct": util, "engine_running": float(engine.running)}
+        # streams_in_flight is the load policy's signal; utilisation is for dashboards only.
+        return {"streams_in_flight": float(self._active), "gpu_utilization_pct": util,
+                "engine_running": float(engine.running)}
 
     # ---------------------------------------------------------------- internals
     def _trim_when_idle(self) -> None:
@@ -396,6 +400,8 @@ class Synthesizer:
             self.loop.stop()
         if hasattr(self, "compute"):
             self.compute.shutdown()
+        if hasattr(self, "probe"):
+            self.probe.close()
 
     @classmethod
     def deployment_options(cls, cfg: SynthesizerConfig) -> dict[str, Any]:

@@ -34,7 +34,8 @@ replica): `FAST_COSY_MODEL_DIR` (model directory when the config gives none),
 `FAST_COSY_HOME` (cache root: generated tiny model, default voice store; default
 `~/.cache/fastcosy`), `FAST_COSY_MODE` (`synthesizer.mode` on that node where the config
 sets none; a mode in the config wins),
-`FAST_COSY_DEVICE` (overrides `synthesizer.device` on that node).
+`FAST_COSY_DEVICE` (overrides `synthesizer.device` on that node), `FAST_COSY_API_KEYS` (API keys
+of the ingress, comma-separated, `key` or `key:scope+scope`; never put keys in a config file).
 """
 
 
@@ -61,11 +62,13 @@ _FALLBACK = {
     ("AutoscalingKnobs", "target_ongoing_requests"): "running + queued requests per replica the policy aims at",
     ("AutoscalingKnobs", "upscale_delay_s"): "load must stay high this long before adding replicas",
     ("AutoscalingKnobs", "downscale_delay_s"): "load must stay low this long before removing replicas",
-    ("AutoscalingKnobs", "gpu_utilization"): "optional GPU-utilisation band policy on top of the queue policy",
-    ("GpuUtilizationPolicyConfig", "enabled"): "use `deployments.autoscaling_policy:GpuUtilizationPolicy`",
-    ("GpuUtilizationPolicyConfig", "low_pct"): "scale in below this mean utilisation (%)",
-    ("GpuUtilizationPolicyConfig", "high_pct"): "scale out above this mean utilisation (%)",
-    ("GpuUtilizationPolicyConfig", "metric"): "replica autoscaling metric the policy reads",
+    ("AutoscalingKnobs", "load_band"): "optional load-band policy on top of the queue policy (docs/tuning.md)",
+    ("LoadBandConfig", "enabled"): "use `deployments.autoscaling_policy:LoadBandPolicy`",
+    ("LoadBandConfig", "low_pct"): "scale in below this load (% of `slo_streams` per replica)",
+    ("LoadBandConfig", "high_pct"): "scale out above this load (% of `slo_streams` per replica)",
+    ("LoadBandConfig", "slo_streams"): "concurrent streams one replica serves within the latency SLO "
+                                       "(`bench/capacity.py`); 8 is a placeholder until measured",
+    ("LoadBandConfig", "metric"): "replica autoscaling metric counting streams in flight",
     ("ReplicaResources", "num_cpus"): "logical CPUs per replica (fractions pack replicas)",
     ("ReplicaResources", "num_gpus"): "GPUs per replica; 0.5 packs two replicas on one GPU (memory is not isolated)",
     ("ReplicaResources", "memory_bytes"): "Ray `memory` resource (scheduling only, not a hard limit)",

@@ -1,70 +1,135 @@
-"""Decisions of the GPU-utilisation autoscaling policy, on Serve's real AutoscalingContext."""
+"""Decisions of the load-band autoscaling policy, on Serve's real AutoscalingContext."""
 from __future__ import annotations
+
+import itertools
+import logging
 
 import pytest
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from deployments.autoscaling_policy import GpuUtilizationPolicy
+from deployments.autoscaling_policy import LoadBandPolicy
+from deployments.options import AutoscalingKnobs
 
 DEP = DeploymentID(name="Synthesizer", app_name="tts")
+SLO = 8.0  # streams per replica at the SLO: 6 streams per replica is the band centre (75 %)
 
 
-def _ctx(utils: list[float] | None, requests: float = 0.0, target_ongoing: float = 24, lo: int = 1, hi: int = 8,
-         state: dict | None = None) -> AutoscalingContext:
-    replicas = [ReplicaID(unique_id=f"r{i}", deployment_id=DEP) for i in range(len(utils or [1]))]
-    metrics = {"gpu_utilization_pct": {r: u for r, u in zip(replicas, utils, strict=True)}} if utils is not None else {}
+def _ctx(streams: list[float] | None, queued: float = 0.0, requests: float | None = None, target_ongoing: float = 24,
+         lo: int = 1, hi: int = 8, n: int | None = None, state: dict | None = None) -> AutoscalingContext:
+    count = n if n is not None else len(streams or [1])
+    replicas = [ReplicaID(unique_id=f"r{i}", deployment_id=DEP) for i in range(count)]
+    metrics = ({"streams_in_flight": {r: s for r, s in zip(replicas, streams, strict=True)}}
+               if streams is not None else {})
+    total = requests if requests is not None else sum(streams or []) + queued
     return AutoscalingContext(
-        deployment_id=DEP, deployment_name="Synthesizer", app_name="tts", current_num_replicas=len(replicas),
-        target_num_replicas=len(replicas), running_replicas=replicas, total_num_requests=requests,
-        total_queued_requests=0.0, aggregated_metrics=metrics, raw_metrics={}, capacity_adjusted_min_replicas=lo,
+        deployment_id=DEP, deployment_name="Synthesizer", app_name="tts", current_num_replicas=count,
+        target_num_replicas=count, running_replicas=replicas, total_num_requests=total,
+        total_queued_requests=queued, aggregated_metrics=metrics, raw_metrics={}, capacity_adjusted_min_replicas=lo,
         capacity_adjusted_max_replicas=hi, policy_state=state or {}, last_scale_up_time=None,
         last_scale_down_time=None, current_time=0.0,
         config=AutoscalingConfig(min_replicas=lo, max_replicas=hi, target_ongoing_requests=target_ongoing),
     )
 
 
-policy = GpuUtilizationPolicy(low_pct=70, high_pct=80)
+policy = LoadBandPolicy(low_pct=70, high_pct=80, slo_streams=SLO)
 
 
-@pytest.mark.parametrize("utils, expected", [
-    ([75, 75], 2),          # inside the band: hold
-    ([70, 80], 2),          # band edges are inside
-    ([81, 85], 3),          # just above: one more
-    ([100, 100], 3),        # ceil(2 * 100 / 75) = 3
-    ([100, 100, 100, 100], 6),  # proportional when far above: ceil(4 * 100 / 75)
-    ([60, 60], 1),          # below: one fewer
-    ([10, 10, 10, 10], 1),  # far below: proportional, ceil(4 * 10 / 75) = 1
-    ([65, 65, 65, 65], 3),  # min(n - 1, ceil(4 * 65 / 75) = 4) = 3
-    ([50], 1),              # never below one replica by utilisation
+@pytest.mark.parametrize("streams, queued, expected", [
+    ([6, 6], 0, 2),            # 75 %: inside the band, hold
+    ([5.6, 5.6], 0, 2),        # 70 %: band edges are inside
+    ([6.4, 6.4], 0, 2),        # 80 %
+    ([7, 7], 0, 3),            # 87.5 %: one more (ceil(14 / 6) = 3)
+    ([8, 8], 8, 4),            # 150 %: proportional, ceil(24 / 6) = 4
+    ([8, 8, 8, 8], 16, 8),     # ceil(48 / 6) = 8
+    ([4, 4], 0, 2),            # 50 %: ceil(8 / 6) = 2, no fewer replicas keep load under the band centre
+    ([2, 2], 0, 1),            # 25 %: ceil(4 / 6) = 1
+    ([1, 1, 1, 1], 0, 1),      # far below: proportional
+    ([5, 5, 5, 5], 0, 4),      # 62.5 %: ceil(20 / 6) = 4 = n, hold (3 would be 83 %, above the band)
+    ([0], 0, 1),               # idle: never below one replica by load
 ])
-def test_band_decisions(utils, expected):
-    decision, state = policy(_ctx(utils))
+def test_band_decisions(streams, queued, expected):
+    decision, state = policy(_ctx(streams, queued=queued))
     assert decision == expected
-    assert state["mean_util"] == pytest.approx(sum(utils) / len(utils))
+    assert state["load_pct"] == pytest.approx(100 * (sum(streams) + queued) / (len(streams) * SLO))
 
 
-def test_queue_backlog_overrides_low_utilisation():
-    # 100 requests at target 24 per replica -> 5 replicas although utilisation says scale in.
-    decision, state = policy(_ctx([40, 40], requests=100))
-    assert decision == 5 and state["by_queue"] == 5
+def test_the_signal_rises_with_offered_load_and_does_not_saturate():
+    # One replica, offered load from 1 stream to 4x capacity: the signal grows in proportion
+    # (unlike NVML's utilisation, ~88 % at one stream and ~96 % beyond), and so do the decisions.
+    loads, decisions = [], []
+    for offered in range(1, 33):
+        in_flight = min(offered, SLO)  # the replica admits up to its capacity, the rest queues
+        decision, state = policy(_ctx([in_flight], queued=offered - in_flight, requests=offered))
+        loads.append(state["load_pct"])
+        decisions.append(decision)
+    assert all(b > a for a, b in itertools.pairwise(loads))
+    assert loads[0] == pytest.approx(100 / SLO) and loads[-1] == pytest.approx(400)
+    assert decisions == sorted(decisions) and decisions[0] == 1 and decisions[-1] == 6  # ceil(32 / 6)
+
+
+def test_a_decision_never_undoes_itself():
+    # Whatever the load, the replica count chosen puts the next tick's load inside or under the band
+    # (no flapping between scale-in and scale-out at the same demand).
+    for demand10 in range(1, 400):
+        demand = demand10 / 10
+        for n in range(1, 8):
+            decided, _ = policy(_ctx([demand / n] * n, hi=100))
+            _, after = policy(_ctx([demand / decided] * decided, hi=100))
+            assert after["load_pct"] <= 80 + 1e-9 or decided == 1, (demand, n, decided)
+            again, _ = policy(_ctx([demand / decided] * decided, hi=100))
+            assert again == decided, (demand, n, decided)
+
+
+def test_queue_length_is_a_floor():
+    # 100 requests at target 24 per replica -> 5 replicas although the replicas' load says scale in.
+    decision, state = policy(_ctx([1, 1], requests=100))
+    assert decision == 5 and state["by_queue"] == 5 and state["reason"] == "queue length"
 
 
 def test_bounds_are_applied():
-    assert policy(_ctx([100] * 8, hi=8))[0] == 8
-    assert policy(_ctx([10, 10], lo=2))[0] == 2
+    assert policy(_ctx([8] * 8, queued=40, hi=8))[0] == 8
+    assert policy(_ctx([1, 1], lo=2))[0] == 2
 
 
-def test_no_readings_keeps_current_or_follows_queue():
-    assert policy(_ctx(None))[0] == 1
-    assert policy(_ctx(None, requests=50))[0] == 3
+def test_without_replica_readings_serve_request_count_stands_in():
+    assert policy(_ctx(None, requests=0))[0] == 1
+    decision, state = policy(_ctx(None, requests=20, target_ongoing=24))  # 20 / 8 = 250 %: ceil(20 / 6) = 4
+    assert decision == 4 and state["demand_streams"] == 20
+
+
+def test_replicas_no_longer_running_are_ignored():
+    ctx = _ctx([6, 6])
+    stale = ReplicaID(unique_id="gone", deployment_id=DEP)
+    ctx.aggregated_metrics["streams_in_flight"][stale] = 100.0
+    assert policy(ctx)[1]["demand_streams"] == 12
+
+
+def test_decisions_are_logged_with_their_inputs(caplog):
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        policy(_ctx([6, 6]))  # hold: nothing logged
+        assert not caplog.records
+        policy(_ctx([8, 8], queued=8))
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "2 -> 4 replicas" in message and "load band" in message and "load 150 %" in message
 
 
 def test_policy_state_is_carried():
-    _, state = policy(_ctx([75], state={"previous": 1}))
+    _, state = policy(_ctx([6], state={"previous": 1}))
     assert state["previous"] == 1 and state["decision"] == 1
 
 
-def test_invalid_band():
+@pytest.mark.parametrize("kwargs", [{"low_pct": 80, "high_pct": 70}, {"slo_streams": 0}])
+def test_invalid_arguments(kwargs):
     with pytest.raises(ValueError):
-        GpuUtilizationPolicy(low_pct=80, high_pct=70)
+        LoadBandPolicy(**kwargs)
+
+
+def test_config_passes_the_band_and_capacity_to_serve():
+    knobs = AutoscalingKnobs(max_replicas=4, load_band={"enabled": True, "slo_streams": 12})
+    policy_cfg = knobs.serve_config()["policy"]
+    assert policy_cfg["policy_function"] == "deployments.autoscaling_policy:LoadBandPolicy"
+    built = LoadBandPolicy(**policy_cfg["policy_kwargs"])
+    assert (built.low, built.high, built.slo_streams, built.metric) == (70, 80, 12, "streams_in_flight")
+    assert "policy" not in AutoscalingKnobs(max_replicas=4).serve_config()

@@ -61,7 +61,7 @@ def test_build_app_binds_three_deployments_with_backpressure(path: Path):
 
 @pytest.mark.parametrize("where", [(), ("ingress",), ("frontend",), ("synthesizer",), ("synthesizer", "token2wav"),
                                    ("synthesizer", "resources"), ("frontend", "autoscaling"),
-                                   ("frontend", "autoscaling", "gpu_utilization")])
+                                   ("frontend", "autoscaling", "load_band")])
 def test_unknown_key_is_rejected_at_every_level(where):
     args = copy.deepcopy(application_of(_load(ROOT / "configs/local.yaml"))["args"])
     node = args
@@ -75,7 +75,8 @@ def test_unknown_key_is_rejected_at_every_level(where):
 @pytest.mark.parametrize("patch, message", [
     ({"synthesizer": {"num_replicas": 1, "autoscaling": {"max_replicas": 2}}}, "either num_replicas or autoscaling"),
     ({"frontend": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "min_replicas"),
-    ({"synthesizer": {"autoscaling": {"gpu_utilization": {"low_pct": 80, "high_pct": 70}}}}, "low_pct"),
+    ({"synthesizer": {"autoscaling": {"load_band": {"low_pct": 80, "high_pct": 70}}}}, "low_pct"),
+    ({"synthesizer": {"autoscaling": {"load_band": {"slo_streams": 0}}}}, "slo_streams"),
     ({"synthesizer": {"max_running": 4, "max_ongoing_requests": 8}}, "max_running"),
     ({"ingress": {"max_queued_requests": -1}}, "greater than 0"),
     ({"synthesizer": {"dtype": "int4"}}, "dtype"),
@@ -85,11 +86,12 @@ def test_semantic_errors(patch, message):
         AppArgs.model_validate(patch)
 
 
-def test_gpu_policy_is_wired_into_autoscaling_config():
+def test_load_band_policy_is_wired_into_autoscaling_config():
     args = AppArgs.from_file(ROOT / "configs/production.yaml")
     cfg = args.synthesizer.serve_options("Synthesizer")["autoscaling_config"]
-    assert cfg["policy"]["policy_function"] == "deployments.autoscaling_policy:GpuUtilizationPolicy"
-    assert cfg["policy"]["policy_kwargs"] == {"low_pct": 70.0, "high_pct": 80.0, "metric": "gpu_utilization_pct"}
+    assert cfg["policy"]["policy_function"] == "deployments.autoscaling_policy:LoadBandPolicy"
+    assert cfg["policy"]["policy_kwargs"] == {"low_pct": 70.0, "high_pct": 80.0, "slo_streams": 8.0,
+                                              "metric": "streams_in_flight"}
     from ray.serve.config import AutoscalingConfig
 
     AutoscalingConfig(**cfg)  # Serve accepts it (imports and pickles the policy)
