@@ -1,6 +1,7 @@
 """One error shape for every response, and the one mapping from exceptions to status codes.
 
-Body: ``{"error": {"message", "type", "code"}, "request_id"}``. The request id is the incoming
+Body: OpenAI's ``{"error": {"message", "type", "param", "code"}}`` plus ``"request_id"``
+(``param`` names the request field at fault, or is null). The request id is the incoming
 ``x-request-id`` header: Serve's proxy sets it on every request (taking the client's when given)
 and returns it in the response header itself, so logs, body and header agree; when the app runs
 outside Serve a fresh id is made. Domain errors (``deployments.protocol``) map to 4xx/5xx with their
@@ -39,9 +40,10 @@ class ApiError(Exception):
     """Raised by route code for a response with an explicit status."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers or {}
+        self.param = param
 
 
 def request_id_of(request: Request) -> str:
@@ -54,10 +56,16 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
+def error_body(request_id: str, message: str, type_: str, code: str | None = None,
+               param: str | None = None) -> dict:
+    """The one error shape (also sent as a WebSocket message by the stream-input route)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}, "request_id": request_id}
+
+
 def error_response(request_id: str, status: int, message: str, type_: str, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "code": code}, "request_id": request_id}
-    return JSONResponse(body, status_code=status, headers=headers or {})
+                   headers: dict[str, str] | None = None, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(request_id, message, type_, code, param), status_code=status,
+                        headers=headers or {})
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -88,6 +96,18 @@ def classify(exc: BaseException, retry_after_s: int = 1) -> tuple[int, str, str 
     return 500, "server_error", None, {}
 
 
+def param_of(exc: BaseException) -> str | None:
+    """The request field a validation error is about (OpenAI's ``param``), if any."""
+    exc = _unwrap(exc)
+    if isinstance(exc, ApiError):
+        return exc.param
+    if isinstance(exc, ValidationError):
+        errors = exc.errors(include_url=False)
+        loc = errors[0].get("loc", ()) if errors else ()
+        return ".".join(str(x) for x in loc) or None
+    return None
+
+
 def message_of(exc: BaseException) -> str:
     exc = _unwrap(exc)
     if isinstance(exc, ValidationError):
@@ -103,7 +123,7 @@ def message_of(exc: BaseException) -> str:
 def response_for(request: Request, exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
     rid = request_id_of(request)
     if isinstance(exc, ApiError):
-        return error_response(rid, exc.status, exc.message, exc.type, exc.code, exc.headers)
+        return error_response(rid, exc.status, exc.message, exc.type, exc.code, exc.headers, exc.param)
     if isinstance(exc, HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(rid, exc.status_code, str(exc.detail), kind)
@@ -113,7 +133,7 @@ def response_for(request: Request, exc: BaseException, retry_after_s: int = 1) -
         return error_response(rid, 500, f"internal error (request id {rid})", "server_error")
     if status >= 500:
         logger.warning("request %s: %s", rid, message_of(exc))
-    return error_response(rid, status, message_of(exc), type_, code, headers)
+    return error_response(rid, status, message_of(exc), type_, code, headers, param_of(exc))
 
 
 def install_exception_handlers(app: Starlette, retry_after_s: int = 1) -> None:

@@ -1,38 +1,65 @@
-"""HTTP request/response models (pydantic). Unknown fields are rejected with a 400."""
+"""HTTP request/response models (pydantic).
+
+``POST /v1/audio/speech`` follows OpenAI: unknown fields are ignored (the ingress logs them).
+Our own endpoints reject unknown fields with a 400.
+"""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from deployments.frontend import VOICE_ID_PATTERN
 from deployments.protocol import SynthesisMode
 
-# Formats OpenAI defines; the ones we cannot produce are answered with a 400 that lists ours.
+# OpenAI's formats, all produced (serve_app.audio_codec).
 OpenAIFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+# OpenAI's speed range. The model changes speed itself within [0.5, 2.0]; the rest is a tempo change
+# of its output (serve_app.speech.split_speed).
+MIN_SPEED, MAX_SPEED = 0.25, 4.0
+
+
+VoiceId = Annotated[str, StringConstraints(pattern=VOICE_ID_PATTERN)]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
-class SpeechRequest(_Strict):
+class VoiceRef(_Strict):
+    """A voice given as an object (OpenAI's custom-voice form ``{"id": "voice_1234"}``)."""
+
+    id: VoiceId
+
+
+class SpeechRequest(BaseModel):
     """``POST /v1/audio/speech`` (OpenAI-compatible).
 
-    ``voice`` names a registered voice. ``instructions`` (as in OpenAI's newer TTS models) switches
-    to CosyVoice's instruct mode with that voice. ``stream`` (an extension; OpenAI streams every
-    response) selects chunked transfer of audio as it is produced.
+    ``voice`` names a registered voice or an alias of one (``ingress.voice_aliases``), as a string
+    or ``{"id": ...}``. ``instructions`` switches to CosyVoice's instruct mode with that voice.
+    The body streams as audio is made (as OpenAI's does); ``stream: false`` (our extension) asks
+    for one buffered body with a Content-Length. ``stream_format: "sse"`` sends Server-Sent Events.
     """
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     model: str = Field(min_length=1, max_length=128)
     input: str = Field(min_length=1)
-    voice: str = Field(pattern=VOICE_ID_PATTERN)
+    voice: VoiceId | VoiceRef
     response_format: OpenAIFormat = "mp3"
-    speed: float = Field(1.0, ge=0.5, le=2.0)
-    stream: bool = False
-    stream_format: Literal["audio"] = "audio"
+    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
+    stream: bool = True
+    stream_format: Literal["audio", "sse"] = "audio"
     instructions: str | None = Field(None, max_length=1000)
     seed: int | None = Field(None, ge=0, lt=2**63)
+
+    @property
+    def voice_id(self) -> str:
+        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
 
 class NativeSynthesisFields(_Strict):
@@ -44,7 +71,7 @@ class NativeSynthesisFields(_Strict):
     prompt_text: str | None = Field(None, max_length=2000)
     instruct_text: str | None = Field(None, max_length=1000)
     response_format: OpenAIFormat = "wav"
-    speed: float = Field(1.0, ge=0.5, le=2.0)
+    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
     stream: bool = False
     seed: int | None = Field(None, ge=0, lt=2**63)
 

@@ -34,7 +34,7 @@ def test_mapping(exc, status, code):
     resp = response_for(_request(), exc)
     body = json.loads(resp.body)
     assert resp.status_code == status
-    assert set(body) == {"error", "request_id"} and set(body["error"]) == {"message", "type", "code"}
+    assert set(body) == {"error", "request_id"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["code"] == code
     assert len(body["request_id"]) == 32  # fresh id outside Serve
 

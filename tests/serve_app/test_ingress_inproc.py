@@ -92,18 +92,18 @@ def test_routes_end_to_end_in_process():
             r = await c.post("/v1/voices", data={"voice_id": "v1", "prompt_text": "hi"},
                              files={"audio": ("a.wav", _wav(), "audio/wav")})
             assert r.status_code == 201 and r.json()["num_prompt_tokens"] == 25
-            r = await c.post("/v1/audio/speech", json={"model": "m", "input": "Hi.", "voice": "v1",
-                                                        "response_format": "wav"})
+            r = await c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "voice": "v1",
+                                                        "response_format": "wav", "stream": False})
             assert r.status_code == 200
             with wave.open(io.BytesIO(r.content)) as w:
                 assert w.getnframes() == 3 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
-            r = await c.post("/v1/audio/speech", json={"model": "m", "input": "Hello there.", "voice": "v1",
+            r = await c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hello there.", "voice": "v1",
                                                         "response_format": "pcm", "stream": True})
             n_samples = 12 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN  # 12 text ids
             assert r.status_code == 200 and len(r.content) == 2 * n_samples
-            r = await c.post("/v1/audio/speech", json={"model": "m", "input": "x" * 101, "voice": "v1"})
+            r = await c.post("/v1/audio/speech", json={"model": "tts-1", "input": "x" * 101, "voice": "v1"})
             assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
-            r = await c.post("/v1/audio/speech", json={"model": "m", "input": "x", "voice": "nobody"})
+            r = await c.post("/v1/audio/speech", json={"model": "tts-1", "input": "x", "voice": "nobody"})
             assert r.status_code == 404 and set(r.json()) == {"error", "request_id"}
             r = await c.get("/metrics")
             assert r.status_code == 200 and "tts_http_requests_total" in r.text
