@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,6 +102,7 @@ class _Stream:
     llm_done: bool = False
     first_token_s: float | None = None  # time-to-first-audio breakdown
     first_job_s: float | None = None  # the first token2wav job started
+    on_finish: Callable[[_Stream], None] | None = None
 
 
 class ReplicaSim:
@@ -108,13 +110,17 @@ class ReplicaSim:
 
     def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, cuda_graphs: bool = False,
                  flow_batch: int = 16, min_first_hop: int | None = None, edf_slack_s: float | None = None,
-                 llm_compile: str | None = None, cv3_vocoder: str = "recompute"):
+                 llm_compile: str | None = None, cv3_vocoder: str = "recompute", stream_priority: bool = False,
+                 max_text: int = TEXT):
         self.model = model
         self.edf_slack_s = edf_slack_s  # None: first chunks first (see _pick)
-        self.n_tokens = n_tokens
+        self.n_tokens = n_tokens  # per request unless submit() says otherwise (then the most it may say)
         self.flow_batch = flow_batch
+        # extra "prio": decode steps on a high-priority CUDA stream, token2wav on a low-priority one,
+        # so a step's kernels are scheduled ahead of a running flow batch's as SMs free up
+        self.priorities = (-1, 0) if stream_priority else (0, 0)
         self.engine = LLMEngine(model.llm, max_batch_size=max_batch,
-                                max_seq_len=PROMPT_SPEECH + PROMPT_TEXT + TEXT + n_tokens + 8,
+                                max_seq_len=PROMPT_SPEECH + PROMPT_TEXT + max_text + n_tokens + 8,
                                 use_cuda_graphs=cuda_graphs and model.device.type == "cuda",
                                 compile_backend=llm_compile)
         if cuda_graphs and model.device.type == "cuda":
@@ -126,34 +132,64 @@ class ReplicaSim:
         self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=min_first_hop, cv3_vocoder=cv3_vocoder)
         self.lock = threading.Condition()
         self.streams: dict[str, _Stream] = {}
-        self.pending: list[tuple[str, torch.Tensor]] = []
+        self.open: dict[str, _Stream] = {}  # streams with audio still to make (token2wav scans only these)
+        self.pending: list[tuple[str, torch.Tensor, int]] = []
         self.stop = False
         self.error: BaseException | None = None
         self.llm_steps = self.t2w_batches = self.t2w_jobs = 0  # progress counters for a timed-out row
+        # where the time goes: (start, end) of every decode step; (start, end, jobs, first chunks) of every batch
+        self.step_log: list[tuple[float, float]] = []
+        self.batch_log: list[tuple[float, float, int, int]] = []
+        self._threads: list[threading.Thread] = []
+        self.on_error: Callable[[BaseException], None] | None = None  # called once a worker thread failed
 
-    def submit(self, rid: str, voice: VoicePrompt, text: torch.Tensor, t_s: float) -> None:
+    def submit(self, rid: str, voice: VoicePrompt, text: torch.Tensor, t_s: float, n_tokens: int | None = None,
+               on_finish=None) -> None:
+        """Queue a request of ``n_tokens`` speech tokens (default: the sim's); ``on_finish(stream)``
+        is called from the token2wav thread, under the lock, when its last chunk is out."""
+        n = n_tokens or self.n_tokens
+        if n > self.n_tokens:
+            raise ValueError(f"{n} tokens: this sim holds at most {self.n_tokens} per request")
         lm = build_lm_input(self.model.llm, text, voice.prompt_text_ids, voice.llm_prompt_speech_ids)
         state = self.t2w.new_stream(voice.flow, stream=True)
         with self.lock:
-            self.streams[rid] = _Stream(RequestTrace(submitted_s=t_s), state)
-            self.pending.append((rid, lm.embeds))
+            st = _Stream(RequestTrace(submitted_s=t_s), state, on_finish=on_finish)
+            self.streams[rid] = self.open[rid] = st
+            self.pending.append((rid, lm.embeds, n))
             self.lock.notify_all()
 
+    def start(self) -> None:
+        """Start the two worker threads (for a caller that drives submissions itself)."""
+        self._threads = [threading.Thread(target=self._guard(f), daemon=True) for f in (self._llm_loop, self._t2w_loop)]
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        with self.lock:
+            self.stop = True
+            self.lock.notify_all()
+        for t in self._threads:
+            t.join(timeout=5 if self.error else 30)
+
     def _llm_loop(self) -> None:
-        stream = torch.cuda.Stream() if self.model.device.type == "cuda" else None
+        cuda = self.model.device.type == "cuda"
+        stream = torch.cuda.Stream(priority=self.priorities[0]) if cuda else None
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             while not self.stop:
                 with self.lock:
                     while not self.stop and not self.pending and not self.engine.has_unfinished():
                         self.lock.wait()
                     adds, self.pending = self.pending, []
-                for rid, embeds in adds:
-                    self.engine.add_request(rid, embeds, self.n_tokens, self.n_tokens, SamplingParams.from_spec(self.model.spec.llm, seed=hash(rid) % 2**31))
+                for rid, embeds, n in adds:
+                    self.engine.add_request(rid, embeds, n, n, SamplingParams.from_spec(self.model.spec.llm,
+                                                                                       seed=hash(rid) % 2**31))
                 if self.stop:
                     return
+                start = time.perf_counter()
                 events = self.engine.step()
                 self.llm_steps += 1
                 now = time.perf_counter()
+                self.step_log.append((start, now))
                 with self.lock:
                     for ev in events:
                         st = self.streams[ev.request_id]
@@ -165,13 +201,13 @@ class ReplicaSim:
 
     def _t2w_loop(self) -> None:
         device = self.model.device
-        stream = torch.cuda.Stream() if device.type == "cuda" else None
+        stream = torch.cuda.Stream(priority=self.priorities[1]) if device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             while not self.stop:
                 with self.lock:
                     jobs = []
                     while not self.stop:
-                        jobs = [(rid, j) for rid, st in self.streams.items()
+                        jobs = [(rid, j) for rid, st in self.open.items()
                                 if (j := self.t2w.next_job(st.state, list(st.tokens), st.llm_done)) is not None]
                         if jobs:
                             break
@@ -180,17 +216,26 @@ class ReplicaSim:
                     return
                 jobs = self._pick(jobs, time.perf_counter())
                 start = time.perf_counter()
+                firsts = 0
                 for rid, job in jobs:
                     if job.state.calls == 0:
                         self.streams[rid].first_job_s = start
+                        firsts += 1
                 audios = self.t2w.run_batch([j for _, j in jobs], max_batch=self.flow_batch)
                 sync(device)
                 self.t2w_batches += 1
                 self.t2w_jobs += len(jobs)
                 now = time.perf_counter()
+                self.batch_log.append((start, now, len(jobs), firsts))
                 with self.lock:
                     for (rid, job), audio in zip(jobs, audios):
-                        self.streams[rid].trace.add_chunk(now, audio.numel())
+                        st = self.streams[rid]
+                        if audio.numel():
+                            st.trace.add_chunk(now, audio.numel())
+                        if job.state.finished:
+                            del self.open[rid]
+                            if st.on_finish is not None:
+                                st.on_finish(st)
                     self.lock.notify_all()
 
     def _pick(self, jobs: list, now: float) -> list:
@@ -216,9 +261,7 @@ class ReplicaSim:
         Raises TimeoutError (after dumping every thread's stack) when the row takes longer than
         ``deadline_s``, so one stuck row cannot eat the whole lease.
         """
-        threads = [threading.Thread(target=self._guard(f), daemon=True) for f in (self._llm_loop, self._t2w_loop)]
-        for t in threads:
-            t.start()
+        self.start()
         t0 = time.perf_counter()
         while True:
             with self.lock:
@@ -236,11 +279,7 @@ class ReplicaSim:
                     continue
             self.submit(f"r{submitted}", voice, text, time.perf_counter())
         wall = time.perf_counter() - t0
-        with self.lock:
-            self.stop = True
-            self.lock.notify_all()
-        for t in threads:
-            t.join(timeout=5 if self.error else 30)
+        self.close()
         if self.error:
             raise self.error
         self.breakdown = _ttfa_breakdown(list(self.streams.values()))
@@ -264,6 +303,8 @@ class ReplicaSim:
                     self.error = exc
                     self.stop = True
                     self.lock.notify_all()
+                if self.on_error is not None:
+                    self.on_error(exc)
         return run
 
 
@@ -319,31 +360,48 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     (:meth:`ReplicaSim._pick`), ``llmcompile`` = the LLM decode step through torch.compile before
     its graphs are captured (what replica mode torchscript adds on CUDA), ``vinc`` = CosyVoice3's
     vocoder in the incremental strategy (the replica's default, ``token2wav.cv3_vocoder``; without
-    it the official full recompute)."""
-    kind, prec, *extra = mode.split("-")
-    known = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile", "vinc"}
-    if kind not in ("pytorch", "compile") or prec not in DTYPES or set(extra) - known:
-        raise ValueError(f"unknown mode {mode!r}: expected <pytorch|compile>-<fp32|fp16|bf16>[-{'|-'.join(sorted(known))}]")
+    it the official full recompute), ``prio`` = decode steps on a high-priority CUDA stream and
+    token2wav on a low-priority one."""
+    kind, prec, extra = parse_mode(mode)
     switch = sys.getswitchinterval()
     if "fastswitch" in extra:
         sys.setswitchinterval(0.0005)
     try:
-        return _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requests, flow_batch, on_row,
-                           deadline_s, compile_backend)
+        return _bench_mode(base, mode, concurrencies, n_tokens, min_requests, flow_batch, on_row, deadline_s,
+                           compile_backend)
     finally:
         sys.setswitchinterval(switch)
 
 
-def _bench_mode(base, mode, kind, prec, extra, concurrencies, n_tokens, min_requests, flow_batch, on_row, deadline_s,
-                compile_backend):
+KNOWN_EXTRAS = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile", "vinc", "prio"}
+
+
+def parse_mode(mode: str) -> tuple[str, str, list[str]]:
+    """``<kind>-<precision>[-<extra>...]`` -> (kind, precision, extras); see :func:`bench_mode`."""
+    kind, prec, *extra = mode.split("-")
+    if kind not in ("pytorch", "compile") or prec not in DTYPES or set(extra) - KNOWN_EXTRAS:
+        raise ValueError(f"unknown mode {mode!r}: expected <pytorch|compile>-<fp32|fp16|bf16>"
+                         f"[-{'|-'.join(sorted(KNOWN_EXTRAS))}]")
+    return kind, prec, extra
+
+
+def mode_setup(base: CosyVoiceModel, mode: str, flow_batch: int, n_tokens: int,
+               compile_backend: str = "inductor") -> tuple[CosyVoiceModel, dict]:
+    """The prepared model of a mode and the :class:`ReplicaSim` keyword arguments it implies
+    (requests of up to ``n_tokens`` speech tokens)."""
+    kind, prec, extra = parse_mode(mode)
     llm_graphs = bool({"graphs", "allgraphs", "llmgraphs"} & set(extra))
     min_first_hop = 10 if "early" in extra else None  # the serving default (token2wav.first_chunk_min_tokens)
     edf = EDF_SLACK_S if "edf" in extra else None
     sim_args = {"cuda_graphs": llm_graphs, "flow_batch": flow_batch, "min_first_hop": min_first_hop, "edf_slack_s": edf,
                 "llm_compile": compile_backend if "llmcompile" in extra else None,
-                "cv3_vocoder": "incremental" if "vinc" in extra else "recompute"}
+                "cv3_vocoder": "incremental" if "vinc" in extra else "recompute", "stream_priority": "prio" in extra}
     graphs = "all" if "allgraphs" in extra else "solve" if "graphs" in extra else None
-    model = _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop, compile_backend)
+    return _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop, compile_backend), sim_args
+
+
+def _bench_mode(base, mode, concurrencies, n_tokens, min_requests, flow_batch, on_row, deadline_s, compile_backend):
+    model, sim_args = mode_setup(base, mode, flow_batch, n_tokens, compile_backend)
     voice, text = make_voice(model)
     rows = []
     # warm-up: one short request (allocations, kernel selection, compilation)

@@ -101,5 +101,7 @@ def write_report(out: Path, device: str, family: str, n_tokens: int, baseline: d
         "ttfb_p50_ms_c1": c1.get("ttfa_p50_ms"), "ttfb_p99_ms_c16": c16.get("ttfa_p99_ms"),
         "underruns_c16": c16.get("underruns"), "report": md.name, "rows": rows, "baseline": baseline,
     }
-    (out / "latest.json").write_text(json.dumps(latest, indent=1))
+    path = out / "latest.json"
+    kept = json.loads(path.read_text()) if path.exists() else {}  # other tools' keys (capacity) stay
+    path.write_text(json.dumps({**kept, **latest}, indent=1))
     return md

@@ -1,0 +1,215 @@
+"""Streaming capacity at an SLO: real-time streams per replica with p99 first audio <= 300 ms,
+no underrun and no failure (issue 14). Throughput delivered outside the SLO is not capacity.
+
+Load and search live in ``bench/capacity_load.py`` (voice-agent sessions, Poisson arrivals,
+utterance-length mix, doubling then bisection), the two targets in ``bench/capacity_targets.py``:
+
+    # replica level: the engine + token2wav simulation of bench/gpu_bench.py, per mode
+    python -m bench.capacity --level replica --modes pytorch-bf16-allgraphs-early-edf --out bench/results
+    # whole Serve application over HTTP (ingress, frontend, synthesizer) from a config
+    FAST_COSY_MODEL_DIR=/tmp/cv2-full python -m bench.capacity --level serve --config configs/single-gpu.yaml
+
+Writes ``capacity-<level>-<device>-<date>[-tag].{md,json}`` with plots (first audio and underruns
+against load, GPU utilisation against load), rewritten after every probe so a run cut short keeps
+what it measured, and adds the level's figures to ``latest.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
+from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, SimTarget
+from bench.capacity_report import write_report
+from bench.gpu_bench import ReplicaSim, make_model, make_voice, mode_setup
+from bench.load import register_voices
+from bench.report import _slug
+from bench.soak import start_local, wait_idle
+
+logger = logging.getLogger("bench.capacity")
+DEFAULT_MIX = "40:1-3,40:3-8,20:8-20"
+
+
+class Run:
+    """Everything measured so far in one invocation; rewrites its report after each probe."""
+
+    def __init__(self, args: argparse.Namespace, work: Workload, slo: Slo, device: str) -> None:
+        self.args, self.work, self.slo, self.device = args, work, slo, device
+        self.date = dt.date.today().isoformat()
+        self.searches: list[dict] = []  # {"mode", "kind": sessions|rate, "capacity", "probes": [summary...]}
+        stem = f"capacity-{args.level}-{_slug(device)}-{self.date}" + (f"-{args.tag}" if args.tag else "")
+        self.out = Path(args.out)
+        self.stem = stem
+
+    def search(self, mode: str, kind: str) -> dict:
+        entry = {"mode": mode, "kind": kind, "capacity": None, "probes": []}
+        self.searches.append(entry)
+        return entry
+
+    def record(self, entry: dict, probe: Probe, extra: dict) -> None:
+        probe.extra.update(extra)
+        row = probe.summary(self.slo)
+        entry["probes"].append(row)
+        print(json.dumps({"mode": entry["mode"], "kind": entry["kind"], **row}, default=str), flush=True)
+        self.write()
+
+    def workload(self) -> dict:
+        return {"mix": self.work.mix.describe(), "seed": self.work.seed, "window_s": self.work.window_s,
+                "ramp_s": self.work.ramp_s, "prompt_s": 87 / TOKENS_PER_S, "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
+                "slo_underruns": self.slo.max_underruns, "family": self.args.family, "level": self.args.level}
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        doc = {"device": self.device, "date": self.date, "workload": self.workload(), "searches": self.searches}
+        (self.out / f"{self.stem}.json").write_text(json.dumps(doc, indent=1, default=str))
+        write_report(self.out, self.stem, doc)
+
+
+def _probe_extra(probe: Probe, sampler: GpuSampler | None, target) -> dict:
+    t0, t1 = probe.span
+    extra = {"gpu_util_pct": sampler.mean(t0, t1) if sampler else None}
+    if isinstance(target, SimTarget):
+        extra.update(target.lane_stats(t0, t1))
+    return extra
+
+
+def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
+    base = make_model(args.family, args.size, args.device)
+    max_tokens = math.ceil(run.work.mix.longest_s * TOKENS_PER_S)
+    for mode in args.modes.split(","):
+        model, sim_args = mode_setup(base, mode, args.flow_batch, max_tokens)
+        voice, text = make_voice(model)
+        ReplicaSim(model, 4, 60, **sim_args).run(voice, text, 2, 2)  # warm-up: allocations, kernel choice
+        sim = ReplicaSim(model, max_batch=args.max_batch, n_tokens=max_tokens,
+                         max_text=math.ceil(run.work.mix.longest_s * 4) + 1, **sim_args)
+        sim.start()
+        target = SimTarget(sim, voice)
+        try:
+            _searches(args, run, mode, target, sampler)
+        finally:
+            sim.close()
+
+
+def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
+    url = start_local(Path(args.config), num_cpus=args.num_cpus)
+    voice = register_voices(url, 1, prefix="capacity", prompt_seconds=(87 / TOKENS_PER_S,))[0]
+
+    def settle() -> None:  # the next probe starts on an idle service
+        if not wait_idle(url, timeout_s=120):
+            logger.warning("service not idle 120 s after a probe")
+
+    _searches(args, run, Path(args.config).stem, HttpTarget(url, voice), sampler, settle=settle)
+
+
+def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -> None:
+    def probe_fn(kind: str, entry: dict, work: Workload):
+        async def probe(load):
+            logger.info("%s %s: probing %s", mode, kind, load)
+            loop_fn = closed_loop if kind == "sessions" else open_loop
+            result = await loop_fn(target, load, work, run.slo)
+            run.record(entry, result, _probe_extra(result, sampler, target))
+            settle()
+            return result
+        return probe
+
+    entry = run.search(mode, "sessions")
+    entry["capacity"], _ = sessions_search(probe_fn("sessions", entry, run.work), run.slo, start=args.start,
+                                           ceiling=args.max_sessions, tolerance=args.tolerance)
+    run.write()
+    if not any(p["load"] == 1 for p in entry["probes"]):  # first audio at one stream, for latest.json
+        short = Workload(run.work.mix, run.work.seed, window_s=args.c1_window_s, ramp_s=0.0)
+        one = run.search(mode, "one-session")
+        asyncio.run(probe_fn("sessions", one, short)(1))
+    if args.open_loop:
+        rates = run.search(mode, "rate")
+        rates["capacity"], _ = rate_search(probe_fn("rate", rates, run.work), run.slo, start=args.rate_start,
+                                           tolerance=args.tolerance)
+        run.write()
+
+
+def update_latest(run: Run) -> dict:
+    """Add this level's capacity figures (the best mode's) to ``latest.json``."""
+    path = run.out / "latest.json"
+    latest = json.loads(path.read_text()) if path.exists() else {}
+    sessions = [s for s in run.searches if s["kind"] == "sessions" and s["capacity"] is not None]
+    if not sessions:
+        return latest
+    best = max(sessions, key=lambda s: s["capacity"])
+    at_cap = next((p for p in best["probes"] if p["load"] == best["capacity"]), {})
+    one = [p for s in run.searches if s["mode"] == best["mode"] for p in s["probes"] if p["load"] == 1
+           and s["kind"] != "rate"]
+    key = "slo_streams" if run.args.level == "replica" else "slo_streams_serve"
+    update = {key: best["capacity"], f"{key}_mode": best["mode"], "device": run.device, "date": run.date,
+              "workload": run.workload(), f"capacity_report_{run.args.level}": f"{run.stem}.md"}
+    if run.args.level == "replica":
+        update["throughput_x_realtime_at_slo"] = at_cap.get("throughput_x_realtime")
+        update["ttfb_p50_ms_c1"] = one[0]["ttfa_p50_ms"] if one else None
+        rates = [s for s in run.searches if s["kind"] == "rate" and s["mode"] == best["mode"]]
+        if rates:
+            update["slo_rate_rps"] = rates[0]["capacity"]
+    else:
+        update["ttfb_p50_ms_c1_serve"] = one[0]["ttfa_p50_ms"] if one else None
+    latest.update(update)
+    path.write_text(json.dumps(latest, indent=1, default=str))
+    return latest
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--level", choices=["replica", "serve"], default="replica")
+    ap.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice3"])
+    ap.add_argument("--size", default="full", choices=["full", "tiny"], help="replica level: model size")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--modes", default="pytorch-bf16-allgraphs-early-edf", help="replica level: gpu_bench modes")
+    ap.add_argument("--config", default="configs/single-gpu.yaml", help="serve level: the Serve config")
+    ap.add_argument("--num-cpus", type=float, default=16, help="serve level: CPUs given to local Ray")
+    ap.add_argument("--mix", default=DEFAULT_MIX, help="utterance lengths, WEIGHT:LO-HI seconds, comma-separated")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--window-s", type=float, default=60.0, help="steady-load window judged per probe")
+    ap.add_argument("--ramp-s", type=float, default=5.0, help="span over which sessions start")
+    ap.add_argument("--ttfa-ms", type=float, default=300.0, help="SLO: p99 time to first audio")
+    ap.add_argument("--start", type=int, default=4, help="sessions of the first probe")
+    ap.add_argument("--max-sessions", type=int, default=256)
+    ap.add_argument("--tolerance", type=float, default=0.1, help="bisection stops within this fraction")
+    ap.add_argument("--open-loop", action=argparse.BooleanOptionalAction, default=True,
+                    help="also search the Poisson arrival rate")
+    ap.add_argument("--rate-start", type=float, default=1.0)
+    ap.add_argument("--c1-window-s", type=float, default=20.0, help="window of the one-session probe")
+    ap.add_argument("--max-batch", type=int, default=64, help="replica level: LLM engine batch")
+    ap.add_argument("--flow-batch", type=int, default=16)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    work = Workload(Mix.parse(args.mix), seed=args.seed, window_s=args.window_s, ramp_s=args.ramp_s)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    run = Run(args, work, Slo(ttfa_p99_ms=args.ttfa_ms), device)
+    sampler = GpuSampler() if torch.cuda.is_available() else None
+    t0 = time.perf_counter()
+    try:
+        (run_replica if args.level == "replica" else run_serve)(args, run, sampler)
+    finally:
+        if sampler:
+            sampler.close()
+        run.write()
+    latest = update_latest(run)
+    logger.info("done in %.0f s: %s", time.perf_counter() - t0,
+                {k: latest.get(k) for k in ("slo_streams", "slo_streams_serve", "slo_rate_rps", "ttfb_p50_ms_c1")})
+    return latest
+
+
+if __name__ == "__main__":
+    main()

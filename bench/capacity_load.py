@@ -1,0 +1,273 @@
+"""Load and search of ``bench/capacity.py``: voice-agent sessions (closed loop) or Poisson
+arrivals (open loop) with utterance lengths from a mix, the SLO verdict of one load level (a
+probe), and the doubling-then-bisection search for the largest load that meets the SLO.
+
+A probe judges the requests submitted in a window of steady load (after every session has
+started, or after the open loop's warm-up); it stops at the first failed or underrun request in
+the window, since the SLO allows none, else judges p99 time to first audio at its end.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bench.metrics import RequestTrace, percentile
+
+@dataclass(frozen=True)
+class Mix:
+    """Utterance lengths: buckets of (weight, shortest s, longest s), uniform inside a bucket."""
+
+    buckets: tuple[tuple[float, float, float], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Mix:
+        """``"40:1-3,40:3-8,20:8-20"`` -> weights 40/40/20 over those second ranges."""
+        buckets = []
+        for part in text.split(","):
+            weight, _, span = part.partition(":")
+            lo, _, hi = span.partition("-")
+            w, a, b = float(weight), float(lo), float(hi)
+            if not (w > 0 and 0 < a <= b):
+                raise ValueError(f"bad mix bucket {part!r}: want WEIGHT:LO-HI with 0 < LO <= HI seconds")
+            buckets.append((w, a, b))
+        if not buckets:
+            raise ValueError("empty mix")
+        return cls(tuple(buckets))
+
+    def draw(self, rng: random.Random) -> float:
+        total = sum(w for w, _, _ in self.buckets)
+        x = rng.random() * total
+        for w, lo, hi in self.buckets:
+            if x < w:
+                return rng.uniform(lo, hi)
+            x -= w
+        return rng.uniform(*self.buckets[-1][1:])
+
+    @property
+    def longest_s(self) -> float:
+        return max(hi for _, _, hi in self.buckets)
+
+    def describe(self) -> str:
+        total = sum(w for w, _, _ in self.buckets)
+        return ", ".join(f"{100 * w / total:.0f} % {lo:g}-{hi:g} s" for w, lo, hi in self.buckets)
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttfa_p99_ms: float = 300.0
+    max_underruns: int = 0
+
+
+@dataclass(frozen=True)
+class Workload:
+    mix: Mix
+    seed: int = 0
+    window_s: float = 60.0  # steady-load window whose requests are judged
+    ramp_s: float = 5.0  # mean span over which session starts (or the open loop's warm-up) spread
+
+
+class Target(Protocol):
+    """Where requests go. ``synthesize`` returns the request's trace (``error`` set on failure);
+    chunk times are ``time.perf_counter`` seconds, the driver's clock."""
+
+    async def synthesize(self, rid: str, audio_s: float, submitted_s: float) -> RequestTrace: ...
+
+
+@dataclass
+class Probe:
+    """One load level: the judged requests and what the SLO says of them."""
+
+    load: float  # sessions (closed loop) or requests/s (open loop)
+    traces: list[RequestTrace] = field(default_factory=list)
+    window_s: float = 0.0
+    aborted: str | None = None  # why the probe stopped early
+    span: tuple[float, float] = (0.0, 0.0)  # the window, in the driver's clock (for target-side stats)
+    extra: dict = field(default_factory=dict)  # target-side stats (GPU utilisation, lane times)
+
+    def summary(self, slo: Slo) -> dict:
+        ok = [t for t in self.traces if t.error is None and t.chunk_times_s]
+        ttfa = [t.ttfa_s * 1e3 for t in ok]
+        underruns = sum(t.underruns() for t in ok)
+        errors = len(self.traces) - len(ok)
+        p99 = percentile(ttfa, 99)
+        audio = sum(t.audio_s for t in ok)
+        meets = (bool(ok) and errors == 0 and underruns <= slo.max_underruns and p99 <= slo.ttfa_p99_ms
+                 and self.aborted is None)
+        return {"load": self.load, "requests": len(self.traces), "errors": errors,
+                "ttfa_p50_ms": percentile(ttfa, 50), "ttfa_p99_ms": p99, "ttfa_max_ms": max(ttfa, default=math.nan),
+                "underruns": underruns, "requests_with_underrun": sum(1 for t in ok if t.underruns()),
+                "audio_s": audio, "window_s": self.window_s,
+                "throughput_x_realtime": audio / self.window_s if self.window_s > 0 else math.nan,
+                "aborted": self.aborted, "meets_slo": meets, **self.extra}
+
+
+class _Judge:
+    """Collects finished requests; stops the probe at the first in-window failure or underrun."""
+
+    def __init__(self, slo: Slo) -> None:
+        self.slo = slo
+        self.window: tuple[float, float] = (math.inf, math.inf)
+        self.judged: list[RequestTrace] = []
+        self.stop = asyncio.Event()
+        self.reason: str | None = None
+
+    def in_window(self, t_s: float) -> bool:
+        return self.window[0] <= t_s < self.window[1]
+
+    def done(self, trace: RequestTrace) -> None:
+        if not self.in_window(trace.submitted_s):
+            return
+        self.judged.append(trace)
+        if self.reason is None and trace.error is not None:
+            self.reason = f"request failed: {trace.error}"
+        elif self.reason is None and trace.underruns() > self.slo.max_underruns:
+            self.reason = f"underrun ({trace.underruns()}) at {trace.audio_s:.1f} s of audio"
+        if self.reason is not None:
+            self.stop.set()
+
+
+class Clock:
+    """The driver's time: ``perf_counter`` seconds (the targets' chunk times use it too). The
+    waits are the workload's think time, not synchronisation; tests pass a fake clock."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    async def wait_until(self, stop: asyncio.Event, until_s: float) -> bool:
+        """Sleep until ``until_s`` or the stop, whichever comes first; True if stopped."""
+        delay = until_s - self.now()
+        if delay > 0:
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except TimeoutError:
+                pass
+        return stop.is_set()
+
+
+async def closed_loop(target: Target, sessions: int, work: Workload, slo: Slo, clock: Clock | None = None) -> Probe:
+    """``sessions`` voice-agent sessions; the window opens once the last session has started."""
+    clock = clock or Clock()
+    rng = random.Random(work.seed)
+    t0 = clock.now()
+    starts, t = [], t0
+    for _ in range(sessions):
+        t += rng.expovariate(sessions / work.ramp_s) if work.ramp_s > 0 else 0.0
+        starts.append(t)
+    judge = _Judge(slo)
+    judge.window = (starts[-1], starts[-1] + work.window_s)
+    session_rngs = [random.Random(f"{work.seed}/{i}") for i in range(sessions)]
+
+    async def session(i: int) -> None:
+        at, n = starts[i], 0
+        while not await clock.wait_until(judge.stop, at) and at < judge.window[1]:
+            audio_s = work.mix.draw(session_rngs[i])
+            trace = await target.synthesize(f"s{i}-{n}", audio_s, clock.now())
+            judge.done(trace)
+            n += 1
+            at = trace.playback_deadline_s() if trace.chunk_times_s else clock.now()
+
+    await asyncio.gather(*(session(i) for i in range(sessions)))
+    return Probe(sessions, judge.judged, window_s=work.window_s, aborted=judge.reason, span=judge.window)
+
+
+async def open_loop(target: Target, rate_rps: float, work: Workload, slo: Slo, clock: Clock | None = None) -> Probe:
+    """Poisson arrivals at ``rate_rps``; requests of the first ``ramp_s`` are not judged."""
+    clock = clock or Clock()
+    rng = random.Random(work.seed)
+    judge = _Judge(slo)
+    t0 = clock.now()
+    judge.window = (t0 + work.ramp_s, t0 + work.ramp_s + work.window_s)
+    running: set[asyncio.Task] = set()
+    at, n = t0, 0
+
+    async def one(rid: str, audio_s: float) -> None:
+        judge.done(await target.synthesize(rid, audio_s, clock.now()))
+
+    while True:
+        at += rng.expovariate(rate_rps)
+        if at >= judge.window[1] or await clock.wait_until(judge.stop, at):
+            break
+        task = asyncio.create_task(one(f"p{n}", work.mix.draw(rng)))
+        running.add(task)
+        task.add_done_callback(running.discard)
+        n += 1
+    if running:
+        await asyncio.gather(*running)
+    return Probe(rate_rps, judge.judged, window_s=work.window_s, aborted=judge.reason, span=judge.window)
+
+
+def search(probe: Callable[[float], Awaitable[Probe]], slo: Slo, start: float, step: Callable[[float, bool], float],
+           converged: Callable[[float, float], bool], floor: float, ceiling: float,
+           on_probe: Callable[[Probe], None] | None = None) -> tuple[float, list[Probe]]:
+    """Largest load meeting the SLO, assuming it holds at every load below one that meets it.
+
+    From ``start``: ``step(load, up)`` while the answer stays the same (up while it meets, down
+    while it fails), then bisection between the last load that met it and the first that did
+    not until ``converged(lo, hi)``. Returns (capacity, probes in the order run); capacity is 0
+    when even ``floor`` fails.
+    """
+    probes: dict[float, Probe] = {}
+
+    def run(load: float) -> bool:
+        if load not in probes:
+            probes[load] = asyncio.run(probe(load))
+            if on_probe is not None:
+                on_probe(probes[load])
+        return probes[load].summary(slo)["meets_slo"]
+
+    lo, hi = None, None
+    load = start
+    if run(load):
+        lo = load
+        while lo < ceiling:
+            nxt = min(ceiling, step(lo, True))
+            if not run(nxt):
+                hi = nxt
+                break
+            lo = nxt
+        if hi is None:
+            return lo, list(probes.values())
+    else:
+        hi = load
+        while hi > floor:
+            nxt = max(floor, step(hi, False))
+            if run(nxt):
+                lo = nxt
+                break
+            hi = nxt
+        if lo is None:
+            return 0, list(probes.values())
+    while not converged(lo, hi):
+        mid = _midpoint(lo, hi)
+        if run(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, list(probes.values())
+
+
+def _midpoint(lo: float, hi: float) -> float:
+    if isinstance(lo, int) and isinstance(hi, int):
+        return (lo + hi) // 2
+    return round((lo + hi) / 2, 3)
+
+
+def sessions_search(probe, slo: Slo, start: int = 4, ceiling: int = 256, tolerance: float = 0.1,
+                    on_probe=None) -> tuple[int, list[Probe]]:
+    """Integer sessions: doubling / halving, then bisection to within ``tolerance`` of the answer."""
+    return search(probe, slo, start, step=lambda n, up: n * 2 if up else max(1, n // 2),
+                  converged=lambda lo, hi: hi - lo <= max(1, math.floor(lo * tolerance)),
+                  floor=1, ceiling=ceiling, on_probe=on_probe)
+
+
+def rate_search(probe, slo: Slo, start: float = 1.0, tolerance: float = 0.1, ceiling: float = 200.0,
+                on_probe=None) -> tuple[float, list[Probe]]:
+    """Requests per second: doubling / halving, then bisection to ``tolerance`` (relative)."""
+    return search(probe, slo, start, step=lambda r, up: round(r * 2 if up else r / 2, 3),
+                  converged=lambda lo, hi: hi - lo <= lo * tolerance, floor=0.05, ceiling=ceiling,
+                  on_probe=on_probe)

@@ -1,0 +1,102 @@
+"""Report of ``bench/capacity.py``: a markdown page with the capacity per mode, every probe's
+figures, and plots of first audio, underruns and GPU utilisation against the offered load."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+COLUMNS = (("load", "load", "{}"), ("requests", "requests", "{}"), ("ttfa_p50_ms", "first audio p50 ms", "{:.0f}"),
+           ("ttfa_p99_ms", "p99 ms", "{:.0f}"), ("underruns", "underruns", "{}"),
+           ("throughput_x_realtime", "x real time", "{:.1f}"), ("gpu_util_pct", "GPU util %", "{:.0f}"),
+           ("decode_step_ms_p50", "decode step p50 ms", "{:.1f}"), ("t2w_batch_ms_p50", "t2w batch p50 ms", "{:.1f}"),
+           ("t2w_busy_fraction", "t2w busy", "{:.2f}"), ("meets_slo", "meets SLO", "{}"), ("aborted", "stopped", "{}"))
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def markdown(doc: dict, plots: list[str]) -> str:
+    w = doc["workload"]
+    unit = {"sessions": "sessions", "rate": "requests/s", "one-session": "session"}
+    lines = [f"# Streaming capacity at the SLO: {w['level']} level, {w['family']}, {doc['device']}, {doc['date']}", "",
+             f"SLO: every request succeeds, p99 time to first audio <= {w['slo_ttfa_p99_ms']:.0f} ms, "
+             f"{w['slo_underruns']} underruns (a client that plays from the first chunk with no extra buffer). "
+             f"Utterance mix: {w['mix']} of audio; registered-voice prompt of {w['prompt_s']:.2f} s; seed "
+             f"{w['seed']}; each probe judges the requests submitted in {w['window_s']:.0f} s of steady load "
+             f"(sessions start over ~{w['ramp_s']:.0f} s, exponential gaps) and stops at the first failed or "
+             "underrun request. Random-weight model (full-size architecture): the work per token is a real "
+             "model's, the audio is noise.", "", "| mode | search | capacity |", "|---|---|---|"]
+    for s in doc["searches"]:
+        if s["kind"] != "one-session":
+            cap = "-" if s["capacity"] is None else f"{s['capacity']} {unit[s['kind']]}"
+            lines.append(f"| {s['mode']} | {s['kind']} | {cap} |")
+    for s in doc["searches"]:
+        lines += ["", f"## {s['mode']}: {s['kind']} (load in {unit[s['kind']]})", "",
+                  "| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        for p in sorted(s["probes"], key=lambda p: p["load"]):
+            lines.append("| " + " | ".join(_cell(p.get(k), f) for k, _, f in COLUMNS) + " |")
+    lines += [""] + [f"![{name}]({name})" for name in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plot(out: Path, stem: str, doc: dict) -> list[str]:
+    """First audio p50/p99 and underruns against load (one figure), GPU utilisation (another)."""
+    import matplotlib  # only when a report is drawn: the CPU tests of the search need none
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    searches = [s for s in doc["searches"] if s["kind"] in ("sessions", "rate") and s["probes"]]
+    if not searches:
+        return []
+    names = []
+    fig, axes = plt.subplots(1, len({s["kind"] for s in searches}), figsize=(11, 4.2), squeeze=False)
+    for ax, kind in zip(axes[0], sorted({s["kind"] for s in searches}, reverse=True)):
+        twin = ax.twinx()
+        for s in (s for s in searches if s["kind"] == kind):
+            ps = sorted(s["probes"], key=lambda p: p["load"])
+            xs = [p["load"] for p in ps]
+            ax.plot(xs, [p["ttfa_p50_ms"] for p in ps], marker="o", label=f"{s['mode']} p50")
+            ax.plot(xs, [p["ttfa_p99_ms"] for p in ps], marker="x", linestyle="--", label=f"{s['mode']} p99")
+            twin.bar(xs, [p["underruns"] for p in ps], alpha=0.25, width=[max(0.3, x * 0.08) for x in xs])
+        ax.axhline(doc["workload"]["slo_ttfa_p99_ms"], color="red", linestyle=":", label="SLO p99")
+        ax.set_xlabel("sessions" if kind == "sessions" else "Poisson arrivals (requests/s)")
+        ax.set_ylabel("time to first audio (ms)")
+        twin.set_ylabel("underruns (bars)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    names.append(f"{stem}-latency.png")
+    fig.savefig(out / names[-1], dpi=110)
+    plt.close(fig)
+    util = [s for s in searches if s["kind"] == "sessions" and any(p.get("gpu_util_pct") for p in s["probes"])]
+    if util:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for s in util:
+            ps = sorted((p for p in s["probes"] if p.get("gpu_util_pct") is not None), key=lambda p: p["load"])
+            ax.plot([p["load"] for p in ps], [p["gpu_util_pct"] for p in ps], marker="o", label=f"{s['mode']} nvidia-smi")
+            ax.plot([p["load"] for p in ps], [100 * (p.get("t2w_busy_fraction") or 0) for p in ps], marker="x",
+                    linestyle="--", label=f"{s['mode']} token2wav lane busy")
+        ax.set_xlabel("sessions")
+        ax.set_ylabel("percent")
+        ax.set_ylim(0, 105)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        names.append(f"{stem}-gpu.png")
+        fig.savefig(out / names[-1], dpi=110)
+        plt.close(fig)
+    return names
+
+
+def write_report(out: Path, stem: str, doc: dict) -> Path:
+    path = out / f"{stem}.md"
+    path.write_text(markdown(doc, plot(out, stem, doc)))
+    return path

@@ -1,0 +1,171 @@
+"""Where ``bench/capacity.py`` sends its requests, and what it samples beside them.
+
+* :class:`SimTarget`: the replica simulation of ``bench/gpu_bench.py`` (continuous-batching
+  engine thread + token2wav thread around one model, each on its own CUDA stream), in process;
+  a request decodes exactly the speech tokens of its drawn length.
+* :class:`HttpTarget`: the whole Serve application, ``POST /v1/audio/speech`` streaming raw PCM;
+  time to first audio is the first body byte (raw PCM has no header: every byte is audio).
+* :class:`GpuSampler`: ``nvidia-smi`` utilisation once a second, averaged per probe window.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import subprocess
+import threading
+import time
+
+import httpx
+import torch
+
+from bench.gpu_bench import ReplicaSim
+from bench.metrics import RequestTrace
+from cosyvoice_runtime.pipeline import VoicePrompt
+
+PCM_RATE = 24000
+TOKENS_PER_S = 25  # speech tokens per second of audio (both families)
+# Random weights rarely emit the end token, so a served request decodes to its length limit: 20
+# speech tokens per text token (0.8 s of audio). A one-word text of k letters the tiny tokenizer
+# keeps as k tokens (none of them starts a merge) asks for ~0.8 k s: lengths are quantised to 0.8 s.
+SECONDS_PER_TEXT_TOKEN = 20 / TOKENS_PER_S
+_LETTERS = "bcdfgjklmpquvwxyz"
+
+
+class SimTarget:
+    """Requests into a running :class:`ReplicaSim`; the sim is shared by all probes of a search."""
+
+    def __init__(self, sim: ReplicaSim, voice: VoicePrompt, text_tokens_per_s: float = 4.0) -> None:
+        self.sim = sim
+        self.voice = voice
+        self.text_tokens_per_s = text_tokens_per_s  # prompt-text length grows with the utterance (prefill)
+        self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._lock = threading.Lock()
+        sim.on_error = self._fail_all
+
+    async def synthesize(self, rid: str, audio_s: float, submitted_s: float) -> RequestTrace:
+        n_tokens = max(2, round(audio_s * TOKENS_PER_S))
+        n_text = max(4, round(audio_s * self.text_tokens_per_s))
+        text = torch.randint(0, 150000, (n_text,), generator=torch.Generator().manual_seed(hash(rid) % 2**31))
+        if self.sim.model.spec.family == "cosyvoice3":
+            text[0] = 151646  # <|endofprompt|> must be present
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            if self.sim.error is not None:
+                return RequestTrace(submitted_s=submitted_s, error=f"replica failed: {self.sim.error!r}")
+            self._waiting[rid] = (loop, fut)
+        self.sim.submit(rid, self.voice, text.to(self.sim.model.device), submitted_s, n_tokens=n_tokens,
+                        on_finish=lambda st: self._finish(rid, st.trace))
+        return await fut
+
+    def _finish(self, rid: str, trace: RequestTrace) -> None:
+        with self._lock:
+            loop, fut = self._waiting.pop(rid)
+        loop.call_soon_threadsafe(_resolve, fut, trace)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            waiting, self._waiting = self._waiting, {}
+        for rid, (loop, fut) in waiting.items():
+            trace = self.sim.streams[rid].trace
+            trace.error = f"replica failed: {exc!r}"
+            loop.call_soon_threadsafe(_resolve, fut, trace)
+
+    def lane_stats(self, t0: float, t1: float) -> dict:
+        """Where the replica's time went between ``t0`` and ``t1``: decode steps and token2wav batches."""
+        steps = [e - s for s, e in self.sim.step_log if t0 <= s < t1]
+        batches = [(e - s, n, f) for s, e, n, f in self.sim.batch_log if t0 <= s < t1]
+        span = max(t1 - t0, 1e-9)
+        return {"decode_step_ms_p50": _ms(statistics.median(steps)) if steps else None,
+                "decode_step_ms_p99": _ms(_q(steps, 0.99)) if steps else None,
+                "t2w_batch_ms_p50": _ms(statistics.median(b[0] for b in batches)) if batches else None,
+                "t2w_batch_ms_p99": _ms(_q([b[0] for b in batches], 0.99)) if batches else None,
+                "t2w_jobs_per_batch": round(statistics.mean(b[1] for b in batches), 2) if batches else None,
+                "t2w_busy_fraction": round(sum(b[0] for b in batches) / span, 3),
+                "first_chunk_jobs": sum(b[2] for b in batches)}
+
+
+def _resolve(fut: asyncio.Future, trace: RequestTrace) -> None:
+    if not fut.done():
+        fut.set_result(trace)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 2)
+
+
+def _q(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def text_for(audio_s: float, rng: random.Random) -> str:
+    """A one-word text that makes the random-weight service speak about ``audio_s`` seconds."""
+    k = max(2, round(audio_s / SECONDS_PER_TEXT_TOKEN))
+    return "".join(rng.choice(_LETTERS) for _ in range(k))
+
+
+class HttpTarget:
+    """Streaming PCM requests to a running service, a connection per request (as separate voice
+    agents would open them; a client of its own also keeps each probe's event loop separate)."""
+
+    def __init__(self, base_url: str, voice: str, timeout_s: float = 120.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.voice = voice
+        self.timeout_s = timeout_s
+        self.transport = transport  # tests: an in-process ASGI app
+
+    async def synthesize(self, rid: str, audio_s: float, submitted_s: float) -> RequestTrace:
+        trace = RequestTrace(submitted_s=submitted_s, sample_rate=PCM_RATE)
+        body = {"model": "tts-1", "input": text_for(audio_s, random.Random(rid)), "voice": self.voice,
+                "response_format": "pcm", "stream": True}
+        carry = 0  # a chunk boundary may split a 16-bit sample
+        try:
+            async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s,
+                                         transport=self.transport) as client:
+                async with client.stream("POST", "/v1/audio/speech", json=body) as resp:
+                    if resp.status_code != 200:
+                        trace.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                        return trace
+                    async for data in resp.aiter_raw():
+                        total = carry + len(data)
+                        if total // 2:
+                            trace.add_chunk(time.perf_counter(), total // 2)
+                        carry = total % 2
+        except httpx.HTTPError as exc:
+            trace.error = f"{type(exc).__name__}: {exc}"
+        if trace.error is None and not trace.chunk_times_s:
+            trace.error = "empty body"
+        return trace
+
+
+class GpuSampler:
+    """Mean GPU utilisation (``nvidia-smi``, percent) over a time span; None without a GPU tool."""
+
+    def __init__(self, period_ms: int = 1000) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._proc: subprocess.Popen | None = None
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", f"-lms={period_ms}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            try:
+                self.samples.append((time.perf_counter(), float(line.split(",")[0])))
+            except ValueError:
+                continue
+
+    def mean(self, t0: float, t1: float) -> float | None:
+        vals = [v for t, v in self.samples if t0 <= t < t1]
+        return round(statistics.mean(vals), 1) if vals else None
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()

@@ -1,0 +1,226 @@
+"""The capacity tool (bench/capacity.py): the workload mix, the SLO verdict of a probe, the
+search, the closed and open loops on a fake clock with a fake target, the HTTP target on an
+in-process app, and the whole replica-level run on the tiny model (plumbing only: the figures
+come from the GPU lease)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import selectors
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from bench.capacity import main
+from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
+from bench.capacity_targets import HttpTarget, text_for
+from bench.metrics import RequestTrace
+
+SLO = Slo()
+
+
+def test_mix_parses_and_draws_in_its_proportions():
+    mix = Mix.parse("40:1-3,40:3-8,20:8-20")
+    rng = random.Random(0)
+    draws = [mix.draw(rng) for _ in range(20000)]
+    assert all(1 <= d <= 20 for d in draws)
+    short = sum(d < 3 for d in draws) / len(draws)
+    long_ = sum(d >= 8 for d in draws) / len(draws)
+    assert abs(short - 0.4) < 0.02 and abs(long_ - 0.2) < 0.02
+    assert mix.longest_s == 20 and mix.describe() == "40 % 1-3 s, 40 % 3-8 s, 20 % 8-20 s"
+    for bad in ("", "40:3-1", "0:1-2", "x:1-2", "40:0-2"):
+        with pytest.raises(ValueError):
+            Mix.parse(bad)
+
+
+def _trace(ttfa_s=0.1, chunks=((0.1, 1.0), (0.5, 1.0)), error=None, t0=0.0) -> RequestTrace:
+    """Chunks as (arrival after submission, seconds of audio)."""
+    tr = RequestTrace(submitted_s=t0, error=error)
+    for at, audio in chunks:
+        tr.add_chunk(t0 + at, int(audio * tr.sample_rate))
+    return tr
+
+
+def test_probe_verdict_needs_every_request_ok_no_underrun_and_p99_first_audio():
+    fine = [_trace(chunks=((0.1, 1.0), (0.9, 1.0))) for _ in range(99)]
+    assert Probe(4, fine, window_s=60).summary(SLO)["meets_slo"]
+    slow = fine + [_trace(chunks=((0.9, 1.0),)) for _ in range(3)]  # 3 % of requests at 900 ms
+    s = Probe(4, slow, window_s=60).summary(SLO)
+    assert s["ttfa_p99_ms"] > 300 and not s["meets_slo"]
+    late = fine + [_trace(chunks=((0.1, 0.4), (0.6, 1.0)))]  # second chunk after 0.4 s of audio ran out
+    s = Probe(4, late, window_s=60).summary(SLO)
+    assert s["underruns"] == 1 and not s["meets_slo"]
+    failed = fine + [RequestTrace(submitted_s=0.0, error="HTTP 500")]
+    assert Probe(4, failed, window_s=60).summary(SLO)["errors"] == 1
+    assert not Probe(4, failed, window_s=60).summary(SLO)["meets_slo"]
+    assert not Probe(4, [], window_s=60).summary(SLO)["meets_slo"]  # nothing measured is no capacity
+    assert not Probe(4, fine, window_s=60, aborted="underrun").summary(SLO)["meets_slo"]
+
+
+def _threshold_probe(limit, seen):
+    async def probe(load):
+        seen.append(load)
+        ttfa = 0.1 if load <= limit else 0.9
+        return Probe(load, [_trace(chunks=((ttfa, 1.0),))], window_s=60)
+    return probe
+
+
+def test_sessions_search_doubles_then_bisects_to_the_largest_load_meeting_the_slo():
+    seen = []
+    cap, probes = sessions_search(_threshold_probe(13, seen), SLO, start=4, tolerance=0.0)
+    assert cap == 13
+    assert seen == [4, 8, 16, 12, 14, 13]
+    assert [p.load for p in probes] == seen
+    seen = []
+    assert sessions_search(_threshold_probe(3, seen), SLO, start=16, tolerance=0.0)[0] == 3
+    assert seen == [16, 8, 4, 2, 3]
+    assert sessions_search(_threshold_probe(0, []), SLO, start=4)[0] == 0
+    assert sessions_search(_threshold_probe(10**6, []), SLO, start=4, ceiling=64)[0] == 64
+
+
+def test_rate_search_stops_within_its_tolerance():
+    cap, probes = rate_search(_threshold_probe(3.3, []), SLO, start=1.0, tolerance=0.1)
+    assert 3.0 <= cap <= 3.3
+    assert all(p.summary(SLO)["meets_slo"] == (p.load <= 3.3) for p in probes)
+
+
+class _AdvancingSelector(selectors.SelectSelector):
+    """Where the loop would sleep until its next timer, virtual time jumps there instead."""
+
+    def __init__(self, loop: VirtualTimeLoop) -> None:
+        super().__init__()
+        self.loop = loop
+
+    def select(self, timeout=None):
+        if timeout is None:
+            raise RuntimeError("deadlock: nothing ready and no timer")
+        self.loop.now += max(0.0, timeout)
+        return super().select(0)
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop on virtual time: timers fire in order, no wall-clock time passes."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        super().__init__(selector=_AdvancingSelector(self))
+
+    def time(self) -> float:
+        return self.now
+
+
+class FakeClock(Clock):
+    """The driver's clock read from the virtual loop; its waits are the real ones (loop timers)."""
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+
+def run_virtual(coro):
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+class FakeTarget:
+    """First audio after 100 ms, then chunks well ahead of playback; ``underrun_at`` makes that
+    request's second chunk late."""
+
+    def __init__(self, underrun_at: str | None = None) -> None:
+        self.underrun_at = underrun_at
+        self.calls: list[tuple[str, float, float]] = []  # (rid, submitted, audio_s)
+
+    async def synthesize(self, rid, audio_s, submitted_s):
+        self.calls.append((rid, submitted_s, audio_s))
+        second = 1.5 if rid == self.underrun_at else 0.3
+        return _trace(t0=submitted_s, chunks=((0.1, 0.5), (second, audio_s - 0.5)))
+
+
+def test_closed_loop_sessions_wait_out_playback_and_only_the_window_is_judged():
+    target = FakeTarget()
+    work = Workload(Mix.parse("1:2-4"), seed=3, window_s=60, ramp_s=5)
+    probe = run_virtual(closed_loop(target, 3, work, SLO, clock=FakeClock()))
+    s = probe.summary(SLO)
+    assert s["meets_slo"] and s["requests"] == len(probe.traces) > 10
+    t0, t1 = probe.span
+    assert t1 - t0 == 60 and all(t0 <= tr.submitted_s < t1 for tr in probe.traces)
+    by_session: dict[str, list] = {}
+    for rid, at, audio in target.calls:
+        by_session.setdefault(rid.split("-")[0], []).append((at, audio))
+    assert len(by_session) == 3
+    for calls in by_session.values():
+        for (at, audio), (nxt, _) in zip(calls, calls[1:]):
+            assert nxt >= at + 0.1 + audio - 1e-4  # the previous answer played out (samples round down)
+    starts = sorted(calls[0][0] for calls in by_session.values())
+    assert len(set(starts)) == 3 and starts[-1] == t0  # staggered; the window opens at the last start
+
+
+def test_closed_loop_stops_at_the_first_underrun_in_the_window():
+    target = FakeTarget(underrun_at="s0-3")
+    work = Workload(Mix.parse("1:2-4"), seed=3, window_s=60, ramp_s=1)
+    probe = run_virtual(closed_loop(target, 2, work, SLO, clock=FakeClock()))
+    assert probe.aborted and "underrun" in probe.aborted
+    assert not probe.summary(SLO)["meets_slo"]
+    assert max(at for _, at, _ in target.calls) < probe.span[0] + 30  # nobody went on to the window's end
+
+
+def test_open_loop_arrivals_follow_the_rate():
+    target = FakeTarget()
+    work = Workload(Mix.parse("1:1-2"), seed=1, window_s=200, ramp_s=10)
+    probe = run_virtual(open_loop(target, 2.0, work, SLO, clock=FakeClock()))
+    assert 340 < len(probe.traces) < 460  # 400 expected in the window
+    assert len(target.calls) > len(probe.traces)  # the warm-up's requests were sent, not judged
+    assert probe.summary(SLO)["meets_slo"]
+
+
+def _pcm_app(status=200, pieces=(b"\x01\x00\x02", b"\x00", b"")):
+    async def speech(request):
+        body = await request.json()
+        assert body["stream"] is True and body["response_format"] == "pcm"
+        if status != 200:
+            return JSONResponse({"error": {"message": "busy"}}, status_code=status)
+
+        async def gen():
+            for p in pieces:
+                yield p
+        return StreamingResponse(gen(), media_type="audio/pcm")
+    return Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"])])
+
+
+def test_http_target_counts_samples_across_split_chunks_and_reports_errors():
+    async def run(app):
+        target = HttpTarget("http://test", "v", transport=httpx.ASGITransport(app=app))
+        return await target.synthesize("r1", 2.0, 0.0)
+
+    tr = asyncio.run(run(_pcm_app()))
+    assert tr.error is None and sum(tr.chunk_samples) == 2  # 4 bytes of 16-bit PCM, split 3 + 1
+    assert "429" in asyncio.run(run(_pcm_app(status=429))).error
+    assert asyncio.run(run(_pcm_app(pieces=(b"",)))).error == "empty body"
+
+
+def test_text_for_asks_the_random_model_for_about_the_drawn_length():
+    rng = random.Random(0)
+    assert len(text_for(8.0, rng)) == 10 and len(text_for(0.1, rng)) == 2
+    assert not set(text_for(20.0, rng)) & set("thearinos")  # no letter that starts a tiny-tokenizer merge
+
+
+def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
+    (tmp_path / "latest.json").write_text(json.dumps({"throughput_x_realtime": 1.5}))
+    latest = main(["--level", "replica", "--size", "tiny", "--device", "cpu", "--modes", "pytorch-fp32-early-edf",
+                   "--window-s", "2", "--ramp-s", "0.2", "--start", "1", "--max-sessions", "1",
+                   "--c1-window-s", "1", "--no-open-loop", "--mix", "1:1-2", "--out", str(tmp_path)])
+    doc = json.loads(next(tmp_path.glob("capacity-replica-cpu-*.json")).read_text())
+    assert doc["workload"]["mix"] == "100 % 1-2 s" and doc["workload"]["window_s"] == 2
+    sessions = [s for s in doc["searches"] if s["kind"] == "sessions"]
+    assert sessions and sessions[0]["probes"][0]["load"] == 1 and sessions[0]["probes"][0]["requests"] >= 1
+    assert sessions[0]["probes"][0]["decode_step_ms_p50"] > 0  # the lane stats came from the sim
+    assert latest["slo_streams"] == sessions[0]["capacity"] in (0, 1)
+    assert latest["throughput_x_realtime"] == 1.5  # the throughput benchmark's keys are kept
+    assert {"device", "date", "workload", "ttfb_p50_ms_c1"} <= set(latest)
+    assert (tmp_path / latest["capacity_report_replica"]).exists()
