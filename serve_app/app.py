@@ -38,7 +38,10 @@ def build_app(args: AppArgs) -> Application:
     source = ModelSource(model_dir, args.tiny_family)
     frontend = serve.deployment(TextFrontend, **frontend_opts).bind(args.frontend, source)
     synthesizer = serve.deployment(Synthesizer, **synth_opts).bind(args.synthesizer, source)
-    return serve.deployment(serve.ingress()(TTSIngress), **ingress_opts).bind(args.ingress, frontend, synthesizer)
+    ingress_cfg = args.ingress
+    if ingress_cfg.max_prompt_audio_s is None:  # uploads are refused from their header at the frontend's limit
+        ingress_cfg = ingress_cfg.model_copy(update={"max_prompt_audio_s": args.frontend.max_prompt_audio_s})
+    return serve.deployment(serve.ingress()(TTSIngress), **ingress_opts).bind(ingress_cfg, frontend, synthesizer)
 
 
 def build_app_from_file(path: str, app_name: str | None = None) -> Application:

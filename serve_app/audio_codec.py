@@ -26,7 +26,9 @@ from fractions import Fraction
 import av
 import numpy as np
 
-from deployments.protocol import InvalidInputError
+from cosyvoice_runtime.frontend.audio_file import AudioLimits, read_audio
+from cosyvoice_runtime.frontend.errors import InvalidAudioError, PromptTooLongError
+from deployments.protocol import InvalidInputError, PayloadTooLargeError
 
 MEDIA_TYPES = {
     "pcm": "audio/pcm",
@@ -334,18 +336,25 @@ class TempoStretcher:
         return self._drain()
 
 
-def decode_upload(data: bytes) -> tuple[np.ndarray, int]:
-    """Decode an uploaded audio file (wav/flac/ogg/mp3) to float32 mono.
+def decode_upload(data: bytes, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
+    """Decode an uploaded audio file (wav/flac/ogg/mp3) to float32 mono, header first and bounded.
+
+    The header (container, rate, channels, declared length) is checked before any sample is
+    decoded, and decoding stops one frame past ``max_seconds`` whatever the header claims
+    (:func:`cosyvoice_runtime.frontend.audio_file.read_audio`). Blocking: call it off the event loop.
+
+    Args:
+        data: the file's bytes.
+        max_seconds: longest accepted audio (``None``: :class:`AudioLimits`' default).
 
     Raises:
-        InvalidInputError: unreadable, empty or not audio.
+        InvalidInputError: unreadable, empty, not audio, refused container/rate/channels (400).
+        PayloadTooLargeError: longer than ``max_seconds`` (413).
     """
-    import soundfile as sf
-
+    limits = AudioLimits() if max_seconds is None else AudioLimits(max_seconds=max_seconds)
     try:
-        audio, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as exc:  # libsndfile raises its own error type for any malformed file
-        raise InvalidInputError(f"prompt audio is not a readable audio file ({type(exc).__name__})") from None
-    if audio.shape[0] == 0:
-        raise InvalidInputError("prompt audio is empty")
-    return audio.mean(axis=1), int(sr)
+        return read_audio(data, limits)
+    except PromptTooLongError as exc:
+        raise PayloadTooLargeError(str(exc)) from None
+    except InvalidAudioError as exc:
+        raise InvalidInputError(str(exc)) from None

@@ -106,7 +106,9 @@ class Frontend:
 
     def prompt(self, audio: bytes | Waveform, prompt_text: str = "") -> PromptFeatures:
         """Prompt audio (file bytes or a :class:`Waveform`) + transcript -> aligned features."""
-        wav = decode_audio(audio) if isinstance(audio, (bytes, bytearray, memoryview)) else audio
+        if isinstance(audio, (bytes, bytearray, memoryview)):
+            audio = decode_audio(audio, self.limits.prompt.audio_limits())  # header checked before decoding
+        wav = audio
         if not isinstance(wav, Waveform):
             raise InvalidInputError("prompt audio must be file bytes or a Waveform")
         text, text_tokens = self.prompt_text_tokens(prompt_text) if prompt_text.strip() else ("", np.zeros(0, np.int32))

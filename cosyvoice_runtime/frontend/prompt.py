@@ -15,6 +15,7 @@ import torch
 from cosyvoice_runtime.config import MelSpec
 from cosyvoice_runtime.frontend import features
 from cosyvoice_runtime.frontend.audio import Waveform, resample
+from cosyvoice_runtime.frontend.audio_file import AudioLimits
 from cosyvoice_runtime.frontend.errors import InvalidAudioError, PromptTooLongError, PromptTooShortError
 from cosyvoice_runtime.frontend.special_tokens import Family
 
@@ -28,6 +29,13 @@ class PromptLimits:
     min_seconds: float = 1.0  # below this a prompt carries no usable voice
     max_seconds: float = 30.0  # reference assertion of the speech tokenizer
     min_source_rate: int = TOKENIZER_SR  # reference assertion: no upsampling of the prompt
+    max_source_rate: int = 192_000  # above this a rate is absurd for a voice prompt
+    max_channels: int = 8  # of an uploaded file, before the mono mix
+
+    def audio_limits(self) -> AudioLimits:
+        """The same bounds for decoding a prompt file (checked on its header, before decoding)."""
+        return AudioLimits(max_seconds=self.max_seconds, min_rate_hz=self.min_source_rate,
+                           max_rate_hz=self.max_source_rate, max_channels=self.max_channels)
 
 
 @dataclass(slots=True)
@@ -98,9 +106,14 @@ class PromptEncoder:
 
     def check(self, wav: Waveform) -> None:
         lim = self.limits
+        # NOTE: the rate is checked before anything is resampled: resampling work and memory
+        # scale with it, and callers of the handle API choose it freely.
         if wav.sample_rate < lim.min_source_rate:
             raise InvalidAudioError(f"prompt audio is sampled at {wav.sample_rate} Hz, at least "
                                     f"{lim.min_source_rate} Hz is needed")
+        if wav.sample_rate > lim.max_source_rate:
+            raise InvalidAudioError(f"prompt audio is sampled at {wav.sample_rate} Hz, at most "
+                                    f"{lim.max_source_rate} Hz is accepted")
         if wav.seconds < lim.min_seconds:
             raise PromptTooShortError(wav.seconds, lim.min_seconds)
         if wav.seconds > lim.max_seconds:

@@ -92,5 +92,5 @@ def test_decode_upload():
     sf.write(buf, np.stack([_tone(), _tone()], axis=1), 16000, format="WAV")
     audio, sr = decode_upload(buf.getvalue())
     assert sr == 16000 and audio.shape == (SR,) and audio.dtype == np.float32
-    with pytest.raises(InvalidInputError, match="not a readable audio"):
+    with pytest.raises(InvalidInputError, match="could not be decoded"):
         decode_upload(b"definitely not audio")

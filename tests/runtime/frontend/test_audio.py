@@ -90,3 +90,55 @@ def test_resample_identity_batch_and_dc():
     assert torch.allclose(y[0], resample(x[0], 48000, 16000), atol=1e-6)
     dc = resample(torch.ones(4800), 48000, 24000)
     assert (dc[50:-50] - 1).abs().max() < 1e-3  # unity gain at DC
+
+
+@pytest.mark.parametrize("orig,new", [(44101, 16000), (96001, 24000), (16001, 16000), (191999, 24000), (8000, 24000)])
+def test_resample_odd_rates(orig, new):
+    n = orig * 2 + 17
+    t = torch.arange(n, dtype=torch.float64) / orig
+    x = torch.sin(2 * math.pi * 1000.0 * t).float()
+    y = resample(x, orig, new)
+    assert y.shape == (math.ceil(n * new / orig),) and y.dtype == torch.float32
+    ty = torch.arange(y.shape[0], dtype=torch.float64) / new
+    mid = slice(400, y.shape[0] - 400)
+    assert (y[mid].double() - torch.sin(2 * math.pi * 1000.0 * ty[mid])).abs().max() < 2e-3
+    batch = resample(torch.stack([x, -x]), orig, new)
+    assert batch.shape == (2, y.shape[0]) and torch.allclose(batch[0], y) and torch.allclose(batch[1], -y)
+
+
+def test_common_rates_keep_the_reference_sinc_and_its_cache_is_bounded():
+    from cosyvoice_runtime.frontend import audio
+
+    for orig in (22050, 44100, 48000, 96000, 11025, 32000):
+        for new in (16000, 24000):
+            g = math.gcd(orig, new)
+            assert audio.kernel_taps(orig // g, new // g) <= audio.MAX_KERNEL_TAPS  # the torchaudio algorithm
+    resample(torch.randn(50000), 44101, 16000)
+    info = audio._sinc_kernel.cache_info()
+    assert info.maxsize == audio.KERNEL_CACHE
+    assert audio.kernel_taps(44101, 16000) > audio.MAX_KERNEL_TAPS
+
+
+_BOUNDED = """
+import resource, sys, torch, psutil
+sys.path.insert(0, {root!r})
+from cosyvoice_runtime.frontend.audio import resample
+limit = psutil.Process().memory_info().vms + (1 << 30)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+for orig, new in ((44101, 16000), (96001, 24000), (44101, 24000)):
+    y = resample(torch.zeros(orig * 30), orig, new)
+    assert y.shape == (new * 30,), y.shape
+print("ok")
+"""
+
+
+def test_odd_rates_resample_30_s_within_one_gib_of_address_space():
+    """Before soxr, 44101 -> 16 kHz built a 5.6 GB filter table and 96001 -> 24 kHz an 18 GB one."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run([sys.executable, "-c", _BOUNDED.format(root=root)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

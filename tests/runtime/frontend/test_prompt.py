@@ -95,3 +95,33 @@ def test_waveform_input(frontends):
     wav = Waveform(tone(2.0, 24000), 24000)
     p = frontends["cosyvoice2"].prompt(wav, "")
     assert p.speech_tokens.shape == (50,) and p.mel.shape == (100, 80) and p.text_tokens.size == 0
+
+
+def test_prompt_sample_rate_is_bounded_before_resampling(frontends):
+    fe = frontends["cosyvoice2"]
+    x = tone(2.0, 1_000_000)
+    with pytest.raises(InvalidAudioError, match="at most 192000 Hz"):
+        fe.prompt(Waveform(x, 1_000_000), "")
+    with pytest.raises(InvalidAudioError, match="at most 192000 Hz"):
+        fe.prompt_from_samples(x, 1_000_000)
+    with pytest.raises(InvalidAudioError, match="Hz"):  # refused from the file header
+        fe.prompt(encode(tone(2.0, 200_000), 200_000, "WAV"))
+
+
+def test_odd_rate_prompt_gives_the_same_shapes(frontends):
+    fe = frontends["cosyvoice2"]
+    p = fe.prompt(encode(tone(3.0, 44101), 44101, "WAV"), "")
+    assert p.speech_tokens.shape == (75,) and p.mel.shape == (150, 80)
+
+
+def test_compression_bomb_prompt_is_refused_before_decoding(frontends):
+    import io
+
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    with sf.SoundFile(buf, "w", 16000, 1, format="FLAC") as f:
+        for _ in range(600):
+            f.write(np.zeros(16000, np.float32))
+    with pytest.raises(PromptTooLongError, match="600.00 s"):
+        frontends["cosyvoice2"].prompt(buf.getvalue())
