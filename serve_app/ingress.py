@@ -21,11 +21,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator
 from ray.serve.exceptions import BackPressureError
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
@@ -35,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from deployments.frontend import VOICE_ID_PATTERN
 from deployments.options import DeploymentKnobs
 from deployments.protocol import (
     AudioChunk,
@@ -46,11 +48,19 @@ from deployments.protocol import (
     SynthesisResult,
     VoiceInfo,
 )
-from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, encode_audio, make_stream_encoder
+from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload
 from serve_app.errors import ApiError, install_exception_handlers, request_id_of
 from serve_app.metrics import CONTENT_TYPE, IngressMetrics
 from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
 from serve_app.schemas import NativeSynthesisFields, SpeechRequest, VoiceFields, VoiceOut
+from serve_app.speech import (
+    DEFAULT_MODEL_NAMES,
+    DEFAULT_VOICE,
+    OPENAI_VOICES,
+    AudioOut,
+    encode_whole,
+    split_speed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +70,8 @@ logger = logging.getLogger(__name__)
 SERVE_HEADROOM = 2
 HEALTH_MEMORY_S = 60.0  # how long /health keeps a replica's last answer when probes cannot reach it
 HEALTH_PROBE_ROUNDS = 4  # idle misses compound to (1/8)^4 for 2 replicas
+_VOICE_ID_RE = re.compile(VOICE_ID_PATTERN)
+EMPTY_STREAM_RATE = 24000  # rate named in the header of a stream that has no audio at all
 
 
 class IngressConfig(DeploymentKnobs):
@@ -67,10 +79,22 @@ class IngressConfig(DeploymentKnobs):
 
     max_input_chars: PositiveInt = 4096  # OpenAI's limit for `input`
     max_upload_bytes: PositiveInt = 10 * 1024 * 1024
-    model_names: list[str] = Field(default_factory=list)  # accepted `model` values; empty = any
+    # Accepted `model` values of /v1/audio/speech (400 for others); empty = any.
+    model_names: list[str] = Field(default_factory=lambda: list(DEFAULT_MODEL_NAMES))
+    # Voice names resolved to registered voices before synthesis (OpenAI's built-in names -> "default").
+    voice_aliases: dict[str, str] = Field(default_factory=lambda: dict.fromkeys(OPENAI_VOICES, DEFAULT_VOICE))
     health_timeout_s: float = Field(5.0, gt=0)
     # Longest prompt upload decoded (413 from the file's header above it); None: frontend.max_prompt_audio_s.
     max_prompt_audio_s: PositiveFloat | None = None
+
+
+    @field_validator("voice_aliases")
+    @classmethod
+    def _aliases_name_voice_ids(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [f"{k}: {t}" for k, t in v.items() if not (_VOICE_ID_RE.match(k) and _VOICE_ID_RE.match(t))]
+        if bad:
+            raise ValueError(f"voice_aliases entries must be voice ids ({VOICE_ID_PATTERN}): {', '.join(bad)}")
+        return v
 
 
 def _voice_out(info: VoiceInfo) -> dict:
@@ -114,15 +138,27 @@ class TTSIngress:
     # ---------------------------------------------------------------- synthesis routes
     async def openai_speech(self, request: Request) -> Response:
         body = SpeechRequest.model_validate(await _json(request, self.cfg.max_upload_bytes))
+        rid = request_id_of(request)
+        if body.unknown_fields:  # OpenAI ignores fields it does not know; so do we, visibly
+            logger.info("request %s: ignored unknown fields %s", rid, ", ".join(body.unknown_fields))
         if self.cfg.model_names and body.model not in self.cfg.model_names:
             raise ApiError(400, f"unknown model '{body.model}'; available: {', '.join(self.cfg.model_names)}",
-                           code="model_not_found")
+                           code="model_not_found", param="model")
         self._check_text(body.input)
-        check_format(body.response_format, body.stream)
-        mode = SynthesisMode.INSTRUCT if body.instructions else SynthesisMode.VOICE
-        req = SynthesisRequest(request_id=request_id_of(request), text=body.input, mode=mode, voice_id=body.voice,
-                               instruct_text=body.instructions, speed=body.speed, stream=body.stream, seed=body.seed)
-        return await self._synthesize(req, body.response_format)
+        check_format(body.response_format)
+        instructions = (body.instructions or "").strip() or None
+        mode = SynthesisMode.INSTRUCT if instructions else SynthesisMode.VOICE
+        native_speed, tempo = split_speed(body.speed)
+        sse = body.stream_format == "sse"
+        streamed = body.stream or sse
+        req = SynthesisRequest(request_id=rid, text=body.input, mode=mode, voice_id=self.resolve_voice(body.voice_id),
+                               instruct_text=instructions, speed=native_speed,
+                               stream=streamed and native_speed == 1.0, seed=body.seed)
+        return await self._synthesize(req, body.response_format, streamed, tempo, sse)
+
+    def resolve_voice(self, voice_id: str) -> str:
+        """A voice name as given by a client -> the registered voice id (``voice_aliases``)."""
+        return self.cfg.voice_aliases.get(voice_id, voice_id)
 
     async def native_tts(self, request: Request) -> Response:
         audio = sr = None
@@ -134,22 +170,29 @@ class TTSIngress:
         else:
             body = NativeSynthesisFields.model_validate(await _json(request, self.cfg.max_upload_bytes))
         self._check_text(body.text)
-        check_format(body.response_format, body.stream)
+        check_format(body.response_format)
+        native_speed, tempo = split_speed(body.speed)
         req = SynthesisRequest(request_id=request_id_of(request), text=body.text, mode=body.mode,
                                voice_id=body.voice_id, prompt_text=body.prompt_text, prompt_audio=audio,
-                               prompt_sample_rate=sr, instruct_text=body.instruct_text, speed=body.speed,
-                               stream=body.stream, seed=body.seed)
-        return await self._synthesize(req, body.response_format)
+                               prompt_sample_rate=sr, instruct_text=body.instruct_text, speed=native_speed,
+                               stream=body.stream and native_speed == 1.0, seed=body.seed)
+        return await self._synthesize(req, body.response_format, body.stream, tempo)
 
-    async def _synthesize(self, req: SynthesisRequest, fmt: str) -> Response:
+    async def _synthesize(self, req: SynthesisRequest, fmt: str, streamed: bool, tempo: float = 1.0,
+                          sse: bool = False) -> Response:
+        """Prepare, then a buffered body (Content-Length) or a chunked one as audio is made.
+
+        ``req.stream`` selects chunked token2wav in the synthesizer; a streamed body without it
+        (a speed other than 1) still leaves sentence by sentence.
+        """
         started = time.perf_counter()
         self.metrics.in_flight.inc()
         handed_to_stream = False  # from then on _stream_body's finally owns the in-flight count
         try:
             prepared = await _admitted(self.frontend.prepare.remote(req))
-            if not req.stream:
+            if not streamed:
                 result = await _admitted(self.synth.synthesize_unary.remote(prepared))
-                data = encode_audio(result.samples, result.sample_rate, fmt)
+                data = encode_whole(result.samples, result.sample_rate, fmt, tempo)
                 self._observe(started, started + result.time_to_first_audio_s, len(result.samples), result.sample_rate)
                 return Response(data, media_type=MEDIA_TYPES[fmt])
             gen = self.synth.options(stream=True).synthesize.remote(prepared)
@@ -160,29 +203,28 @@ class TTSIngress:
             except BaseException:
                 _cancel(gen)
                 raise
+            sample_rate = first.sample_rate if first is not None else EMPTY_STREAM_RATE
+            out = AudioOut(fmt, sample_rate, tempo=tempo, sse=sse,
+                           input_tokens=sum(len(p.text_ids) for p in prepared.pieces))
             handed_to_stream = True
         finally:
             if not handed_to_stream:
                 self.metrics.in_flight.dec()
-        return StreamingResponse(self._stream_body(gen, first, fmt, started), media_type=MEDIA_TYPES[fmt])
+        return StreamingResponse(self._stream_body(gen, first, out, started), media_type=out.media_type)
 
-    async def _stream_body(self, gen, first, fmt: str, started: float):
-        sample_rate = first.sample_rate if first is not None else 24000
-        encoder = make_stream_encoder(fmt, sample_rate)
-        samples = 0
+    async def _stream_body(self, gen, first, out: AudioOut, started: float):
         first_at = None
         try:
             if first is not None:
                 first_at = time.perf_counter()
-                samples += len(first.samples)
-                yield encoder.encode(first.samples)
+                if data := out.feed(first.samples):
+                    yield data
                 async for chunk in gen:
-                    samples += len(chunk.samples)
-                    yield encoder.encode(chunk.samples)
-            tail = encoder.finish()
-            if tail:
+                    if data := out.feed(chunk.samples):
+                        yield data
+            if tail := out.close():
                 yield tail
-            self._observe(started, first_at, samples, sample_rate)
+            self._observe(started, first_at, out.model_samples, out.sample_rate)
         finally:
             # Disconnect / error: cancel the handle call so the replica aborts the sequence.
             _cancel(gen)
@@ -214,7 +256,8 @@ class TTSIngress:
 
     async def list_voices(self, request: Request) -> Response:
         infos = await _admitted(self.frontend.list_voices.remote())
-        return JSONResponse({"voices": [_voice_out(i) for i in infos]})
+        # aliases: voice names a request may use for a registered voice (OpenAI's built-in names)
+        return JSONResponse({"voices": [_voice_out(i) for i in infos], "aliases": self.cfg.voice_aliases})
 
     async def get_voice(self, request: Request) -> Response:
         info = await _admitted(self.frontend.get_voice.remote(request.path_params["voice_id"]))
