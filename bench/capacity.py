@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
-from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, SimTarget
 from bench.capacity_report import write_report
+from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, SimTarget
 from bench.gpu_bench import ReplicaSim, make_model, make_voice, mode_setup
 from bench.load import register_voices
 from bench.report import _slug

@@ -24,14 +24,15 @@ def _cell(value, fmt: str) -> str:
 def markdown(doc: dict, plots: list[str]) -> str:
     w = doc["workload"]
     unit = {"sessions": "sessions", "rate": "requests/s", "one-session": "session"}
-    lines = [f"# Streaming capacity at the SLO: {w['level']} level, {w['family']}, {doc['device']}, {doc['date']}", "",
-             f"SLO: every request succeeds, p99 time to first audio <= {w['slo_ttfa_p99_ms']:.0f} ms, "
+    intro = (f"SLO: every request succeeds, p99 time to first audio <= {w['slo_ttfa_p99_ms']:.0f} ms, "
              f"{w['slo_underruns']} underruns (a client that plays from the first chunk with no extra buffer). "
              f"Utterance mix: {w['mix']} of audio; registered-voice prompt of {w['prompt_s']:.2f} s; seed "
              f"{w['seed']}; each probe judges the requests submitted in {w['window_s']:.0f} s of steady load "
              f"(sessions start over ~{w['ramp_s']:.0f} s, exponential gaps) and stops at the first failed or "
              "underrun request. Random-weight model (full-size architecture): the work per token is a real "
-             "model's, the audio is noise.", "", "| mode | search | capacity |", "|---|---|---|"]
+             "model's, the audio is noise.")
+    lines = [f"# Streaming capacity at the SLO: {w['level']} level, {w['family']}, {doc['device']}, {doc['date']}", "",
+             intro, "", "| mode | search | capacity |", "|---|---|---|"]
     for s in doc["searches"]:
         if s["kind"] != "one-session":
             cap = "-" if s["capacity"] is None else f"{s['capacity']} {unit[s['kind']]}"

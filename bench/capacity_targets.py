@@ -123,17 +123,17 @@ class HttpTarget:
                 "response_format": "pcm", "stream": True}
         carry = 0  # a chunk boundary may split a 16-bit sample
         try:
-            async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s,
-                                         transport=self.transport) as client:
-                async with client.stream("POST", "/v1/audio/speech", json=body) as resp:
-                    if resp.status_code != 200:
-                        trace.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                        return trace
-                    async for data in resp.aiter_raw():
-                        total = carry + len(data)
-                        if total // 2:
-                            trace.add_chunk(time.perf_counter(), total // 2)
-                        carry = total % 2
+            async with (httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s,
+                                          transport=self.transport) as client,
+                        client.stream("POST", "/v1/audio/speech", json=body) as resp):
+                if resp.status_code != 200:
+                    trace.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                    return trace
+                async for data in resp.aiter_raw():
+                    total = carry + len(data)
+                    if total // 2:
+                        trace.add_chunk(time.perf_counter(), total // 2)
+                    carry = total % 2
         except httpx.HTTPError as exc:
             trace.error = f"{type(exc).__name__}: {exc}"
         if trace.error is None and not trace.chunk_times_s:

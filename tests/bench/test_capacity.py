@@ -5,6 +5,7 @@ come from the GPU lease)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import selectors
@@ -155,7 +156,7 @@ def test_closed_loop_sessions_wait_out_playback_and_only_the_window_is_judged():
         by_session.setdefault(rid.split("-")[0], []).append((at, audio))
     assert len(by_session) == 3
     for calls in by_session.values():
-        for (at, audio), (nxt, _) in zip(calls, calls[1:]):
+        for (at, audio), (nxt, _) in itertools.pairwise(calls):
             assert nxt >= at + 0.1 + audio - 1e-4  # the previous answer played out (samples round down)
     starts = sorted(calls[0][0] for calls in by_session.values())
     assert len(set(starts)) == 3 and starts[-1] == t0  # staggered; the window opens at the last start
