@@ -18,6 +18,7 @@ from typing import Protocol
 
 from bench.metrics import RequestTrace, percentile
 
+
 @dataclass(frozen=True)
 class Mix:
     """Utterance lengths: buckets of (weight, shortest s, longest s), uniform inside a bucket."""

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One lease call of the capacity tool (bench/capacity.py) on the GPU machine. Needs
+# .carry/site312.tar.xz (bench/carry_bundle.sh) and the run's `carry: [".carry"]`: the serve level
+# needs Ray Serve from it, the replica level only what the image has. Results are packed into
+# $OUT/capacity.tgz after every step (a run returns at most 8 files). The whole call must end
+# inside 600 s: REPLICA_S + SERVE_S + ~40 s.
+#   REPLICA_S=500 MODES=pytorch-bf16-allgraphs-early-edf,pytorch-bf16-allgraphs-early-edf-prio bash bench/device_capacity.sh
+#   REPLICA_S=0 SERVE_S=520 bash bench/device_capacity.sh
+#   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call
+set -u
+W=/tmp/capacity
+mkdir -p "$W/results"
+cp bench/results/latest.json "$W/results/"  # the tool adds its keys to the throughput benchmark's
+pack() { tar -czf "$OUT/capacity.tgz" -C "$W" .; }
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$W/gpu.txt"
+cat "$W/gpu.txt"
+if [ "${SERVE_S:-0}" -gt 0 ]; then
+  mkdir -p /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz
+  export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+else
+  export PYTHONPATH=$PWD
+fi
+if [ "${REPLICA_S:-0}" -gt 0 ]; then
+  timeout "$REPLICA_S" python3 -m bench.capacity --level replica --family "${FAMILY:-cosyvoice2}" \
+    --modes "${MODES:-pytorch-bf16-allgraphs-early-edf}" --out "$W/results" ${TAG:+--tag "$TAG"} ${CAP_ARGS:-} 2>&1 \
+    | grep -v Warning > "$W/replica.log"
+  grep -E '"kind"|done in|Error|error' "$W/replica.log" | cut -c1-900 | tail -20
+  pack
+fi
+if [ "${SERVE_S:-0}" -gt 0 ]; then
+  python3 -m cosyvoice_runtime.tiny_model --size full --out /tmp/cv2-full > /dev/null 2>&1 || echo "full-size model: failed"
+  FAST_COSY_MODEL_DIR=/tmp/cv2-full timeout "$SERVE_S" python3 -m bench.capacity --level serve \
+    --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" ${TAG:+--tag "$TAG"} ${CAP_ARGS:-} 2>&1 \
+    | grep -v Warning > "$W/serve.log"
+  grep -E '"kind"|done in|Error|error' "$W/serve.log" | cut -c1-900 | tail -20
+  pack
+fi
