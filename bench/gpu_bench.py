@@ -111,7 +111,7 @@ class ReplicaSim:
     def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, cuda_graphs: bool = False,
                  flow_batch: int = 16, min_first_hop: int | None = None, edf_slack_s: float | None = None,
                  llm_compile: str | None = None, cv3_vocoder: str = "recompute", stream_priority: bool = False,
-                 max_text: int = TEXT):
+                 max_text: int = TEXT, length_ratio: float | None = None):
         self.model = model
         self.edf_slack_s = edf_slack_s  # None: first chunks first (see _pick)
         self.n_tokens = n_tokens  # per request unless submit() says otherwise (then the most it may say)
@@ -119,6 +119,9 @@ class ReplicaSim:
         # extra "prio": decode steps on a high-priority CUDA stream, token2wav on a low-priority one,
         # so a step's kernels are scheduled ahead of a running flow batch's as SMs free up
         self.priorities = (-1, 0) if stream_priority else (0, 0)
+        # extra "lenbatch" (with edf): a batch holds only jobs at most this many times as long as its
+        # most urgent one, so a first chunk is not padded to a 20 s stream's prefix
+        self.length_ratio = length_ratio
         self.engine = LLMEngine(model.llm, max_batch_size=max_batch,
                                 max_seq_len=PROMPT_SPEECH + PROMPT_TEXT + max_text + n_tokens + 8,
                                 use_cuda_graphs=cuda_graphs and model.device.type == "cuda",
@@ -250,9 +253,7 @@ class ReplicaSim:
             jobs.sort(key=lambda rj: rj[1].state.calls)  # first chunks first
             return jobs[: self.flow_batch]
         deadline = {rid: self.streams[rid].trace.playback_deadline_s() for rid, _ in jobs}
-        jobs.sort(key=lambda rj: deadline[rj[0]])
-        urgent = [rj for rj in jobs if deadline[rj[0]] - now < self.edf_slack_s]
-        return (urgent or jobs)[: self.flow_batch]
+        return edf_batch(jobs, deadline, now, self.edf_slack_s, self.flow_batch, self.length_ratio)
 
     def run(self, voice: VoicePrompt, text: torch.Tensor, concurrency: int, total: int,
             deadline_s: float = 180.0) -> tuple[list[RequestTrace], float]:
@@ -308,6 +309,24 @@ class ReplicaSim:
         return run
 
 
+def _flow_tokens(job) -> int:
+    """Tokens a flow job solves over (prompt + generated so far): its share of a padded batch."""
+    return job.state.prompt.n_tokens + int(job.tokens.shape[1])
+
+
+def edf_batch(jobs: list, deadline: dict, now: float, slack_s: float, flow_batch: int,
+              length_ratio: float | None = None) -> list:
+    """Earliest playback deadline first: while some ``(rid, job)`` is due within ``slack_s``,
+    only those; at most ``flow_batch``; with ``length_ratio``, only jobs at most that many
+    times as long (:func:`_flow_tokens`) as the most urgent one, which the batch pads to."""
+    jobs = sorted(jobs, key=lambda rj: deadline[rj[0]])
+    batch = [rj for rj in jobs if deadline[rj[0]] - now < slack_s] or jobs
+    if length_ratio:
+        limit = length_ratio * _flow_tokens(batch[0][1])
+        batch = [rj for rj in batch if _flow_tokens(rj[1]) <= limit]
+    return batch[:flow_batch]
+
+
 def _ttfa_breakdown(streams: list[_Stream]) -> dict:
     """Median ms from submission to the first token, to the first token2wav job, to first audio."""
     import statistics
@@ -361,7 +380,8 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     its graphs are captured (what replica mode torchscript adds on CUDA), ``vinc`` = CosyVoice3's
     vocoder in the incremental strategy (the replica's default, ``token2wav.cv3_vocoder``; without
     it the official full recompute), ``prio`` = decode steps on a high-priority CUDA stream and
-    token2wav on a low-priority one."""
+    token2wav on a low-priority one, ``lenbatch`` = (with edf) a token2wav batch holds only jobs at
+    most 1.5x as long (prompt + tokens) as its most urgent one."""
     kind, prec, extra = parse_mode(mode)
     switch = sys.getswitchinterval()
     if "fastswitch" in extra:
@@ -373,7 +393,9 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
         sys.setswitchinterval(switch)
 
 
-KNOWN_EXTRAS = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile", "vinc", "prio"}
+KNOWN_EXTRAS = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile", "vinc", "prio",
+                "lenbatch"}
+LENGTH_RATIO = 1.5  # extra "lenbatch"
 
 
 def parse_mode(mode: str) -> tuple[str, str, list[str]]:
@@ -395,7 +417,8 @@ def mode_setup(base: CosyVoiceModel, mode: str, flow_batch: int, n_tokens: int,
     edf = EDF_SLACK_S if "edf" in extra else None
     sim_args = {"cuda_graphs": llm_graphs, "flow_batch": flow_batch, "min_first_hop": min_first_hop, "edf_slack_s": edf,
                 "llm_compile": compile_backend if "llmcompile" in extra else None,
-                "cv3_vocoder": "incremental" if "vinc" in extra else "recompute", "stream_priority": "prio" in extra}
+                "cv3_vocoder": "incremental" if "vinc" in extra else "recompute", "stream_priority": "prio" in extra,
+                "length_ratio": LENGTH_RATIO if "lenbatch" in extra else None}
     graphs = "all" if "allgraphs" in extra else "solve" if "graphs" in extra else None
     return _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop, compile_backend), sim_args
 

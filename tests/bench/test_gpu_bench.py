@@ -6,8 +6,11 @@ themselves come from the GPU lease."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
-from bench.gpu_bench import main
+import torch
+
+from bench.gpu_bench import edf_batch, main
 
 MODES = ["pytorch-fp32-allgraphs-early-edf-llmcompile", "compile-fp32-early"]
 
@@ -57,3 +60,22 @@ def test_cv3_vocoder_benchmark_times_both_strategies_on_the_same_audio(tmp_path)
         assert len(r["per_call_ms"]) == r["calls"] == len(result["chunk_frames"]) and r["total_ms"] > 0
         assert r["max_abs_diff_vs_recompute"] < 1e-4
     assert (tmp_path / "cv3v.png").stat().st_size > 0
+
+
+def _job(n_prompt: int, n_tokens: int):
+    return SimpleNamespace(state=SimpleNamespace(prompt=SimpleNamespace(n_tokens=n_prompt)),
+                           tokens=torch.zeros(1, n_tokens, dtype=torch.int32))
+
+
+def test_edf_batch_serves_due_jobs_first_and_lenbatch_keeps_long_ones_out():
+    jobs = [("long", _job(87, 400)), ("first", _job(87, 16)), ("second", _job(87, 41)), ("late", _job(87, 20))]
+    deadline = {"long": 10.1, "first": 10.0, "second": 10.2, "late": 12.0}
+    assert [r for r, _ in edf_batch(jobs, deadline, 10.0, 0.5, 16)] == ["first", "long", "second"]
+    assert [r for r, _ in edf_batch(jobs, deadline, 10.0, 0.5, 2)] == ["first", "long"]
+    # the first chunk (103 tokens with its prompt) is not padded to the 487-token job
+    assert [r for r, _ in edf_batch(jobs, deadline, 10.0, 0.5, 16, length_ratio=1.5)] == ["first", "second"]
+    # nothing due: every job is a candidate, still ordered by deadline
+    assert [r for r, _ in edf_batch(jobs, deadline, 0.0, 0.5, 16)] == ["first", "long", "second", "late"]
+    # a long job at the head takes shorter ones along (they add no padding)
+    deadline["long"] = 9.0
+    assert [r for r, _ in edf_batch(jobs, deadline, 10.0, 0.5, 16, length_ratio=1.5)] == ["long", "first", "second"]
