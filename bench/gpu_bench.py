@@ -382,7 +382,7 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     it the official full recompute), ``prio`` = decode steps on a high-priority CUDA stream and
     token2wav on a low-priority one, ``lenbatch`` = (with edf) a token2wav batch holds only jobs at
     most 1.5x as long (prompt + tokens) as its most urgent one."""
-    kind, prec, extra = parse_mode(mode)
+    _, _, extra = parse_mode(mode)
     switch = sys.getswitchinterval()
     if "fastswitch" in extra:
         sys.setswitchinterval(0.0005)
