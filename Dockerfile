@@ -1,7 +1,11 @@
 # FastCosyVoice Serve on one NVIDIA GPU node (also the image for KubeRay head/worker pods).
 #
 #   docker build -t fastcosy:0.1.0 .
-#   docker run --gpus all --shm-size=8g -p 8000:8000 -v /srv/models/CosyVoice2-0.5B:/models/model:ro fastcosy:0.1.0
+#   docker run --gpus all --shm-size=8g -p 8000:8000 -v /srv/models/CosyVoice2-0.5B:/models/model:ro \
+#       -v /srv/fastcosy/api_keys:/run/secrets/api_keys:ro fastcosy:0.1.0
+#
+# The default config (deploy/docker/single-gpu.yaml) requires API keys: the file above, or
+# -e FAST_COSY_API_KEYS=... (docs/serving.md, Authentication). /health stays open for the probe.
 #
 # The torch wheel from PyPI bundles its own CUDA user-space libraries; the host driver must
 # support that CUDA version (`docker run ... fastcosy doctor` checks driver, GPU arch and files).

@@ -24,12 +24,15 @@ class AppArgs(StrictModel):
 
     Attributes:
         model_dir: official model directory; None uses ``$FAST_COSY_MODEL_DIR`` or, failing that,
-            the tiny random-weight model of ``tiny_family`` generated on first start.
-        tiny_family: family of the generated tiny model.
+            the tiny random-weight model if ``tiny_family`` asks for it; otherwise replicas refuse
+            to start.
+        tiny_family: serve the generated tiny random-weight model of this family (it does not
+            speak) when no model directory is configured; null: no fallback, a replica without a
+            model fails at start.
     """
 
     model_dir: str | None = None
-    tiny_family: Literal["cosyvoice2", "cosyvoice3"] = "cosyvoice2"
+    tiny_family: Literal["cosyvoice2", "cosyvoice3"] | None = None
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     frontend: FrontendConfig = Field(default_factory=FrontendConfig)
     synthesizer: SynthesizerConfig = Field(default_factory=SynthesizerConfig)

@@ -125,7 +125,7 @@ def _served_family(cfg: LoadedConfig) -> str:
         from serve_app.doctor import detect_family
 
         return detect_family(Path(model_dir)) or "cosyvoice2"
-    return args.tiny_family
+    return args.tiny_family or "cosyvoice2"
 
 
 def usage_banner(cfg: LoadedConfig) -> str:

@@ -49,6 +49,7 @@ from deployments.protocol import (
     VoiceInfo,
 )
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload
+from serve_app.auth import AuthConfig, auth_middleware
 from serve_app.errors import ApiError, install_exception_handlers, request_id_of
 from serve_app.metrics import CONTENT_TYPE, IngressMetrics
 from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
@@ -86,6 +87,7 @@ class IngressConfig(DeploymentKnobs):
     health_timeout_s: float = Field(5.0, gt=0)
     # Longest prompt upload decoded (413 from the file's header above it); None: frontend.max_prompt_audio_s.
     max_prompt_audio_s: PositiveFloat | None = None
+    auth: AuthConfig = Field(default_factory=AuthConfig)  # API keys, open endpoints, CORS (serve_app/auth.py)
 
 
     @field_validator("voice_aliases")
@@ -128,6 +130,7 @@ class TTSIngress:
         app = Starlette(routes=routes, middleware=[
             Middleware(TrailingSlash),
             Middleware(RequestAccounting, metrics=self.metrics),
+            *auth_middleware(cfg.auth),  # before admission: a request without a valid key takes no slot
             Middleware(AdmissionControl, max_running=cfg.max_ongoing_requests, max_waiting=cfg.max_queued_requests,
                        retry_after_s=cfg.retry_after_s),
         ])

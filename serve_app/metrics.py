@@ -2,11 +2,17 @@
 
 The ingress measures what a client sees (request counts/errors, time to first audio, RTF =
 wall time / audio duration) in its own registry; at scrape time it adds the synthesizer
-replica snapshot it gets through the handle (engine queue length and running batch, token2wav
-and decode batch-size histograms, device utilisation and memory). With several synthesizer
-replicas one scrape shows the replica that answered (labelled ``replica``); the cluster-wide
-view is Ray's metrics endpoint, where every replica exports the ``tts_*`` series through
-``ray.serve.metrics`` (docs/serving.md).
+replica snapshot it gets through the handle (engine queue length and running batch, streams in
+flight, token2wav and decode batch-size histograms, device utilisation, SM activity and memory).
+
+Every series of one scrape carries ``ingress_replica`` (the Serve replica that answered), and the
+synthesizer snapshot also ``replica`` (the synthesizer replica it came from). Behind a
+load-balanced route consecutive scrapes may reach different ingress replicas; with the label
+each replica's counters are separate series that only ever grow, never one series jumping
+between replicas' values (sum them in queries). For a complete cluster-wide view scrape Ray's
+metrics endpoint on every node (``--metrics-export-port``, 8080 in cluster.yaml and the KubeRay
+manifest), where every replica exports the ``tts_*`` series through ``ray.serve.metrics`` with
+Serve's own ``deployment`` / ``replica`` tags (docs/serving.md, Metrics).
 """
 from __future__ import annotations
 
@@ -46,7 +52,11 @@ class _ReplicaSnapshotCollector:
             c = CounterMetricFamily(name, doc, labels=["replica"])
             c.add_metric(replica, float(snap.get(key, 0)))
             yield c
-        for name, key, doc in (("tts_device_utilization_pct", "utilization_pct", "Measured device utilisation"),
+        for name, key, doc in (("tts_streams_in_flight", "streams_in_flight",
+                                "Streams the replica is serving (the load policy's signal over slo_streams)"),
+                               ("tts_device_utilization_pct", "utilization_pct",
+                                "NVML GPU utilisation, rolling mean (dashboards only; compute busy share without NVML)"),
+                               ("tts_sm_activity_pct", "sm_activity_pct", "SM activity, rolling mean (where the GPU reports it)"),
                                ("tts_gpu_memory_allocated_bytes", "gpu_memory_allocated_bytes", "GPU memory allocated"),
                                ("tts_gpu_memory_total_bytes", "gpu_memory_total_bytes", "GPU memory total")):
             if snap.get(key) is not None:
@@ -71,8 +81,33 @@ def _histogram(name: str, doc: str, labels: list[str], counts: dict) -> Histogra
     return h
 
 
+def ingress_replica_id() -> str:
+    """This ingress replica's Serve id ("local" outside a replica)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a replica (unit tests, in-process apps)
+        return "local"
+
+
+class _Labelled:
+    """A registry view adding constant labels to every sample (``generate_latest`` needs ``collect``)."""
+
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.inner, self.labels = inner, labels
+
+    def collect(self):
+        for family in self.inner.collect():  # fresh objects per call: safe to relabel
+            family.samples = [s._replace(labels={**s.labels, **self.labels}) for s in family.samples]
+            yield family
+
+
 class IngressMetrics:
-    def __init__(self) -> None:
+    """The ingress's registry. ``replica_id``: the ``ingress_replica`` label (None: asked of Serve)."""
+
+    def __init__(self, replica_id: str | None = None) -> None:
+        self._replica_id = replica_id
         self.registry = CollectorRegistry()
         self.requests = Counter("tts_http_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=self.registry)
@@ -88,4 +123,6 @@ class IngressMetrics:
 
     def render(self, replica_snapshot: dict[str, Any] | None) -> bytes:
         self._replica.snapshot = replica_snapshot
-        return generate_latest(self.registry)
+        if self._replica_id is None:
+            self._replica_id = ingress_replica_id()
+        return generate_latest(_Labelled(self.registry, {"ingress_replica": self._replica_id}))

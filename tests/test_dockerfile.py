@@ -85,8 +85,24 @@ def test_image_default_config_validates():
     assert cfg.synthesizer.resources.num_gpus == 1 and cfg.model_dir == "/models/model"
 
 
+def _manifest() -> list[dict]:
+    return list(yaml.safe_load_all((REPO / "deploy" / "kuberay" / "rayservice.yaml").read_text()))
+
+
 def _rayservice() -> dict:
-    return yaml.safe_load((REPO / "deploy" / "kuberay" / "rayservice.yaml").read_text())
+    return next(doc for doc in _manifest() if doc["kind"] == "RayService")
+
+
+def _groups() -> list[dict]:
+    spec = _rayservice()["spec"]["rayClusterConfig"]
+    return [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+
+
+def _image_packages() -> set[str]:
+    """Executables the image's RUN lines install (apt packages and the venv's python3)."""
+    runs = " ".join(a for k, a in _instructions() if k == "RUN")
+    apt = re.search(r"apt-get install[^&]*", runs).group(0).split()
+    return {w for w in apt if not w.startswith("-")} - {"apt-get", "install"}
 
 
 def test_rayservice_serve_config_is_production_yaml():
@@ -95,25 +111,79 @@ def test_rayservice_serve_config_is_production_yaml():
     assert serve_cfg == production, "deploy/kuberay/rayservice.yaml serveConfigV2 differs from configs/production.yaml"
 
 
-def test_rayservice_cluster_fits_the_replicas():
+def test_rayservice_nodes_as_the_kuberay_autoscaler_sees_them_fit_the_replicas():
+    """Ray derives the autoscaler's node types from the RayCluster spec (what KubeRay's in-tree
+    autoscaler runs); every replica of every serve config must fit one of them."""
     import tomllib
+
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
     from serve_app.cli_common import load_serve_config
 
     spec = _rayservice()["spec"]["rayClusterConfig"]
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    ray_pin = next(d for d in deps if d.startswith("ray[serve]=="))
-    assert spec["rayVersion"] == ray_pin.split("==")[1]
+    assert spec["rayVersion"] == next(d for d in deps if d.startswith("ray[serve]==")).split("==")[1]
+    cr = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "fastcosy", "namespace": "default"},
+          "spec": spec}
+    node_types = _derive_autoscaling_config_from_ray_cr(cr)["available_node_types"]  # validates it too
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        args = load_serve_config(path).args
+        for name, cfg in (("ingress", args.ingress), ("frontend", args.frontend), ("synthesizer", args.synthesizer)):
+            opts = cfg.resources.actor_options()
+            req = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], "memory": opts.get("memory", 0),
+                   **opts.get("resources", {})}
+            assert any(all(t["resources"].get(k, 0) >= v for k, v in req.items()) for t in node_types.values()), (
+                f"{path.name}: {name} requests {req}; node types {node_types}")
     args = load_serve_config(REPO / "configs" / "production.yaml").args
-    synth = args.synthesizer.resources
+    gpu = [t for t in node_types.values() if t["resources"].get("GPU", 0) >= 1]
+    assert sum(t["max_workers"] for t in gpu) >= args.synthesizer.autoscaling.max_replicas
     worker = spec["workerGroupSpecs"][0]
-    params = worker["rayStartParams"]
-    custom = json.loads(json.loads(params["resources"])) if "resources" in params else {}  # KubeRay's quoted JSON
-    for name, amount in synth.resources.items():
-        assert custom.get(name, 0) >= amount
-    assert float(params["num-gpus"]) >= synth.num_gpus and float(params["num-cpus"]) >= synth.num_cpus
     container = worker["template"]["spec"]["containers"][0]
-    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == int(params["num-gpus"])
-    assert worker["maxReplicas"] >= args.synthesizer.autoscaling.max_replicas
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == int(worker["rayStartParams"]["num-gpus"])
     head = spec["headGroupSpec"]["template"]["spec"]
     assert head["securityContext"]["runAsNonRoot"] is True
+
+
+def test_rayservice_probes_run_with_what_the_image_has():
+    # KubeRay's default probes exec wget; the image has no wget, so every container defines its own.
+    installed = _image_packages()
+    assert "wget" not in installed and "python3" in installed
+    for group in _groups():
+        (container,) = group["template"]["spec"]["containers"]
+        for probe in ("livenessProbe", "readinessProbe"):
+            command = container[probe]["exec"]["command"]
+            assert command[0] in installed, (container["name"], probe, command[0])
+            script, urls = command[2], command[3:]
+            compile(script, probe, "exec")  # the one-liner is valid Python
+            assert urls and all(u.startswith("http://127.0.0.1:") for u in urls)
+            # Ray's health endpoints that answer without the cluster token (token auth is on).
+            assert all(u.endswith(("/api/local_raylet_healthz", "/api/gcs_healthz", "/-/healthz")) for u in urls)
+
+
+def test_rayservice_voices_are_shared_storage_on_every_pod():
+    from serve_app.cli_common import load_serve_config
+
+    args = load_serve_config(REPO / "configs" / "production.yaml").args
+    voices_dir = Path(args.frontend.voices_dir)
+    claims = {doc["metadata"]["name"]: doc for doc in _manifest() if doc["kind"] == "PersistentVolumeClaim"}
+    for group in _groups():
+        pod = group["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = [m for m in pod["containers"][0]["volumeMounts"] if voices_dir.is_relative_to(m["mountPath"])]
+        assert mounts and not mounts[0].get("readOnly")
+        claim = volumes[mounts[0]["name"]]["persistentVolumeClaim"]["claimName"]
+        assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"]  # every frontend replica, every node
+
+
+def test_rayservice_token_auth_and_api_keys():
+    from serve_app.cli_common import load_serve_config
+
+    spec = _rayservice()["spec"]["rayClusterConfig"]
+    assert spec["authOptions"]["mode"] == "token"
+    assert spec["headGroupSpec"]["rayStartParams"].get("dashboard-host") != "0.0.0.0"
+    keys_file = Path(load_serve_config(REPO / "configs" / "production.yaml").args.ingress.auth.keys_file)
+    for group in _groups():
+        pod = group["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == str(keys_file.parent)]
+        assert mount["readOnly"] and "secret" in volumes[mount["name"]]  # keys from a Secret, never the manifest

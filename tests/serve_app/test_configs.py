@@ -97,10 +97,23 @@ def test_load_band_policy_is_wired_into_autoscaling_config():
     AutoscalingConfig(**cfg)  # Serve accepts it (imports and pickles the policy)
 
 
-# ------------------------------------------------------------------ cluster.yaml resource fit
-def _declared_nodes(cluster: dict) -> dict[str, dict[str, float]]:
-    """Resources each node kind declares in its `ray start` command (local provider)."""
-    nodes = {}
+# ------------------------------------------------------------------ cluster launcher files
+CLUSTERS = {"cluster.yaml": ROOT / "cluster.yaml", "cluster-trt.yaml": ROOT / "cluster-trt.yaml"}
+STANDARD = {"CPU", "GPU", "memory"}
+
+
+def _launcher_view(path: Path) -> dict:
+    """The config as `ray up` hands it to the autoscaler: Ray's own preparation and validation."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(_load(path))
+    validate_config(prepared)
+    return prepared
+
+
+def _declared_hosts(cluster: dict) -> dict[str, dict[str, float]]:
+    """Resources each host kind declares in its `ray start` command (what Ray's scheduler sees)."""
+    hosts = {}
     for kind in ("head_start_ray_commands", "worker_start_ray_commands"):
         cmd = " ".join(cluster[kind])
         start = cmd[cmd.index("ray start"):]
@@ -108,33 +121,82 @@ def _declared_nodes(cluster: dict) -> dict[str, dict[str, float]]:
         res = {"CPU": float(flags["num-cpus"]), "GPU": float(flags.get("num-gpus", 0))}
         if "resources" in flags:
             res.update({k: float(v) for k, v in json.loads(shlex.split(flags["resources"])[0]).items()})
-        nodes[kind] = res
-    return nodes
+        hosts[kind] = res
+    return hosts
 
 
 def _request(actor_options: dict) -> dict[str, float]:
     req = {"CPU": actor_options.get("num_cpus", 0), "GPU": actor_options.get("num_gpus", 0)}
+    if actor_options.get("memory"):
+        req["memory"] = actor_options["memory"]
     req.update(actor_options.get("resources", {}))
     return req
 
 
-def test_cluster_yaml_is_valid_for_the_launcher():
-    from ray.autoscaler._private.util import prepare_config, validate_config
+def _requests(args: AppArgs) -> dict[str, dict[str, float]]:
+    return {name: _request(cfg.resources.actor_options())
+            for name, cfg in (("ingress", args.ingress), ("frontend", args.frontend), ("synthesizer", args.synthesizer))}
 
-    validate_config(prepare_config(_load(ROOT / "cluster.yaml")))
+
+def _fits(req: dict[str, float], have: dict[str, float]) -> bool:
+    return all(have.get(k, 0) >= v for k, v in req.items())
 
 
-def test_production_replicas_fit_cluster_nodes():
-    nodes = _declared_nodes(_load(ROOT / "cluster.yaml"))
-    args = AppArgs.from_file(ROOT / "configs/production.yaml")
-    for name, cfg in (("ingress", args.ingress), ("frontend", args.frontend), ("synthesizer", args.synthesizer)):
-        req = _request(cfg.resources.actor_options())
-        fits = [n for n, have in nodes.items() if all(have.get(k, 0) >= v for k, v in req.items())]
-        assert fits, f"{name} requests {req}, no node declares that: {nodes}"
-    # One synthesizer replica per GPU node, and max_replicas never exceeds the GPU workers.
-    assert args.synthesizer.resources.num_gpus == 1
-    cluster = _load(ROOT / "cluster.yaml")
-    assert args.synthesizer.autoscaling.max_replicas <= cluster["max_workers"]
+@pytest.mark.parametrize("name", CLUSTERS)
+def test_cluster_file_passes_the_launchers_validation_and_starts_every_host(name):
+    prepared = _launcher_view(CLUSTERS[name])
+    raw = _load(CLUSTERS[name])
+    # The local provider gives its one node type no resources: the autoscaler could not start a host
+    # for a replica's demand, so every host must be started up front.
+    (node_type,) = prepared["available_node_types"].values()
+    hosts = len(raw["provider"]["worker_ips"])
+    assert node_type["resources"] == {} and node_type["min_workers"] == node_type["max_workers"] == hosts
+    # Ray token auth on every node, the dashboard (Jobs API) not on all interfaces.
+    for kind in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert "RAY_AUTH_MODE=token" in " ".join(raw[kind])
+    assert "dashboard-host=0.0.0.0" not in " ".join(raw["head_start_ray_commands"])
+    assert "/home/ray/.ray/auth_token" in raw["file_mounts"]
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_replica_fits_a_host_of_every_cluster_file(cluster, path):
+    hosts = _declared_hosts(_load(CLUSTERS[cluster]))
+    for name, req in _requests(AppArgs.from_file(path)).items():
+        assert set(req) <= STANDARD | set().union(*hosts.values()), f"{name} requests an undeclared resource: {req}"
+        assert any(_fits(req, have) for have in hosts.values()), f"{name} requests {req}, no host declares it: {hosts}"
+
+
+def test_production_configs_run_on_what_their_cluster_installs():
+    pytorch = AppArgs.from_file(ROOT / "configs/production.yaml")
+    assert pytorch.synthesizer.mode == "pytorch" and pytorch.synthesizer.dtype == "bfloat16"
+    assert pytorch.synthesizer.cuda_graphs
+    plain = " ".join(_load(CLUSTERS["cluster.yaml"])["setup_commands"])
+    assert "pip install -q -e ." in plain and "[trt]" not in plain
+    trt = AppArgs.from_file(ROOT / "configs/production-trt.yaml")
+    cluster = _launcher_view(CLUSTERS["cluster-trt.yaml"])
+    assert trt.synthesizer.mode == "trt" and "'.[trt]'" in " ".join(cluster["setup_commands"])
+    build = " ".join(_load(CLUSTERS["cluster-trt.yaml"])["worker_setup_commands"])
+    flags = dict(re.findall(r"--([\w-]+)\s+([^-\s]\S*)", build))
+    assert build.startswith("fastcosy build-trt") and "--fp16" in build and trt.synthesizer.dtype == "float16"
+    assert flags["out"] == trt.synthesizer.trt_plan_dir and flags["model-dir"] == trt.model_dir
+    assert int(flags["max-batch"]) >= trt.synthesizer.token2wav.max_batch_size
+    for args, name in ((pytorch, "cluster.yaml"), (trt, "cluster-trt.yaml")):
+        hosts = _load(CLUSTERS[name])
+        # One synthesizer replica per GPU host; max_replicas never exceeds the GPU hosts.
+        assert args.synthesizer.resources.num_gpus == 1
+        assert args.synthesizer.autoscaling.max_replicas <= len(hosts["provider"]["worker_ips"])
+        # The keys file the ingress requires is copied to every host.
+        assert args.ingress.auth.required and args.ingress.auth.keys_file in hosts["file_mounts"]
+
+
+def test_production_configs_differ_only_in_the_execution_mode():
+    pytorch = application_of(_load(ROOT / "configs/production.yaml"))["args"]
+    trt = application_of(_load(ROOT / "configs/production-trt.yaml"))["args"]
+    assert {k: v for k, v in trt.items() if k != "synthesizer"} == {k: v for k, v in pytorch.items() if k != "synthesizer"}
+    changed = {k for k in set(pytorch["synthesizer"]) | set(trt["synthesizer"])
+               if pytorch["synthesizer"].get(k) != trt["synthesizer"].get(k)}
+    assert changed == {"dtype", "mode", "trt_plan_dir"}
 
 
 def test_local_config_fits_one_two_core_cpu_machine():

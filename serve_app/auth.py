@@ -1,0 +1,303 @@
+"""API-key authentication and CORS of the ingress (``ingress.auth``).
+
+Keys come from a file named in the config (``auth.keys_file``, on every ingress node) and from
+``$FAST_COSY_API_KEYS`` (read in ``deployments/constants.py``); never from a config file itself.
+Each key carries scopes:
+
+* ``synthesis``: ``POST /v1/audio/speech``, ``POST /v1/tts``, WebSocket routes, reading voices;
+* ``voices``: voice administration (``POST /v1/voices``, ``DELETE /v1/voices/{id}``) and reading;
+* ``metrics``: ``GET /metrics`` and the details of ``GET /health`` when those are protected.
+
+Clients send ``Authorization: Bearer <key>`` (what OpenAI clients send). WebSocket clients may
+also use an ``xi-api-key`` header, an ``api_key`` query parameter, or the subprotocol
+``openai-insecure-api-key.<key>`` (browsers cannot set headers on a WebSocket). A presented key is
+hashed and compared with every configured key's hash by ``hmac.compare_digest``, so the time taken
+does not depend on how much of a key matched, nor on which key matched.
+
+``GET /health`` (liveness) always answers with its status code; without a key holding ``metrics``
+(when ``health_details: key``) the body is reduced to ``{"status"}``. Responses: 401 without a
+valid key (``WWW-Authenticate: Bearer``), 403 with a valid key lacking the scope, both in the JSON
+error shape of :mod:`serve_app.errors`. Without any configured key the service runs open and logs
+a warning once per replica, unless ``auth.required`` is set, in which case the replica refuses
+to start (production configs set it).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+from urllib.parse import parse_qs
+
+from pydantic import Field
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+
+from deployments import constants
+from deployments.options import StrictModel
+from serve_app.errors import error_response, request_id_of
+from serve_app.middleware import route_path
+
+logger = logging.getLogger(__name__)
+
+SYNTHESIS, VOICES, METRICS = "synthesis", "voices", "metrics"
+SCOPES = frozenset({SYNTHESIS, VOICES, METRICS})
+DEFAULT_SCOPES = frozenset({SYNTHESIS})
+WS_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+
+
+class AuthConfig(StrictModel):
+    """API keys, open endpoints and CORS of the ingress (keys themselves never live in a config)."""
+
+    # Refuse to start without at least one key (file or $FAST_COSY_API_KEYS); production configs set it.
+    required: bool = False
+    # File with one key per line: `<key> [scope,scope]` (no scopes: synthesis); `#` starts a comment.
+    keys_file: str | None = None
+    # GET /health without a `metrics` key: `open` full body, `key` only {"status"} (the status code always).
+    health_details: Literal["open", "key"] = "key"
+    # GET /metrics: `open` to anyone who reaches the port, `key` needs the `metrics` scope.
+    metrics: Literal["open", "key"] = "key"
+    # Browser origins allowed by CORS (exact, or ["*"]); empty: no CORS headers at all.
+    cors_origins: list[str] = Field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- keys
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _scopes(text: str, where: str) -> frozenset[str]:
+    scopes = frozenset(s.strip() for s in text.replace("+", ",").split(",") if s.strip())
+    unknown = scopes - SCOPES
+    if unknown:
+        raise ValueError(f"{where}: unknown scope(s) {sorted(unknown)}; known: {sorted(SCOPES)}")
+    return scopes or DEFAULT_SCOPES
+
+
+def parse_key_file(text: str, name: str = "keys file") -> list[tuple[str, frozenset[str]]]:
+    """``<key> [scope,scope]`` per line; blank lines and ``#`` comments skipped."""
+    out = []
+    for no, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, _, rest = line.partition(" ")
+        out.append((key, _scopes(rest, f"{name}:{no}")))
+    return out
+
+
+def parse_key_env(value: str) -> list[tuple[str, frozenset[str]]]:
+    """``$FAST_COSY_API_KEYS``: comma-separated ``key`` or ``key:scope+scope`` entries."""
+    out = []
+    for i, entry in enumerate(e.strip() for e in value.split(",")):
+        if entry:
+            key, _, scopes = entry.partition(":")
+            out.append((key, _scopes(scopes, f"${constants.ENV_API_KEYS} entry {i + 1}")))
+    return out
+
+
+class KeyRing:
+    """Configured keys as SHA-256 digests with their scopes; lookups compare in constant time."""
+
+    def __init__(self, keys: Iterable[tuple[str, frozenset[str]]]) -> None:
+        self._entries: list[tuple[bytes, frozenset[str]]] = []
+        for key, scopes in keys:
+            if len(key) < 16:
+                raise ValueError("API keys must be at least 16 characters long")
+            self._entries.append((_digest(key), scopes))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def scopes_of(self, presented: str) -> frozenset[str] | None:
+        """The scopes of ``presented``, or None when it is not a configured key.
+
+        Every configured key is compared (no early exit), each by ``hmac.compare_digest``.
+        """
+        digest = _digest(presented)
+        found: frozenset[str] | None = None
+        for known, scopes in self._entries:
+            if hmac.compare_digest(digest, known):
+                found = scopes
+        return found
+
+
+def load_keys(cfg: AuthConfig) -> KeyRing:
+    """Keys of ``cfg.keys_file`` plus ``$FAST_COSY_API_KEYS``; raises when ``required`` finds none."""
+    keys: list[tuple[str, frozenset[str]]] = []
+    env = constants.api_keys_env()
+    if env:
+        keys += parse_key_env(env)
+    if cfg.keys_file:
+        path = Path(cfg.keys_file).expanduser()
+        try:
+            keys += parse_key_file(path.read_text(encoding="utf-8"), str(path))
+        except FileNotFoundError:
+            if not env:  # a named file that is not there is a mistake, unless the environment gives the keys
+                raise ValueError(f"ingress.auth.keys_file {path} does not exist (and ${constants.ENV_API_KEYS} "
+                                 "is unset)") from None
+            logger.warning("ingress.auth.keys_file %s does not exist: using $%s only", path, constants.ENV_API_KEYS)
+        except OSError as exc:
+            raise ValueError(f"ingress.auth.keys_file {path}: {exc.strerror or exc}") from None
+    ring = KeyRing(keys)
+    if cfg.required and not len(ring):
+        raise ValueError(f"ingress.auth.required is true but no API key is configured: set ingress.auth.keys_file "
+                         f"(a file on every ingress node) or ${constants.ENV_API_KEYS}")
+    return ring
+
+
+# ------------------------------------------------------------------------ routes
+def required_scopes(method: str, path: str, websocket: bool = False) -> frozenset[str] | None:
+    """Scopes of which a key needs one for this request; None: open (``/health``).
+
+    An empty set means any valid key (unknown paths: a 404 is not answered to strangers).
+    """
+    if websocket:
+        return frozenset({SYNTHESIS})
+    if path == "/health":
+        return None
+    if path == "/metrics":
+        return frozenset({METRICS})
+    if path in ("/v1/audio/speech", "/v1/tts"):
+        return frozenset({SYNTHESIS})
+    if path == "/v1/voices" or path.startswith("/v1/voices/"):
+        if method in ("GET", "HEAD"):
+            return frozenset({SYNTHESIS, VOICES})
+        return frozenset({VOICES})
+    return frozenset()
+
+
+def presented_key(scope) -> str | None:
+    """The key a request carries: Bearer header, else (WebSockets) xi-api-key, query, subprotocol."""
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+    auth = headers.get("authorization", "")
+    kind, _, token = auth.partition(" ")
+    if kind.lower() == "bearer" and token.strip():
+        return token.strip()
+    if scope["type"] != "websocket":
+        return None
+    if headers.get("xi-api-key"):
+        return headers["xi-api-key"].strip()
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    if query.get("api_key"):
+        return query["api_key"][0]
+    for proto in scope.get("subprotocols") or []:
+        if proto.startswith(WS_SUBPROTOCOL_PREFIX):
+            return proto[len(WS_SUBPROTOCOL_PREFIX):]
+    return None
+
+
+# --------------------------------------------------------------------- middleware
+@dataclass(frozen=True)
+class _Denied:
+    status: int
+    message: str
+    type: str
+    code: str
+
+
+class ApiKeyAuth:
+    """Pure ASGI middleware enforcing :class:`AuthConfig` (a no-op pass-through without keys)."""
+
+    def __init__(self, app, cfg: AuthConfig, keys: KeyRing) -> None:
+        self.app, self.cfg, self.keys = app, cfg, keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket") or not len(self.keys):
+            await self.app(scope, receive, send)
+            return
+        websocket = scope["type"] == "websocket"
+        path = route_path(scope)
+        needed = required_scopes(scope.get("method", "GET"), path, websocket)
+        if path == "/metrics" and self.cfg.metrics == "open":
+            needed = None
+        key = presented_key(scope)
+        held = self.keys.scopes_of(key) if key else None
+        if needed is None:
+            if path == "/health" and self.cfg.health_details == "key" and not (held and METRICS in held):
+                await self.app(scope, receive, _status_only(send))
+            else:
+                await self.app(scope, receive, send)
+            return
+        denied = self._check(key, held, needed)
+        if denied is None:
+            await self.app(scope, receive, send)
+        elif websocket:
+            # Before accept: the server answers the handshake with 403 and no connection opens.
+            await send({"type": "websocket.close", "code": 1008, "reason": denied.message[:120]})
+        else:
+            rid = request_id_of(Request(scope))
+            headers = {"WWW-Authenticate": "Bearer"} if denied.status == 401 else None
+            await error_response(rid, denied.status, denied.message, denied.type, denied.code, headers)(
+                scope, receive, send)
+
+    @staticmethod
+    def _check(key: str | None, held: frozenset[str] | None, needed: frozenset[str]) -> _Denied | None:
+        if key is None:
+            return _Denied(401, "missing API key: send 'Authorization: Bearer <key>'", "authentication_error",
+                           "missing_api_key")
+        if held is None:
+            return _Denied(401, "invalid API key", "authentication_error", "invalid_api_key")
+        if needed and not (held & needed):
+            return _Denied(403, f"this API key lacks the scope for this endpoint (needs one of: "
+                                f"{', '.join(sorted(needed))})", "permission_error", "insufficient_scope")
+        return None
+
+
+def _status_only(send):
+    """Wraps ``send`` so a JSON body is reduced to ``{"status": ...}`` (status code and headers kept)."""
+    state: dict = {"start": None, "body": b""}
+
+    async def wrapped(message) -> None:
+        if message["type"] == "http.response.start":
+            state["start"] = message
+            return
+        if message["type"] != "http.response.body":
+            await send(message)
+            return
+        state["body"] += message.get("body", b"")
+        if message.get("more_body"):
+            return
+        try:
+            status = json.loads(state["body"]).get("status")
+        except (ValueError, AttributeError):
+            status = None
+        if status is None:
+            status = "ok" if state["start"]["status"] < 400 else "unavailable"
+        body = json.dumps({"status": status}).encode()
+        start = state["start"]
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",)]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return wrapped
+
+
+def auth_middleware(cfg: AuthConfig) -> list[Middleware]:
+    """CORS (when origins are configured) and API-key middleware, for the ingress's middleware list.
+
+    Loads the keys on the replica that builds the app; raises when ``cfg.required`` finds none,
+    which fails the replica's start.
+    """
+    keys = load_keys(cfg)
+    if not len(keys):
+        logger.warning("ingress is UNAUTHENTICATED: no API key configured (ingress.auth.keys_file, $%s); "
+                       "anyone who reaches the port can synthesise and change voices", constants.ENV_API_KEYS)
+    else:
+        logger.info("ingress API keys: %d loaded; /metrics %s, /health details %s", len(keys), cfg.metrics,
+                    cfg.health_details)
+    out = []
+    if cfg.cors_origins:
+        # NOTE: before the key check, so a browser's preflight (OPTIONS, which carries no key) is answered.
+        out.append(Middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins),
+                              allow_methods=["GET", "POST", "DELETE"],
+                              allow_headers=["authorization", "content-type", "x-request-id", "xi-api-key"],
+                              expose_headers=["x-request-id", "retry-after"]))
+    out.append(Middleware(ApiKeyAuth, cfg=cfg, keys=keys))
+    return out

@@ -1,0 +1,46 @@
+"""/metrics behind a load-balanced route: every series names the ingress replica that answered."""
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve_app.metrics import IngressMetrics
+
+
+def _samples(text: bytes, name: str) -> dict[tuple, float]:
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_counters_of_two_ingress_replicas_are_separate_series_that_never_go_back():
+    a, b = IngressMetrics("ingress-a"), IngressMetrics("ingress-b")
+    for _ in range(5):
+        a.requests.labels("/v1/tts", "200").inc()
+    b.requests.labels("/v1/tts", "200").inc()
+    seen: dict[tuple, float] = {}
+    for replica in (a, b, a, b):  # the load balancer alternates between replicas
+        replica.requests.labels("/v1/tts", "200").inc()
+        for labels, value in _samples(replica.render(None), "tts_http_requests_total").items():
+            assert value >= seen.get(labels, 0.0), labels  # a counter series only grows
+            seen[labels] = value
+    assert {dict(k)["ingress_replica"]: v for k, v in seen.items()} == {"ingress-a": 7.0, "ingress-b": 3.0}
+
+
+def test_every_series_carries_the_replica_labels():
+    m = IngressMetrics("ingress-a")
+    m.ttfa.observe(0.2)
+    snapshot = {"replica_id": "synth-1", "engine": {"running": 2, "waiting": 1}, "streams_in_flight": 3,
+                "utilization_pct": 96.0, "sm_activity_pct": None, "generated_tokens_total": 10}
+    text = m.render(snapshot)
+    families = list(text_string_to_metric_families(text.decode()))
+    assert families and all(s.labels["ingress_replica"] == "ingress-a" for f in families for s in f.samples)
+    assert _samples(text, "tts_streams_in_flight") == {(("ingress_replica", "ingress-a"), ("replica", "synth-1")): 3.0}
+    assert _samples(text, "tts_sm_activity_pct") == {}  # absent where the GPU does not report it
+
+
+def test_outside_a_replica_the_label_is_local():
+    text = IngressMetrics().render(None)
+    assert b'ingress_replica="local"' in text
