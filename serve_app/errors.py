@@ -17,7 +17,7 @@ import uuid
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse
 
 from deployments.constants import REQUEST_ID_HEADER
@@ -46,7 +46,7 @@ class ApiError(Exception):
         self.param = param
 
 
-def request_id_of(request: Request) -> str:
+def request_id_of(request: HTTPConnection) -> str:
     """The request's id: a well-formed client ``x-request-id`` or a fresh one (stable per request)."""
     rid = request.scope.get("tts_request_id")
     if rid is None:

@@ -27,20 +27,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator
-from ray.serve.exceptions import BackPressureError
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartParser
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
 
 from deployments.frontend import VOICE_ID_PATTERN
 from deployments.options import DeploymentKnobs
 from deployments.protocol import (
     AudioChunk,
-    OverloadedError,
     PayloadTooLargeError,
     ReplicaHealth,
     SynthesisMode,
@@ -49,8 +48,9 @@ from deployments.protocol import (
     VoiceInfo,
 )
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload
-from serve_app.auth import AuthConfig, auth_middleware
 from serve_app.errors import ApiError, install_exception_handlers, request_id_of
+from serve_app.handles import admitted as _admitted
+from serve_app.handles import cancel_stream as _cancel
 from serve_app.metrics import CONTENT_TYPE, IngressMetrics
 from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
 from serve_app.schemas import NativeSynthesisFields, SpeechRequest, VoiceFields, VoiceOut
@@ -62,6 +62,8 @@ from serve_app.speech import (
     encode_whole,
     split_speed,
 )
+from serve_app.stream_input import ROUTE as STREAM_INPUT_ROUTE
+from serve_app.stream_input import StreamInputSession
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,6 @@ class IngressConfig(DeploymentKnobs):
     health_timeout_s: float = Field(5.0, gt=0)
     # Longest prompt upload decoded (413 from the file's header above it); None: frontend.max_prompt_audio_s.
     max_prompt_audio_s: PositiveFloat | None = None
-    auth: AuthConfig = Field(default_factory=AuthConfig)  # API keys, open endpoints, CORS (serve_app/auth.py)
 
 
     @field_validator("voice_aliases")
@@ -125,12 +126,12 @@ class TTSIngress:
             Route("/v1/voices/{voice_id}", self.delete_voice, methods=["DELETE"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            WebSocketRoute(STREAM_INPUT_ROUTE, self.stream_input),
         ]
         cfg = self.cfg
         app = Starlette(routes=routes, middleware=[
             Middleware(TrailingSlash),
             Middleware(RequestAccounting, metrics=self.metrics),
-            *auth_middleware(cfg.auth),  # before admission: a request without a valid key takes no slot
             Middleware(AdmissionControl, max_running=cfg.max_ongoing_requests, max_waiting=cfg.max_queued_requests,
                        retry_after_s=cfg.retry_after_s),
         ])
@@ -158,6 +159,15 @@ class TTSIngress:
                                instruct_text=instructions, speed=native_speed,
                                stream=streamed and native_speed == 1.0, seed=body.seed)
         return await self._synthesize(req, body.response_format, streamed, tempo, sse)
+
+    async def stream_input(self, websocket: WebSocket) -> None:
+        """Text in pieces, audio out as it is made (ElevenLabs' stream-input; serve_app/stream_input.py)."""
+        voice = self.resolve_voice(websocket.path_params["voice_id"])
+        self.metrics.in_flight.inc()
+        try:
+            await StreamInputSession(websocket, self.frontend, self.synth, voice).run()
+        finally:
+            self.metrics.in_flight.dec()
 
     def resolve_voice(self, voice_id: str) -> str:
         """A voice name as given by a client -> the registered voice id (``voice_aliases``)."""
@@ -388,29 +398,6 @@ class TTSIngress:
             return fields, files
         finally:
             await form.close()  # spooled temporary files
-
-
-async def _admitted(awaitable):
-    """Await a handle call, turning Serve's backpressure rejection into our OverloadedError.
-
-    NOTE: Serve installs its own plain-text handler for ``BackPressureError`` on the ingress app
-    after ``__serve_build_asgi_app__`` returns, overriding ours; converting here keeps the one
-    JSON error shape (and the rejecting deployment's Retry-After).
-    """
-    try:
-        return await awaitable
-    except BackPressureError as exc:
-        raise OverloadedError(f"server is at capacity; retry after {exc.retry_after_s or 1} s",
-                              retry_after_s=int(exc.retry_after_s or 1)) from None
-
-
-def _cancel(gen) -> None:
-    """Cancel a streaming handle call. NOTE: ``cancel()`` on a call that Serve rejected re-raises the
-    rejection (BackPressureError), which would replace our JSON 429 with Serve's plain-text one."""
-    try:
-        gen.cancel()
-    except Exception as exc:  # noqa: BLE001 - the call already failed; its error was answered
-        logger.debug("cancel of a failed stream raised %s", type(exc).__name__)
 
 
 async def _body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:

@@ -7,22 +7,26 @@ Order, outermost first (``TTSIngress.__serve_build_asgi_app__``):
    ``redirect_slashes`` is turned off: no route ever answers with a redirect);
 2. :class:`RequestAccounting` fixes the request id and counts responses by route and status;
 3. :class:`AdmissionControl` bounds the requests this replica works on and the ones waiting for
-   that, answering the JSON 429 beyond; ``/health`` and ``/metrics`` are never held back.
+   that, answering the JSON 429 beyond; ``/health`` and ``/metrics`` are never held back. A
+   WebSocket session holds one turn for its life and never waits for one; refused, it gets the JSON
+   error as a message and close code 1013 (try again later).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 
-from serve_app.errors import error_response, request_id_of
+from serve_app.errors import error_body, error_response, request_id_of
 from serve_app.metrics import IngressMetrics
 
 logger = logging.getLogger(__name__)
 
-ROUTES = ("/v1/audio/speech", "/v1/tts", "/v1/voices", "/health", "/metrics")
+ROUTES = ("/v1/audio/speech", "/v1/tts", "/v1/voices", "/v1/text-to-speech", "/health", "/metrics")
 UNGATED = frozenset({"/health", "/metrics"})  # probes must answer while the replica is saturated
+WS_TRY_AGAIN_LATER = 1013  # WebSocket close code: server overloaded, try again later
 
 
 def route_path(scope) -> str:
@@ -116,19 +120,23 @@ class AdmissionControl:
         self._turns: asyncio.Semaphore | None = None  # created on the serving loop, at first use
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or route_path(scope) in UNGATED:
+        if scope["type"] not in ("http", "websocket") or route_path(scope) in UNGATED:
             await self.app(scope, receive, send)
             return
         if self._turns is None:
             self._turns = asyncio.Semaphore(self.max_running)
         turns = self._turns
-        if turns.locked() and self.waiting >= self.max_waiting:
+        # A WebSocket session never waits for a turn (its client would hang in the handshake).
+        if turns.locked() and (self.waiting >= self.max_waiting or scope["type"] == "websocket"):
             self.rejected += 1
-            rid = request_id_of(Request(scope))
-            response = error_response(
-                rid, 429, f"server is at capacity ({self.max_running} requests in progress, {self.waiting} "
-                f"waiting); retry after {self.retry_after_s} s", "overloaded_error", "queue_full",
-                {"Retry-After": str(self.retry_after_s)})
+            rid = request_id_of(HTTPConnection(scope))
+            message = (f"server is at capacity ({self.max_running} requests in progress, {self.waiting} waiting); "
+                       f"retry after {self.retry_after_s} s")
+            if scope["type"] == "websocket":
+                await _refuse_websocket(receive, send, error_body(rid, message, "overloaded_error", "queue_full"))
+                return
+            response = error_response(rid, 429, message, "overloaded_error", "queue_full",
+                                      {"Retry-After": str(self.retry_after_s)})
             await response(scope, receive, send)
             return
         self.waiting += 1
@@ -142,3 +150,14 @@ class AdmissionControl:
         finally:
             self.running -= 1
             turns.release()
+
+
+async def _refuse_websocket(receive, send, body: dict) -> None:
+    """Accept, send the error shape as a text message, close with 1013 (a refusal before the
+    accept would reach the client only as a bare HTTP 403)."""
+    message = await receive()
+    if message["type"] != "websocket.connect":
+        return
+    await send({"type": "websocket.accept"})
+    await send({"type": "websocket.send", "text": json.dumps(body)})
+    await send({"type": "websocket.close", "code": WS_TRY_AGAIN_LATER, "reason": "server is at capacity"})

@@ -1,0 +1,259 @@
+"""Text-in streaming over WebSocket, in ElevenLabs' stream-input message shapes.
+
+``WS /v1/text-to-speech/{voice_id}/stream-input?output_format=pcm_24000`` (docs/serving.md):
+
+* client -> server: a first message ``{"text": " ", "voice_settings": {...}, ...}``, then
+  ``{"text": "<piece>"}`` messages (``"flush": true`` forces out what is buffered), and
+  ``{"text": ""}`` to end;
+* server -> client: ``{"audio": "<base64>", "isFinal": false, "normalizedAlignment": null,
+  "alignment": null}`` messages, then ``{"isFinal": true}`` and a normal close (1000).
+
+Text becomes speech sentence by sentence: a sentence is sent to synthesis as soon as its end
+mark (and the character after it) has arrived, or when the buffer passes ``MAX_SEGMENT_CHARS``
+(cut at a soft break with the runtime's splitter helpers), or on ``flush`` / the end. Segments
+are synthesised one after another while more text arrives, into ONE encoder, so the
+concatenated audio is one valid stream of the output format. CosyVoice2's bistream (text and
+speech tokens interleaved in one LLM sequence, ``cosyvoice_runtime.llm.bistream``) would start
+audio after ~5 text tokens instead of a sentence and keep prosody across sentence boundaries;
+it needs an engine request whose text grows while it decodes, which the engine loop does not
+take yet.
+
+Bounded: one admission turn per session (AdmissionControl), ``MAX_SESSION_CHARS`` of text per
+session, an inactivity timeout (query ``inactivity_timeout``, default 20 s, at most 180 s, as
+ElevenLabs). A closed socket cancels the synthesis in flight (its decode slot is freed).
+Errors are sent as the JSON error shape, then the socket is closed (1008 bad input, 1013
+overload, 1011 internal).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from cosyvoice_runtime.frontend.split import CLOSING_QUOTES, EN_SENTENCE_END, ZH_SENTENCE_END, cut_to_length
+from deployments.frontend import VOICE_ID_PATTERN
+from deployments.protocol import CosyVoiceError, InvalidInputError, OverloadedError, SynthesisRequest
+from serve_app.errors import classify, error_body, message_of, request_id_of
+from serve_app.handles import admitted, cancel_stream
+from serve_app.schemas import MAX_SPEED, MIN_SPEED
+from serve_app.speech import AudioOut, split_speed
+
+logger = logging.getLogger(__name__)
+
+ROUTE = "/v1/text-to-speech/{voice_id}/stream-input"
+DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
+PCM_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
+MP3_RATES = (22050, 24000, 44100)
+MAX_SEGMENT_CHARS = 250  # a run without a sentence end is cut (at a soft break) past this many characters
+MAX_SESSION_CHARS = 100_000
+DEFAULT_INACTIVITY_S, MAX_INACTIVITY_S = 20.0, 180.0
+SENTENCE_END = EN_SENTENCE_END | ZH_SENTENCE_END | frozenset("。？！")
+_VOICE_ID_RE = re.compile(VOICE_ID_PATTERN)
+_FORMAT_RE = re.compile(r"^(pcm)_(\d+)$|^(mp3)_(\d+)_(\d+)$")
+CLOSE_NORMAL, CLOSE_POLICY, CLOSE_INTERNAL, CLOSE_TRY_AGAIN = 1000, 1008, 1011, 1013
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    fmt: str  # audio_codec format
+    rate: int
+    bit_rate: int | None = None
+
+
+def parse_output_format(value: str) -> OutputFormat:
+    """``pcm_<rate>`` or ``mp3_<rate>_<kbps>`` (ElevenLabs' names) -> our encoder settings."""
+    m = _FORMAT_RE.match(value)
+    if m and m.group(1) and int(m.group(2)) in PCM_RATES:
+        return OutputFormat("pcm", int(m.group(2)))
+    if m and m.group(3) and int(m.group(4)) in MP3_RATES and 8 <= int(m.group(5)) <= 320:
+        return OutputFormat("mp3", int(m.group(4)), int(m.group(5)) * 1000)
+    raise InvalidInputError(f"output_format '{value}' is not supported; use pcm_<rate> ({', '.join(map(str, PCM_RATES))}) "
+                            f"or mp3_<rate>_<kbps> ({', '.join(map(str, MP3_RATES))})")
+
+
+class SentenceBuffer:
+    """Text arriving in pieces -> segments ready for synthesis (whole sentences, or long runs cut)."""
+
+    def __init__(self, max_chars: int = MAX_SEGMENT_CHARS) -> None:
+        self.max_chars = max_chars
+        self._buf = ""
+
+    def feed(self, text: str) -> list[str]:
+        self._buf += text
+        out = []
+        while True:
+            cut = self._sentence_end()
+            if cut is None:
+                break
+            out.append(self._buf[:cut])
+            self._buf = self._buf[cut:]
+        while len(self._buf) > self.max_chars:
+            head, self._buf = cut_to_length(self._buf, self.max_chars, len)
+            out.append(head)
+        return [s for s in (x.strip() for x in out) if s]
+
+    def flush(self) -> list[str]:
+        rest, self._buf = self._buf.strip(), ""
+        return [rest] if rest else []
+
+    def _sentence_end(self) -> int | None:
+        """Index just past the first complete sentence: its mark (and closing quotes) followed by
+        whitespace; the character after the mark must have arrived ("3.14" is not an end)."""
+        buf = self._buf
+        for i, c in enumerate(buf):
+            if c not in SENTENCE_END:
+                continue
+            j = i + 1
+            while j < len(buf) and buf[j] in CLOSING_QUOTES:
+                j += 1
+            if j < len(buf) and (buf[j].isspace() or c in "。？！"):
+                return j
+        return None
+
+
+class StreamInputSession:
+    """One WebSocket session: receive text, synthesise segments in order, send audio messages."""
+
+    def __init__(self, ws: WebSocket, frontend: Any, synth: Any, voice_id: str) -> None:
+        self.ws, self.frontend, self.synth, self.voice_id = ws, frontend, synth, voice_id
+        self.rid = request_id_of(ws)
+        self.segments: asyncio.Queue[str | None] = asyncio.Queue()
+        self.out: AudioOut | None = None
+        self.speed = 1.0
+        self.chars = 0
+
+    async def run(self) -> None:
+        ws = self.ws
+        await ws.accept()
+        worker: asyncio.Task | None = None
+        try:
+            fmt = parse_output_format(ws.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT))
+            timeout = _inactivity(ws.query_params.get("inactivity_timeout"))
+            if not _VOICE_ID_RE.match(self.voice_id):
+                raise InvalidInputError(f"voice_id must match {VOICE_ID_PATTERN}")
+            first = await self._receive(timeout)
+            self.speed = _speed_of(first)
+            worker = asyncio.create_task(self._synthesize_all(fmt))
+            buffer = SentenceBuffer()
+            msg = first
+            while True:
+                text = msg.get("text")
+                if not isinstance(text, str):
+                    raise InvalidInputError("every message needs a 'text' string")
+                if text == "" and msg is not first:
+                    break
+                self._count(text)
+                ready = buffer.feed(text)
+                if msg.get("flush"):
+                    ready += buffer.flush()
+                for seg in ready:
+                    self.segments.put_nowait(seg)
+                msg = await self._receive(timeout, worker)
+            for seg in buffer.flush():
+                self.segments.put_nowait(seg)
+            self.segments.put_nowait(None)
+            await worker
+            await ws.send_json({"isFinal": True})
+            await ws.close(CLOSE_NORMAL)
+        except WebSocketDisconnect:
+            logger.info("stream-input %s: client closed the socket", self.rid)
+        except Exception as exc:  # noqa: BLE001 - answered on the socket in the one error shape
+            await self._fail(exc)
+        finally:
+            if worker is not None and not worker.done():
+                worker.cancel()  # cancels the handle stream in flight: the decode slot is freed
+                with contextlib.suppress(BaseException):
+                    await worker
+
+    async def _receive(self, timeout: float, worker: asyncio.Task | None = None) -> dict:
+        """The next client message; a failed synthesis ends the wait with its error."""
+        recv = asyncio.ensure_future(self.ws.receive())
+        waits = {recv} if worker is None else {recv, worker}
+        done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if recv not in done:
+            recv.cancel()
+            with contextlib.suppress(BaseException):
+                await recv
+            if worker is not None and worker in done:
+                worker.result()  # raises the synthesis error (it cannot end otherwise before the text)
+            raise InvalidInputError(f"no message for {timeout:g} s (inactivity_timeout)")
+        message = recv.result()
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
+        try:
+            msg = json.loads(message.get("text") or message.get("bytes") or b"")
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise InvalidInputError("messages must be JSON text") from None
+        if not isinstance(msg, dict):
+            raise InvalidInputError("messages must be JSON objects")
+        return msg
+
+    def _count(self, text: str) -> None:
+        self.chars += len(text)
+        if self.chars > MAX_SESSION_CHARS:
+            raise InvalidInputError(f"more than {MAX_SESSION_CHARS} characters of text in one session")
+
+    async def _synthesize_all(self, fmt: OutputFormat) -> None:
+        native, tempo = split_speed(self.speed)
+        n = 0
+        while (segment := await self.segments.get()) is not None:
+            req = SynthesisRequest(request_id=f"{self.rid}-{n}", text=segment, voice_id=self.voice_id, speed=native,
+                                   stream=native == 1.0)
+            n += 1
+            prepared = await admitted(self.frontend.prepare.remote(req))
+            gen = self.synth.options(stream=True).synthesize.remote(prepared)
+            try:
+                async for chunk in gen:
+                    if self.out is None:
+                        self.out = AudioOut(fmt.fmt, chunk.sample_rate, tempo=tempo, out_rate=fmt.rate,
+                                            bit_rate=fmt.bit_rate)
+                    await self._send_audio(self.out.feed(chunk.samples))
+            finally:
+                cancel_stream(gen)
+        if self.out is not None:
+            await self._send_audio(self.out.close())
+
+    async def _send_audio(self, data: bytes) -> None:
+        if data:
+            await self.ws.send_json({"audio": base64.b64encode(data).decode(), "isFinal": False,
+                                     "normalizedAlignment": None, "alignment": None})
+
+    async def _fail(self, exc: BaseException) -> None:
+        status, type_, code, _ = classify(exc)
+        if status >= 500 and not isinstance(exc, CosyVoiceError):
+            logger.error("stream-input %s failed: %s", self.rid, type(exc).__name__, exc_info=exc)
+            body = error_body(self.rid, f"internal error (request id {self.rid})", "server_error")
+        else:
+            body = error_body(self.rid, message_of(exc), type_, code)
+        close = CLOSE_TRY_AGAIN if isinstance(exc, OverloadedError) else CLOSE_POLICY if status < 500 else CLOSE_INTERNAL
+        with contextlib.suppress(Exception):  # the client may be gone already
+            await self.ws.send_json(body)
+            await self.ws.close(close)
+
+
+def _inactivity(value: str | None) -> float:
+    if value is None:
+        return DEFAULT_INACTIVITY_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise InvalidInputError("inactivity_timeout must be a number of seconds") from None
+    if not 0 < seconds <= MAX_INACTIVITY_S:
+        raise InvalidInputError(f"inactivity_timeout must be within (0, {MAX_INACTIVITY_S:g}] s")
+    return seconds
+
+
+def _speed_of(first: dict) -> float:
+    """``voice_settings.speed`` of the first message (ElevenLabs' place for it), OpenAI's range."""
+    settings = first.get("voice_settings") or {}
+    speed = settings.get("speed", 1.0) if isinstance(settings, dict) else 1.0
+    if not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
+        raise InvalidInputError(f"voice_settings.speed must be within [{MIN_SPEED}, {MAX_SPEED}]")
+    return float(speed)

@@ -1,0 +1,137 @@
+"""WebSocket text-in streaming (ElevenLabs stream-input shapes), in process through Starlette's
+TestClient: message shapes, sentence-wise start, flush, output formats, errors, admission.
+Through real Ray with the ``websockets`` client: tests/integration/test_openai_contract_ray.py."""
+from __future__ import annotations
+
+import base64
+import io
+
+import av
+import numpy as np
+import pytest
+from starlette.testclient import TestClient
+
+from deployments.protocol import InvalidInputError
+from serve_app.ingress import IngressConfig
+from serve_app.stream_input import SentenceBuffer, parse_output_format
+from tests.deployments import fakes
+from tests.serve_app.test_ingress_inproc import _app, _wav
+
+SR = fakes.SAMPLE_RATE
+PATH = "/v1/text-to-speech/{voice}/stream-input"
+
+
+def _samples(text: str) -> int:
+    return len(text.encode()) * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
+
+
+@pytest.fixture
+def client():
+    with TestClient(_app(IngressConfig(max_input_chars=1000, max_ongoing_requests=2, max_queued_requests=4))) as c:
+        r = c.post("/v1/voices", data={"voice_id": "default", "prompt_text": "hi"},
+                   files={"audio": ("a.wav", _wav(), "audio/wav")})
+        assert r.status_code == 201
+        yield c
+
+
+def _collect(ws) -> tuple[list[dict], bytes]:
+    messages = []
+    while True:
+        m = ws.receive_json()
+        messages.append(m)
+        if m.get("isFinal") or "error" in m:
+            return messages, b"".join(base64.b64decode(x["audio"]) for x in messages if x.get("audio"))
+
+
+def test_sentences_are_spoken_as_they_complete_then_final(client):
+    with client.websocket_connect(PATH.format(voice="alloy") + "?output_format=pcm_24000") as ws:
+        ws.send_json({"text": " ", "voice_settings": {"stability": 0.5}, "generation_config": {}})
+        ws.send_json({"text": "Hello there. How"})  # one complete sentence: synthesis starts now
+        first = ws.receive_json()
+        assert set(first) == {"audio", "isFinal", "normalizedAlignment", "alignment"} and first["isFinal"] is False
+        ws.send_json({"text": " are you"})
+        ws.send_json({"text": "? Fine"})
+        ws.send_json({"text": ""})
+        messages, audio = _collect(ws)
+    assert messages[-1] == {"isFinal": True}
+    pcm = base64.b64decode(first["audio"]) + audio
+    # "Hello there." + "How are you?" + "Fine" (the rest at the end), each its own synthesis
+    assert len(pcm) // 2 == _samples("Hello there.") + _samples("How are you?") + _samples("Fine")
+
+
+def test_flush_forces_out_the_buffer_and_pcm_16000(client):
+    with client.websocket_connect(PATH.format(voice="default") + "?output_format=pcm_16000") as ws:
+        ws.send_json({"text": " "})
+        ws.send_json({"text": "no sentence end here", "flush": True})
+        first = ws.receive_json()  # audio before the end of the text: the flush sent it to synthesis
+        assert first["audio"] and first["isFinal"] is False
+        ws.send_json({"text": ""})
+        _, audio = _collect(ws)
+    n = (len(base64.b64decode(first["audio"])) + len(audio)) // 2
+    assert abs(n - _samples("no sentence end here") * 16000 // SR) < 200
+
+
+def test_mp3_output_is_one_stream(client):
+    with client.websocket_connect(PATH.format(voice="default") + "?output_format=mp3_44100_128") as ws:
+        ws.send_json({"text": " "})
+        ws.send_json({"text": "One. Two. Three."})
+        ws.send_json({"text": ""})
+        _, audio = _collect(ws)
+    with av.open(io.BytesIO(audio)) as c:
+        y = np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
+        rate = c.streams.audio[0].rate
+    expected = sum(_samples(s) for s in ("One.", "Two.", "Three.")) * 44100 // SR
+    assert rate == 44100 and expected <= len(y) <= expected + 3 * 1152
+
+
+@pytest.mark.parametrize("query, first, code", [
+    ("?output_format=wav_123", {"text": " "}, "invalid_input"),
+    ("?inactivity_timeout=999", {"text": " "}, "invalid_input"),
+    ("", {"nope": 1}, "invalid_input"),
+    ("", {"text": " ", "voice_settings": {"speed": 9}}, "invalid_input"),
+])
+def test_bad_input_is_an_error_message_then_close_1008(client, query, first, code):
+    with client.websocket_connect(PATH.format(voice="default") + query) as ws:
+        ws.send_json(first)
+        ws.send_json({"text": "Hi."})
+        body = ws.receive_json()
+        assert body["error"]["code"] == code and set(body["error"]) == {"message", "type", "param", "code"}
+        assert ws.receive()["code"] == 1008
+
+
+def test_unknown_voice_is_404_shape(client):
+    with client.websocket_connect(PATH.format(voice="nobody") + "?output_format=pcm_24000") as ws:
+        ws.send_json({"text": " "})
+        ws.send_json({"text": "Hi there. "})
+        ws.send_json({"text": ""})
+        messages, _ = _collect(ws)
+    assert messages[-1]["error"]["code"] == "voice_not_found"
+
+
+def test_sessions_take_admission_turns(client):
+    with client.websocket_connect(PATH.format(voice="default")) as a, \
+            client.websocket_connect(PATH.format(voice="default")) as b:
+        for ws in (a, b):  # two sessions hold both turns (max_ongoing_requests=2); sessions never queue
+            ws.send_json({"text": " "})
+        with client.websocket_connect(PATH.format(voice="default")) as c:
+            body = c.receive_json()
+            assert body["error"]["code"] == "queue_full"
+            assert c.receive()["code"] == 1013
+
+
+def test_sentence_buffer():
+    buf = SentenceBuffer(max_chars=20)
+    assert buf.feed("Pi is 3.14 and") == []  # no end: "3.14" is not a sentence end
+    assert buf.feed(" more. He said \"yes.\" Then") == ["Pi is 3.14 and more.", "He said \"yes.\""]
+    assert buf.feed(" a very long run without any end at all") == ["Then a very long", "run without any end"]
+    assert buf.flush() == ["at all"] and buf.flush() == []
+    assert SentenceBuffer().feed("你好。世界") == ["你好。"]
+
+
+def test_output_formats():
+    assert parse_output_format("pcm_24000").rate == 24000
+    assert parse_output_format("mp3_44100_128") == parse_output_format("mp3_44100_128")
+    assert parse_output_format("mp3_44100_128").bit_rate == 128_000
+    for bad in ("pcm_12345", "mp3_44100", "opus_48000_64", "ulaw_8000"):
+        with pytest.raises(InvalidInputError, match="not supported"):
+            parse_output_format(bad)
