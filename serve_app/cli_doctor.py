@@ -208,6 +208,7 @@ def probe_environment(args: argparse.Namespace) -> Environment:
             cfg = load_serve_config(args.config).args
             synth = cfg.synthesizer
             model_dir = model_dir or synth.model_dir or cfg.frontend.model_dir or cfg.model_dir
+            env.tiny_allowed = cfg.tiny_family is not None
         except CliError as exc:
             env.config_error = str(exc)
         except ImportError as exc:

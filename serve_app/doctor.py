@@ -105,7 +105,9 @@ class Environment:
         driver_version / driver_cuda_version: from ``nvidia-smi`` (the driver's highest CUDA).
         tensorrt_version / tensorrt_error: ``tensorrt.__version__`` or the import error.
         wetext_version / wetext_fst_dir: the installed wetext and its bundled FST folder.
-        model_dir: the configured model directory (None: the tiny random-weight default).
+        model_dir: the configured model directory (None: the tiny random-weight model if
+            ``tiny_allowed``, else the replicas refuse to start).
+        tiny_allowed: the config asks for the tiny model (``tiny_family``) or no config is given.
         engine_cache_dir: where TensorRT plans are read from (``synthesizer.trt_plan_dir``).
         trt_profile_needed: the estimator profile the replica will ask its plans to cover
             (``{"rows": (min, opt, max), "frames": (...), "n_mels": n, "spk_dim": n}``, from the
@@ -133,6 +135,7 @@ class Environment:
     wetext_version: str | None = None
     wetext_fst_dir: Path | None = None
     model_dir: Path | None = None
+    tiny_allowed: bool = True
     engine_cache_dir: Path | None = None
     trt_profile_needed: dict | None = None
     ray_address: str | None = None
@@ -469,6 +472,11 @@ def detect_family(model_dir: Path) -> str | None:
 
 def check_model_dir(env: Environment) -> CheckResult:
     d = env.model_dir
+    if d is None and not env.tiny_allowed:
+        return CheckResult("model_dir", Status.FAIL, "no model directory configured and the config does not ask for "
+                           "the tiny model: the replicas will refuse to start",
+                           "set model_dir in the config (or $FAST_COSY_MODEL_DIR) to an official CosyVoice2-0.5B / "
+                           "Fun-CosyVoice3-0.5B directory, or tiny_family for the random-weight test model")
     if d is None:
         return CheckResult("model_dir", Status.WARN, "no model directory configured: the tiny RANDOM-WEIGHT model is "
                            "served (valid audio, not speech)",

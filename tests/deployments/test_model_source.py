@@ -46,3 +46,10 @@ def test_which_configs_ask_for_the_tiny_model():
 
     asks = {p.name for p in CONFIGS if AppArgs.from_file(p).tiny_family is not None}
     assert asks == {"local.yaml", "ramp-cpu.yaml"}  # `make serve` and the CPU ramp; never a GPU config
+
+
+def test_doctor_fails_a_config_that_would_refuse_to_start():
+    from serve_app.doctor import Environment, Status, check_model_dir
+
+    assert check_model_dir(Environment(model_dir=None, tiny_allowed=False)).status is Status.FAIL
+    assert check_model_dir(Environment(model_dir=None, tiny_allowed=True)).status is Status.WARN
