@@ -41,7 +41,7 @@ def app(tts_app):
     yield {"url": url, "client": httpx.Client(base_url=url, timeout=60)}
     # No replica crashed or restarted under the fuzz, and the service still works.
     assert _replica_ids(url) == before
-    ok = httpx.post(f"{url}/v1/audio/speech", json={"model": "m", "input": "Still fine.", "voice": VOICE,
+    ok = httpx.post(f"{url}/v1/audio/speech", json={"model": "tts-1", "input": "Still fine.", "voice": VOICE,
                                                     "response_format": "pcm"}, timeout=30)
     assert ok.status_code == 200 and ok.content
 
@@ -164,9 +164,9 @@ _HUGE = 12 * 1024 * 1024
 
 @pytest.mark.parametrize("path, kwargs, status", [
     ("/v1/audio/speech", {"content": b"\xff\xfe\xfd not utf-8", "headers": {"content-type": "application/json"}}, 400),
-    ("/v1/audio/speech", {"content": b'{"model":"m","input":"\xff\xfe","voice":"fuzzv"}',
+    ("/v1/audio/speech", {"content": b'{"model":"tts-1","input":"\xff\xfe","voice":"fuzzv"}',
                           "headers": {"content-type": "application/json"}}, 400),
-    ("/v1/audio/speech", {"json": {"model": "m", "input": "a" * (1 << 20), "voice": VOICE}}, 413),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "a" * (1 << 20), "voice": VOICE}}, 413),
     ("/v1/audio/speech", {"content": b"{" * 100_000, "headers": {"content-type": "application/json"}}, 400),
     ("/v1/audio/speech", {"content": b"[" * 50_000 + b"]" * 50_000, "headers": {"content-type": "application/json"}},
      400),
@@ -175,7 +175,7 @@ _HUGE = 12 * 1024 * 1024
     ("/v1/audio/speech", {"content": b"\x00" * 1000, "headers": {"content-type": "application/octet-stream"}}, 400),
     ("/v1/audio/speech", {"json": [1, 2, 3]}, 400),
     ("/v1/audio/speech", {"json": "just a string"}, 400),
-    ("/v1/audio/speech", {"json": {"model": "m", "input": "hi", "voice": VOICE, "speed": 1e308}}, 400),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "input": "hi", "voice": VOICE, "speed": 1e308}}, 400),
     ("/v1/tts", {"content": b"--xx\r\nbroken", "headers": {"content-type": "multipart/form-data; boundary=xx"}}, 400),
     ("/v1/tts", {"content": b"data", "headers": {"content-type": "multipart/form-data"}}, 400),  # no boundary
     ("/v1/tts", {"json": {"text": "a" * (1 << 20), "voice_id": VOICE}}, 413),
@@ -240,6 +240,38 @@ def test_voice_store_ids_never_escape_the_root(tmp_path_factory, voice_id):
     path = reg._record_path(voice_id)
     assert path.resolve().parent == root.resolve()
     assert "/" not in voice_id and "\\" not in voice_id and "\x00" not in voice_id and ".." not in voice_id
+
+
+# ------------------------------------------------------------------------------ prompt uploads
+@pytest.fixture(scope="module")
+def upload_cases():
+    from bench.fuzz_uploads import cases
+
+    return cases(quick=True)
+
+
+@pytest.mark.parametrize("route", ["/v1/voices", "/v1/tts"])
+def test_upload_campaign_quick(app, upload_cases, route):
+    """Odd rates, channel counts, lengths, formats, truncated/corrupt files and compression bombs
+    (bench/fuzz_uploads.py, quick set): each a documented answer, never a 500. Bombs are 413 from
+    their header and well-formed prompts succeed; the rest depends on the (fake) frontend runtime."""
+    seen = set()
+    for case in upload_cases:
+        if route == "/v1/voices":
+            r = app["client"].post(route, data={"voice_id": "fuzzup", "prompt_text": "fuzz", "overwrite": "true"},
+                                   files={"audio": ("u.bin", case.data, "application/octet-stream")})
+        else:
+            r = app["client"].post(route, data={"text": "Hi.", "mode": "zero_shot", "prompt_text": "fuzz",
+                                                "response_format": "pcm"},
+                                   files={"prompt_audio": ("u.bin", case.data, "application/octet-stream")})
+        check(r)
+        ok = 201 if route == "/v1/voices" else 200
+        if case.expect == {413}:
+            assert r.status_code == 413, (case.name, r.text[:200])
+        elif case.expect == {201}:
+            assert r.status_code == ok, (case.name, r.text[:200])
+        seen.add(case.kind)
+    assert seen == {"rate", "channels", "length", "format", "truncated", "corrupt", "bomb"}
 
 
 def test_fuzz_figures(app):
