@@ -2,7 +2,9 @@
 
 Routes (docs/serving.md has examples):
 
-* ``POST /v1/audio/speech``  OpenAI-compatible speech (registered voice; ``instructions`` -> instruct)
+* ``POST /v1/audio/speech``  OpenAI-compatible speech: streamed by default in every format, SSE,
+  speed 0.25-4.0, voice aliases (serve_app/speech.py); ``instructions`` -> instruct
+* ``WS /v1/text-to-speech/{voice_id}/stream-input``  text in pieces, audio out (serve_app/stream_input.py)
 * ``POST /v1/tts``           native: zero-shot (multipart prompt upload), voice, cross-lingual, instruct
 * ``POST /v1/voices`` (multipart), ``GET /v1/voices``, ``GET/DELETE /v1/voices/{voice_id}``
 * ``GET /health``, ``GET /metrics``
@@ -48,6 +50,7 @@ from deployments.protocol import (
     VoiceInfo,
 )
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload
+from serve_app.auth import AuthConfig, auth_middleware
 from serve_app.errors import ApiError, install_exception_handlers, request_id_of
 from serve_app.handles import admitted as _admitted
 from serve_app.handles import cancel_stream as _cancel
@@ -89,6 +92,7 @@ class IngressConfig(DeploymentKnobs):
     health_timeout_s: float = Field(5.0, gt=0)
     # Longest prompt upload decoded (413 from the file's header above it); None: frontend.max_prompt_audio_s.
     max_prompt_audio_s: PositiveFloat | None = None
+    auth: AuthConfig = Field(default_factory=AuthConfig)  # API keys, open endpoints, CORS (serve_app/auth.py)
 
 
     @field_validator("voice_aliases")
@@ -132,6 +136,7 @@ class TTSIngress:
         app = Starlette(routes=routes, middleware=[
             Middleware(TrailingSlash),
             Middleware(RequestAccounting, metrics=self.metrics),
+            *auth_middleware(cfg.auth),  # before admission: a request without a valid key takes no slot
             Middleware(AdmissionControl, max_running=cfg.max_ongoing_requests, max_waiting=cfg.max_queued_requests,
                        retry_after_s=cfg.retry_after_s),
         ])
