@@ -55,14 +55,14 @@ def tiny_app(ray_session, tmp_path_factory):
 def test_unary_wav_and_streamed_pcm(tiny_app):
     url = tiny_app["url"]
     r = httpx.post(f"{url}/v1/audio/speech", timeout=120,
-                   json={"model": "tiny", "input": "Hello world.", "voice": "tiny", "response_format": "wav",
-                         "seed": 1})
+                   json={"model": "tts-1", "input": "Hello world.", "voice": "tiny", "response_format": "wav",
+                         "seed": 1, "stream": False})
     assert r.status_code == 200, r.text
     with wave.open(io.BytesIO(r.content)) as w:
         assert w.getframerate() == 24000 and w.getnframes() > 0
     parts = []
     with httpx.stream("POST", f"{url}/v1/audio/speech", timeout=120,
-                      json={"model": "tiny", "input": "Hello world, streaming now.", "voice": "tiny",
+                      json={"model": "tts-1", "input": "Hello world, streaming now.", "voice": "tiny",
                             "response_format": "pcm", "stream": True, "seed": 2}) as s:
         assert s.status_code == 200
         parts = list(s.iter_raw())
@@ -77,7 +77,7 @@ def test_disconnect_aborts_a_real_sequence(tiny_app):
     synth = tiny_app["synth"]
     before = synth.stats.remote().result(timeout_s=30)["engine"]
     with httpx.stream("POST", f"{tiny_app['url']}/v1/audio/speech", timeout=120,
-                      json={"model": "tiny", "input": "word " * 40, "voice": "tiny", "response_format": "pcm",
+                      json={"model": "tts-1", "input": "word " * 40, "voice": "tiny", "response_format": "pcm",
                             "stream": True}) as s:
         assert s.status_code == 200  # the worst-case length is capped to the slot, not refused
         chunks = s.iter_raw()
