@@ -52,7 +52,7 @@ class Case:
 
 # ------------------------------------------------------------------------------ file builders
 def tone(seconds: float, sr: int, channels: int = 1) -> np.ndarray:
-    t = np.arange(int(round(seconds * sr))) / sr
+    t = np.arange(round(seconds * sr)) / sr
     x = (0.3 * np.sin(2 * np.pi * 220.0 * t) + 0.1 * np.sin(2 * np.pi * 1500.0 * t)).astype(np.float32)
     return x if channels == 1 else np.repeat(x[:, None], channels, axis=1) * np.linspace(1.0, 0.5, channels,
                                                                                        dtype=np.float32)
@@ -326,11 +326,11 @@ def write_report(out: Path, result: dict, summary: dict, meta: dict) -> None:
                                                    indent=1, ensure_ascii=False))
     lines = [f"# Upload fuzz campaign, {meta['date']}", "",
              f"Machine: {meta['machine']}. Command: `{meta['command']}`. {meta['what']}", "",
-             f"**{summary['cases']} cases, {summary['count_5xx']} answered 5xx, {summary['unexpected']} with another "
-             f"status than expected; service healthy after: {summary['healthy_after']}.**", "",
-             f"Max latency {summary['max_latency_s']:.3f} s ({summary['slowest_case']}); process RSS "
-             f"{summary['baseline_rss_mib']:.0f} MiB before the campaign, peak {summary['max_rss_peak_mib']:.0f} MiB "
-             f"(+{summary['max_rss_growth_mib']:.0f} MiB).", "",
+             (f"**{summary['cases']} cases, {summary['count_5xx']} answered 5xx, {summary['unexpected']} with "
+              f"another status than expected; service healthy after: {summary['healthy_after']}.**"), "",
+             (f"Max latency {summary['max_latency_s']:.3f} s ({summary['slowest_case']}); process RSS "
+              f"{summary['baseline_rss_mib']:.0f} MiB before the campaign, peak {summary['max_rss_peak_mib']:.0f} MiB "
+              f"(+{summary['max_rss_growth_mib']:.0f} MiB)."), "",
              "| kind | cases | statuses | unexpected | max latency (s) | max peak RSS (MiB) |", "|---|---|---|---|---|---|"]
     for kind, k in summary["by_kind"].items():
         statuses = ", ".join(f"{s}: {n}" for s, n in sorted(k["statuses"].items()))

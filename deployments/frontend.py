@@ -54,6 +54,10 @@ class FrontendConfig(DeploymentKnobs):
     max_prompt_audio_s: PositiveFloat = 30.0  # the speech tokenizer's limit
     min_prompt_audio_s: PositiveFloat = 0.5
     max_pieces: PositiveInt = 64
+    max_voices: PositiveInt = 10_000  # voices the store may hold (413 past it)
+    max_voice_store_bytes: PositiveInt = 4 * 1024**3  # bytes of voice records + tensors the store may hold (413)
+    voice_cache_bytes: PositiveInt = 64 * 1024**2  # voice tensors kept in memory per replica (LRU)
+    voice_gc_min_age_s: PositiveFloat = 3600.0  # orphaned voice files older than this are removed at start
     # CosyVoice3 needs <|endofprompt|> in the LLM text; this prefix is added where it is missing.
     cv3_system_prompt: str = "You are a helpful assistant."
     runtime_factory: str | None = None  # "module:callable" (tests inject fakes)
@@ -99,15 +103,22 @@ class TextFrontend:
         check_voice_id(voice_id)
         if not prompt_text or not prompt_text.strip():
             raise InvalidInputError("prompt_text (the transcript of the audio) is required")
-        if not overwrite and voice_id in self.rt.list_voices():
+        if not overwrite and voice_id in self.rt.list_voices():  # cheap early answer; the store decides atomically
             raise VoiceExistsError(f"voice '{voice_id}' already exists")
         prompt = await self._run(self._prompt_from_audio, audio, sample_rate, prompt_text)
-        await self._run(self.rt.save_voice, voice_id, prompt)
+        await self._run(self.rt.save_voice, voice_id, prompt, overwrite)
         return _info(voice_id, prompt)
 
     async def list_voices(self) -> list[VoiceInfo]:
+        """Every readable voice; one that cannot be loaded (deleted meanwhile, unreadable) is left out."""
         ids = await self._run(self.rt.list_voices)
-        return [await self.get_voice(v) for v in sorted(ids)]
+        infos = []
+        for voice_id in sorted(ids):
+            try:
+                infos.append(await self.get_voice(voice_id))
+            except (VoiceNotFoundError, InvalidInputError) as exc:
+                logger.warning("listing voices: skipped %s: %s", voice_id, exc)
+        return infos
 
     async def get_voice(self, voice_id: str) -> VoiceInfo:
         check_voice_id(voice_id)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from deployments import constants
-from deployments.protocol import VoiceNotFoundError, VoicePrompt
+from deployments.protocol import PayloadTooLargeError, VoiceExistsError, VoiceNotFoundError, VoicePrompt
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,11 @@ class RuntimeFrontend:
         voices_dir = Path(cfg.voices_dir) if cfg.voices_dir else constants.default_voices_dir() / spec.family
         limits = FrontendLimits(prompt=PromptLimits(min_seconds=cfg.min_prompt_audio_s,
                                                     max_seconds=cfg.max_prompt_audio_s))
-        self.frontend = Frontend(spec, registry=VoiceRegistry(voices_dir), limits=limits)
+        registry = VoiceRegistry(voices_dir, max_voices=cfg.max_voices, max_bytes=cfg.max_voice_store_bytes,
+                                 cache_max_bytes=cfg.voice_cache_bytes)
+        self.frontend = Frontend(spec, registry=registry, limits=limits)
         self.registry = self.frontend.registry
+        self.registry.gc(min_age_s=cfg.voice_gc_min_age_s)  # orphans of writers that crashed before their commit
         self._register_default_voice(Path(model_dir))
 
     def _register_default_voice(self, model_dir: Path) -> None:
@@ -61,12 +64,18 @@ class RuntimeFrontend:
     def prompt_from_audio(self, audio: np.ndarray, sample_rate: int, prompt_text: str) -> VoicePrompt:
         return _to_message(self.frontend.prompt_from_samples(audio, sample_rate, prompt_text))
 
-    def save_voice(self, voice_id: str, prompt: VoicePrompt) -> None:
+    def save_voice(self, voice_id: str, prompt: VoicePrompt, overwrite: bool = True) -> None:
+        from cosyvoice_runtime.frontend import errors
         from cosyvoice_runtime.frontend.prompt import PromptFeatures
 
-        self.registry.put(voice_id, PromptFeatures(
-            family=prompt.family, text=prompt.prompt_text, text_tokens=prompt.prompt_text_ids,
-            speech_tokens=prompt.speech_tokens, mel=prompt.mel, embedding=prompt.embedding))
+        try:
+            self.registry.put(voice_id, PromptFeatures(
+                family=prompt.family, text=prompt.prompt_text, text_tokens=prompt.prompt_text_ids,
+                speech_tokens=prompt.speech_tokens, mel=prompt.mel, embedding=prompt.embedding), overwrite=overwrite)
+        except errors.VoiceExistsError as exc:
+            raise VoiceExistsError(str(exc)) from None
+        except errors.VoiceStoreFullError as exc:
+            raise PayloadTooLargeError(str(exc)) from None
 
     def load_voice(self, voice_id: str) -> VoicePrompt:
         return _to_message(self.registry.get(voice_id, family=self.family))

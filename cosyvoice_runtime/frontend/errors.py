@@ -16,6 +16,8 @@ __all__ = [
     "PromptTooLongError",
     "VoiceFamilyMismatchError",
     "InvalidVoiceIdError",
+    "VoiceExistsError",
+    "VoiceStoreFullError",
     "InvalidInputError",
     "VoiceNotFoundError",
 ]
@@ -79,3 +81,11 @@ class VoiceFamilyMismatchError(_ArgsError):
 
 class InvalidVoiceIdError(InvalidInputError):
     """A voice id that is not a safe store key (path separators, '..', control characters...)."""
+
+
+class VoiceExistsError(InvalidInputError):
+    """A voice was registered without overwrite under an id that exists (or was created meanwhile)."""
+
+
+class VoiceStoreFullError(InvalidInputError):
+    """Registering would pass the voice store's quota (voice count or bytes)."""

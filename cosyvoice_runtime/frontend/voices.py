@@ -15,7 +15,20 @@ file, fsynced and renamed first; the JSON record is then written the same way an
 the commit. A crash at any point leaves either the old record or the new one, each pointing at a
 complete tensor file; orphaned temp/tensor files are ignored by readers and removed by :meth:`gc`.
 Readers re-read the (small) JSON on every lookup, so a voice registered on one replica is visible
-on all others; tensors are cached in memory by their hash.
+on all others; tensors are cached in memory by their hash, least recently used first out past
+``cache_max_bytes``.
+
+Create-if-absent (``put(..., overwrite=False)``) commits with ``os.link`` of the fsynced temp
+record instead of a rename: the link fails if the name exists, atomically, also on NFS, so of two
+replicas registering the same new id exactly one succeeds (:class:`VoiceExistsError` for the other).
+
+A record that cannot be read or lacks a field (a hand edit, a foreign file, a disk error) is
+skipped by :meth:`VoiceRegistry.list` and reported (a warning, once per record version, and
+:meth:`VoiceRegistry.problems`); looking it up is :class:`VoiceNotFoundError`. Listing never fails.
+
+Quotas (``max_voices``, ``max_bytes``) are checked before a new voice is written
+(:class:`VoiceStoreFullError`). Across replicas the check is not atomic: concurrent registrations
+can overshoot by at most one voice per writer.
 """
 from __future__ import annotations
 
@@ -24,13 +37,21 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_runtime.frontend.errors import InvalidVoiceIdError, VoiceFamilyMismatchError, VoiceNotFoundError
+from cosyvoice_runtime.frontend.errors import (
+    InvalidVoiceIdError,
+    VoiceExistsError,
+    VoiceFamilyMismatchError,
+    VoiceNotFoundError,
+    VoiceStoreFullError,
+)
 from cosyvoice_runtime.frontend.prompt import PromptFeatures
 
 logger = logging.getLogger(__name__)
@@ -39,7 +60,9 @@ SCHEMA_VERSION = 1
 _ID_RE = re.compile(r"^[^\W_][\w.\-]{0,127}$", re.UNICODE)  # letters/digits first; no separators
 _TENSORS = ("text_tokens", "speech_tokens", "mel", "embedding")
 _TMP_SUFFIX = ".tmp"
+_RECORD_FIELDS = {"family": str, "tensors": str, "sha256": str}
 MEL_BINS = 80
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 
 
 def check_voice_id(voice_id: str) -> str:
@@ -73,18 +96,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old content or all of the new one."""
+def atomic_write(path: Path, data: bytes, exclusive: bool = False) -> None:
+    """Write ``data`` to ``path`` so that readers see the old content or all of the new one.
+
+    ``exclusive``: fail with ``FileExistsError`` if ``path`` exists (the temp file is hard-linked,
+    which is atomic and refuses an existing name, instead of renamed over it).
+    """
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        if exclusive:
+            os.link(tmp, path)
+        else:
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # after link: the second name; after replace: already gone
     _fsync_dir(path.parent)
 
 
@@ -100,13 +129,30 @@ def _serialize(voice: PromptFeatures) -> bytes:
     return save(arrays)
 
 
-class VoiceRegistry:
-    """Register once, reuse by id: ``put``/``get``/``delete``/``list`` over a directory store."""
+def _nbytes(voice: PromptFeatures) -> int:
+    return sum(np.asarray(getattr(voice, k)).nbytes for k in _TENSORS)
 
-    def __init__(self, root: str | Path) -> None:
+
+class VoiceRegistry:
+    """Register once, reuse by id: ``put``/``get``/``delete``/``list`` over a directory store.
+
+    Args:
+        root: the store's directory (shared storage on a cluster).
+        max_voices: most records the store may hold (None: no limit).
+        max_bytes: most bytes of records + tensor files the store may hold (None: no limit).
+        cache_max_bytes: tensor bytes kept in memory (least recently used evicted first).
+    """
+
+    def __init__(self, root: str | Path, max_voices: int | None = None, max_bytes: int | None = None,
+                 cache_max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._cache: dict[str, tuple[str, PromptFeatures]] = {}  # id -> (sha256, voice)
+        self.max_voices, self.max_bytes, self.cache_max_bytes = max_voices, max_bytes, cache_max_bytes
+        self._cache: OrderedDict[str, tuple[str, PromptFeatures, int]] = OrderedDict()  # id -> (sha, voice, bytes)
+        self._cache_bytes = 0
+        self._lock = threading.Lock()  # the cache is shared by the frontend's executor threads
+        self._problems: dict[str, str] = {}  # id -> why its record is unusable (last scan or lookup)
+        self._reported: set[tuple[str, int]] = set()  # (id, mtime_ns) already logged
 
     # -- paths ------------------------------------------------------------------------------
     def _record_path(self, voice_id: str) -> Path:
@@ -116,35 +162,150 @@ class VoiceRegistry:
         return path
 
     def _read_record(self, voice_id: str) -> dict | None:
+        """The record, None if absent; :class:`VoiceNotFoundError` if it is unusable (reported)."""
+        path = self._record_path(voice_id)
         try:
-            return json.loads(self._record_path(voice_id).read_text(encoding="utf-8"))
+            raw = path.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            self._report(voice_id, path, f"unreadable record: {exc}")
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            self._report(voice_id, path, f"record is not JSON ({exc})")
+        if not isinstance(record, dict):
+            self._report(voice_id, path, "record is not a JSON object")
+        for key, kind in _RECORD_FIELDS.items():
+            if not isinstance(record.get(key), kind):
+                self._report(voice_id, path, f"record lacks '{key}'")
+        tensors = record["tensors"]
+        if "/" in tensors or "\\" in tensors or tensors.startswith(".") or not tensors.endswith(".safetensors"):
+            self._report(voice_id, path, "record names a tensor file outside the store")
+        self._problems.pop(voice_id, None)
+        return record
+
+    def _report(self, voice_id: str, path: Path, why: str):
+        """Remember and log (once per record version) why a record is unusable, then raise."""
+        self._problems[voice_id] = why
+        try:
+            key = (voice_id, path.stat().st_mtime_ns)
+        except OSError:
+            key = (voice_id, -1)
+        if key not in self._reported:
+            self._reported.add(key)
+            logger.warning("voice store %s: skipping voice %s: %s", self.root, voice_id, why)
+        raise VoiceNotFoundError(f"voice '{voice_id}' is stored but unreadable")
+
+    def problems(self) -> dict[str, str]:
+        """Records found unusable by the last :meth:`list` (or lookups since): id -> reason."""
+        return dict(self._problems)
+
+    # -- cache ------------------------------------------------------------------------------
+    def _cached(self, voice_id: str, sha: str) -> PromptFeatures | None:
+        with self._lock:
+            hit = self._cache.get(voice_id)
+            if hit is None or hit[0] != sha:
+                return None
+            self._cache.move_to_end(voice_id)
+            return hit[1]
+
+    def _remember(self, voice_id: str, sha: str, voice: PromptFeatures) -> None:
+        size = _nbytes(voice)
+        with self._lock:
+            self._forget_locked(voice_id)
+            if size > self.cache_max_bytes:
+                return
+            self._cache[voice_id] = (sha, voice, size)
+            self._cache_bytes += size
+            while self._cache_bytes > self.cache_max_bytes:
+                _, (_, _, evicted) = self._cache.popitem(last=False)
+                self._cache_bytes -= evicted
+
+    def _forget_locked(self, voice_id: str) -> None:
+        old = self._cache.pop(voice_id, None)
+        if old is not None:
+            self._cache_bytes -= old[2]
+
+    def cache_info(self) -> tuple[int, int]:
+        """``(voices, bytes)`` held in memory."""
+        with self._lock:
+            return len(self._cache), self._cache_bytes
+
+    # -- quotas -----------------------------------------------------------------------------
+    def usage(self) -> tuple[int, int]:
+        """``(records, bytes)`` in the store: every committed record, plus all its files' sizes."""
+        records, total = 0, 0
+        for p in self.root.iterdir():
+            if p.name.startswith("."):
+                continue
+            if p.suffix == ".json":
+                records += 1
+            if p.suffix in (".json", ".safetensors"):
+                try:
+                    total += p.stat().st_size
+                except FileNotFoundError:  # deleted meanwhile by another replica
+                    pass
+        return records, total
+
+    def _check_quota(self, new_record: bool, new_bytes: int) -> None:
+        if self.max_voices is None and self.max_bytes is None:
+            return
+        records, total = self.usage()
+        if new_record and self.max_voices is not None and records + 1 > self.max_voices:
+            raise VoiceStoreFullError(f"the voice store holds {records} voices; the limit is {self.max_voices}")
+        if self.max_bytes is not None and total + new_bytes > self.max_bytes:
+            raise VoiceStoreFullError(f"the voice store holds {total} bytes; adding {new_bytes} would pass "
+                                      f"the limit of {self.max_bytes}")
 
     # -- API --------------------------------------------------------------------------------
     def exists(self, voice_id: str) -> bool:
         return self._record_path(voice_id).exists()
 
-    def put(self, voice_id: str, voice: PromptFeatures) -> bool:
+    def put(self, voice_id: str, voice: PromptFeatures, overwrite: bool = True) -> bool:
         """Store ``voice`` under ``voice_id``. Returns False when the identical voice is already there.
 
-        Re-registering an id with different content replaces it atomically (last write wins).
+        Re-registering an id with different content replaces it atomically (last write wins);
+        with ``overwrite=False`` an existing id is :class:`VoiceExistsError`, decided atomically
+        by the commit itself (two replicas racing for a new id: one wins, one gets the error).
+
+        Raises:
+            VoiceExistsError: ``overwrite=False`` and the id exists (or was created meanwhile).
+            VoiceStoreFullError: the store would pass ``max_voices`` or ``max_bytes``.
         """
+        record_path = self._record_path(voice_id)
         blob = _serialize(voice)
         sha = hashlib.sha256(blob).hexdigest()
-        old = self._read_record(voice_id)
-        if old is not None and old.get("sha256") == sha and old.get("family") == voice.family:
+        try:
+            old = self._read_record(voice_id)
+        except VoiceNotFoundError:  # an unusable record is replaced (overwrite) or kept (create)
+            old = None
+            if not overwrite:
+                raise VoiceExistsError(f"voice '{voice_id}' already exists (its record is unreadable)") from None
+        if old is not None and old["sha256"] == sha and old["family"] == voice.family:
             return False
+        if old is not None and not overwrite:
+            raise VoiceExistsError(f"voice '{voice_id}' already exists")
         tensor_name = f"{voice_id}.{sha[:16]}.safetensors"
         tensor_path = self.root / tensor_name
-        if not tensor_path.exists():
-            atomic_write(tensor_path, blob)
+        created_tensors = not tensor_path.exists()
         record = {"schema": SCHEMA_VERSION, "id": voice_id, "family": voice.family, "kind": voice.kind,
                   "text": voice.text, "tensors": tensor_name, "sha256": sha, "created_at": time.time(),
                   "meta": voice.meta}
-        atomic_write(self._record_path(voice_id), json.dumps(record, ensure_ascii=False, indent=1).encode("utf-8"))
-        if old is not None and old.get("tensors") not in (None, tensor_name):
+        data = json.dumps(record, ensure_ascii=False, indent=1).encode("utf-8")
+        self._check_quota(new_record=not record_path.exists(), new_bytes=len(data) + (len(blob) if created_tensors else 0))
+        if created_tensors:
+            atomic_write(tensor_path, blob)
+        try:
+            atomic_write(record_path, data, exclusive=not overwrite)
+        except FileExistsError:
+            if created_tensors:
+                tensor_path.unlink(missing_ok=True)  # ours alone: the winner's record names its own file
+            raise VoiceExistsError(f"voice '{voice_id}' already exists") from None
+        if old is not None and old["tensors"] != tensor_name:
             (self.root / old["tensors"]).unlink(missing_ok=True)
+        with self._lock:
+            self._forget_locked(voice_id)
         logger.info("registered voice %s (%s, %s)", voice_id, voice.family, voice.kind)
         return True
 
@@ -157,49 +318,82 @@ class VoiceRegistry:
             raise VoiceNotFoundError(f"unknown voice id '{voice_id}'")
         if family is not None and record["family"] != family:
             raise VoiceFamilyMismatchError(voice_id, record["family"], family)
-        cached = self._cache.get(voice_id)
-        if cached is not None and cached[0] == record["sha256"]:
-            return cached[1]
+        cached = self._cached(voice_id, record["sha256"])
+        if cached is not None:
+            return cached
         try:
             blob = (self.root / record["tensors"]).read_bytes()
             if hashlib.sha256(blob).hexdigest() != record["sha256"]:
                 raise ValueError("checksum mismatch")
             arrays = load(blob)
-        except (OSError, ValueError) as exc:
+            voice = PromptFeatures(family=record["family"], text=str(record.get("text", "")),
+                                   kind=str(record.get("kind", "zero_shot")), meta=dict(record.get("meta") or {}),
+                                   **{k: arrays[k] for k in _TENSORS})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             logger.error("voice %s: tensor file %s unreadable: %s", voice_id, record.get("tensors"), exc)
             raise VoiceNotFoundError(f"voice '{voice_id}' is stored but unreadable") from None
-        voice = PromptFeatures(family=record["family"], text=record.get("text", ""), kind=record.get("kind", "zero_shot"),
-                               meta=record.get("meta", {}), **{k: arrays[k] for k in _TENSORS})
-        self._cache[voice_id] = (record["sha256"], voice)
+        self._remember(voice_id, record["sha256"], voice)
         return voice
 
     def delete(self, voice_id: str) -> bool:
-        record = self._read_record(voice_id)
-        if record is None:
+        """Remove a voice (an unusable record too). Returns False if there was none."""
+        path = self._record_path(voice_id)
+        try:
+            record = self._read_record(voice_id)
+        except VoiceNotFoundError:
+            record = None  # unusable: the record goes, gc() collects whatever it named
+        if record is None and not path.exists():
             return False
-        self._record_path(voice_id).unlink(missing_ok=True)  # the commit: the voice is gone
+        path.unlink(missing_ok=True)  # the commit: the voice is gone
         _fsync_dir(self.root)
-        (self.root / record["tensors"]).unlink(missing_ok=True)
-        self._cache.pop(voice_id, None)
+        if record is not None:
+            (self.root / record["tensors"]).unlink(missing_ok=True)
+        with self._lock:
+            self._forget_locked(voice_id)
+        self._problems.pop(voice_id, None)
         return True
 
-    def list(self) -> list[str]:
+    def _record_ids(self) -> list[str]:
         return sorted(p.stem for p in self.root.glob("*.json") if not p.name.startswith("."))
+
+    def list(self) -> list[str]:
+        """Ids of the usable voices; unusable records are skipped and reported (:meth:`problems`)."""
+        ids, self._problems = [], {}
+        for vid in self._record_ids():
+            try:
+                if self._read_record(vid) is not None:
+                    ids.append(vid)
+            except (VoiceNotFoundError, InvalidVoiceIdError):  # reported; a file name that is no voice id
+                continue
+        return ids
 
     def gc(self, min_age_s: float = 3600.0) -> int:
         """Remove temp files and tensor files no record points to, if older than ``min_age_s``
-        (a younger one may belong to a write in progress on another replica). Returns the count."""
-        referenced = set()
-        for vid in self.list():
-            rec = self._read_record(vid)
+        (a younger one may belong to a write in progress on another replica). Returns the count.
+
+        Tensor files of an unusable record (``<id>.*``) are kept: it may be repaired by hand.
+        """
+        referenced, keep_prefixes = set(), []
+        for vid in self._record_ids():
+            try:
+                rec = self._read_record(vid)
+            except (VoiceNotFoundError, InvalidVoiceIdError):
+                keep_prefixes.append(f"{vid}.")
+                continue
             if rec:
                 referenced.add(rec["tensors"])
         now, removed = time.time(), 0
         for p in self.root.iterdir():
-            orphan = p.name.endswith(_TMP_SUFFIX) or (p.suffix == ".safetensors" and p.name not in referenced)
-            if orphan and now - p.stat().st_mtime >= min_age_s:
-                p.unlink(missing_ok=True)
-                removed += 1
+            orphan = p.name.endswith(_TMP_SUFFIX) or (
+                p.suffix == ".safetensors" and p.name not in referenced and not p.name.startswith(tuple(keep_prefixes)))
+            try:
+                if orphan and now - p.stat().st_mtime >= min_age_s:
+                    p.unlink(missing_ok=True)
+                    removed += 1
+            except FileNotFoundError:  # removed meanwhile by another replica
+                continue
+        if removed:
+            logger.info("voice store %s: removed %d orphaned files", self.root, removed)
         return removed
 
 

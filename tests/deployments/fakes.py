@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from deployments.protocol import VoiceNotFoundError, VoicePrompt
+from deployments.protocol import VoiceExistsError, VoiceNotFoundError, VoicePrompt
 from deployments.runtime_adapter import LMRequest, SynthesisRuntime, TokenEvent
 
 SAMPLE_RATE = 24000
@@ -154,7 +154,9 @@ class FakeFrontendRuntime:
                            mel=np.zeros((2 * n, 80), np.float32), embedding=np.ones(192, np.float32),
                            prompt_text=prompt_text)
 
-    def save_voice(self, voice_id: str, prompt: VoicePrompt) -> None:
+    def save_voice(self, voice_id: str, prompt: VoicePrompt, overwrite: bool = True) -> None:
+        if not overwrite and voice_id in self.voices:
+            raise VoiceExistsError(f"voice '{voice_id}' already exists")
         self.voices[voice_id] = prompt
 
     def load_voice(self, voice_id: str) -> VoicePrompt:
