@@ -90,3 +90,29 @@ def test_disconnect_aborts_a_real_sequence(tiny_app):
         time.sleep(0.1)
     assert stats["running"] == 0 and stats["open_streams"] == 0
     assert stats["aborted"] + stats["finished"] > before["aborted"] + before["finished"]
+
+
+def test_openai_sdk_streams_the_real_runtime(tiny_app):
+    """The official SDK against the real runtime: OpenAI's voice name aliases the tiny model's
+    'default' voice, the Ogg Opus stream decodes, and speed 4.0 (model 2.0 x tempo 2.0) with SSE
+    ends with usage."""
+    import base64
+    import json
+
+    import av
+    import openai
+
+    client = openai.OpenAI(base_url=f"{tiny_app['url']}/v1", api_key="unused", max_retries=0, timeout=120)
+    with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input="Hello from the tiny model.", response_format="opus",
+            extra_body={"seed": 3}) as response:
+        data = b"".join(response.iter_bytes())
+    with av.open(io.BytesIO(data)) as c:
+        n = sum(f.samples for f in c.decode(audio=0))
+    assert n > 0.1 * 48000  # Ogg Opus decodes at 48 kHz
+    with client.audio.speech.with_streaming_response.create(
+            model="cosyvoice2", voice="alloy", input="Fast.", response_format="pcm", speed=4.0,
+            stream_format="sse", extra_body={"seed": 3}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0
+    assert sum(len(base64.b64decode(e["audio"])) for e in events[:-1]) > 0
