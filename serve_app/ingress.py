@@ -77,6 +77,7 @@ SERVE_HEADROOM = 2
 HEALTH_MEMORY_S = 60.0  # how long /health keeps a replica's last answer when probes cannot reach it
 HEALTH_PROBE_ROUNDS = 4  # idle misses compound to (1/8)^4 for 2 replicas
 _VOICE_ID_RE = re.compile(VOICE_ID_PATTERN)
+MAX_LOGGED_FIELDS = 20  # unknown request fields named in the log, at most
 EMPTY_STREAM_RATE = 24000  # rate named in the header of a stream that has no audio at all
 
 
@@ -149,7 +150,8 @@ class TTSIngress:
         body = SpeechRequest.model_validate(await _json(request, self.cfg.max_upload_bytes))
         rid = request_id_of(request)
         if body.unknown_fields:  # OpenAI ignores fields it does not know; so do we, visibly
-            logger.info("request %s: ignored unknown fields %s", rid, ", ".join(body.unknown_fields))
+            names = [name[:64] for name in body.unknown_fields[:MAX_LOGGED_FIELDS]]
+            logger.info("request %s: ignored unknown fields %s", rid, ", ".join(names))
         if self.cfg.model_names and body.model not in self.cfg.model_names:
             raise ApiError(400, f"unknown model '{body.model}'; available: {', '.join(self.cfg.model_names)}",
                            code="model_not_found", param="model")
