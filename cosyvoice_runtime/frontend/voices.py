@@ -153,6 +153,7 @@ class VoiceRegistry:
         self._lock = threading.Lock()  # the cache is shared by the frontend's executor threads
         self._problems: dict[str, str] = {}  # id -> why its record is unusable (last scan or lookup)
         self._reported: set[tuple[str, int]] = set()  # (id, mtime_ns) already logged
+        self._listed: dict[str, tuple[tuple[int, int, int], str | None]] = {}  # id -> (version, problem)
 
     # -- paths ------------------------------------------------------------------------------
     def _record_path(self, voice_id: str) -> Path:
@@ -357,14 +358,32 @@ class VoiceRegistry:
         return sorted(p.stem for p in self.root.glob("*.json") if not p.name.startswith("."))
 
     def list(self) -> list[str]:
-        """Ids of the usable voices; unusable records are skipped and reported (:meth:`problems`)."""
-        ids, self._problems = [], {}
+        """Ids of the usable voices; unusable records are skipped and reported (:meth:`problems`).
+
+        Each record is parsed once per version (inode, mtime, size): listing again costs a stat
+        per voice, not a read (the deployment checks existence with it on every registration).
+        """
+        ids, problems, listed = [], {}, {}
         for vid in self._record_ids():
             try:
-                if self._read_record(vid) is not None:
-                    ids.append(vid)
-            except (VoiceNotFoundError, InvalidVoiceIdError):  # reported; a file name that is no voice id
+                st = (self.root / f"{vid}.json").stat()
+            except FileNotFoundError:  # deleted meanwhile
                 continue
+            version = (st.st_ino, st.st_mtime_ns, st.st_size)
+            known = self._listed.get(vid)
+            if known is not None and known[0] == version:
+                why = known[1]
+            else:
+                try:
+                    why = None if self._read_record(vid) is not None else "deleted"
+                except (VoiceNotFoundError, InvalidVoiceIdError):  # reported; or a file name that is no id
+                    why = self._problems.get(vid, "not a voice id")
+            listed[vid] = (version, why)
+            if why is None:
+                ids.append(vid)
+            elif why != "deleted":
+                problems[vid] = why
+        self._listed, self._problems = listed, problems
         return ids
 
     def gc(self, min_age_s: float = 3600.0) -> int:

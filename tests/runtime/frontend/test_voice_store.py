@@ -43,7 +43,8 @@ def test_unusable_records_are_skipped_and_reported_listing_never_fails(tmp_path,
     caplog.set_level(logging.WARNING, logger=voices_mod.__name__)
     fresh = VoiceRegistry(tmp_path)
     assert fresh.list() == ["good"]
-    assert set(fresh.problems()) == {"torn", "garbage", "partial", "array", "escape"}
+    assert set(fresh.problems()) == {"torn", "garbage", "partial", "array", "escape", "bad id!"}
+    assert fresh.problems()["bad id!"] == "not a voice id"
     assert "lacks 'tensors'" in fresh.problems()["partial"]
     assert fresh.list() == ["good"]
     warned = [r for r in caplog.records if "skipping voice" in r.getMessage()]
@@ -181,3 +182,25 @@ def test_quota_on_bytes(tmp_path):
         reg.put("c", _voice(2))
     assert reg.usage()[0] == 2 and reg.usage()[1] <= int(2.5 * one)
     assert not list((tmp_path / "store").glob("c.*"))  # nothing written for the refused voice
+
+
+def test_listing_again_parses_only_changed_records(tmp_path, monkeypatch):
+    reg = VoiceRegistry(tmp_path)
+    for i in range(5):
+        reg.put(f"v{i}", _voice(i))
+    assert reg.list() == [f"v{i}" for i in range(5)]
+    reads = []
+    real = VoiceRegistry._read_record
+
+    def counting(self, voice_id):
+        reads.append(voice_id)
+        return real(self, voice_id)
+
+    monkeypatch.setattr(VoiceRegistry, "_read_record", counting)
+    assert reg.list() == [f"v{i}" for i in range(5)] and reads == []
+    (tmp_path / "v3.json").write_text("{}")  # damaged by hand: a new version of the record
+    assert reg.list() == ["v0", "v1", "v2", "v4"] and reads == ["v3"]
+    assert "v3" in reg.problems() and reg.list() == ["v0", "v1", "v2", "v4"] and reads == ["v3"]
+    assert "v3" in reg.problems()  # still reported while it stays damaged
+    reg.put("v3", _voice(3))  # repaired
+    assert reg.list() == [f"v{i}" for i in range(5)] and reg.problems() == {}
