@@ -294,7 +294,8 @@ class VoiceRegistry:
                   "text": voice.text, "tensors": tensor_name, "sha256": sha, "created_at": time.time(),
                   "meta": voice.meta}
         data = json.dumps(record, ensure_ascii=False, indent=1).encode("utf-8")
-        self._check_quota(new_record=not record_path.exists(), new_bytes=len(data) + (len(blob) if created_tensors else 0))
+        new_bytes = len(data) + (len(blob) if created_tensors else 0)
+        self._check_quota(new_record=not record_path.exists(), new_bytes=new_bytes)
         if created_tensors:
             atomic_write(tensor_path, blob)
         try:
