@@ -4,7 +4,7 @@ no underrun and no failure (issue 14). Throughput delivered outside the SLO is n
 Load and search live in ``bench/capacity_load.py`` (voice-agent sessions, Poisson arrivals,
 utterance-length mix, doubling then bisection), the two targets in ``bench/capacity_targets.py``:
 
-    # replica level: the engine + token2wav simulation of bench/gpu_bench.py, per mode
+    # replica level: the engine + token2wav simulation (bench/replica_sim.py), per mode
     python -m bench.capacity --level replica --modes pytorch-bf16-allgraphs-early-edf --out bench/results
     # whole Serve application over HTTP (ingress, frontend, synthesizer) from a config
     FAST_COSY_MODEL_DIR=/tmp/cv2-full python -m bench.capacity --level serve --config configs/single-gpu.yaml
@@ -29,7 +29,8 @@ import torch
 from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import write_report
 from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, SimTarget
-from bench.gpu_bench import ReplicaSim, make_model, make_voice, mode_setup
+from bench.gpu_bench import make_model, make_voice, mode_setup
+from bench.replica_sim import ReplicaSim
 from bench.load import register_voices
 from bench.report import _slug
 from bench.soak import start_local, wait_idle

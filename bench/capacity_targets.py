@@ -1,6 +1,6 @@
 """Where ``bench/capacity.py`` sends its requests, and what it samples beside them.
 
-* :class:`SimTarget`: the replica simulation of ``bench/gpu_bench.py`` (continuous-batching
+* :class:`SimTarget`: the replica simulation of ``bench/replica_sim.py`` (continuous-batching
   engine thread + token2wav thread around one model, each on its own CUDA stream), in process;
   a request decodes exactly the speech tokens of its drawn length.
 * :class:`HttpTarget`: the whole Serve application, ``POST /v1/audio/speech`` streaming raw PCM;
@@ -19,7 +19,7 @@ import time
 import httpx
 import torch
 
-from bench.gpu_bench import ReplicaSim
+from bench.replica_sim import ReplicaSim
 from bench.metrics import RequestTrace
 from cosyvoice_runtime.pipeline import VoicePrompt
 

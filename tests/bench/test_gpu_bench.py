@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.gpu_bench import edf_batch, main
+from bench.gpu_bench import main
+from bench.replica_sim import edf_batch
 
 MODES = ["pytorch-fp32-allgraphs-early-edf-llmcompile", "compile-fp32-early"]
 
@@ -79,3 +80,23 @@ def test_edf_batch_serves_due_jobs_first_and_lenbatch_keeps_long_ones_out():
     # a long job at the head takes shorter ones along (they add no padding)
     deadline["long"] = 9.0
     assert [r for r, _ in edf_batch(jobs, deadline, 10.0, 0.5, 16, length_ratio=1.5)] == ["long", "first", "second"]
+
+
+def test_express_lane_takes_the_first_two_chunks_of_every_stream():
+    from bench.gpu_bench import make_model, make_voice, mode_setup
+    from bench.replica_sim import EXPRESS_CALLS, ReplicaSim
+
+    base = make_model("cosyvoice2", "tiny", "cpu")
+    model, sim_args = mode_setup(base, "pytorch-fp32-early-edf-express", flow_batch=4, n_tokens=120)
+    assert sim_args["express"] is not None and sim_args["express"].flow is not model.flow  # own copies
+    voice, text = make_voice(model)
+    sim = ReplicaSim(model, max_batch=4, n_tokens=120, **sim_args)
+    traces, _ = sim.run(voice, text, concurrency=3, total=5)
+    assert len(traces) == 5 and all(t.error is None for t in traces)
+    assert all(abs(t.audio_s - 120 / 25) < 1e-6 for t in traces)  # every token vocoded once
+    lanes = [b[4] for b in sim.batch_log]
+    assert set(lanes) == {"bulk", "express"}
+    express_jobs = sum(n for _, _, n, _, lane in sim.batch_log if lane == "express")
+    firsts_in_bulk = sum(f for _, _, _, f, lane in sim.batch_log if lane == "bulk")
+    assert express_jobs == EXPRESS_CALLS * 5 and firsts_in_bulk == 0
+    assert not sim.busy and not sim.open

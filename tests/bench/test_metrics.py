@@ -48,16 +48,16 @@ def test_playback_deadline_follows_the_playback_model():
 def test_edf_pick_serves_due_jobs_first_and_alone():
     from types import SimpleNamespace
 
-    from bench.gpu_bench import ReplicaSim
+    from bench.replica_sim import ReplicaSim
 
     streams = {"new": _trace([], [], submitted=9.5), "short": _trace([9.0], [1.2]), "long": _trace([5.0], [10.0])}
     jobs = [(rid, SimpleNamespace(state=SimpleNamespace(calls=calls)))
             for rid, calls in (("long", 1), ("short", 1), ("new", 0))]
-    sim = SimpleNamespace(streams={k: SimpleNamespace(trace=v) for k, v in streams.items()}, flow_batch=2,
-                          edf_slack_s=0.5)
+    sim = SimpleNamespace(streams={k: SimpleNamespace(trace=v) for k, v in streams.items()}, edf_slack_s=0.5,
+                          length_ratio=None)
     # at t=10: "new" is overdue, "short" runs out at 10.2, "long" at 15.0 -> the due ones, by deadline
-    assert [rid for rid, _ in ReplicaSim._pick(sim, list(jobs), 10.0)] == ["new", "short"]
+    assert [rid for rid, _ in ReplicaSim._pick(sim, list(jobs), 10.0, 2)] == ["new", "short"]
     # nothing due within the slack: the earliest ones run anyway (the loop never idles with work)
-    assert [rid for rid, _ in ReplicaSim._pick(sim, list(jobs[:1]), 10.0)] == ["long"]
+    assert [rid for rid, _ in ReplicaSim._pick(sim, list(jobs[:1]), 10.0, 2)] == ["long"]
     sim.edf_slack_s = None  # the default policy: first chunks first, then in order, up to the batch
-    assert [rid for rid, _ in ReplicaSim._pick(sim, list(jobs), 10.0)] == ["new", "long"]
+    assert [rid for rid, _ in ReplicaSim._pick(sim, list(jobs), 10.0, 2)] == ["new", "long"]
