@@ -72,6 +72,7 @@ class Run:
         doc = {"device": self.device, "date": self.date, "workload": self.workload(), "searches": self.searches}
         (self.out / f"{self.stem}.json").write_text(json.dumps(doc, indent=1, default=str))
         write_report(self.out, self.stem, doc)
+        update_latest(self)  # after every probe: a run cut short still leaves its finished searches there
 
 
 def _probe_extra(probe: Probe, sampler: GpuSampler | None, target) -> dict:

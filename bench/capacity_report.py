@@ -70,6 +70,7 @@ def plot(out: Path, stem: str, doc: dict) -> list[str]:
         ax.set_xlabel("sessions" if kind == "sessions" else "Poisson arrivals (requests/s)")
         ax.set_ylabel("time to first audio (ms)")
         twin.set_ylabel("underruns (bars)")
+        twin.set_ylim(bottom=0)
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)

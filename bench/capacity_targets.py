@@ -73,9 +73,11 @@ class SimTarget:
             loop.call_soon_threadsafe(_resolve, fut, trace)
 
     def lane_stats(self, t0: float, t1: float) -> dict:
-        """Where the replica's time went between ``t0`` and ``t1``: decode steps and token2wav batches."""
+        """Where the replica's time went between ``t0`` and ``t1``: decode steps and token2wav
+        batches (``t2w_*`` the bulk lane, ``express_*`` the express lane when there is one)."""
         steps = [e - s for s, e in self.sim.step_log if t0 <= s < t1]
-        batches = [(e - s, n, f) for s, e, n, f in self.sim.batch_log if t0 <= s < t1]
+        batches = [(e - s, n, f) for s, e, n, f, lane in self.sim.batch_log if t0 <= s < t1 and lane == "bulk"]
+        express = [(e - s, n, f) for s, e, n, f, lane in self.sim.batch_log if t0 <= s < t1 and lane == "express"]
         span = max(t1 - t0, 1e-9)
         return {"decode_step_ms_p50": _ms(statistics.median(steps)) if steps else None,
                 "decode_step_ms_p99": _ms(_q(steps, 0.99)) if steps else None,
@@ -83,7 +85,10 @@ class SimTarget:
                 "t2w_batch_ms_p99": _ms(_q([b[0] for b in batches], 0.99)) if batches else None,
                 "t2w_jobs_per_batch": round(statistics.mean(b[1] for b in batches), 2) if batches else None,
                 "t2w_busy_fraction": round(sum(b[0] for b in batches) / span, 3),
-                "first_chunk_jobs": sum(b[2] for b in batches)}
+                "first_chunk_jobs": sum(b[2] for b in batches + express),
+                "express_batch_ms_p50": _ms(statistics.median(b[0] for b in express)) if express else None,
+                "express_batch_ms_p99": _ms(_q([b[0] for b in express], 0.99)) if express else None,
+                "express_busy_fraction": round(sum(b[0] for b in express) / span, 3) if express else None}
 
 
 def _resolve(fut: asyncio.Future, trace: RequestTrace) -> None:

@@ -9,6 +9,7 @@ import itertools
 import json
 import random
 import selectors
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from starlette.routing import Route
 
 from bench.capacity import main
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
-from bench.capacity_targets import HttpTarget, text_for
+from bench.capacity_targets import HttpTarget, SimTarget, text_for
 from bench.metrics import RequestTrace
 
 SLO = Slo()
@@ -225,3 +226,13 @@ def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
     assert latest["throughput_x_realtime"] == 1.5  # the throughput benchmark's keys are kept
     assert {"device", "date", "workload", "ttfb_p50_ms_c1"} <= set(latest)
     assert (tmp_path / latest["capacity_report_replica"]).exists()
+
+
+def test_lane_stats_split_bulk_and_express_batches():
+    sim = SimpleNamespace(on_error=None, step_log=[(0.0, 0.002), (1.0, 1.004), (9.0, 9.01)],
+                          batch_log=[(0.1, 0.15, 1, 1, "express"), (0.2, 0.4, 2, 0, "bulk"), (1.0, 1.1, 1, 0, "bulk"),
+                                     (20.0, 21.0, 4, 0, "bulk")])
+    stats = SimTarget(sim, voice=None).lane_stats(0.0, 10.0)
+    assert stats["decode_step_ms_p50"] == 4.0 and stats["t2w_jobs_per_batch"] == 1.5
+    assert stats["t2w_busy_fraction"] == 0.03 and stats["express_busy_fraction"] == 0.005
+    assert stats["first_chunk_jobs"] == 1 and stats["express_batch_ms_p50"] == 50.0
