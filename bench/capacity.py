@@ -30,8 +30,8 @@ from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loo
 from bench.capacity_report import write_report
 from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, SimTarget
 from bench.gpu_bench import make_model, make_voice, mode_setup
-from bench.replica_sim import ReplicaSim
 from bench.load import register_voices
+from bench.replica_sim import ReplicaSim
 from bench.report import _slug
 from bench.soak import start_local, wait_idle
 

@@ -19,8 +19,8 @@ import time
 import httpx
 import torch
 
-from bench.replica_sim import ReplicaSim
 from bench.metrics import RequestTrace
+from bench.replica_sim import ReplicaSim
 from cosyvoice_runtime.pipeline import VoicePrompt
 
 PCM_RATE = 24000
