@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 DEFAULT_SLACK_S = 0.5
@@ -47,12 +47,17 @@ class Playback:
 class DeadlineGate:
     """Admission by deadline, in one event loop (the replica's)."""
 
-    def __init__(self, slack_s: float = DEFAULT_SLACK_S, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, slack_s: float = DEFAULT_SLACK_S, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        """``clock`` / ``sleep``: the time deadlines are read on and how a held job waits for its own
+        deadline (tests inject a fake clock whose sleeps end when it is advanced)."""
         self.slack_s = slack_s
         self.clock = clock
+        self.sleep = sleep
         self._admitted: list[float] = []  # deadlines of jobs in the batch queue or running
         self._changed: asyncio.Event | None = None
         self.held = 0  # jobs that had to wait for more urgent ones (a counter for stats)
+        self.waiting = 0  # jobs held now
 
     def _urgent(self, deadline_s: float, now: float) -> bool:
         return deadline_s - now < self.slack_s
@@ -70,10 +75,7 @@ class DeadlineGate:
         waited = False
         while (wait_s := self._blocked(deadline_s)) is not None:
             waited = True
-            if self._changed is None:
-                self._changed = asyncio.Event()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout=max(wait_s, 0.0))
+            await self._wait_change_or(wait_s)
         self.held += waited
         self._admitted.append(deadline_s)
         try:
@@ -83,6 +85,20 @@ class DeadlineGate:
             if self._changed is not None:  # wake the waiters to re-check; later ones wait on a new event
                 self._changed.set()
                 self._changed = None
+
+    async def _wait_change_or(self, wait_s: float) -> None:
+        """Until an admitted job leaves or ``wait_s`` seconds of the clock have passed."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        changed = asyncio.ensure_future(self._changed.wait())
+        due = asyncio.ensure_future(self.sleep(max(wait_s, 0.0)))
+        self.waiting += 1
+        try:
+            await asyncio.wait((changed, due), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.waiting -= 1
+            changed.cancel()
+            due.cancel()
 
     @property
     def admitted(self) -> int:

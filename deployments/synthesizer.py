@@ -159,12 +159,14 @@ class Synthesizer:
         source: the model to load (resolved on this node by the runtime factory).
         runtime_factory: builds the runtime; defaults to the real one (or ``cfg.runtime_factory``).
         metrics: exporter; a no-op one is used outside a replica.
+        clock: seconds for playback deadlines, underruns and latencies (tests inject a fake clock).
     """
 
     def __init__(self, cfg: SynthesizerConfig, source: ModelSource | None = None,
                  runtime_factory: RuntimeFactory | None = None,
-                 metrics: ReplicaMetrics | None = None) -> None:
+                 metrics: ReplicaMetrics | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.cfg = cfg
+        self.clock = clock
         if runtime_factory is None:
             runtime_factory = _import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
         started = time.perf_counter()
@@ -186,7 +188,7 @@ class Synthesizer:
         self.metrics = metrics or ReplicaMetrics.for_replica("synthesizer")
         self.t2w_batch_sizes: Counter[int] = Counter()
         slack = cfg.token2wav.deadline_slack_s
-        self.gate = DeadlineGate(slack) if slack is not None else None
+        self.gate = DeadlineGate(slack, clock=clock) if slack is not None else None
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
         self._active = 0  # synthesize() calls in progress; 0 for IDLE_TRIM_DELAY_S -> release_free_heap
         self._trim_timer: asyncio.TimerHandle | None = None
@@ -207,7 +209,7 @@ class Synthesizer:
     # ---------------------------------------------------------------- handle API
     async def synthesize(self, req: PreparedRequest) -> AsyncIterator[AudioChunk]:
         """Stream audio chunks of ``req`` as they are produced (handle ``.options(stream=True)``)."""
-        started = time.perf_counter()
+        started = self.clock()
         playback = Playback(started)
         index = 0
         samples = 0
@@ -224,7 +226,7 @@ class Synthesizer:
             last_piece = len(req.pieces) - 1
             for p, piece in enumerate(req.pieces):
                 async for audio, final in self._synthesize_piece(req, p, piece, playback):
-                    now = time.perf_counter()
+                    now = self.clock()
                     if index == 0:
                         self.metrics.observe_ttfa(now - started)
                     self.underruns += playback.add(now, len(audio) / self.sample_rate)
@@ -248,7 +250,7 @@ class Synthesizer:
             status = "error"
             raise
         finally:
-            elapsed = time.perf_counter() - started
+            elapsed = self.clock() - started
             self.metrics.count_request(status)
             if samples and status == "ok":
                 self.metrics.observe_rtf(elapsed / (samples / self.sample_rate))
@@ -258,16 +260,16 @@ class Synthesizer:
 
     async def synthesize_unary(self, req: PreparedRequest) -> SynthesisResult:
         """The whole utterance at once (handle ``.remote()`` without streaming)."""
-        started = time.perf_counter()
+        started = self.clock()
         chunks, first = [], None
         async for chunk in self.synthesize(req):
             if first is None:
-                first = time.perf_counter() - started
+                first = self.clock() - started
             chunks.append(chunk.samples)
         samples = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
         return SynthesisResult(request_id=req.request_id, samples=samples, sample_rate=self.sample_rate,
                                num_chunks=len(chunks), time_to_first_audio_s=first or 0.0,
-                               compute_s=time.perf_counter() - started)
+                               compute_s=self.clock() - started)
 
     def stats(self) -> dict[str, Any]:
         """Engine, batching and device figures of this replica (for /metrics, /health, tests)."""
@@ -325,14 +327,14 @@ class Synthesizer:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # a generator finalised outside the loop
             return
+        self._trim_timer = loop.call_later(IDLE_TRIM_DELAY_S, self._trim_if_idle)
 
-        def fire() -> None:
-            self._trim_timer = None
-            if self._active == 0 and (self._trim_task is None or self._trim_task.done()):
-                self.heap_trims += 1
-                self._trim_task = loop.create_task(self.compute.run(self._release_idle_memory))
-
-        self._trim_timer = loop.call_later(IDLE_TRIM_DELAY_S, fire)
+    def _trim_if_idle(self) -> None:
+        """The idle timer's callback (on the event loop): trim unless a request came meanwhile."""
+        self._trim_timer = None
+        if self._active == 0 and (self._trim_task is None or self._trim_task.done()):
+            self.heap_trims += 1
+            self._trim_task = asyncio.get_running_loop().create_task(self.compute.run(self._release_idle_memory))
 
     def _release_idle_memory(self) -> None:
         """Idle only: freed host heap back to the OS; the CUDA cache emptied if measured fragmented."""

@@ -165,7 +165,9 @@ def test_soak_sampler_records_per_worker_rss_and_stops():
     sampler.start()
     import time
 
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60  # a failure guard: the test waits for two samples, not for a while
+    while len(sampler.series) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     sampler.stop()
     assert not sampler.is_alive() and sampler.series
     row = sampler.series[-1]

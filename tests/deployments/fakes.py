@@ -4,14 +4,23 @@ They keep the real contracts that the serving layer relies on: an engine with a 
 decode slots that admits waiting sequences between steps and frees a slot on abort, and a
 token2wav that emits one job per hop and a final job, with a batched ``run_batch``. Each
 sequence emits ``TOKENS_PER_TEXT_ID`` tokens per text id, so tests choose how long a request
-runs through the length of its text; ``STEP_S`` / ``BATCH_S`` emulate compute time.
+runs through the length of its text; a hold seed (:func:`hold_seed`) stops it after its first
+chunk until the test releases it. ``STEP_S`` / ``BATCH_S`` emulate compute time: real sleeps (the
+Ray suites), or, given a :class:`FakeClock`, that clock advanced instead (unit tests: time is what
+the fakes say it is, whatever the machine's load).
+
+Tests wait on what the fakes did (:meth:`FakeEngine.wait_until`), never for a while.
 """
 from __future__ import annotations
 
+import random
 import re
+import tempfile
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +33,51 @@ TOKENS_PER_TEXT_ID = 2
 STEP_S = 0.004
 BATCH_S = 0.01
 HOP = 12
+HOLD_SEED = 1_000_003  # a sequence with a hold seed emits one hop, then holds its slot until released or aborted
+_HOLD_SEEDS = range(HOLD_SEED, HOLD_SEED + 1_000_000)
+
+
+def hold_seed() -> int:
+    """A fresh hold seed: its sequences wait for :func:`release` of that seed (a marker file, so a
+    test can release sequences held in Ray replicas on this machine; other sessions' seeds differ)."""
+    return random.choice(_HOLD_SEEDS)
+
+
+def _release_marker(seed: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"fastcosy-fake-release-{seed}"
+
+
+def release(seed: int) -> None:
+    """Let the sequences held by ``seed`` run to their end (see :func:`forget`)."""
+    _release_marker(seed).touch()
+
+
+def forget(seed: int) -> None:
+    _release_marker(seed).unlink(missing_ok=True)
+GUARD_S = 60.0  # a wait that never returns is a failed test, not a hung one (not a synchronisation bound)
+
+
+class FakeClock:
+    """Seconds that pass only when something says so (thread-safe: the engine's step thread and the
+    token2wav lane both advance it)."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+def _spend(seconds: float, clock: FakeClock | None) -> None:
+    if clock is not None:
+        clock.advance(seconds)
+    elif seconds:
+        time.sleep(seconds)
 
 
 @dataclass
@@ -31,24 +85,44 @@ class _Seq:
     request: LMRequest
     target: int
     emitted: int = 0
+    held: bool = False  # a hold seed, not yet released
 
 
 class FakeEngine:
-    def __init__(self, max_running: int = 4, step_s: float = STEP_S) -> None:
+    def __init__(self, max_running: int = 4, step_s: float = STEP_S, clock: FakeClock | None = None) -> None:
         self.max_running = max_running
         self.step_s = step_s
+        self.clock = clock
         self.waiting: OrderedDict[str, _Seq] = OrderedDict()
         self.running: dict[str, _Seq] = {}
         self.aborted: list[str] = []
+        self.steps = 0
+        self._changed = threading.Condition()  # notified after every step and abort
+
+    def wait_until(self, predicate, timeout_s: float = GUARD_S) -> bool:
+        """Block until ``predicate()`` holds after a step or an abort (from a test thread, or
+        ``asyncio.to_thread``); False only if it still does not after ``timeout_s`` (a failure guard)."""
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout_s)
+
+    def emitted(self, request_id: str) -> int:
+        """Tokens emitted so far by a running sequence (0 when it is not running)."""
+        seq = self.running.get(request_id)
+        return seq.emitted if seq is not None else 0
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
     def add(self, request_id: str, request: LMRequest) -> None:
         target = TOKENS_PER_TEXT_ID * len(request.text_ids)
-        self.waiting[request_id] = _Seq(request, target)
+        self.waiting[request_id] = _Seq(request, target, held=request.seed in _HOLD_SEEDS)
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
         self.waiting.pop(request_id, None)
         self.running.pop(request_id, None)
+        self._notify()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -63,15 +137,21 @@ class FakeEngine:
         while self.waiting and len(self.running) < self.max_running:
             rid, seq = self.waiting.popitem(last=False)
             self.running[rid] = seq
-        time.sleep(self.step_s)
+        _spend(self.step_s, self.clock)
         events = []
         for rid, seq in list(self.running.items()):
+            if seq.held and seq.emitted >= min(HOP, seq.target - 1):  # never ends while held
+                if not _release_marker(seq.request.seed).exists():
+                    continue  # one streamed chunk's worth, then nothing until released or aborted
+                seq.held = False
             token = int(seq.request.text_ids[seq.emitted % len(seq.request.text_ids)]) % 6561
             seq.emitted += 1
             done = seq.emitted >= seq.target
             events.append(TokenEvent(rid, [token], finished=done, finish_reason="stop" if done else None))
             if done:
                 del self.running[rid]
+        self.steps += 1
+        self._notify()
         return events
 
 
@@ -96,8 +176,9 @@ class FakeToken2Wav:
     n_mels = 80
     embedding_dim = 192
 
-    def __init__(self, batch_s: float = BATCH_S) -> None:
+    def __init__(self, batch_s: float = BATCH_S, clock: FakeClock | None = None) -> None:
         self.batch_s = batch_s
+        self.clock = clock
         self.batches: list[int] = []
 
     def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> FakeStream:
@@ -121,7 +202,7 @@ class FakeToken2Wav:
 
     def run_batch(self, jobs: list[FakeJob]) -> list[np.ndarray]:
         self.batches.append(len(jobs))
-        time.sleep(self.batch_s)
+        _spend(self.batch_s, self.clock)
         out = []
         for job in jobs:
             n = int((job.end - job.start) * SAMPLES_PER_TOKEN / job.state.speed)
@@ -133,6 +214,15 @@ class FakeToken2Wav:
 def fake_synthesis_runtime(cfg, source) -> SynthesisRuntime:
     """``runtime_factory`` for SynthesizerConfig (import path ``tests.deployments.fakes:fake_synthesis_runtime``)."""
     return SynthesisRuntime(engine=FakeEngine(max_running=cfg.max_running), token2wav=FakeToken2Wav(), device="cpu")
+
+
+def fake_runtime_on(clock: FakeClock):
+    """A ``runtime_factory`` whose fakes spend their compute time on ``clock`` instead of sleeping."""
+    def factory(cfg, source) -> SynthesisRuntime:
+        return SynthesisRuntime(engine=FakeEngine(max_running=cfg.max_running, clock=clock),
+                                token2wav=FakeToken2Wav(clock=clock), device="cpu")
+
+    return factory
 
 
 @dataclass

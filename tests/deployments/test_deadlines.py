@@ -1,4 +1,6 @@
-"""Deadline-first admission (deployments.deadlines): the playback model and the gate's rules."""
+"""Deadline-first admission (deployments.deadlines): the playback model and the gate's rules.
+
+Time is a fake clock whose sleeps end when the test advances it: no test waits for a while."""
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +8,7 @@ import asyncio
 import pytest
 
 from deployments.deadlines import DeadlineGate, Playback
+from tests.deployments import fakes
 from tests.deployments.test_synthesizer_unit import _req, _synth
 
 
@@ -20,12 +23,36 @@ def test_playback_deadlines_and_underruns():
     assert play.deadline_s() == pytest.approx(14.5) and play.underruns == 1
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
+class FakeClock(fakes.FakeClock):
+    """Also a ``sleep`` for the gate: a sleeper wakes once the clock is advanced past its end (one
+    event loop)."""
 
-    def __call__(self) -> float:
-        return self.now
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleepers: list[tuple[float, asyncio.Future]] = []
+
+    async def sleep(self, seconds: float) -> None:
+        entry = (self.now + seconds, asyncio.get_running_loop().create_future())
+        self.sleepers.append(entry)
+        try:
+            await entry[1]
+        finally:
+            self.sleepers.remove(entry)
+
+    def advance(self, seconds: float) -> None:
+        super().advance(seconds)
+        for due, future in self.sleepers:
+            if due <= self.now and not future.done():
+                future.set_result(None)
+
+
+async def _until(predicate, rounds: int = 1000) -> None:
+    """Let the other tasks run until ``predicate()`` holds (event-loop turns, not time)."""
+    for _ in range(rounds):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
 
 
 def test_urgent_jobs_enter_at_once_and_hold_back_jobs_with_audio_in_hand():
@@ -72,34 +99,36 @@ def test_nothing_urgent_means_no_waiting():
 
 
 def test_a_held_job_enters_when_it_becomes_due_itself():
-    gate = DeadlineGate(slack_s=0.05)  # real clock: the wait is a timer
+    clock = FakeClock()
+    gate = DeadlineGate(slack_s=0.05, clock=clock, sleep=clock.sleep)
 
     async def main():
-        loop = asyncio.get_running_loop()
-        entered: list[float] = []
-        blocker_left = asyncio.Event()
+        release, entered = asyncio.Event(), asyncio.Event()
 
         async def blocker():
-            async with gate.turn(gate.clock()):  # urgent, holds its turn for 2 s
-                await asyncio.sleep(2.0)
-            blocker_left.set()
+            async with gate.turn(clock.now):  # urgent, holds its turn until released
+                await release.wait()
 
         async def held():
-            async with gate.turn(gate.clock() + 0.15):  # due within the slack after ~0.1 s
-                entered.append(loop.time())
+            async with gate.turn(clock.now + 0.15):  # due within the slack 0.1 s from now
+                entered.set()
 
-        start = loop.time()
-        task = asyncio.create_task(blocker())
-        await asyncio.sleep(0)
-        await held()
-        assert not blocker_left.is_set()  # it did not wait for the urgent job to finish
-        assert 0.05 <= entered[0] - start < 1.5
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        blocking = asyncio.create_task(blocker())
+        await _until(lambda: gate.admitted == 1)
+        holding = asyncio.create_task(held())
+        await _until(lambda: gate.waiting == 1 and clock.sleepers)  # held, asleep until it is due
+        clock.advance(0.08)  # not yet due
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not entered.is_set() and gate.waiting == 1
+        clock.advance(0.04)  # now due within the slack: enters, the urgent job still inside
+        await _until(entered.is_set)
+        assert not release.is_set() and gate.admitted == 1  # the urgent job is still inside
+        release.set()
+        await asyncio.gather(blocking, holding)
 
     asyncio.run(main())
-    assert gate.held == 1 and gate.admitted == 0
+    assert gate.held == 1 and gate.admitted == 0 and gate.waiting == 0
 
 
 def test_a_cancelled_waiter_leaves_no_admission_behind():
@@ -120,7 +149,7 @@ def test_a_cancelled_waiter_leaves_no_admission_behind():
         u = asyncio.create_task(urgent())
         await asyncio.sleep(0)
         r = asyncio.create_task(relaxed())
-        await asyncio.sleep(0.01)
+        await _until(lambda: gate.waiting == 1)
         r.cancel()  # a client disconnect while held
         with pytest.raises(asyncio.CancelledError):
             await r
@@ -147,7 +176,7 @@ def test_synthesizer_streams_through_the_gate(slack):
     stats = s.stats()
     assert (s.gate is None) == (slack is None)
     assert stats["deadline_held_total"] == (s.gate.held if s.gate else 0)
-    # The fake runtime makes audio ~8x faster than real time: no chunk arrives late.
+    # The fakes make audio ~8x faster than real time on the fake clock: no chunk arrives late.
     assert stats["underruns_total"] == 0
     assert s.gate is None or s.gate.admitted == 0
 
@@ -158,7 +187,7 @@ def test_synthesizer_counts_chunks_made_after_the_audio_ran_out():
 
     async def slow(job):  # every chunk after the first takes longer than the audio before it lasts
         if s.t2w_batch_sizes:
-            await asyncio.sleep(0.6)
+            s.clock.advance(0.6)
         return await fast(job)
 
     s._token2wav = slow

@@ -1,9 +1,10 @@
 """EngineLoop: mailboxes wake a consumer when it has the tokens it asked for, not per step; the step
-thread steps on whatever the event loop is doing, ends when idle, and a broken engine fails every request."""
+thread steps on whatever the event loop is doing, ends when idle, and a broken engine fails every request.
+
+No test waits for a while: they wait for what the fake engine did (``FakeEngine.wait_until``)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
@@ -71,9 +72,8 @@ def test_a_consumer_cancelled_while_waiting_frees_its_slot():
                 pass
 
         task = asyncio.create_task(never_enough())
-        for _ in range(50):
-            await asyncio.sleep(0.001)
-        assert engine.running  # decoding, the consumer asleep on its mailbox
+        assert await asyncio.to_thread(engine.wait_until, lambda: engine.emitted("slow") >= 3)
+        assert engine.running and not task.done()  # decoding, the consumer asleep on its mailbox
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -86,49 +86,53 @@ def test_a_consumer_cancelled_while_waiting_frees_its_slot():
 
 
 def test_steps_go_on_while_the_event_loop_is_busy():
-    """The step thread submits the next step itself: a busy event loop (here blocked outright)
-    delays the token hand-over, not the decode steps."""
-    engine = fakes.FakeEngine(max_running=1, step_s=0.002)
+    """The step thread submits the next step itself: a busy event loop (here blocked outright until
+    the request has decoded to its end) delays the token hand-over, not the decode steps. An
+    asyncio task driving the engine would never get there: the wait would fail at its guard."""
+    engine = fakes.FakeEngine(max_running=1, step_s=0.0)
     compute = ComputeExecutor()
     loop = EngineLoop(engine, compute)
 
     async def main():
-        got = []
+        got, finished_while_blocked = [], None
         async for e in loop.generate("a", _lm(200)):  # 400 tokens
             got.append(e)
-            if len(got) == 1:
-                emitted = engine.running["a"].emitted
-                time.sleep(0.2)  # the event loop does nothing else for 200 ms
-                during = engine.running["a"].emitted - emitted
-        return got, during
+            if len(got) == 1:  # the event loop does nothing else until the engine is done
+                finished_while_blocked = engine.wait_until(lambda: not engine.has_unfinished())
+        return got, finished_while_blocked
 
-    events, during = asyncio.run(main())
+    events, finished_while_blocked = asyncio.run(main())
     compute.shutdown()
-    # ~100 steps of 2 ms fit in 200 ms; an asyncio task driving the engine would have done <= 1.
-    assert during >= 10, during
+    assert finished_while_blocked and engine.steps == 400
     assert sum(len(e.new_tokens) for e in events) == 400 and events[-1].finished
 
 
 def test_an_idle_step_thread_ends_and_the_next_request_starts_one(monkeypatch):
-    monkeypatch.setattr(engine_loop, "IDLE_EXIT_S", 0.01)
+    monkeypatch.setattr(engine_loop, "IDLE_EXIT_S", 0.0)  # ends as soon as it finds nothing to do
     loop, _, compute = _loop()
+    threads = []
+    ensure_running = loop._ensure_running
+
+    def started_by_request():  # called by generate(), lock held: the thread stepping that request
+        ensure_running()
+        threads.append(loop._thread)
+
+    loop._ensure_running = started_by_request
 
     async def one(rid):
         return [e async for e in loop.generate(rid, _lm(3))]
 
     async def main():
         first = await one("a")
-        for _ in range(200):  # the thread notices it is idle within IDLE_EXIT_S
-            if loop._thread is None:
-                break
-            await asyncio.sleep(0.005)
-        ended = loop._thread is None
+        await asyncio.to_thread(threads[0].join, fakes.GUARD_S)  # it ends by itself
+        ended = not threads[0].is_alive() and loop._thread is None
         second = await one("b")
         return first, ended, second
 
     first, ended, second = asyncio.run(main())
     compute.shutdown()
-    assert ended and first[-1].finished and second[-1].finished and loop.steps == 12
+    assert ended and threads[1] is not threads[0]
+    assert first[-1].finished and second[-1].finished and loop.steps == 12
 
 
 def test_an_engine_that_raises_fails_every_open_request_and_marks_the_loop_dead():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,6 +39,13 @@ def test_engine_loop_over_real_llm_engine():
     engine = RuntimeTokenEngine(model, max_running=2, max_model_len=256)
     loop = EngineLoop(engine, ComputeExecutor())
     text = np.array([100, 200, 300, 400], np.int32)
+    abort, aborted = engine.abort, threading.Event()
+
+    def abort_and_tell(request_id):  # the step thread applies the abandoned request's abort
+        abort(request_id)
+        aborted.set()
+
+    engine.abort = abort_and_tell
 
     def request(seed):
         return LMRequest(text_ids=text, prompt_text_ids=np.zeros(0, np.int32),
@@ -56,7 +64,7 @@ def test_engine_loop_over_real_llm_engine():
 
     async def main():
         results = await asyncio.gather(collect("a", 1), collect("b", 2), collect("c", 3), abandoned())
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(aborted.wait, 60)  # 60 s: a failure guard, not a synchronisation
         return results
 
     (ta, ea), (tb, eb), (tc, ec), _ = asyncio.run(main())

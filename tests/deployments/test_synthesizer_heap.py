@@ -18,7 +18,8 @@ def test_replica_env_caps_malloc_arenas_and_keeps_other_options():
 
 
 def test_heap_is_trimmed_once_after_idle_not_between_busy_requests(monkeypatch):
-    monkeypatch.setattr(synth_mod, "IDLE_TRIM_DELAY_S", 0.2)
+    """The idle timer is armed when the last request ends and called off by the next one; its
+    expiry is played by calling its callback (no test waits for a timer)."""
     calls = []
     monkeypatch.setattr(synth_mod, "release_free_heap", lambda: calls.append(1) or True)
     s = _synth()
@@ -27,15 +28,34 @@ def test_heap_is_trimmed_once_after_idle_not_between_busy_requests(monkeypatch):
         return [c async for c in s.synthesize(_req(rid, 5, stream=True))]
 
     async def main():
+        loop = asyncio.get_running_loop()
         await asyncio.gather(one("a"), one("b"))
-        await one("c")  # starts before the delay: the pending trim is called off
-        assert s.heap_trims == 0
-        await asyncio.sleep(0.4)
-        if s._trim_task is not None:
-            await s._trim_task
+        armed = s._trim_timer
+        assert armed is not None and armed.when() - loop.time() <= synth_mod.IDLE_TRIM_DELAY_S
+        await one("c")  # starts before the delay: the pending trim is called off, a new one armed
+        assert armed.cancelled() and s.heap_trims == 0
+        s._trim_timer.cancel()
+        s._trim_if_idle()  # the delay has passed with nothing running
+        assert s.heap_trims == 1 and s._trim_timer is None
+        await s._trim_task
+        s._trim_if_idle()  # fired again while idle: trims again (nothing is in progress)
+        await s._trim_task
 
     asyncio.run(main())
-    assert s.heap_trims == 1 and calls == [1]
+    assert s.heap_trims == 2 and calls == [1, 1]
+
+
+def test_no_trim_while_a_request_is_in_progress():
+    s = _synth()
+
+    async def main():
+        gen = s.synthesize(_req("busy", 50, stream=True))
+        await gen.__anext__()
+        s._trim_if_idle()  # a stale timer firing under load
+        assert s.heap_trims == 0 and s._trim_task is None
+        await gen.aclose()
+
+    asyncio.run(main())
 
 
 def test_release_free_heap_runs_here():

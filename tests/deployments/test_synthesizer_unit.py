@@ -3,6 +3,10 @@
 ``@serve.batch`` cannot run outside a replica (ray-serve-notes §5.1), so these tests replace the
 batched method on the instance by a direct call of the same batch function with one job; the
 batching behaviour itself is tested against real Ray in tests/integration.
+
+Time is a :class:`~tests.deployments.fakes.FakeClock` that the fakes advance by their emulated
+compute time: latencies, deadlines and underruns do not depend on the machine's load, and tests
+wait for what the fake engine did, never for a while.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ def _req(rid: str, n_ids: int, stream: bool, pieces: int = 1) -> PreparedRequest
 def _synth(max_running: int = 4, overlap_stages: bool | None = None, **token2wav) -> Synthesizer:
     cfg = SynthesizerConfig(max_running=max_running, max_ongoing_requests=max_running,
                             token2wav={"max_batch_size": 2, **token2wav}, overlap_stages=overlap_stages)
-    s = Synthesizer(cfg, runtime_factory=fakes.fake_synthesis_runtime)
+    clock = fakes.FakeClock()
+    s = Synthesizer(cfg, runtime_factory=fakes.fake_runtime_on(clock), clock=clock)
 
     async def direct(job):
         s.t2w_batch_sizes[1] += 1
@@ -90,10 +95,8 @@ def test_abandoned_stream_aborts_and_frees_its_slot():
         assert len(first.samples) > 0
         assert s.loop.stats().running == 1
         await gen.aclose()  # what a disconnect does to the replica generator
-        for _ in range(50):  # the abort is applied between two steps
-            await asyncio.sleep(0.01)
-            if s.loop.stats().running == 0:
-                break
+        engine = s.runtime.engine  # the abort is applied between two steps
+        assert await asyncio.to_thread(engine.wait_until, lambda: engine.aborted and not engine.running)
         return s.loop.stats()
 
     stats = asyncio.run(main())
@@ -109,13 +112,14 @@ def test_cancelled_task_aborts_sequence():
             pass
 
     async def main():
+        engine = s.runtime.engine
         task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.1)
+        assert await asyncio.to_thread(engine.wait_until, lambda: engine.emitted("k/0") >= 3)
         assert s.loop.stats().running == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(engine.wait_until, lambda: engine.aborted and not engine.running)
         return s.loop.stats()
 
     stats = asyncio.run(main())

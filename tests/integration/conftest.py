@@ -62,3 +62,14 @@ def tts_app(ray_session):
         "synth": serve.get_deployment_handle("Synthesizer", app_name=APP_NAME),
         "base_url": ray_session["base_url"],
     }
+
+
+def replica_ongoing(app: str, deployment: str) -> dict[str, int]:
+    """Requests inside each live replica of ``deployment`` (Serve's own count, read from the replica
+    actors: unlike a handle call, it answers while the replica's slots are all taken)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    return {name: ray.get(ray.get_actor(name, namespace="serve").get_num_ongoing_requests.remote(), timeout=30)
+            for name in names}

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.deployments import fakes
-from tests.integration.conftest import TEST_ARGS
+from tests.integration.conftest import TEST_ARGS, replica_ongoing
 
 pytestmark = pytest.mark.ray
 
@@ -51,11 +51,22 @@ def faults_app(ray_session):
     serve.delete(APP)
 
 
-def _speech(text: str, stream: bool = True) -> dict:
-    return {"model": "tts-1", "input": text, "voice": VOICE, "response_format": "pcm", "stream": stream}
+def _speech(text: str, stream: bool = True, seed: int | None = None) -> dict:
+    return {"model": "tts-1", "input": text, "voice": VOICE, "response_format": "pcm", "stream": stream, "seed": seed}
 
 
-def _engines(url: str, timeout_s: float = 20.0) -> dict[str, dict]:
+GUARD_S = 120.0  # turns a state that never comes into a failure instead of a hang (not a synchronisation)
+
+
+def _wait_for(predicate, what: str) -> None:
+    """Poll ``predicate`` (replica state) until it holds; fail after GUARD_S."""
+    deadline = time.monotonic() + GUARD_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"never reached: {what}"
+        time.sleep(0.1)  # spacing between polls, not a synchronisation
+
+
+def _engines(url: str, timeout_s: float = GUARD_S) -> dict[str, dict]:
     """Engine stats of every running synthesizer replica. A /health call can miss a replica
     (a probe that timed out on a loaded runner); counts summed over replicas need all of them."""
     deadline = time.monotonic() + timeout_s
@@ -72,7 +83,7 @@ def _in_flight(url: str) -> float:
     return float(re.search(r"^tts_requests_in_flight(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE).group(1))
 
 
-def _wait_idle(url: str, timeout_s: float = 20.0) -> dict[str, dict]:
+def _wait_idle(url: str, timeout_s: float = GUARD_S) -> dict[str, dict]:
     deadline = time.monotonic() + timeout_s
     while True:
         engines = _engines(url)
@@ -108,18 +119,19 @@ def _running(deployment: str) -> int:
 class _Stream(threading.Thread):
     """One streamed request in a thread: records bytes, first-chunk time and how it ended."""
 
-    def __init__(self, url: str, text: str) -> None:
+    def __init__(self, url: str, text: str, seed: int | None = None) -> None:
         super().__init__(daemon=True)
-        self.url, self.text = url, text
+        self.url, self.text, self.seed = url, text, seed
         self.first = threading.Event()
         self.nbytes = 0
         self.status: int | None = None
         self.error: str | None = None
-        self.done_at: float | None = None
+        self.done = False
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", f"{self.url}/v1/audio/speech", json=_speech(self.text), timeout=60) as r:
+            with httpx.stream("POST", f"{self.url}/v1/audio/speech", json=_speech(self.text, seed=self.seed),
+                              timeout=GUARD_S) as r:
                 self.status = r.status_code
                 for part in r.iter_raw():
                     self.nbytes += len(part)
@@ -128,45 +140,57 @@ class _Stream(threading.Thread):
             self.error = type(exc).__name__
         finally:
             self.first.set()
-            self.done_at = time.monotonic()
+            self.done = True
 
 
 # ------------------------------------------------------------------------------ replica crash
 def test_killed_replica_mid_stream(faults_app):
     """Streams on the killed replica end with a transport error (no hang), the others finish whole,
-    Serve starts a replacement, and new requests succeed."""
+    Serve starts a replacement, and new requests succeed.
+
+    The streams hold after their first chunk (a hold seed of the fakes) until the test releases
+    them, so every one of them is mid-stream when the replica dies, whatever the machine's load."""
     import ray
 
     url = faults_app["url"]
     assert _running("Synthesizer") == 2
     before = _synth_replicas()
     assert len(before) == 2
-    text = "k" * 700  # ~5.6 s of fake decoding per stream
-    streams = [_Stream(url, text) for _ in range(6)]
-    for s in streams:  # one at a time, so the router sees each replica's load when placing the next
-        s.start()
-        assert s.first.wait(30) and s.status == 200, (s.status, s.error)
-    victim_name = min(before)
-    killed_at = time.monotonic()
-    ray.kill(ray.get_actor(victim_name, namespace="serve"), no_restart=True)
-    for s in streams:
-        s.join(60)
-        assert not s.is_alive(), "a stream hung after the replica was killed"
+    text, seed = "k" * 100, fakes.hold_seed()
+    streams = [_Stream(url, text, seed) for _ in range(6)]
+    try:
+        for s in streams:  # one at a time, so the router sees each replica's load when placing the next
+            s.start()
+            assert s.first.wait(GUARD_S) and s.status == 200, (s.status, s.error)
+        ongoing: dict[str, int] = {}
+
+        def all_inside() -> bool:  # read from the replica actors: a handle probe would queue behind full slots
+            ongoing.update(replica_ongoing(APP, "Synthesizer"))
+            return len(ongoing) == 2 and sum(ongoing.values()) == 6
+
+        _wait_for(all_inside, "six streams inside two replicas")
+        # Routing spreads six streams over two replicas (four slots each); each side gets some.
+        assert all(ongoing.values()), ongoing
+        victim_name = min(ongoing)
+        ray.kill(ray.get_actor(victim_name, namespace="serve"), no_restart=True)
+        # The victim's streams end by themselves (with an error: the others are still held).
+        _wait_for(lambda: sum(s.done for s in streams) == ongoing[victim_name], "the victim's streams end")
+        fakes.release(seed)  # the survivors run to their end
+        for s in streams:
+            s.join(GUARD_S)
+            assert not s.is_alive(), "a stream hung"
+    finally:
+        fakes.release(seed)
+    fakes.forget(seed)
     complete = [s for s in streams if s.error is None and s.nbytes == 2 * _expected_samples(text)]
     broken = [s for s in streams if s not in complete]
-    # Routing spreads six streams over two replicas; each side gets at least one.
-    assert complete and broken, [(s.error, s.nbytes) for s in streams]
-    for s in broken:
+    assert len(broken) == ongoing[victim_name] and len(complete) == 6 - len(broken), [
+        (s.error, s.nbytes) for s in streams]
+    for s in broken:  # a clean, prompt transport error, not a timeout or a truncated "success"
         assert s.error in ("RemoteProtocolError", "ReadError"), (s.error, s.nbytes)
-        assert s.done_at - killed_at < 15  # a clean, prompt error, not a timeout
     # Serve replaces the replica ...
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        now = _synth_replicas()
-        if len(now) == 2 and victim_name not in now and _running("Synthesizer") == 2:
-            break
-        time.sleep(0.5)
-    assert len(now) == 2 and victim_name not in now, now
+    _wait_for(lambda: len(now := _synth_replicas()) == 2 and victim_name not in now
+              and _running("Synthesizer") == 2, "a replacement replica running")
     # ... and new requests (both replicas, unary and streamed) succeed.
     for stream in (False, True, False, True):
         r = httpx.post(f"{url}/v1/audio/speech", json=_speech("After the crash.", stream=stream), timeout=30)
@@ -179,8 +203,10 @@ def test_request_timeout_frees_its_slot(faults_app):
     url = faults_app["url"]
     _assert_idle(url)
     before = sum(e["aborted"] for e in _engines(url).values())
-    with pytest.raises(httpx.ReadTimeout):  # a unary request: nothing arrives before the timeout
-        httpx.post(f"{url}/v1/audio/speech", json=_speech("t" * 1500, stream=False), timeout=httpx.Timeout(30, read=1.0))
+    # A unary request held by the fakes: nothing can arrive before the client's own timeout.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/audio/speech", json=_speech("t" * 100, stream=False, seed=fakes.hold_seed()),
+                   timeout=httpx.Timeout(30, read=1.0))
     engines = _assert_idle(url)
     assert sum(e["aborted"] for e in engines.values()) == before + 1, engines  # aborted, not decoded to the end
 
@@ -189,9 +215,11 @@ def test_disconnects_free_their_slots(faults_app):
     url = faults_app["url"]
     _assert_idle(url)
     before = sum(e["aborted"] for e in _engines(url).values())
+    seed = fakes.hold_seed()  # never released
 
     async def open_and_drop(client):
-        async with client.stream("POST", f"{url}/v1/audio/speech", json=_speech("d" * 1500)) as r:
+        # Held after its first chunk: the connection closes mid-stream, whatever the machine's load.
+        async with client.stream("POST", f"{url}/v1/audio/speech", json=_speech("d" * 100, seed=seed)) as r:
             assert r.status_code == 200
             async for _ in r.aiter_raw():
                 break  # one chunk, then close the connection

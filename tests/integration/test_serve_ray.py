@@ -15,10 +15,20 @@ import soundfile as sf
 
 from deployments.protocol import InvalidInputError, SynthesisMode, SynthesisRequest, VoiceNotFoundError
 from tests.deployments import fakes
+from tests.integration.conftest import APP_NAME, replica_ongoing
 
 pytestmark = pytest.mark.ray
 
 SR = fakes.SAMPLE_RATE
+GUARD_S = 120.0  # turns a state that never comes into a failure instead of a hang (not a synchronisation)
+
+
+def _wait_for(predicate, what: str) -> None:
+    """Poll ``predicate`` (replica state) until it holds; fail after GUARD_S."""
+    deadline = time.monotonic() + GUARD_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"never reached: {what}"
+        time.sleep(0.05)  # spacing between polls, not a synchronisation
 
 
 def _prompt_wav(seconds: float = 2.0, sr: int = 16000) -> bytes:
@@ -196,19 +206,33 @@ def _engine_stats(tts_app) -> dict:
 
 
 def test_concurrent_requests_are_batched(tts_app, voice):
+    """Four streams are held after their first chunk (a hold seed of the fakes) until all four
+    decode at once, then released together: they share decode steps and flow + HiFT batches
+    however the machine's load spaced their arrivals."""
     url = tts_app["base_url"]
+    seed = fakes.hold_seed()
+    before = _engine_stats(tts_app)
 
     async def one(client, i):
         r = await client.post(f"{url}/v1/audio/speech", json={
             "model": "tts-1", "input": f"Concurrent request number {i}.", "voice": voice,
-            "response_format": "pcm", "stream": True})
+            "response_format": "pcm", "stream": True, "seed": seed})
         return r.status_code
 
     async def main():
-        async with httpx.AsyncClient(timeout=60) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(4)))
+        async with httpx.AsyncClient(timeout=GUARD_S) as client:
+            calls = asyncio.gather(*(one(client, i) for i in range(4)))
+            await asyncio.to_thread(_wait_for, lambda: list(replica_ongoing(APP_NAME, "Synthesizer").values()) == [4],
+                                    "4 streams in the synthesizer (4 slots: all decoding)")
+            fakes.release(seed)
+            return await calls
 
-    assert asyncio.run(main()) == [200] * 4
+    try:
+        assert asyncio.run(main()) == [200] * 4
+    finally:
+        fakes.release(seed)
+        fakes.forget(seed)
+    assert _engine_stats(tts_app)["finished"] == before["finished"] + 4
     text = httpx.get(f"{url}/metrics").text
     count = dict(_metric(text, "tts_token2wav_batch_size_count"))
     le1 = [v for labels, v in _metric(text, "tts_token2wav_batch_size_bucket") if 'le="1.0"' in labels]
@@ -218,16 +242,26 @@ def test_concurrent_requests_are_batched(tts_app, voice):
 
 
 def test_overload_returns_429_with_retry_after(tts_app, voice):
+    """16 requests held by the fakes (a hold seed) until the first 429 has come: the slots stay
+    taken whatever the machine's load, then every admitted one is served."""
     url = tts_app["base_url"]
-    long_text = "x" * 400  # ~0.8 s of fake decoding per request
+    seed = fakes.hold_seed()
 
     async def main():
-        async with httpx.AsyncClient(timeout=60) as client:
-            return await asyncio.gather(*(client.post(f"{url}/v1/audio/speech", json={
-                "model": "tts-1", "input": long_text, "voice": voice, "response_format": "pcm"})
-                for _ in range(16)))
+        async with httpx.AsyncClient(timeout=GUARD_S) as client:
+            posts = [asyncio.ensure_future(client.post(f"{url}/v1/audio/speech", json={
+                "model": "tts-1", "input": "x" * 40, "voice": voice, "response_format": "pcm", "seed": seed}))
+                for _ in range(16)]
+            done, _ = await asyncio.wait(posts, return_when=asyncio.FIRST_COMPLETED)
+            assert all(p.result().status_code == 429 for p in done)  # nothing is served while held
+            fakes.release(seed)
+            return await asyncio.gather(*posts)
 
-    responses = asyncio.run(main())
+    try:
+        responses = asyncio.run(main())
+    finally:
+        fakes.release(seed)
+        fakes.forget(seed)
     codes = sorted(r.status_code for r in responses)
     assert 200 in codes and 429 in codes, codes
     rejected = [r for r in responses if r.status_code == 429]
@@ -241,21 +275,17 @@ def test_disconnect_mid_stream_frees_the_decode_slot(tts_app, voice):
     url = tts_app["base_url"]
     before = _engine_stats(tts_app)
     with httpx.stream("POST", f"{url}/v1/audio/speech", timeout=30, json={
-            "model": "tts-1", "input": "y" * 1500, "voice": voice, "response_format": "pcm", "stream": True}) as r:
+            "model": "tts-1", "input": "y" * 100, "voice": voice, "response_format": "pcm", "stream": True,
+            "seed": fakes.hold_seed()}) as r:  # held after its first chunk: never finishes by itself
         assert r.status_code == 200
         chunks = r.iter_raw()  # keep a reference: a collected iterator closes the response
         next(chunks)
         during = _engine_stats(tts_app)
         assert during["running"] == 1, str((before, during))
-    # Leaving the block closes the connection mid-stream (1500 ids -> ~12 s of decoding).
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        stats = _engine_stats(tts_app)
-        if stats["running"] == 0 and stats["open_streams"] == 0:
-            break
-        time.sleep(0.1)
-    assert stats["running"] == 0 and stats["open_streams"] == 0
-    assert stats["aborted"] == before["aborted"] + 1
+    # Leaving the block closes the connection mid-stream.
+    _wait_for(lambda: (lambda e: e["running"] == 0 and e["open_streams"] == 0)(_engine_stats(tts_app)),
+              "the slot freed")
+    assert _engine_stats(tts_app)["aborted"] == before["aborted"] + 1
 
 
 # ------------------------------------------------------------------------------ health / metrics

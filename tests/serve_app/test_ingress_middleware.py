@@ -76,13 +76,26 @@ def _gated_app(max_running: int, max_waiting: int, gate: asyncio.Event):
         Middleware(AdmissionControl, max_running=max_running, max_waiting=max_waiting, retry_after_s=7)])
 
 
+def _admission(app: Starlette) -> AdmissionControl | None:
+    """The app's AdmissionControl instance (Starlette builds its middleware stack at the first request)."""
+    node = app.middleware_stack
+    while node is not None and not isinstance(node, AdmissionControl):
+        node = getattr(node, "app", None)
+    return node
+
+
 def test_admission_limit_answers_json_429_and_keeps_probes_open():
     async def main():
         gate = asyncio.Event()
         app = _gated_app(2, 3, gate)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             held = [asyncio.create_task(c.post("/v1/tts")) for _ in range(5)]  # 2 running + 3 waiting
-            await asyncio.sleep(0.05)
+            for _ in range(10_000):  # event-loop turns until the five are inside, not a time
+                admission = _admission(app)
+                if admission is not None and (admission.running, admission.waiting) == (2, 3):
+                    break
+                await asyncio.sleep(0)
+            assert (admission.running, admission.waiting) == (2, 3)
             extra = await asyncio.gather(*(c.post("/v1/tts") for _ in range(4)))
             assert [r.status_code for r in extra] == [429] * 4
             for r in extra:

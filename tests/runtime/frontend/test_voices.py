@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -120,6 +119,7 @@ while True:
     v = PromptFeatures("cosyvoice2", "t", np.arange(3, dtype=np.int32), np.full(400, i % 6561, np.int32),
                        np.full((800, 80), float(i), np.float32), np.full(192, float(i), np.float32))
     reg.put(f"v{{i % 7}}", v)
+    print("put", flush=True)
     i += 1
 """
 
@@ -131,7 +131,8 @@ def test_killed_writer_leaves_a_consistent_store(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout.readline().strip() == b"ready"
-        time.sleep(0.8)
+        for _ in range(10):  # killed after ten commits, somewhere inside the eleventh write
+            assert proc.stdout.readline().strip() == b"put"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
