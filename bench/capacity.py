@@ -96,6 +96,10 @@ def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) 
         target = SimTarget(sim, voice)
         try:
             _searches(args, run, mode, target, sampler)
+        except RuntimeError as exc:  # this mode's replica died: report it, measure the next mode
+            logger.exception("mode %s failed", mode)
+            run.searches[-1]["error"] = f"{exc}: {exc.__cause__!r}"
+            run.write()
         finally:
             sim.close()
 
@@ -118,6 +122,8 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
             loop_fn = closed_loop if kind == "sessions" else open_loop
             result = await loop_fn(target, load, work, run.slo)
             run.record(entry, result, _probe_extra(result, sampler, target))
+            if getattr(target, "failed", None) is not None:  # not an SLO miss: the search stops here
+                raise RuntimeError(f"{mode}: the replica failed during the {kind} probe at {load}") from target.failed
             settle()
             return result
         return probe

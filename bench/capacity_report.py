@@ -16,9 +16,10 @@ def _cell(value, fmt: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     try:
-        return fmt.format(value)
+        text = fmt.format(value)
     except (ValueError, TypeError):
-        return str(value)
+        text = str(value)
+    return text.splitlines()[0][:100].replace("|", "/")  # a table cell: one short line
 
 
 def markdown(doc: dict, plots: list[str]) -> str:
@@ -35,11 +36,13 @@ def markdown(doc: dict, plots: list[str]) -> str:
              intro, "", "| mode | search | capacity |", "|---|---|---|"]
     for s in doc["searches"]:
         if s["kind"] != "one-session":
-            cap = "-" if s["capacity"] is None else f"{s['capacity']} {unit[s['kind']]}"
+            cap = "failed" if s.get("error") else "-" if s["capacity"] is None else f"{s['capacity']} {unit[s['kind']]}"
             lines.append(f"| {s['mode']} | {s['kind']} | {cap} |")
     for s in doc["searches"]:
-        lines += ["", f"## {s['mode']}: {s['kind']} (load in {unit[s['kind']]})", "",
-                  "| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["", f"## {s['mode']}: {s['kind']} (load in {unit[s['kind']]})", ""]
+        if s.get("error"):
+            lines += [f"**Search failed, no capacity claimed:** {s['error']}", ""]
+        lines += ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         for p in sorted(s["probes"], key=lambda p: p["load"]):
             lines.append("| " + " | ".join(_cell(p.get(k), f) for k, _, f in COLUMNS) + " |")
     lines += [""] + [f"![{name}]({name})" for name in plots]

@@ -59,6 +59,11 @@ class SimTarget:
                         on_finish=lambda st: self._finish(rid, st.trace))
         return await fut
 
+    @property
+    def failed(self) -> BaseException | None:
+        """The replica's own failure (a worker thread died): no later probe means anything."""
+        return self.sim.error
+
     def _finish(self, rid: str, trace: RequestTrace) -> None:
         with self._lock:
             loop, fut = self._waiting.pop(rid)

@@ -199,7 +199,10 @@ class ReplicaSim:
                         self.streams[rid].first_job_s = start
                         firsts += 1
                 audios = lane.t2w.run_batch([j for _, j in jobs], max_batch=lane.max_batch)
-                sync(device)
+                # this lane's stream only: a device-wide sync while the other lane captures a graph
+                # invalidates that capture (H200 2026-12-04: cudaErrorStreamCaptureUnsupported)
+                if stream is not None:
+                    stream.synchronize()
                 self.t2w_batches += 1
                 self.t2w_jobs += len(jobs)
                 now = time.perf_counter()

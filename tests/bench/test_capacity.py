@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from bench.capacity import main
+from bench.capacity import Run, _searches, main, parse_args
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_targets import HttpTarget, SimTarget, text_for
 from bench.metrics import RequestTrace
@@ -236,3 +236,19 @@ def test_lane_stats_split_bulk_and_express_batches():
     assert stats["decode_step_ms_p50"] == 4.0 and stats["t2w_jobs_per_batch"] == 1.5
     assert stats["t2w_busy_fraction"] == 0.03 and stats["express_busy_fraction"] == 0.005
     assert stats["first_chunk_jobs"] == 1 and stats["express_batch_ms_p50"] == 50.0
+
+
+def test_a_replica_failure_stops_the_search_instead_of_reading_as_an_slo_miss(tmp_path):
+    class DyingTarget:
+        failed = None
+
+        async def synthesize(self, rid, audio_s, submitted_s):
+            self.failed = RuntimeError("CUDA error")
+            return RequestTrace(submitted_s=submitted_s, error="replica failed: CUDA error")
+
+    args = parse_args(["--out", str(tmp_path), "--window-s", "1", "--ramp-s", "0", "--start", "2"])
+    run = Run(args, Workload(Mix.parse("1:1-2"), window_s=1, ramp_s=0), SLO, "cpu")
+    with pytest.raises(RuntimeError, match="replica failed during the sessions probe at 2"):
+        _searches(args, run, "m", DyingTarget(), sampler=None)
+    assert run.searches[0]["capacity"] is None and len(run.searches[0]["probes"]) == 1
+    assert not (tmp_path / "latest.json").exists()  # no capacity was claimed

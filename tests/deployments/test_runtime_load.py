@@ -100,3 +100,10 @@ def test_cuda_replica_captures_flow_graphs_and_matches_eager(model_dir):
         outs.append(rt.token2wav.run_batch([job])[0])
     assert outs[0].shape == outs[1].shape
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_replica_decodes_on_a_higher_priority_stream_than_token2wav(model_dir):
+    rt = load_synthesis_runtime(SynthesizerConfig(device="cuda", warmup=False, flow_graph_max_s=8.0), model_dir)
+    assert rt.engine._stream.priority < rt.token2wav._stream.priority  # lower number = higher priority
