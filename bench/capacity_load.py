@@ -103,6 +103,9 @@ class Probe:
                 "ttfa_p50_ms": percentile(ttfa, 50), "ttfa_p99_ms": p99, "ttfa_max_ms": max(ttfa, default=math.nan),
                 "underruns": underruns, "requests_with_underrun": sum(1 for t in ok if t.underruns()),
                 "audio_s": audio, "window_s": self.window_s,
+                # Little's law: mean requests open at once (what the autoscaler's load signal counts)
+                "streams_in_flight_mean": (sum(t.latency_s for t in ok) / self.window_s if self.window_s > 0
+                                           else math.nan),
                 "throughput_x_realtime": audio / self.window_s if self.window_s > 0 else math.nan,
                 "aborted": self.aborted, "meets_slo": meets, **self.extra}
 

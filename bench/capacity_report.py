@@ -89,9 +89,12 @@ def plot(out: Path, stem: str, doc: dict) -> list[str]:
             ax.plot([p["load"] for p in ps], [p["gpu_util_pct"] for p in ps], marker="o", label=f"{s['mode']} nvidia-smi")
             ax.plot([p["load"] for p in ps], [100 * (p.get("t2w_busy_fraction") or 0) for p in ps], marker="x",
                     linestyle="--", label=f"{s['mode']} token2wav lane busy")
+            if s.get("capacity") and all(p.get("streams_in_flight_mean") is not None for p in ps):
+                ax.plot([p["load"] for p in ps], [100 * p["streams_in_flight_mean"] / s["capacity"] for p in ps],
+                        marker="s", linestyle=":", label=f"{s['mode']} load signal (in flight / SLO capacity)")
         ax.set_xlabel("sessions")
         ax.set_ylabel("percent")
-        ax.set_ylim(0, 105)
+        ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()

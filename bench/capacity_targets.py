@@ -84,7 +84,14 @@ class SimTarget:
         batches = [(e - s, n, f) for s, e, n, f, lane in self.sim.batch_log if t0 <= s < t1 and lane == "bulk"]
         express = [(e - s, n, f) for s, e, n, f, lane in self.sim.batch_log if t0 <= s < t1 and lane == "express"]
         span = max(t1 - t0, 1e-9)
-        return {"decode_step_ms_p50": _ms(statistics.median(steps)) if steps else None,
+        new = [s for s in self.sim.streams.values() if t0 <= s.trace.submitted_s < t1]
+        token = [s.first_token_s - s.trace.submitted_s for s in new if s.first_token_s]
+        job = [s.first_job_s - s.trace.submitted_s for s in new if s.first_job_s]
+        return {  # first audio = first token + the rest of the first chunk's tokens + wait + first job
+                "first_token_ms_p50": _ms(statistics.median(token)) if token else None,
+                "first_token_ms_p99": _ms(_q(token, 0.99)) if token else None,
+                "first_job_start_ms_p50": _ms(statistics.median(job)) if job else None,
+                "first_job_start_ms_p99": _ms(_q(job, 0.99)) if job else None,"decode_step_ms_p50": _ms(statistics.median(steps)) if steps else None,
                 "decode_step_ms_p99": _ms(_q(steps, 0.99)) if steps else None,
                 "t2w_batch_ms_p50": _ms(statistics.median(b[0] for b in batches)) if batches else None,
                 "t2w_batch_ms_p99": _ms(_q([b[0] for b in batches], 0.99)) if batches else None,

@@ -229,13 +229,16 @@ def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
 
 
 def test_lane_stats_split_bulk_and_express_batches():
-    sim = SimpleNamespace(on_error=None, step_log=[(0.0, 0.002), (1.0, 1.004), (9.0, 9.01)],
+    streams = {"a": SimpleNamespace(trace=RequestTrace(submitted_s=1.0), first_token_s=1.02, first_job_s=1.06),
+               "late": SimpleNamespace(trace=RequestTrace(submitted_s=11.0), first_token_s=11.5, first_job_s=None)}
+    sim = SimpleNamespace(on_error=None, streams=streams, step_log=[(0.0, 0.002), (1.0, 1.004), (9.0, 9.01)],
                           batch_log=[(0.1, 0.15, 1, 1, "express"), (0.2, 0.4, 2, 0, "bulk"), (1.0, 1.1, 1, 0, "bulk"),
                                      (20.0, 21.0, 4, 0, "bulk")])
     stats = SimTarget(sim, voice=None).lane_stats(0.0, 10.0)
     assert stats["decode_step_ms_p50"] == 4.0 and stats["t2w_jobs_per_batch"] == 1.5
     assert stats["t2w_busy_fraction"] == 0.03 and stats["express_busy_fraction"] == 0.005
     assert stats["first_chunk_jobs"] == 1 and stats["express_batch_ms_p50"] == 50.0
+    assert stats["first_token_ms_p50"] == 20.0 and stats["first_job_start_ms_p99"] == 60.0  # "late" is outside
 
 
 def test_a_replica_failure_stops_the_search_instead_of_reading_as_an_slo_miss(tmp_path):
@@ -252,3 +255,8 @@ def test_a_replica_failure_stops_the_search_instead_of_reading_as_an_slo_miss(tm
         _searches(args, run, "m", DyingTarget(), sampler=None)
     assert run.searches[0]["capacity"] is None and len(run.searches[0]["probes"]) == 1
     assert not (tmp_path / "latest.json").exists()  # no capacity was claimed
+
+
+def test_streams_in_flight_follow_littles_law():
+    one = _trace(chunks=((0.1, 1.0), (2.0, 1.0)))  # open for 2 s
+    assert Probe(1, [one] * 30, window_s=60).summary(SLO)["streams_in_flight_mean"] == 1.0
