@@ -41,14 +41,16 @@ class LoadBandConfig(StrictModel):
     """Custom policy: keep each replica's load within ``[low_pct, high_pct]`` of its SLO capacity.
 
     load = (streams in flight + queued) / (replicas * ``slo_streams``); see
-    ``deployments.autoscaling_policy``. ``slo_streams`` is a placeholder (8) until measured on
-    the target GPU with ``bench/capacity.py`` (docs/tuning.md).
+    ``deployments.autoscaling_policy``. ``slo_streams``: the mean syntheses in flight of one replica
+    at its SLO capacity, measured with ``bench/capacity.py`` (``streams_in_flight_mean`` of the
+    largest load that met the SLO). Default: one H200, CosyVoice2, voice-agent mix, 2026-12-04
+    (5 sessions held 0.52 in flight; docs/tuning.md); measure the target GPU.
     """
 
     enabled: bool = False
     low_pct: float = Field(70.0, gt=0)
     high_pct: float = Field(80.0, gt=0)
-    slo_streams: PositiveFloat = 8.0
+    slo_streams: PositiveFloat = 0.5
     metric: str = "streams_in_flight"
 
     @model_validator(mode="after")

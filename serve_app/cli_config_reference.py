@@ -66,8 +66,8 @@ _FALLBACK = {
     ("LoadBandConfig", "enabled"): "use `deployments.autoscaling_policy:LoadBandPolicy`",
     ("LoadBandConfig", "low_pct"): "scale in below this load (% of `slo_streams` per replica)",
     ("LoadBandConfig", "high_pct"): "scale out above this load (% of `slo_streams` per replica)",
-    ("LoadBandConfig", "slo_streams"): "concurrent streams one replica serves within the latency SLO "
-                                       "(`bench/capacity.py`); 8 is a placeholder until measured",
+    ("LoadBandConfig", "slo_streams"): "mean streams in flight of one replica at its SLO capacity "
+                                       "(`bench/capacity.py`); 0.5 = one H200, CosyVoice2, 2026-12-04",
     ("LoadBandConfig", "metric"): "replica autoscaling metric counting streams in flight",
     ("ReplicaResources", "num_cpus"): "logical CPUs per replica (fractions pack replicas)",
     ("ReplicaResources", "num_gpus"): "GPUs per replica; 0.5 packs two replicas on one GPU (memory is not isolated)",
