@@ -78,9 +78,24 @@ _CFM = """    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
 """
 
 
+# First line of every config this module writes: how a served directory is known to be random-weight.
+RANDOM_WEIGHT_MARKER = "# Tiny RANDOM-WEIGHT model"
+
+
+def is_random_weight_model(model_dir: str | Path) -> bool:
+    """True for a directory written by this module (its ``<family>.yaml`` starts with the marker)."""
+    for family in ("cosyvoice2", "cosyvoice3"):
+        try:
+            with open(Path(model_dir) / f"{family}.yaml", encoding="utf-8") as f:
+                return f.readline().startswith(RANDOM_WEIGHT_MARKER)
+        except OSError:
+            continue
+    return False
+
+
 def _yaml_text(family: str, dims: dict) -> str:
     d = dims
-    head = f"""# Tiny RANDOM-WEIGHT model written by cosyvoice_runtime.tiny_model: it does not speak.
+    head = f"""{RANDOM_WEIGHT_MARKER} written by cosyvoice_runtime.tiny_model: it does not speak.
 # Same classes and wiring as the released {family}.yaml, shrunken sizes.
 __set_seed1: !apply:random.seed [1986]
 __set_seed2: !apply:numpy.random.seed [1986]

@@ -387,6 +387,7 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
 
     from cosyvoice_runtime.model import load_model
     from cosyvoice_runtime.modes import apply_mode, preflight, resolve_mode
+    from cosyvoice_runtime.tiny_model import is_random_weight_model
     from cosyvoice_runtime.trt.profiles import derive_profile
     from deployments import constants
 
@@ -417,7 +418,8 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
                  "compiled": report["compiled"], "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
-                 "max_flow_tokens": int(limits.max_total_s * rate)},
+                 "max_flow_tokens": int(limits.max_total_s * rate),
+                 "random_weights": is_random_weight_model(model_dir)},  # the tiny test model: noise, not speech
     )
 
 

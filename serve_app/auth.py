@@ -42,6 +42,7 @@ from deployments import constants
 from deployments.options import StrictModel
 from serve_app.errors import error_response, request_id_of
 from serve_app.middleware import route_path
+from serve_app.playground import OPEN_PATHS as PLAYGROUND_PATHS
 
 logger = logging.getLogger(__name__)
 
@@ -153,13 +154,14 @@ def load_keys(cfg: AuthConfig) -> KeyRing:
 
 # ------------------------------------------------------------------------ routes
 def required_scopes(method: str, path: str, websocket: bool = False) -> frozenset[str] | None:
-    """Scopes of which a key needs one for this request; None: open (``/health``).
+    """Scopes of which a key needs one for this request; None: open (``/health``, the playground
+    page and its files, which hold no secret: the page asks for the key).
 
     An empty set means any valid key (unknown paths: a 404 is not answered to strangers).
     """
     if websocket:
         return frozenset({SYNTHESIS})
-    if path == "/health":
+    if path == "/health" or (method in ("GET", "HEAD") and path in PLAYGROUND_PATHS):
         return None
     if path == "/metrics":
         return frozenset({METRICS})

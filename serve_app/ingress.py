@@ -8,6 +8,7 @@ Routes (docs/serving.md has examples):
 * ``POST /v1/tts``           native: zero-shot (multipart prompt upload), voice, cross-lingual, instruct
 * ``POST /v1/voices`` (multipart), ``GET /v1/voices``, ``GET/DELETE /v1/voices/{voice_id}``
 * ``GET /health``, ``GET /metrics``
+* ``GET /playground`` (and ``/``): the browser playground and its files (serve_app/playground.py)
 
 Only this package knows HTTP, status codes and containers; the deployments get typed messages.
 Limits answered with the JSON error shape: bodies past ``max_upload_bytes`` (413, before the rest
@@ -49,6 +50,7 @@ from deployments.protocol import (
     SynthesisResult,
     VoiceInfo,
 )
+from serve_app import playground
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload
 from serve_app.auth import AuthConfig, auth_middleware
 from serve_app.errors import ApiError, install_exception_handlers, request_id_of
@@ -132,6 +134,7 @@ class TTSIngress:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             WebSocketRoute(STREAM_INPUT_ROUTE, self.stream_input),
+            *playground.routes(self.synth, self.cfg.health_timeout_s),
         ]
         cfg = self.cfg
         app = Starlette(routes=routes, middleware=[
