@@ -40,6 +40,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from cosyvoice_runtime.frontend.split import CLOSING_QUOTES, EN_SENTENCE_END, ZH_SENTENCE_END, cut_to_length
 from deployments.frontend import VOICE_ID_PATTERN
 from deployments.protocol import CosyVoiceError, InvalidInputError, OverloadedError, SynthesisRequest
+from serve_app.audio_codec import run_encoder
 from serve_app.errors import classify, error_body, message_of, request_id_of
 from serve_app.handles import admitted, cancel_stream
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
@@ -211,14 +212,14 @@ class StreamInputSession:
             gen = self.synth.options(stream=True).synthesize.remote(prepared)
             try:
                 async for chunk in gen:
-                    if self.out is None:
-                        self.out = AudioOut(fmt.fmt, chunk.sample_rate, tempo=tempo, out_rate=fmt.rate,
-                                            bit_rate=fmt.bit_rate)
-                    await self._send_audio(self.out.feed(chunk.samples))
+                    if self.out is None:  # encoder calls run in the encoder pool, off the event loop
+                        self.out = await run_encoder(AudioOut, fmt.fmt, chunk.sample_rate, tempo=tempo,
+                                                     out_rate=fmt.rate, bit_rate=fmt.bit_rate)
+                    await self._send_audio(await run_encoder(self.out.feed, chunk.samples))
             finally:
                 cancel_stream(gen)
         if self.out is not None:
-            await self._send_audio(self.out.close())
+            await self._send_audio(await run_encoder(self.out.close))
 
     async def _send_audio(self, data: bytes) -> None:
         if data:
