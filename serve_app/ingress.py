@@ -51,13 +51,14 @@ from deployments.protocol import (
     VoiceInfo,
 )
 from serve_app import playground
-from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload
+from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, run_encoder
 from serve_app.auth import AuthConfig, auth_middleware
 from serve_app.errors import ApiError, install_exception_handlers, request_id_of
 from serve_app.handles import admitted as _admitted
 from serve_app.handles import cancel_stream as _cancel
 from serve_app.metrics import CONTENT_TYPE, IngressMetrics
 from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
+from serve_app.running_replicas import RunningReplicas
 from serve_app.schemas import NativeSynthesisFields, SpeechRequest, VoiceFields, VoiceOut
 from serve_app.speech import (
     DEFAULT_MODEL_NAMES,
@@ -81,6 +82,7 @@ HEALTH_PROBE_ROUNDS = 4  # idle misses compound to (1/8)^4 for 2 replicas
 _VOICE_ID_RE = re.compile(VOICE_ID_PATTERN)
 MAX_LOGGED_FIELDS = 20  # unknown request fields named in the log, at most
 EMPTY_STREAM_RATE = 24000  # rate named in the header of a stream that has no audio at all
+JSON_INLINE_BYTES = 64 * 1024  # JSON bodies above this are parsed in a worker thread (10 MiB: ~1 s)
 
 
 class IngressConfig(DeploymentKnobs):
@@ -121,6 +123,10 @@ class TTSIngress:
         self.synth = synthesizer
         self.metrics = IngressMetrics()
         self._health_memory: dict[str, tuple[float, dict]] = {}  # replica id -> (monotonic time, last answer)
+        # Serve's running count, read off the event loop by a background task (started here when
+        # Serve constructs the replica on its loop, else by the first /health).
+        self.running_synthesizers = RunningReplicas("Synthesizer")
+        self.running_synthesizers.start()
 
     # Serve calls this on the replica after __init__ (late-bound ASGI app).
     def __serve_build_asgi_app__(self) -> Starlette:
@@ -228,8 +234,12 @@ class TTSIngress:
                 _cancel(gen)
                 raise
             sample_rate = first.sample_rate if first is not None else EMPTY_STREAM_RATE
-            out = AudioOut(fmt, sample_rate, tempo=tempo, sse=sse,
-                           input_tokens=sum(len(p.text_ids) for p in prepared.pieces))
+            try:  # opening an encoder is blocking work too (FLAC: ~4 ms)
+                out = await run_encoder(AudioOut, fmt, sample_rate, tempo=tempo, sse=sse,
+                                        input_tokens=sum(len(p.text_ids) for p in prepared.pieces))
+            except BaseException:
+                _cancel(gen)
+                raise
             handed_to_stream = True
         finally:
             if not handed_to_stream:
@@ -237,16 +247,18 @@ class TTSIngress:
         return StreamingResponse(self._stream_body(gen, first, out, started), media_type=out.media_type)
 
     async def _stream_body(self, gen, first, out: AudioOut, started: float):
+        # Encoding (and SSE's base64) runs in the encoder pool: an MP3/Opus/AAC chunk costs
+        # milliseconds of CPU, which on the event loop would delay every other stream.
         first_at = None
         try:
             if first is not None:
                 first_at = time.perf_counter()
-                if data := out.feed(first.samples):
+                if data := await run_encoder(out.feed, first.samples):
                     yield data
                 async for chunk in gen:
-                    if data := out.feed(chunk.samples):
+                    if data := await run_encoder(out.feed, chunk.samples):
                         yield data
-            if tail := out.close():
+            if tail := await run_encoder(out.close):
                 yield tail
             self._observe(started, first_at, out.model_samples, out.sample_rate)
         finally:
@@ -325,10 +337,12 @@ class TTSIngress:
         req/s). A replica heard from within HEALTH_MEMORY_S but not reached now is listed under
         ``synthesizer_replicas_unreached`` with its last answer and its age, and readiness then
         rests on Serve's own count of running replicas, which its controller health-checks
-        outside the request queue; a busy service is not reported down.
+        outside the request queue; a busy service is not reported down. That count is the one a
+        background task last read (serve_app/running_replicas.py, every 2 s): nothing here waits
+        on Serve's controller.
         """
         now = time.monotonic()
-        ready_replicas = _running_replicas("Synthesizer")
+        ready_replicas = self.running_synthesizers.current()  # cached: no controller call on the loop
         seen, failed = await self._probe_synthesizers(ready_replicas)
         self._health_memory.update({rid: (now, entry) for rid, entry in seen.items()})
         for rid in [rid for rid, (t, _) in self._health_memory.items() if now - t > HEALTH_MEMORY_S]:
@@ -427,10 +441,10 @@ async def _body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
 
 
 async def _json(request: Request, limit: int) -> Any:
-    """The JSON body, size-limited as :func:`_body_chunks`."""
+    """The JSON body, size-limited as :func:`_body_chunks`; a large one is parsed off the event loop."""
     data = b"".join([chunk async for chunk in _body_chunks(request, limit)])
     try:
-        return json.loads(data)
+        return json.loads(data) if len(data) <= JSON_INLINE_BYTES else await asyncio.to_thread(json.loads, data)
     except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly nested arrays
         raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
 
@@ -450,13 +464,3 @@ def _health_entry(res: ReplicaHealth) -> dict:
         "runtime": {k: v for k, v in detail.items() if k not in ("mode", "mode_source")},
     }
 
-
-def _running_replicas(deployment: str) -> int:
-    try:
-        from ray import serve
-
-        ctx = serve.get_replica_context()
-        status = serve.status().applications[ctx.app_name].deployments[deployment]
-        return int(status.replica_states.get("RUNNING", 0))
-    except Exception:  # outside Serve or status unavailable
-        return 0

@@ -15,6 +15,7 @@ import soundfile as sf
 from deployments.frontend import FrontendConfig, TextFrontend
 from deployments.synthesizer import Synthesizer, SynthesizerConfig
 from serve_app.ingress import IngressConfig, TTSIngress
+from serve_app.running_replicas import RunningReplicas
 from tests.deployments import fakes
 
 
@@ -66,6 +67,10 @@ class FakeHandle:
 
 
 def _app(ingress_cfg: IngressConfig | None = None):
+    return _ingress(ingress_cfg).__serve_build_asgi_app__()
+
+
+def _ingress(ingress_cfg: IngressConfig | None = None) -> TTSIngress:
     frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
     synth = Synthesizer(SynthesizerConfig(max_running=4, max_ongoing_requests=4, warmup=False,
                                           token2wav={"max_batch_size": 4}),
@@ -75,8 +80,7 @@ def _app(ingress_cfg: IngressConfig | None = None):
         return (await synth.compute.run(synth.t2w.run_batch, [job]))[0]
 
     synth._token2wav = direct
-    ingress = TTSIngress(ingress_cfg or IngressConfig(max_input_chars=100), FakeHandle(frontend), FakeHandle(synth))
-    return ingress.__serve_build_asgi_app__()
+    return TTSIngress(ingress_cfg or IngressConfig(max_input_chars=100), FakeHandle(frontend), FakeHandle(synth))
 
 
 def _wav(seconds=1.0, sr=16000) -> bytes:
@@ -122,12 +126,14 @@ def test_health_keeps_answering_when_probes_cannot_reach_busy_replicas(monkeypat
     frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
     synth = Synthesizer(SynthesizerConfig(max_running=4, max_ongoing_requests=4, warmup=False,
                                           token2wav={"max_batch_size": 4}), runtime_factory=fakes.fake_synthesis_runtime)
-    app = TTSIngress(IngressConfig(), FakeHandle(frontend), FakeHandle(synth)).__serve_build_asgi_app__()
+    ingress = TTSIngress(IngressConfig(), FakeHandle(frontend), FakeHandle(synth))
+    app = ingress.__serve_build_asgi_app__()
     running = {"n": 1}
-    monkeypatch.setattr(ingress_mod, "_running_replicas", lambda name: running["n"])
+    ingress.running_synthesizers = RunningReplicas("Synthesizer", read=lambda name: running["n"])
     healthy = synth.health
 
     async def get():
+        await ingress.running_synthesizers.refresh()  # the count its background task reads
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             return await c.get("/health")
 
@@ -157,17 +163,16 @@ def test_health_keeps_answering_when_probes_cannot_reach_busy_replicas(monkeypat
     assert "local" in body["synthesizer_replicas"] and body["synthesizer_replicas_unreached"] == {}
 
 
-def test_health_probes_again_until_every_running_replica_answered(monkeypatch):
+def test_health_probes_again_until_every_running_replica_answered():
     """The handle picks the replica of each probe; a round can miss one. Idle, /health sends more
     rounds until every replica Serve counts as running answered; a failed probe stops the rounds."""
     import dataclasses
 
-    import serve_app.ingress as ingress_mod
-
     frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
     synth = Synthesizer(SynthesizerConfig(warmup=False), runtime_factory=fakes.fake_synthesis_runtime)
-    app = TTSIngress(IngressConfig(), FakeHandle(frontend), FakeHandle(synth)).__serve_build_asgi_app__()
-    monkeypatch.setattr(ingress_mod, "_running_replicas", lambda name: 2)
+    ingress = TTSIngress(IngressConfig(), FakeHandle(frontend), FakeHandle(synth))
+    app = ingress.__serve_build_asgi_app__()
+    ingress.running_synthesizers = RunningReplicas("Synthesizer", read=lambda name: 2)
     calls = {"n": 0}
     real = synth.health
 
@@ -178,6 +183,7 @@ def test_health_probes_again_until_every_running_replica_answered(monkeypatch):
     synth.health = routed
 
     async def get():
+        await ingress.running_synthesizers.refresh()
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             return (await c.get("/health")).json()
 
