@@ -26,22 +26,44 @@ A mailbox wakes its consumer only once the request has the tokens the consumer a
 coroutine switch per chunk, not one per stream. Measured with zero-cost fakes (64 streams x 250
 tokens, 12-token hops, 2-core VM, 2026-12-03, ``tests/integration/measure_loop.py``, median of
 9 runs): the serving layer's cost per decode step fell from 2.17 to 1.58 ms.
+
+Failure isolation: an error in one request fails that request only.
+
+* The engine names a request it cannot go on with (a :class:`TokenEvent` with ``error``, e.g.
+  non-finite logits): that request fails with :class:`RequestFailedError`, the others go on.
+* A step that raises is retried once (a transient fault, e.g. CUDA out of memory); if it raises
+  again, the newest request in the engine is the suspect (its prefill is the step's new work):
+  it is aborted and fails, and the step is tried again, until a step succeeds. This can fail a
+  request that was not the culprit (at most the running batch), never the replica.
+* A fault that leaves the device unusable (:func:`is_fatal`: a sticky CUDA error), or steps that
+  still fail after as many suspects as the batch holds were removed, stop the loop: every open request fails with
+  :class:`EngineDeadError` (a clean error at the client, never silence) and ``check_health``
+  raises, so Serve replaces the replica.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from deployments.compute import MAIN, ComputeExecutor
-from deployments.protocol import EngineDeadError, EngineStats
+from deployments.protocol import EngineDeadError, EngineStats, RequestFailedError
 from deployments.runtime_adapter import LMRequest, TokenEngine, TokenEvent
 
 logger = logging.getLogger(__name__)
 
 IDLE_EXIT_S = 5.0  # an idle step thread ends after this long (no thread per idle EngineLoop in tests)
+STEP_RETRIES = 1  # a failed step is tried again this many times before a suspect is removed
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """A fault after which the device cannot be trusted (CUDA reports errors such as an illegal
+    memory access or a device-side assert as sticky: every later call fails too). CUDA out of memory
+    is not one (``torch.cuda.OutOfMemoryError`` says "CUDA out of memory")."""
+    return not isinstance(exc, Exception) or "CUDA error" in str(exc)
 
 
 @dataclass
@@ -67,6 +89,9 @@ class _Mailbox:
         return want is not None and self.total >= want
 
     def put(self, event: TokenEvent) -> None:
+        if event.error is not None:
+            self.fail(RequestFailedError(event.error))
+            return
         self.tokens.extend(event.new_tokens)
         self.total += len(event.new_tokens)
         if event.finished:
@@ -106,9 +131,13 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._dead: BaseException | None = None
+        self._live: OrderedDict[str, None] = OrderedDict()  # step thread only: requests in the engine, oldest first
+        self._step_failures = 0  # consecutive failed steps (step thread only)
+        self._removed_in_a_row = 0  # suspects removed since the last step that succeeded (step thread only)
         self.steps = 0
         self.aborted = 0
         self.finished = 0
+        self.failed = 0  # requests failed alone (their error, or suspects of a failing step)
         self.tokens = 0  # speech tokens delivered (tokens/s = rate of this counter)
         self.step_batch_sizes: list[int] = []  # sequences per step (bounded, see _record)
 
@@ -165,6 +194,10 @@ class EngineLoop:
             aborted=self.aborted, finished=self.finished,
         )
 
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
     def raise_if_dead(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop stopped: {type(self._dead).__name__}: {self._dead}")
@@ -185,12 +218,15 @@ class EngineLoop:
         """On the engine's lane: aborts first (frees slots), then adds; per-request add failures returned."""
         for request_id in aborts:
             self.engine.abort(request_id)
+            self._live.pop(request_id, None)
         failed: dict[str, Exception] = {}
         for request_id, request in adds.items():
             try:
                 self.engine.add(request_id, request)
             except Exception as exc:  # bad input for this request only: its consumer gets the error
                 failed[request_id] = exc
+            else:
+                self._live[request_id] = None
         return failed
 
     def _drive(self) -> None:
@@ -211,13 +247,41 @@ class EngineLoop:
                     if self._idle_too_long():
                         return
                     continue
-                self._post(self._deliver, self.compute.call(self.engine.step, lane=self._lane))
+                try:
+                    events = self.compute.call(self.engine.step, lane=self._lane)
+                except Exception as exc:
+                    if self._closed or is_fatal(exc):
+                        raise
+                    self._isolate(exc)
+                    continue
+                self._step_failures = self._removed_in_a_row = 0
+                for event in events:
+                    if event.finished:
+                        self._live.pop(event.request_id, None)
+                self._post(self._deliver, events)
         except BaseException as exc:  # the engine is broken: fail every open request, mark unhealthy
             if self._closed:  # the executor was shut down under a closing replica
                 return
             logger.exception("engine loop crashed")
             self._dead = exc  # before the hand-over: generate() must not queue behind a dead thread
             self._post(self._fail_all, exc)
+
+    def _isolate(self, exc: Exception) -> None:
+        """A step raised (not fatally): retry it, then remove suspects newest first (module docstring)."""
+        self._step_failures += 1
+        if self._step_failures <= STEP_RETRIES:
+            logger.warning("engine step failed (%s: %s); trying it again", type(exc).__name__, exc)
+            return
+        if not self._live or self._removed_in_a_row >= self.engine.max_running:
+            raise exc  # no suspect left, or every request of a full batch removed and it still fails: broken
+        suspect, _ = self._live.popitem()
+        self._removed_in_a_row += 1
+        logger.warning("engine step failed again (%s: %s); removing the newest request %s",
+                       type(exc).__name__, exc, suspect)
+        self.compute.call(self.engine.abort, suspect, lane=self._lane)
+        self._step_failures = 0
+        error = RequestFailedError(f"speech token generation failed: {type(exc).__name__}: {exc}")
+        self._post(self._fail_one, (suspect, error))
 
     def _has_pending(self) -> bool:
         """With the lock held: adds or aborts wait for the step thread."""
@@ -250,7 +314,9 @@ class EngineLoop:
         self._record(len(events))  # sequences advanced by this step (decode batch + prefills)
         for event in events:
             self.tokens += len(event.new_tokens)
-            if event.finished:
+            if event.error is not None:
+                self.failed += 1
+            elif event.finished:
                 self.finished += 1
             box = self._boxes.get(event.request_id)
             if box is not None:
@@ -262,6 +328,13 @@ class EngineLoop:
             if box is not None:
                 box.fail(exc)
 
+    def _fail_one(self, failure: tuple[str, Exception]) -> None:
+        request_id, exc = failure
+        self.failed += 1
+        box = self._boxes.get(request_id)
+        if box is not None:
+            box.fail(exc)
+
     def _fail_all(self, exc: BaseException) -> None:
         dead = EngineDeadError(f"engine loop stopped: {type(exc).__name__}")
         for box in self._boxes.values():
@@ -271,6 +344,14 @@ class EngineLoop:
         self.step_batch_sizes.append(size)
         if len(self.step_batch_sizes) > 4096:
             del self.step_batch_sizes[:2048]
+
+    def kill(self, exc: BaseException) -> None:
+        """On the event loop: the replica broke outside the engine (a fatal token2wav fault): fail
+        every open request, refuse new ones (``check_health`` raises), end the step thread."""
+        if self._dead is None:
+            self._dead = exc
+        self._fail_all(exc)
+        self.stop()
 
     def stop(self) -> None:
         """Ask the step thread to end after its current call (no wait; safe from ``__del__``)."""

@@ -77,6 +77,11 @@ class EngineDeadError(ServingError):
     """The engine loop crashed; the replica is unhealthy and will be replaced (503)."""
 
 
+class RequestFailedError(ServingError):
+    """This request failed on the replica (non-finite logits or audio, an error only it triggers,
+    a chunk that does not fit in memory even alone); the replica and other requests go on (500)."""
+
+
 # ------------------------------------------------------------------------------------- messages
 class SynthesisMode(enum.StrEnum):
     """CosyVoice inference modes (spec §1.2)."""

@@ -31,6 +31,7 @@ class TokenEvent:
     new_tokens: list[int]
     finished: bool = False
     finish_reason: str | None = None
+    error: str | None = None  # this request failed (it is finished); the engine goes on
 
 
 @dataclass
@@ -196,7 +197,9 @@ class RuntimeTokenEngine:
 
     def __init__(self, model, max_running: int, max_model_len: int, cuda_graphs: bool = True,
                  compile_backend: str | None = None) -> None:
-        from cosyvoice_runtime.llm.engine import LLMEngine
+        from cosyvoice_runtime.llm.engine import NONFINITE_LOGITS, LLMEngine
+
+        self._nonfinite = NONFINITE_LOGITS
 
         self.model = model
         self.spec = model.spec
@@ -251,7 +254,9 @@ class RuntimeTokenEngine:
         for ev in events:
             keep = self._filters.get(ev.request_id)
             tokens = [ev.token] if ev.token is not None and (keep is None or keep.keep(ev.token)) else []
-            out.append(TokenEvent(ev.request_id, tokens, ev.finished, ev.finish_reason))
+            error = "non-finite logits (NaN/Inf) in speech token generation" \
+                if ev.finish_reason == self._nonfinite else None
+            out.append(TokenEvent(ev.request_id, tokens, ev.finished, ev.finish_reason, error))
             if ev.finished:
                 self._filters.pop(ev.request_id, None)
         return out

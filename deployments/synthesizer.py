@@ -13,6 +13,13 @@ decision and its measurements are in ``docs/serving.md``):
 
 A request that is abandoned (client disconnect, handle ``cancel()``) raises ``CancelledError``
 inside :meth:`synthesize`; the ``finally`` of the engine loop's generator aborts its sequence.
+
+An error in one request fails that request only (:class:`RequestFailedError`): the engine loop
+isolates a request whose decode step fails (``deployments.engine_loop``); a token2wav batch that
+raises (e.g. CUDA out of memory) is split in halves and retried, down to the one job that still
+fails; a chunk with non-finite samples (NaN/Inf) fails its request instead of reaching the client.
+A fault that leaves the device unusable (``engine_loop.is_fatal``) fails every open stream with
+:class:`EngineDeadError` and makes ``check_health`` raise, so Serve replaces the replica.
 """
 from __future__ import annotations
 
@@ -34,16 +41,18 @@ from cosyvoice_runtime.modes import preflight, resolve_mode
 from deployments import constants
 from deployments.compute import MAIN as MAIN_LANE, ComputeExecutor
 from deployments.deadlines import DEFAULT_SLACK_S, DeadlineGate, Playback
-from deployments.engine_loop import EngineLoop
+from deployments.engine_loop import EngineLoop, is_fatal
 from deployments.gpu_stats import DeviceProbe, release_fragmented_cache
 from deployments.observability import ReplicaMetrics
 from deployments.options import DeploymentKnobs, StrictModel
 from deployments.protocol import (
     AudioChunk,
     CosyVoiceError,
+    EngineDeadError,
     InvalidInputError,
     PreparedRequest,
     ReplicaHealth,
+    RequestFailedError,
     SynthesisResult,
     VoicePrompt,
     portable_error,
@@ -187,6 +196,8 @@ class Synthesizer:
         self.probe = DeviceProbe(self.runtime.device)
         self.metrics = metrics or ReplicaMetrics.for_replica("synthesizer")
         self.t2w_batch_sizes: Counter[int] = Counter()
+        self.t2w_splits = 0  # token2wav batches that raised and were split in halves
+        self.t2w_failed_jobs = 0  # chunk jobs failed alone (an error even alone, or non-finite audio)
         slack = cfg.token2wav.deadline_slack_s
         self.gate = DeadlineGate(slack, clock=clock) if slack is not None else None
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
@@ -283,6 +294,9 @@ class Synthesizer:
             "generated_tokens_total": self.loop.tokens,
             "underruns_total": self.underruns,
             "deadline_held_total": self.gate.held if self.gate is not None else 0,
+            "token2wav_splits_total": self.t2w_splits,
+            "token2wav_failed_jobs_total": self.t2w_failed_jobs,
+            "failed_requests_total": self.loop.failed + self.t2w_failed_jobs,
             "cuda_cache_releases": self.cuda_cache_releases,
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
             "sm_activity_pct": self.probe.sm_activity_pct(),
@@ -294,7 +308,7 @@ class Synthesizer:
     def health(self) -> ReplicaHealth:
         stats = self.stats()
         return ReplicaHealth(
-            deployment="Synthesizer", replica_id=stats["replica_id"], ready=self.loop._dead is None,
+            deployment="Synthesizer", replica_id=stats["replica_id"], ready=not self.loop.is_dead,
             device=self.runtime.device, gpu_memory_allocated_bytes=stats["gpu_memory_allocated_bytes"],
             gpu_memory_total_bytes=stats["gpu_memory_total_bytes"], gpu_utilization_pct=stats["utilization_pct"],
             engine=self.loop.stats(),
@@ -387,14 +401,52 @@ class Synthesizer:
                 turn = self.gate.turn(playback.deadline_s()) if self.gate is not None else contextlib.nullcontext()
                 async with turn:
                     audio = await self._token2wav(job)
+                if isinstance(audio, Exception):  # this job failed alone (see _run_jobs)
+                    raise audio
                 yield audio, bool(getattr(job, "finalize", False))
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
-    async def _token2wav(self, jobs: list) -> list[np.ndarray]:
-        """Flow + HiFT over chunk jobs of many streams, as one batch."""
+    async def _token2wav(self, jobs: list) -> list[np.ndarray | Exception]:
+        """Flow + HiFT over chunk jobs of many streams, as one batch (see :meth:`_run_jobs`)."""
         self.t2w_batch_sizes[len(jobs)] += 1
         self.metrics.observe_batch(len(jobs))
-        return await self.compute.run(self.t2w.run_batch, jobs, lane=self._t2w_lane)
+        return await self._run_jobs(jobs)
+
+    async def _run_jobs(self, jobs: list) -> list[np.ndarray | Exception]:
+        """The audio of each job, or the :class:`RequestFailedError` of a job that failed alone.
+
+        A batch that raises is split in halves and each half retried (a batch too big for the
+        device's memory fits in smaller ones), down to single jobs; a job that still raises alone
+        fails its request only. NOTE: a retry is exact when the error came from the flow solve
+        (no stream state is touched before the vocoder); a vocoder error part-way can leave a
+        retried job's vocoder cache advanced, so its audio may click once. A fatal fault
+        (:func:`is_fatal`) fails every open request and marks the replica unhealthy.
+        """
+        if self.loop.is_dead:
+            raise EngineDeadError("replica unhealthy: an earlier fault left the device unusable")
+        try:
+            audios = await self.compute.run(self.t2w.run_batch, jobs, lane=self._t2w_lane)
+        except Exception as exc:
+            if is_fatal(exc):
+                logger.exception("token2wav failed fatally; the replica is unhealthy")
+                self.loop.kill(exc)
+                raise EngineDeadError(f"token2wav failed: {type(exc).__name__}") from None
+            if len(jobs) == 1:
+                self.t2w_failed_jobs += 1
+                logger.warning("token2wav failed for one job (%s: %s); failing its request", type(exc).__name__, exc)
+                return [RequestFailedError(f"audio generation failed: {type(exc).__name__}: {exc}")]
+            self.t2w_splits += 1
+            logger.warning("token2wav batch of %d failed (%s); retrying in halves", len(jobs), type(exc).__name__)
+            half = len(jobs) // 2
+            return await self._run_jobs(jobs[:half]) + await self._run_jobs(jobs[half:])
+        return [self._finite(audio) for audio in audios]
+
+    def _finite(self, audio: np.ndarray) -> np.ndarray | Exception:
+        if np.isfinite(audio).all():
+            return audio
+        self.t2w_failed_jobs += 1
+        logger.warning("token2wav produced non-finite samples (NaN/Inf); failing that request")
+        return RequestFailedError("audio generation produced non-finite samples (NaN/Inf)")
 
     def __del__(self) -> None:
         # Serve calls this on shutdown; also safe under GC outside a replica.

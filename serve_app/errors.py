@@ -27,6 +27,7 @@ from deployments.protocol import (
     InvalidInputError,
     OverloadedError,
     PayloadTooLargeError,
+    RequestFailedError,
     VoiceExistsError,
     VoiceNotFoundError,
 )
@@ -93,6 +94,8 @@ def classify(exc: BaseException, retry_after_s: int = 1) -> tuple[int, str, str 
         return 400, "invalid_request_error", "invalid_input", {}
     if isinstance(exc, EngineDeadError):
         return 503, "server_error", "engine_unavailable", {"Retry-After": str(retry_after_s)}
+    if isinstance(exc, RequestFailedError):  # this request alone failed on the replica
+        return 500, "server_error", "synthesis_failed", {}
     return 500, "server_error", None, {}
 
 

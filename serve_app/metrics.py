@@ -48,7 +48,11 @@ class _ReplicaSnapshotCollector:
                                ("tts_stream_underruns", "underruns_total",
                                 "Chunks made after the request's audio so far had run out (stutters, at the replica)"),
                                ("tts_token2wav_deadline_held", "deadline_held_total",
-                                "Chunk jobs held back for more urgent ones (deadline-first admission)")):
+                                "Chunk jobs held back for more urgent ones (deadline-first admission)"),
+                               ("tts_failed_requests", "failed_requests_total",
+                                "Requests failed alone on the replica (non-finite logits or audio, an isolated error)"),
+                               ("tts_token2wav_splits", "token2wav_splits_total",
+                                "Flow + HiFT batches that raised and were retried in halves")):
             c = CounterMetricFamily(name, doc, labels=["replica"])
             c.add_metric(replica, float(snap.get(key, 0)))
             yield c

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 
-from starlette.requests import HTTPConnection, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
 from serve_app.errors import error_body, error_response, request_id_of
 from serve_app.metrics import IngressMetrics
@@ -72,8 +73,19 @@ class TrailingSlash:
         return scope
 
 
+def _cancelled() -> bool:
+    """The exception being handled means the client went away (a cancellation), not a failure."""
+    return isinstance(sys.exc_info()[1], (asyncio.CancelledError, ClientDisconnect))
+
+
 class RequestAccounting:
-    """Fixes the request id once per request and counts responses by route and status."""
+    """Fixes the request id once per request and counts responses by route and status.
+
+    A response counts under the status it was sent with only once it is complete. A stream that
+    breaks after its headers counts as ``500`` when the server failed it (an exception after
+    ``http.response.start``, e.g. a replica fault mid-stream) and as ``499`` when the client went
+    away first (nginx's "client closed request"), never as the ``200`` its headers said.
+    """
 
     def __init__(self, app, metrics: IngressMetrics) -> None:
         self.app = app
@@ -86,17 +98,23 @@ class RequestAccounting:
         request_id_of(Request(scope))  # fixed once per request, read by routes and error handlers
         path = route_path(scope)
         route = next((r for r in ROUTES if path == r or path.startswith(r + "/")), "other")
-        status = {"code": 500}
+        status = {"code": 500, "started": False, "complete": False}
 
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                status["complete"] = True
             await send(message)
 
+        failed = True
         try:
             await self.app(scope, receive, send_wrapper)
+            failed = False
         finally:
             code = status["code"]
+            if status["started"] and not status["complete"]:  # broken after its headers
+                code = 500 if failed and not _cancelled() else 499
             self.metrics.requests.labels(route, str(code)).inc()
             if code >= 400:
                 self.metrics.errors.labels(route, "client" if code < 500 else "server").inc()

@@ -42,6 +42,13 @@ logger = logging.getLogger(__name__)
 # Padded prompt positions per batched prefill forward: bounds its activations (16 prompts of
 # 1,024 positions); admitted requests beyond it are prefilled in further forwards of the step.
 PREFILL_TOKEN_BUDGET = 16384
+NONFINITE_LOGITS = "nonfinite_logits"  # finish reason of a request whose logits held NaN/Inf (it fails alone)
+
+
+def _nonfinite_rows(logits: torch.Tensor) -> set[int]:
+    """Rows of (B, V) logits holding NaN or Inf (one reduction and one small device sync per step)."""
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    return set(bad.nonzero().flatten().tolist()) if bool(bad.any()) else set()
 
 
 @dataclass
@@ -186,11 +193,11 @@ class LLMEngine:
                 if self.runner is None:
                     last = torch.tensor([r.state.tokens[-1] for r in reqs], device=self.device)
                     logits = self.model.logits(self.model.decode(self.model.embed_speech(last), self.cache, slots))
-                    tokens = select_tokens(self.spec, logits, [r.state for r in reqs], [r.sample_fn for r in reqs],
-                                           self.official_quirks)
+                    tokens = self._select(reqs, logits)
                 else:
                     tokens, logits = self._static_decode(reqs, slots)
-                events += [self._commit(r, tok, logits[i]) for i, (r, tok) in enumerate(zip(reqs, tokens))]
+                events += [self._commit(r, tok, logits[i]) if tok is not None else self._fail(r)
+                           for i, (r, tok) in enumerate(zip(reqs, tokens))]
             if plan.prefill:
                 events += self._prefill([self._requests[seq.request_id] for seq in plan.prefill],
                                         [seq.slot for seq in plan.prefill])
@@ -211,23 +218,45 @@ class LLMEngine:
         hidden = torch.cat([self.model.prefill_batch([reqs[i].lm_input for i in g], self.cache, [slots[i] for i in g])
                             for g in groups])
         logits = self.model.logits(hidden)
-        tokens = select_tokens(self.spec, logits, [r.state for r in reqs], [r.sample_fn for r in reqs],
-                               self.official_quirks)
+        tokens = self._select(reqs, logits)
         events = []
         for i, req in enumerate(reqs):
             req.lm_input = req.lm_input[:0]  # the prompt now lives in the cache
             self.scheduler.mark_prefilled(req.request_id)
-            events.append(self._commit(req, tokens[i], logits[i]))
+            events.append(self._commit(req, tokens[i], logits[i]) if tokens[i] is not None else self._fail(req))
         return events
 
-    def _static_decode(self, reqs: list[_Request], slots: list[int]) -> tuple[list[int], torch.Tensor]:
+    def _select(self, reqs: list[_Request], logits: torch.Tensor) -> list[int | None]:
+        """Sampled tokens of the rows with finite logits; None for a row with NaN/Inf (that request
+        fails alone, :meth:`_fail`; sampling it would raise for the whole batch)."""
+        bad = _nonfinite_rows(logits)
+        good = [i for i in range(len(reqs)) if i not in bad]
+        picked = select_tokens(self.spec, logits[good] if bad else logits, [reqs[i].state for i in good],
+                               [reqs[i].sample_fn for i in good], self.official_quirks) if good else []
+        tokens: list[int | None] = [None] * len(reqs)
+        for i, tok in zip(good, picked):
+            tokens[i] = tok
+        return tokens
+
+    def _fail(self, req: _Request) -> LLMEvent:
+        """End a request whose logits were not finite; its slot is freed, the batch goes on."""
+        logger.warning("request %s: non-finite logits (NaN/Inf); failing it alone", req.request_id)
+        req.state.finished, req.state.finish_reason = True, NONFINITE_LOGITS
+        self._requests.pop(req.request_id, None)
+        self.scheduler.finish(req.request_id)
+        return LLMEvent(req.request_id, None, True, NONFINITE_LOGITS)
+
+    def _static_decode(self, reqs: list[_Request], slots: list[int]) -> tuple[list[int | None], torch.Tensor]:
         states = [r.state for r in reqs]
         tokens, logits = self.runner.step([s.tokens[-1] for s in states], slots, states)
         if self.return_logits:
             logits = logits.clone()  # the runner's buffer is overwritten by the next step
+        bad = _nonfinite_rows(logits)  # their in-graph samples are meaningless: those requests fail
+        for i in bad:
+            tokens[i] = None
         # Rows the in-step sampler does not serve (custom sampler, official RNG, wide window).
-        rest = [i for i, r in enumerate(reqs) if r.sample_fn is not default_sample_fn
-                or not self.runner.can_sample(r.state.params)]
+        rest = [i for i, r in enumerate(reqs) if i not in bad and (r.sample_fn is not default_sample_fn
+                or not self.runner.can_sample(r.state.params))]
         if rest:
             picked = select_tokens(self.spec, logits[rest], [states[i] for i in rest], [reqs[i].sample_fn for i in rest],
                                    self.official_quirks)

@@ -35,6 +35,7 @@ BATCH_S = 0.01
 HOP = 12
 HOLD_SEED = 1_000_003  # a sequence with a hold seed emits one hop, then holds its slot until released or aborted
 _HOLD_SEEDS = range(HOLD_SEED, HOLD_SEED + 1_000_000)
+NAN_SEED = 7_000_001  # token2wav returns NaN samples for this request (a stream's chunks after its first)
 
 
 def hold_seed() -> int:
@@ -161,6 +162,7 @@ class FakeStream:
     speed: float
     offset: int = 0
     finished: bool = False
+    nan_after_first: bool = False  # NAN_SEED
 
 
 @dataclass
@@ -182,7 +184,7 @@ class FakeToken2Wav:
         self.batches: list[int] = []
 
     def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> FakeStream:
-        return FakeStream(stream=stream, speed=speed)
+        return FakeStream(stream=stream, speed=speed, nan_after_first=seed == NAN_SEED)
 
     def tokens_needed(self, state: FakeStream) -> int | None:
         return state.offset + HOP if state.stream and not state.finished else None
@@ -207,7 +209,10 @@ class FakeToken2Wav:
         for job in jobs:
             n = int((job.end - job.start) * SAMPLES_PER_TOKEN / job.state.speed)
             t = np.arange(n, dtype=np.float32) / SAMPLE_RATE
-            out.append((0.2 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32))
+            audio = (0.2 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32)
+            if job.state.nan_after_first and (job.start > 0 or not job.state.stream):
+                audio[::7] = np.nan  # a numerical fault in the vocoder
+            out.append(audio)
         return out
 
 

@@ -5,6 +5,7 @@ No test waits for a while: they wait for what the fake engine did (``FakeEngine.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -12,8 +13,8 @@ import pytest
 from deployments import engine_loop
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
-from deployments.protocol import EngineDeadError
-from deployments.runtime_adapter import LMRequest
+from deployments.protocol import EngineDeadError, RequestFailedError
+from deployments.runtime_adapter import LMRequest, TokenEvent
 from tests.deployments import fakes
 
 
@@ -43,24 +44,47 @@ def test_without_need_every_token_arrives_once_in_order():
 
 
 def test_need_coalesces_tokens_up_to_what_the_consumer_can_use():
-    loop, _, compute = _loop()
+    """Steps are let through one at a time, each delivered before the next: the consumer wakes
+    exactly when its next chunk's tokens are there (4, then 10, then the end at 20)."""
+    class Gated(fakes.FakeEngine):
+        def __init__(self) -> None:
+            super().__init__(max_running=4, step_s=0.0)
+            self.permits = threading.Semaphore(0)
+
+        def step(self):
+            self.permits.acquire()
+            return super().step()
+
+    engine, compute = Gated(), ComputeExecutor()
+    loop = EngineLoop(engine, compute)
     wants = iter([4, 10, None])  # next chunk at 4 tokens, then at 10, then only the end (20)
     current = {"want": next(wants)}
+    got = []
 
-    async def main():
-        got = []
+    async def consume():
         async for e in loop.generate("a", _lm(10), need=lambda: current["want"]):
             got.append(e)
             total = sum(len(x.new_tokens) for x in got)
             if current["want"] is not None and total >= current["want"]:
                 current["want"] = next(wants)
-        return got
 
-    events = asyncio.run(main())
+    async def main():
+        task = asyncio.create_task(consume())
+        wakes = []
+        for k in range(1, 21):
+            engine.permits.release()
+            while loop.steps < k:  # event-loop turns until step k is delivered
+                await asyncio.sleep(0)
+            for _ in range(3):  # a woken consumer runs
+                await asyncio.sleep(0)
+            wakes.append(len(got))
+        await task
+        return wakes
+
+    wakes = asyncio.run(main())
     compute.shutdown()
-    sizes = [len(e.new_tokens) for e in events]
-    assert sum(sizes) == 20 and len(events) == 3, sizes  # woken 3 times for 20 steps
-    assert sizes[0] >= 4 and sizes[0] + sizes[1] >= 10 and events[-1].finished
+    assert wakes == [0] * 3 + [1] * 6 + [2] * 10 + [3]  # woken 3 times for 20 steps
+    assert [len(e.new_tokens) for e in got] == [4, 6, 10] and got[-1].finished
 
 
 def test_a_consumer_cancelled_while_waiting_frees_its_slot():
@@ -156,3 +180,127 @@ def test_an_engine_that_raises_fails_every_open_request_and_marks_the_loop_dead(
     assert all(isinstance(r, EngineDeadError) for r in results), results
     with pytest.raises(EngineDeadError):
         loop.raise_if_dead()
+
+
+# ------------------------------------------------------------------------------ failure isolation
+POISON = 999  # a text id that makes the engine's step raise once its sequence is decoding
+
+
+class Poisoned(fakes.FakeEngine):
+    """A step raises while a poisoned sequence is in the running batch (the culprit is not named)."""
+
+    def step(self):
+        if any(POISON in seq.request.text_ids and seq.emitted >= 2 for seq in self.running.values()):
+            raise ValueError("probability tensor contains either inf, nan or element < 0")
+        return super().step()
+
+
+def _poisoned(n_ids: int) -> LMRequest:
+    return LMRequest(text_ids=np.array([POISON] * n_ids, np.int32), prompt_text_ids=np.zeros(0, np.int32),
+                     prompt_speech_ids=np.zeros(0, np.int32))
+
+
+def test_a_step_that_raises_for_one_request_fails_that_request_only():
+    engine = Poisoned(max_running=4, step_s=0.0)
+    compute = ComputeExecutor()
+    loop = EngineLoop(engine, compute)
+
+    async def consume(rid, request):
+        return [t async for e in loop.generate(rid, request) for t in e.new_tokens]
+
+    async def main():
+        healthy = [asyncio.create_task(consume(rid, _lm(100))) for rid in ("a", "b")]
+        # The poisoned request joins a running batch (the newest request: the first suspect).
+        assert await asyncio.to_thread(engine.wait_until, lambda: engine.emitted("a") and engine.emitted("b"))
+        with pytest.raises(RequestFailedError, match="probability tensor"):
+            await consume("bad", _poisoned(100))
+        tokens = await asyncio.gather(*healthy)
+        after = await consume("after", _lm(3))  # the loop goes on
+        return tokens, after
+
+    tokens, after = asyncio.run(main())
+    compute.shutdown()
+    assert [len(t) for t in tokens] == [200, 200] and len(after) == 6  # nothing lost by the survivors
+    assert "bad" in engine.aborted and loop.failed == 1 and loop.finished == 3
+    loop.raise_if_dead()  # healthy
+
+
+def test_a_transient_step_failure_is_retried_and_fails_nobody():
+    class Flaky(fakes.FakeEngine):
+        fail_at = {5}
+
+        def step(self):
+            if self.steps in self.fail_at:
+                self.fail_at.discard(self.steps)
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().step()
+
+    engine = Flaky(max_running=2, step_s=0.0)
+    compute = ComputeExecutor()
+    loop = EngineLoop(engine, compute)
+
+    async def consume(rid):
+        return [t async for e in loop.generate(rid, _lm(20)) for t in e.new_tokens]
+
+    async def main():
+        return await asyncio.gather(consume("a"), consume("b"))
+
+    results = asyncio.run(main())
+    compute.shutdown()
+    assert [len(r) for r in results] == [40, 40] and loop.failed == 0 and not engine.aborted
+
+
+def test_an_error_event_fails_its_request_and_the_others_go_on():
+    """What the runtime engine emits for non-finite logits: an event naming the request."""
+    class NonFinite(fakes.FakeEngine):
+        def step(self):
+            events = super().step()
+            bad = self.running.pop("nan", None)
+            if bad is not None:
+                events = [e for e in events if e.request_id != "nan"]
+                events.append(TokenEvent("nan", [], finished=True, finish_reason="error",
+                                         error="non-finite logits (NaN/Inf) for this request"))
+            return events
+
+    engine = NonFinite(max_running=2, step_s=0.0)
+    compute = ComputeExecutor()
+    loop = EngineLoop(engine, compute)
+
+    async def consume(rid):
+        return [t async for e in loop.generate(rid, _lm(10)) for t in e.new_tokens]
+
+    async def main():
+        return await asyncio.gather(consume("ok"), consume("nan"), return_exceptions=True)
+
+    ok, nan = asyncio.run(main())
+    compute.shutdown()
+    assert len(ok) == 20
+    assert isinstance(nan, RequestFailedError) and "non-finite logits" in str(nan)
+    assert loop.failed == 1 and loop.finished == 1
+    loop.raise_if_dead()
+
+
+def test_an_engine_that_fails_whatever_is_removed_marks_the_loop_dead():
+    class AlwaysFails(fakes.FakeEngine):
+        def step(self):
+            raise ValueError("broken kernel")
+
+    engine = AlwaysFails(max_running=2, step_s=0.0)
+    compute = ComputeExecutor()
+    loop = EngineLoop(engine, compute)
+
+    async def consume(rid):
+        return [e async for e in loop.generate(rid, _lm(10))]
+
+    async def main():
+        suspects = await asyncio.gather(consume("a"), consume("b"), return_exceptions=True)
+        # Every request of a full batch was removed and steps still fail: the engine is broken.
+        with pytest.raises(EngineDeadError):
+            await consume("c")
+        return suspects
+
+    suspects = asyncio.run(main())
+    compute.shutdown()
+    assert all(isinstance(r, RequestFailedError) for r in suspects), suspects
+    with pytest.raises(EngineDeadError):
+        loop.raise_if_dead()  # check_health raises: Serve replaces the replica

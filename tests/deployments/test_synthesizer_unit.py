@@ -15,7 +15,14 @@ import asyncio
 import numpy as np
 import pytest
 
-from deployments.protocol import InvalidInputError, PreparedRequest, TextPiece, VoicePrompt
+from deployments.protocol import (
+    EngineDeadError,
+    InvalidInputError,
+    PreparedRequest,
+    RequestFailedError,
+    TextPiece,
+    VoicePrompt,
+)
 from deployments.synthesizer import Synthesizer, SynthesizerConfig
 from tests.deployments import fakes
 
@@ -39,9 +46,9 @@ def _synth(max_running: int = 4, overlap_stages: bool | None = None, **token2wav
     clock = fakes.FakeClock()
     s = Synthesizer(cfg, runtime_factory=fakes.fake_runtime_on(clock), clock=clock)
 
-    async def direct(job):
+    async def direct(job):  # a batch of one, through the same failure isolation as a real batch
         s.t2w_batch_sizes[1] += 1
-        return (await s.compute.run(s.t2w.run_batch, [job], lane=s._t2w_lane))[0]
+        return (await s._run_jobs([job]))[0]
 
     s._token2wav = direct
     return s
@@ -176,3 +183,130 @@ def test_overlapping_stages_run_token2wav_on_its_own_lane():
     assert threads_of(default) == {"t2w": {"compute_0"}, "llm": {"compute_0"}}
     assert threads_of(_synth(max_running=2, overlap_stages=True)) == {"t2w": {"compute-token2wav_0"},
                                                                        "llm": {"engine-step"}}
+
+
+# ------------------------------------------------------------------------------ failure isolation
+class _Faulty(fakes.FakeToken2Wav):
+    """run_batch raises for batches over ``fits`` jobs (like CUDA out of memory) or holding a
+    poisoned stream's job; ``nan`` streams get NaN audio; ``fatal`` raises a sticky CUDA error."""
+
+    def __init__(self, clock) -> None:
+        super().__init__(clock=clock)
+        self.fits, self.poisoned, self.nan, self.fatal = 8, set(), set(), False
+        self.calls: list[int] = []
+
+    def run_batch(self, jobs):
+        self.calls.append(len(jobs))
+        if self.fatal:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if len(jobs) > self.fits:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 3.00 GiB")
+        if any(id(job.state) in self.poisoned for job in jobs):
+            raise ValueError("shape mismatch in the flow decoder")
+        out = super().run_batch(jobs)
+        return [np.full_like(a, np.nan) if id(job.state) in self.nan else a for a, job in zip(out, jobs)]
+
+
+def _faulty_synth(max_running: int = 4) -> tuple[Synthesizer, _Faulty]:
+    s = _synth(max_running=max_running)
+    s.t2w = _Faulty(s.clock)
+    return s, s.t2w
+
+
+def _jobs(t2w, n: int) -> list:
+    jobs = []
+    for _ in range(n):
+        state = t2w.new_stream(_prompt(), stream=True, speed=1.0, seed=None)
+        jobs.append(t2w.next_job(state, list(range(fakes.HOP)), llm_done=False))
+    return jobs
+
+
+def test_a_token2wav_batch_that_raises_is_split_and_only_the_job_that_fails_alone_fails():
+    s, t2w = _faulty_synth()
+    t2w.fits = 2  # 4 jobs do not fit at once, 2 do
+    jobs = _jobs(t2w, 4)
+    t2w.poisoned.add(id(jobs[3].state))
+    out = asyncio.run(s._run_jobs(jobs))
+    assert [type(a) for a in out[:3]] == [np.ndarray] * 3
+    assert all(len(a) == fakes.HOP * fakes.SAMPLES_PER_TOKEN for a in out[:3])
+    assert isinstance(out[3], RequestFailedError) and "shape mismatch" in str(out[3])
+    assert t2w.calls == [4, 2, 2, 1, 1] and s.t2w_splits == 2 and s.t2w_failed_jobs == 1
+    s.check_health()  # the replica is fine
+
+
+def test_non_finite_audio_fails_that_request_and_not_the_others():
+    s, t2w = _faulty_synth()
+    real_new_stream = t2w.new_stream
+
+    def new_stream(prompt, stream, speed, seed):
+        state = real_new_stream(prompt, stream, speed, seed)
+        if seed == 13:
+            t2w.nan.add(id(state))
+        return state
+
+    t2w.new_stream = new_stream
+
+    async def collect(rid, seed):
+        req = _req(rid, 20, stream=True)
+        req.seed = seed
+        return [c async for c in s.synthesize(req)]
+
+    async def main():
+        return await asyncio.gather(collect("ok", 1), collect("nan", 13), return_exceptions=True)
+
+    ok, nan = asyncio.run(main())
+    assert isinstance(nan, RequestFailedError) and "non-finite" in str(nan)
+    assert ok[-1].is_last and all(np.isfinite(c.samples).all() for c in ok)
+    assert sorted(s.metrics.recorded["status"]) == ["error", "ok"]
+    assert s.stats()["failed_requests_total"] == 1
+    s.check_health()
+
+
+def test_a_fatal_token2wav_fault_ends_every_open_stream_with_an_error_and_marks_the_replica_unhealthy():
+    s, t2w = _faulty_synth()
+
+    async def collect(rid):
+        return [c async for c in s.synthesize(_req(rid, 200, stream=True))]
+
+    async def main():
+        first = asyncio.create_task(collect("a"))
+        other = asyncio.create_task(collect("b"))
+        engine = s.runtime.engine
+        assert await asyncio.to_thread(engine.wait_until, lambda: engine.emitted("a/0") and engine.emitted("b/0"))
+        t2w.fatal = True  # the next chunk job meets a device that is gone
+        return await asyncio.gather(first, other, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) for r in results), results  # an error, never silence
+    with pytest.raises(EngineDeadError):
+        s.check_health()  # Serve replaces the replica
+    assert s.health().ready is False
+    with pytest.raises(EngineDeadError):  # new requests are refused at once
+        asyncio.run(s.synthesize_unary(_req("late", 5, stream=False)))
+
+
+def test_a_decode_step_that_fails_for_one_request_fails_that_stream_only():
+    s = _synth(max_running=4)
+    engine = s.runtime.engine
+    step = engine.step
+
+    def poisoned_step():
+        if engine.emitted("bad/0") >= 2:
+            raise ValueError("probability tensor contains either inf, nan or element < 0")
+        return step()
+
+    engine.step = poisoned_step
+
+    async def collect(rid, n_ids):
+        return [c async for c in s.synthesize(_req(rid, n_ids, stream=True))]
+
+    async def main():
+        good = asyncio.create_task(collect("good", 30))
+        assert await asyncio.to_thread(engine.wait_until, lambda: engine.emitted("good/0") >= 1)
+        bad = asyncio.create_task(collect("bad", 30))  # joins later: the newest, the first suspect
+        return await asyncio.gather(good, bad, return_exceptions=True)
+
+    good, bad = asyncio.run(main())
+    assert isinstance(bad, RequestFailedError)
+    assert sum(len(c.samples) for c in good) == 30 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
+    s.check_health()

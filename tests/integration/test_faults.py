@@ -198,6 +198,38 @@ def test_killed_replica_mid_stream(faults_app):
     _assert_idle(url)
 
 
+# ------------------------------------------------------------------------------ one request fails
+def _http_requests(url: str, status: str) -> float:
+    """``tts_http_requests_total`` of the speech route with ``status``, over its other labels."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tts_http_requests_total{") and 'route="/v1/audio/speech"' in line
+               and f'status="{status}"' in line)
+
+
+def test_a_request_failing_mid_stream_ends_with_an_error_and_counts_as_500(faults_app):
+    """NaN audio after the first chunk (fakes.NAN_SEED): the stream breaks with a transport error
+    instead of carrying the NaNs, /metrics counts a 500 (not the 200 its headers said), and the
+    replica goes on serving; a unary request with the same fault gets the JSON 500."""
+    url = faults_app["url"]
+    _assert_idle(url)
+    ok_before, failed_before = _http_requests(url, "200"), _http_requests(url, "500")
+    s = _Stream(url, "n" * 100, seed=fakes.NAN_SEED)
+    s.start()
+    s.join(GUARD_S)
+    assert s.status == 200 and s.error in ("RemoteProtocolError", "ReadError"), (s.status, s.error)
+    assert 0 < s.nbytes < 2 * _expected_samples("n" * 100)
+    r = httpx.post(f"{url}/v1/audio/speech", json=_speech("n" * 100, stream=False, seed=fakes.NAN_SEED), timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "synthesis_failed", r.text
+    assert "non-finite" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/audio/speech", json=_speech("Still fine.", stream=False), timeout=30)
+    assert r.status_code == 200 and len(r.content) == 2 * _expected_samples("Still fine.")
+    assert _http_requests(url, "500") == failed_before + 2
+    assert _http_requests(url, "200") == ok_before + 1
+    assert all(h["status"] == "ok" for h in [httpx.get(f"{url}/health", timeout=30).json()])
+    _assert_idle(url)
+
+
 # ------------------------------------------------------------------------------ slots
 def test_request_timeout_frees_its_slot(faults_app):
     url = faults_app["url"]

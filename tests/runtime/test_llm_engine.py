@@ -202,3 +202,34 @@ def test_prefill_token_budget_splits_a_step_into_several_forwards(monkeypatch):
     assert calls == [[4, 10, 6], [20]]  # 3 rows x 10 = 30 padded positions fit; 4 x 20 would not
     for rid, x, lo, hi, params in reqs:
         assert tokens[rid] == reference(model, x, lo, hi, params)[0]
+
+
+@pytest.mark.parametrize("poisoned_call", [0, 3])  # the prefill forward, a decode step
+def test_non_finite_logits_fail_that_request_alone(poisoned_call):
+    """NaN logits in one row (what a numerical fault looks like) end that request with
+    NONFINITE_LOGITS; sampling them would raise for the whole batch. The others decode on,
+    token for token as alone."""
+    from cosyvoice_runtime.llm.engine import NONFINITE_LOGITS
+
+    model = tiny_model("cosyvoice3")
+    xs = prompts([4, 13, 7], seed=5)
+    reqs = [(f"s{i}", x, 10, 10, SamplingParams(seed=100 + i)) for i, x in enumerate(xs)]
+    engine = LLMEngine(model, max_batch_size=3, max_seq_len=32)
+    logits_of, calls = model.logits, []
+
+    def poisoned(hidden):
+        out = logits_of(hidden)
+        if len(calls) == poisoned_call:
+            out = out.clone()
+            out[1, 3] = float("nan")
+        calls.append(out.shape[0])
+        return out
+
+    model.logits = poisoned
+    tokens, _, reasons = run_engine(engine, {0: reqs})
+    failed = [rid for rid, reason in reasons.items() if reason == NONFINITE_LOGITS]
+    assert len(failed) == 1 and len(reasons) == 3
+    for rid, x, lo, hi, params in reqs:
+        if rid not in failed:
+            assert tokens[rid] == reference(model, x, lo, hi, params)[0]
+    assert not engine.has_unfinished() and engine.scheduler.num_free_slots == 3

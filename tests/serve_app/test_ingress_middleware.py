@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
@@ -140,3 +141,49 @@ def test_chunked_upload_past_the_limit_is_refused_before_the_rest_is_read():
     r = _run(main())
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text
     assert sent["bytes"] <= limit + 64 * 1024, sent  # stopped at the limit, not after 160 MB
+
+
+def _accounted(app) -> tuple[RequestAccounting, IngressMetrics]:
+    metrics = IngressMetrics()
+    return RequestAccounting(app, metrics=metrics), metrics
+
+
+def _count(metrics: IngressMetrics, status: str) -> float:
+    return metrics.registry.get_sample_value("tts_http_requests_total",
+                                             {"route": "/v1/audio/speech", "status": status}) or 0.0
+
+
+async def _streamed(send, then: BaseException | None) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"audio", "more_body": True})
+    if then is not None:
+        raise then
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@pytest.mark.parametrize("then, status", [(None, "200"), (RuntimeError("replica died mid-stream"), "500"),
+                                          (asyncio.CancelledError(), "499")])
+def test_a_stream_that_breaks_after_its_headers_does_not_count_as_200(then, status):
+    """Complete: 200. A server fault after the headers: 500 (and a server error). The client gone
+    first: 499. Before, both broken streams counted as the 200 their headers said."""
+    async def app(scope, receive, send):
+        await _streamed(send, then)
+
+    async def sink(message):
+        pass
+
+    mw, metrics = _accounted(app)
+    scope = {"type": "http", "path": "/v1/audio/speech", "root_path": "", "headers": [], "method": "POST"}
+
+    async def main():
+        if then is None:
+            await mw(scope, None, sink)
+        else:
+            with pytest.raises(type(then)):
+                await mw(scope, None, sink)
+
+    _run(main())
+    assert _count(metrics, status) == 1.0 and sum(_count(metrics, s) for s in ("200", "499", "500")) == 1.0
+    server_errors = metrics.registry.get_sample_value("tts_http_errors_total",
+                                                      {"route": "/v1/audio/speech", "type": "server"}) or 0.0
+    assert server_errors == (1.0 if status == "500" else 0.0)
