@@ -298,6 +298,9 @@ def test_health_and_metrics(tts_app, voice):
     (rep,) = replicas.values()
     assert rep["ready"] and rep["device"] == "cpu" and "gpu_memory_allocated_bytes" in rep
     assert rep["mode"] == "pytorch" and rep["mode_source"] in ("config", "env", "default")
+    # Serve's running count, read by the ingress's background task (in a thread, off the event loop)
+    _wait_for(lambda: httpx.get(f"{url}/health", timeout=30).json()["synthesizer_running_replicas"] == 1,
+              "the ingress read Serve's running count")
     text = httpx.get(f"{url}/metrics").text
     assert httpx.get(f"{url}/metrics").headers["content-type"].startswith("text/plain")
     for name in ("tts_http_requests_total", "tts_http_errors_total", "tts_time_to_first_audio_seconds_count",
