@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-slow test-gpu soak
+.PHONY: install browser serve test test-slow test-gpu soak
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -13,12 +13,21 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# The playground's browser test drives Debian's chromium through its chromedriver (no browser
+# download at run time); installed here when missing and apt-get can (root), else that test skips.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	else echo "note: /usr/bin/chromium or chromedriver missing: the playground browser test will be skipped" \
+		"(apt-get install chromium chromium-driver)"; fi
 
 serve: $(STAMP)
 	$(VENV)/bin/fastcosy serve --config configs/local.yaml
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q
 

@@ -9,7 +9,12 @@ const BASE = location.pathname.replace(/[^/]*$/, ""); // "/" or the app's route 
 
 const $ = (id) => document.getElementById(id);
 const state = { player: null, abort: null, recorded: null, recorder: null, ws: null };
-window.playground = { voicesLoaded: false, info: null, registered: null, ws: null };
+window.playground = {
+  voicesLoaded: false, info: null, registered: null, ws: null,
+  // the AudioContext's state and clock: "running" with time advancing means it is playing out
+  audio: () => (state.player && state.player.ctx
+    ? { state: state.player.ctx.state, currentTime: state.player.ctx.currentTime } : null),
+};
 
 // ------------------------------------------------------------------------------ API helpers
 function apiKey() {
@@ -114,8 +119,10 @@ async function loadInfo() {
       $("model-banner").hidden = false;
     } else if (info.random_weights === false) {
       $("model-line").textContent = "Model: " + family + " (trained weights)";
+    } else if (info.family) {
+      $("model-line").textContent = "Model: " + family + " (whether its weights are trained is not reported)";
     } else {
-      $("model-line").textContent = "Model: unknown (no synthesizer answered yet; reload to ask again)";
+      $("model-line").textContent = "Model: unknown (no synthesizer answered; reload to ask again)";
     }
   } catch (err) {
     $("model-line").textContent = "Model: unknown (" + err.message + ")";

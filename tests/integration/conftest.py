@@ -64,6 +64,53 @@ def tts_app(ray_session):
     }
 
 
+TINY_PREFIX = "/tiny"
+
+
+def sine_wav(seconds: float = 3.0, rate: int = 16000) -> bytes:
+    """A WAV prompt clip (a 180 Hz tone): what the tiny model's prompt encoder takes as a voice."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    t = np.arange(int(seconds * rate)) / rate
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), rate, format="WAV")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def tiny_app(ray_session, tmp_path_factory):
+    """The app with the REAL runtime (tiny random-weight model) as a second application (route
+    prefix /tiny), started once for the session's modules that use it (test_tiny_*), with a voice
+    "tiny" registered."""
+    import httpx
+    from ray import serve
+
+    from cosyvoice_runtime.tiny_model import write_tiny_model
+    from serve_app.app import build_app
+    from serve_app.args import AppArgs
+
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-cosyvoice2", "cosyvoice2")
+    args = AppArgs.model_validate({
+        "model_dir": str(model_dir),
+        "ingress": {"num_replicas": 1, "resources": {"num_cpus": 0.1}},
+        "frontend": {"num_replicas": 1, "resources": {"num_cpus": 0.1},
+                     "voices_dir": str(tmp_path_factory.mktemp("voices"))},
+        "synthesizer": {"num_replicas": 1, "device": "cpu", "max_running": 4, "max_ongoing_requests": 4,
+                        "max_model_len": 1024, "token2wav": {"max_batch_size": 4}, "resources": {"num_cpus": 0.2}},
+    })
+    serve.run(build_app(args), name="tiny", route_prefix=TINY_PREFIX)
+    url = ray_session["base_url"] + TINY_PREFIX
+    r = httpx.post(f"{url}/v1/voices", data={"voice_id": "tiny", "prompt_text": "A prompt transcript."},
+                   files={"audio": ("p.wav", sine_wav(), "audio/wav")}, timeout=60)
+    assert r.status_code == 201, r.text
+    assert r.json()["num_prompt_tokens"] == 75
+    yield {"url": url, "synth": serve.get_deployment_handle("Synthesizer", app_name="tiny")}
+    serve.delete("tiny")
+
+
 def replica_ongoing(app: str, deployment: str) -> dict[str, int]:
     """Requests inside each live replica of ``deployment`` (Serve's own count, read from the replica
     actors: unlike a handle call, it answers while the replica's slots are all taken)."""

@@ -3,7 +3,8 @@
 The tiny model does not speak; this checks that the production adapters (frontend, LLM engine,
 token2wav) work inside replicas: voice registration through the ONNX prompt encoder, unary WAV,
 streamed PCM in several chunks, tokens counted in /metrics, disconnect aborting a real sequence.
-Runs as a second application (route prefix /tiny) in the session's Ray.
+Runs as a second application (route prefix /tiny) in the session's Ray: the ``tiny_app`` fixture of
+conftest.py, shared with the browser test of the playground.
 """
 from __future__ import annotations
 
@@ -15,41 +16,8 @@ import wave
 import httpx
 import numpy as np
 import pytest
-import soundfile as sf
 
 pytestmark = pytest.mark.ray
-
-PREFIX = "/tiny"
-
-
-@pytest.fixture(scope="module")
-def tiny_app(ray_session, tmp_path_factory):
-    from ray import serve
-
-    from cosyvoice_runtime.tiny_model import write_tiny_model
-    from serve_app.app import build_app
-    from serve_app.args import AppArgs
-
-    model_dir = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-cosyvoice2", "cosyvoice2")
-    args = AppArgs.model_validate({
-        "model_dir": str(model_dir),
-        "ingress": {"num_replicas": 1, "resources": {"num_cpus": 0.1}},
-        "frontend": {"num_replicas": 1, "resources": {"num_cpus": 0.1},
-                     "voices_dir": str(tmp_path_factory.mktemp("voices"))},
-        "synthesizer": {"num_replicas": 1, "device": "cpu", "max_running": 4, "max_ongoing_requests": 4,
-                        "max_model_len": 1024, "token2wav": {"max_batch_size": 4}, "resources": {"num_cpus": 0.2}},
-    })
-    serve.run(build_app(args), name="tiny", route_prefix=PREFIX)
-    url = ray_session["base_url"] + PREFIX
-    t = np.arange(3 * 16000) / 16000
-    buf = io.BytesIO()
-    sf.write(buf, (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 16000, format="WAV")
-    r = httpx.post(f"{url}/v1/voices", data={"voice_id": "tiny", "prompt_text": "A prompt transcript."},
-                   files={"audio": ("p.wav", buf.getvalue(), "audio/wav")}, timeout=60)
-    assert r.status_code == 201, r.text
-    assert r.json()["num_prompt_tokens"] == 75
-    yield {"url": url, "synth": serve.get_deployment_handle("Synthesizer", app_name="tiny")}
-    serve.delete("tiny")
 
 
 def test_unary_wav_and_streamed_pcm(tiny_app):
