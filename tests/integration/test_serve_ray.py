@@ -301,6 +301,9 @@ def test_health_and_metrics(tts_app, voice):
     # Serve's running count, read by the ingress's background task (in a thread, off the event loop)
     _wait_for(lambda: httpx.get(f"{url}/health", timeout=30).json()["synthesizer_running_replicas"] == 1,
               "the ingress read Serve's running count")
+    # one answered and one refused request of its own: the counters below exist whatever ran before
+    assert httpx.get(f"{url}/v1/voices", timeout=30).status_code == 200
+    assert httpx.get(f"{url}/v1/voices/no-such-voice", timeout=30).status_code == 404
     text = httpx.get(f"{url}/metrics").text
     assert httpx.get(f"{url}/metrics").headers["content-type"].startswith("text/plain")
     for name in ("tts_http_requests_total", "tts_http_errors_total", "tts_time_to_first_audio_seconds_count",
