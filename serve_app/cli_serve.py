@@ -145,6 +145,7 @@ def usage_banner(cfg: LoadedConfig) -> str:
         lines.append(f"  model: the tiny RANDOM-WEIGHT {args.tiny_family} model: valid audio, NOT speech "
                      "(set model_dir for a real model)")
     lines += [
+        f"  in a browser: {base}/playground (play as it is made, register voices, text-in streaming)",
         "  register your own voice (a 3-10 s prompt recording and its transcript; the tiny model "
         f"already has '{EXAMPLE_VOICE}'):",
         f"    curl -s {base}/v1/voices -F voice_id=myvoice -F prompt_text='<transcript>' "

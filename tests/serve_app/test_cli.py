@@ -94,6 +94,7 @@ def test_serve_local_starts_prints_curl_and_shuts_down(capsys):
     assert "curl -s http://127.0.0.1:8000/v1/audio/speech" in text
     assert "-o hello.wav" in text and '"response_format": "wav"' in text
     assert "RANDOM-WEIGHT" in text  # local.yaml serves the tiny model
+    assert "http://127.0.0.1:8000/playground" in text
 
 
 def test_serve_overrides_host_port_and_model_dir(capsys):
