@@ -9,7 +9,7 @@ from deployments.compute import ComputeExecutor
 
 def test_two_lanes_run_at_the_same_time():
     ex = ComputeExecutor(lanes=("token2wav",))
-    both = threading.Barrier(2, timeout=5)  # broken (-> error) unless both calls are inside at once
+    both = threading.Barrier(2, timeout=60)  # broken (-> error) unless both calls are inside at once (a guard)
 
     async def main():
         return await asyncio.gather(ex.run(both.wait), ex.run(both.wait, lane="token2wav"))
