@@ -164,7 +164,6 @@ def keyed_server(monkeypatch):
 
 def test_playground_with_keys_required(keyed_server, browser, tmp_path):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
 
     from tests.serve_app.test_auth import ADMIN_KEY as KEY  # scopes voices + synthesis
 
