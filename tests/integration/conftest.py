@@ -30,6 +30,12 @@ TEST_ARGS = {
 }
 
 
+def pytest_addoption(parser):
+    parser.addoption("--playground-screenshot", default=None, metavar="PATH",
+                     help="where the playground browser test saves its screenshot (README: docs/playground.png); "
+                          "default: the test's temporary directory")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
