@@ -1,9 +1,10 @@
 """Architecture specs of CosyVoice2 / CosyVoice3, read from an official model directory.
 
 Every number the runtime needs lives in one of these frozen dataclasses; model modules take
-them in their constructors so nothing is hard-coded twice. ``ModelSpec.from_model_dir`` reads
-``cosyvoice2.yaml`` / ``cosyvoice3.yaml`` (via :mod:`cosyvoice_runtime.yaml_config`, which never
-evaluates the hyperpyyaml tags) and ``CosyVoice-BlankEN/config.json``.
+them in their constructors so nothing is hard-coded twice. This module is data only:
+:func:`cosyvoice_runtime.yaml_config.read_model_spec` builds a :class:`ModelSpec` from
+``cosyvoice2.yaml`` / ``cosyvoice3.yaml`` (never evaluating the hyperpyyaml tags) and
+``CosyVoice-BlankEN/config.json``.
 """
 from __future__ import annotations
 
@@ -246,12 +247,6 @@ class ModelSpec:
     mel: MelSpec
     stream: StreamSpec
     files: dict[str, str] = field(default_factory=dict)  # role -> file name
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ModelSpec":
-        from cosyvoice_runtime.yaml_config import read_model_spec
-
-        return read_model_spec(Path(model_dir))
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)

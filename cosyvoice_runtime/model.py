@@ -16,6 +16,7 @@ from torch import nn
 
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.weights import load_checkpoint
+from cosyvoice_runtime.yaml_config import read_model_spec
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
             message names the file and the problem.
     """
     started = time.perf_counter()
-    spec = ModelSpec.from_model_dir(model_dir)
+    spec = read_model_spec(model_dir)
     root = Path(model_dir)
     modules = build_modules(spec)
     for name, module in modules.items():

@@ -21,6 +21,7 @@ import torch
 
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.weights import ours_to_official
+from cosyvoice_runtime.yaml_config import read_model_spec
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ def _backbone_config(dims: dict) -> dict:
 def write_config_dir(out_dir: str | Path, family: str, dims: dict | None = None) -> ModelSpec:
     """Write only ``<family>.yaml`` + ``CosyVoice-BlankEN/config.json`` (full size by default).
 
-    Enough for :meth:`ModelSpec.from_model_dir`, so benchmarks can build the released
+    Enough for :func:`~cosyvoice_runtime.yaml_config.read_model_spec`, so benchmarks can build the released
     architectures with random weights without writing gigabytes of checkpoints.
     """
     out = Path(out_dir)
@@ -250,7 +251,7 @@ def write_config_dir(out_dir: str | Path, family: str, dims: dict | None = None)
     (out / "CosyVoice-BlankEN").mkdir(parents=True, exist_ok=True)
     (out / f"{family}.yaml").write_text(_yaml_text(family, dims), encoding="utf-8")
     (out / "CosyVoice-BlankEN" / "config.json").write_text(json.dumps(_backbone_config(dims), indent=2))
-    return ModelSpec.from_model_dir(out)
+    return read_model_spec(out)
 
 
 DEFAULT_VOICE_WAV = "default_voice.wav"
@@ -292,8 +293,8 @@ def write_tiny_model(out_dir: str | Path, family: str = "cosyvoice2", seed: int 
     official hyper-parameters, ~2 GB of checkpoints): a GPU replica's real cost without real weights.
     The tokenizer, voice prompt and ONNX feature models stay tiny.
     """
-    from cosyvoice_runtime.model import build_modules
     from cosyvoice_runtime import tiny_assets
+    from cosyvoice_runtime.model import build_modules
 
     if family not in _TINY:
         raise ValueError(f"family must be one of {sorted(_TINY)}, got {family!r}")

@@ -362,8 +362,9 @@ def detect_family(model_dir: Path) -> str:
     return found[0]
 
 
-def read_model_spec(model_dir: Path) -> ModelSpec:
+def read_model_spec(model_dir: str | Path) -> ModelSpec:
     """Build the :class:`ModelSpec` of an official model directory (yaml + backbone config)."""
+    model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(model_dir, "model directory does not exist")
     family = detect_family(model_dir)

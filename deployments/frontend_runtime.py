@@ -27,12 +27,12 @@ class RuntimeFrontend:
     """Text + prompt processing of one model directory (CPU), voices in ``cfg.voices_dir``."""
 
     def __init__(self, cfg, model_dir: str) -> None:
-        from cosyvoice_runtime.config import ModelSpec
         from cosyvoice_runtime.frontend.frontend import Frontend, FrontendLimits
         from cosyvoice_runtime.frontend.prompt import PromptLimits
         from cosyvoice_runtime.frontend.voices import VoiceRegistry
+        from cosyvoice_runtime.yaml_config import read_model_spec
 
-        spec = ModelSpec.from_model_dir(Path(model_dir))
+        spec = read_model_spec(Path(model_dir))
         self.family = spec.family
         self.sample_rate = spec.sample_rate
         voices_dir = Path(cfg.voices_dir) if cfg.voices_dir else constants.default_voices_dir() / spec.family

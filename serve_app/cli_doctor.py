@@ -148,9 +148,9 @@ def estimate_need_bytes(model_dir: Path | None, dtype: str, max_running: int, ma
         if p.is_file():
             weights += int(p.stat().st_size * factor)
     try:
-        from cosyvoice_runtime.config import ModelSpec
+        from cosyvoice_runtime.yaml_config import read_model_spec
 
-        b = ModelSpec.from_model_dir(model_dir).llm.backbone
+        b = read_model_spec(model_dir).llm.backbone
         kv = 2 * b.num_layers * b.num_kv_heads * b.head_dim * max_running * max_model_len * _DTYPE_BYTES.get(dtype, 4)
     except Exception:  # a broken yaml is the model checks' business
         kv = 0
@@ -168,10 +168,10 @@ def needed_trt_profile(model_dir: Path | None, synth, max_mem_gb: float | None =
     try:
         import torch
 
-        from cosyvoice_runtime.config import ModelSpec
         from cosyvoice_runtime.errors import CosyVoiceError
         from cosyvoice_runtime.model import build_modules
         from cosyvoice_runtime.trt.profiles import derive_profile
+        from cosyvoice_runtime.yaml_config import read_model_spec
         from deployments.runtime_adapter import replica_limits
         from deployments.synthesizer import SynthesizerConfig
     except ImportError as exc:
@@ -181,7 +181,7 @@ def needed_trt_profile(model_dir: Path | None, synth, max_mem_gb: float | None =
     if max_mem_gb is not None:
         cfg = cfg.model_copy(update={"max_mem_gb": max_mem_gb})
     try:
-        spec = ModelSpec.from_model_dir(model_dir)
+        spec = read_model_spec(model_dir)
         dtype = getattr(torch, cfg.dtype)
         mods = build_modules(spec, device="meta")
         model = argparse.Namespace(spec=spec, llm=mods["llm"].to(dtype), flow=mods["flow"].to(dtype),

@@ -96,16 +96,16 @@ def plan_build(builder, argv: list[str]) -> BuildPlan | None:
         SystemExit: bad arguments or ``--help`` (argparse's own behaviour).
         CliError: the model directory does not load, or the memory budget is too small.
     """
-    from cosyvoice_runtime.config import ModelSpec
     from cosyvoice_runtime.errors import CosyVoiceError
     from cosyvoice_runtime.trt.profiles import ReplicaLimits, derive_profile
+    from cosyvoice_runtime.yaml_config import read_model_spec
 
     # The builder's own parser: the same flags, defaults and errors.
     if not (callable(getattr(builder, "build_parser", None)) and callable(getattr(builder, "limits_from_args", None))):
         return None
     a = builder.build_parser().parse_args(argv)
     try:
-        spec = ModelSpec.from_model_dir(a.model_dir)
+        spec = read_model_spec(a.model_dir)
         requested = ReplicaLimits(max_flow_batch=a.max_batch, max_prompt_s=a.max_prompt_s, max_total_s=a.max_total_s)
         limits = builder.limits_from_args(spec, a)
     except CosyVoiceError as exc:

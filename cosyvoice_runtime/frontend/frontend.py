@@ -19,6 +19,7 @@ from cosyvoice_runtime.frontend.normalize import TextNormalizer
 from cosyvoice_runtime.frontend.prompt import PromptEncoder, PromptFeatures, PromptLimits
 from cosyvoice_runtime.frontend.tokenizer import TextTokenizer
 from cosyvoice_runtime.frontend.voices import VoiceRegistry, check_voice_id, content_voice_id
+from cosyvoice_runtime.yaml_config import read_model_spec
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Frontend:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, voices_dir: str | Path | None = None, **kwargs) -> "Frontend":
         registry = VoiceRegistry(voices_dir) if voices_dir is not None else None
-        return cls(ModelSpec.from_model_dir(model_dir), registry=registry, **kwargs)
+        return cls(read_model_spec(model_dir), registry=registry, **kwargs)
 
     # -- text -------------------------------------------------------------------------------
     def text_segments(self, text: str, text_frontend: bool = True) -> Iterator[TextSegment]:

@@ -188,16 +188,16 @@ def check_plan(plan_path: Path, estimator, profile: EstimatorProfile, streaming:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cosyvoice_runtime.config import ModelSpec
     from cosyvoice_runtime.errors import ModelLoadError
     from cosyvoice_runtime.flow.flow import build_flow
     from cosyvoice_runtime.trt.engine import EngineKey, gpu_compute_capability, sha256_file, tensorrt_version
     from cosyvoice_runtime.weights import load_checkpoint
+    from cosyvoice_runtime.yaml_config import read_model_spec
 
     args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    spec = ModelSpec.from_model_dir(args.model_dir)
+    spec = read_model_spec(args.model_dir)
     try:
         limits = limits_from_args(spec, args)
     except ValueError as exc:

@@ -131,9 +131,9 @@ def verify_onnx(path: str | Path, estimator: nn.Module, streaming: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cosyvoice_runtime.config import ModelSpec
     from cosyvoice_runtime.flow.flow import build_flow
     from cosyvoice_runtime.weights import load_checkpoint
+    from cosyvoice_runtime.yaml_config import read_model_spec
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", required=True, type=Path)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    spec = ModelSpec.from_model_dir(args.model_dir)
+    spec = read_model_spec(args.model_dir)
     flow = build_flow(spec.flow)
     load_checkpoint(flow, args.model_dir / spec.files["flow"])
     estimator = flow.decoder.estimator.eval()

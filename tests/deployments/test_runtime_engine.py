@@ -16,14 +16,14 @@ PARITY = Path("/work/shared/parity")
 
 @functools.lru_cache(maxsize=2)
 def _model(family: str):
-    from cosyvoice_runtime.config import ModelSpec
     from cosyvoice_runtime.llm.model import build_llm
     from cosyvoice_runtime.weights import load_checkpoint
+    from cosyvoice_runtime.yaml_config import read_model_spec
 
     model_dir = PARITY / family / "model"
     if not model_dir.exists():
         pytest.skip("parity fixtures not available")
-    spec = ModelSpec.from_model_dir(model_dir)
+    spec = read_model_spec(model_dir)
     llm = build_llm(spec.llm)
     load_checkpoint(llm, model_dir / spec.files["llm"])
     return SimpleNamespace(spec=spec, llm=llm.eval().requires_grad_(False))

@@ -10,9 +10,9 @@ import functools
 import pytest
 import torch
 
-from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.flow.flow import Flow, FlowItem, build_flow
 from cosyvoice_runtime.weights import load_checkpoint
+from cosyvoice_runtime.yaml_config import read_model_spec
 from tests.runtime.parity.common import parity_dir
 
 BATCH_TOL = 1e-4
@@ -24,7 +24,7 @@ TEST_STEPS = 3
 @functools.lru_cache(maxsize=2)
 def _flow(family: str) -> Flow:
     model_dir = parity_dir() / family / "model"
-    spec = ModelSpec.from_model_dir(model_dir)
+    spec = read_model_spec(model_dir)
     flow = build_flow(dataclasses.replace(spec.flow, n_timesteps=TEST_STEPS))
     load_checkpoint(flow, model_dir / spec.files["flow"])
     return flow.eval()

@@ -19,6 +19,7 @@ from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.hift.generator import build_hift
 from cosyvoice_runtime.hift.noise import NoiseRecipe, replay_noise_buffers
 from cosyvoice_runtime.weights import official_to_ours
+from cosyvoice_runtime.yaml_config import read_model_spec
 from tests.runtime.parity.common import parity_dir
 
 MANIFESTS = parity_dir() / "manifests"
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(not MANIFESTS.is_dir(), reason="no full-size man
 
 
 def _full_spec(family: str) -> ModelSpec:
-    spec = ModelSpec.from_model_dir(parity_dir() / family / "model")
+    spec = read_model_spec(parity_dir() / family / "model")
     hift = dataclasses.replace(spec.hift, base_channels=FULL_BASE_CHANNELS, f0_cond_channels=FULL_BASE_CHANNELS)
     return spec.replace(hift=hift)
 

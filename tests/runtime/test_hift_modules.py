@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.hift.generator import build_hift
 from cosyvoice_runtime.hift.layers import causal_padding
 from cosyvoice_runtime.hift.noise import official_noise_buffers
 from cosyvoice_runtime.weights import load_checkpoint
+from cosyvoice_runtime.yaml_config import read_model_spec
 from tests.runtime.parity.common import load_cases
 from tests.runtime.parity.hift_cases import load_hift
 
@@ -18,7 +18,7 @@ CASES = {c.family: c for c in load_cases() if c.name == "hift_inference"}
 
 def _unfolded(family):
     case = CASES[family]
-    spec = ModelSpec.from_model_dir(case.model_dir)
+    spec = read_model_spec(case.model_dir)
     hift = build_hift(spec.hift, spec.flow)
     load_checkpoint(hift, case.model_dir / spec.files["hift"], strip_prefix="generator.")
     return case, hift.eval()
@@ -74,7 +74,7 @@ def test_cv3_f0_is_computed_in_float64_whatever_the_module_dtype():
 
 
 def test_noise_buffers_are_shared_per_process_and_lazy():
-    spec = ModelSpec.from_model_dir(CASES["cosyvoice3"].model_dir)
+    spec = read_model_spec(CASES["cosyvoice3"].model_dir)
     a = official_noise_buffers(spec.hift, spec.flow)
     assert official_noise_buffers(spec.hift, spec.flow) is a
     lazy = build_hift(spec.hift, spec.flow)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import ConfigError, ModelLoadError
 from cosyvoice_runtime.model import load_model
+from cosyvoice_runtime.yaml_config import read_model_spec
 from tests.runtime.parity.common import parity_dir
 
 FAMILIES = ["cosyvoice2", "cosyvoice3"]
@@ -48,10 +48,10 @@ def test_missing_yaml_and_backbone_config(model_copy):
     family, path = model_copy
     (path / "CosyVoice-BlankEN" / "config.json").unlink()
     with pytest.raises(ModelLoadError, match="config.json.*missing"):
-        ModelSpec.from_model_dir(path)
+        read_model_spec(path)
     (path / f"{family}.yaml").unlink()
     with pytest.raises(ModelLoadError, match="cosyvoice2.yaml / cosyvoice3.yaml"):
-        ModelSpec.from_model_dir(path)
+        read_model_spec(path)
 
 
 @pytest.mark.parametrize("name", ["llm.pt", "flow.pt", "hift.pt"])
@@ -100,7 +100,7 @@ def test_bad_yaml_syntax(model_copy):
     family, path = model_copy
     (path / f"{family}.yaml").write_text("llm: [unclosed\n")
     with pytest.raises(ModelLoadError, match=f"{family}.yaml.*not valid YAML"):
-        ModelSpec.from_model_dir(path)
+        read_model_spec(path)
 
 
 def test_unknown_yaml_key(model_copy):
@@ -108,7 +108,7 @@ def test_unknown_yaml_key(model_copy):
     yml = path / f"{family}.yaml"
     yml.write_text(yml.read_text().replace("    nb_harmonics: 8\n", "    nb_harmonics: 8\n    nb_harmonicz: 8\n"))
     with pytest.raises(ConfigError) as err:
-        ModelSpec.from_model_dir(path)
+        read_model_spec(path)
     assert err.value.key == "hift.nb_harmonicz" and f"{family}.yaml" in str(err.value)
 
 
@@ -117,7 +117,7 @@ def test_missing_yaml_key(model_copy):
     yml = path / f"{family}.yaml"
     yml.write_text(yml.read_text().replace("    base_channels: 32\n", ""))
     with pytest.raises(ConfigError) as err:
-        ModelSpec.from_model_dir(path)
+        read_model_spec(path)
     assert err.value.key == "hift.base_channels" and "missing" in str(err.value)
 
 
@@ -128,7 +128,7 @@ def test_wrong_class_for_family(model_copy):
     mine = "Qwen2LM" if family == "cosyvoice2" else "CosyVoice3LM"
     yml.write_text(yml.read_text().replace(f"cosyvoice.llm.llm.{mine}", f"cosyvoice.llm.llm.{other}"))
     with pytest.raises(ConfigError, match=f"{family} needs {mine}"):
-        ModelSpec.from_model_dir(path)
+        read_model_spec(path)
 
 
 def test_yaml_tags_are_never_executed(tmp_path):

@@ -61,17 +61,17 @@ def test_built_plan_loads_and_matches_torch(family, tmp_path):
     pytest.importorskip("tensorrt")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from cosyvoice_runtime.config import ModelSpec
     from cosyvoice_runtime.flow.flow import build_flow
     from cosyvoice_runtime.trt.engine import load_trt_estimator
     from cosyvoice_runtime.trt.export import dummy_inputs
     from cosyvoice_runtime.trt.profiles import ReplicaLimits, derive_profile
     from cosyvoice_runtime.weights import load_checkpoint
+    from cosyvoice_runtime.yaml_config import read_model_spec
 
     model = parity_dir() / family / "model"
     assert build.main(["--model-dir", str(model), "--out", str(tmp_path), "--max-batch", "2",
                        "--max-total-s", "40"]) == build.EXIT_OK
-    spec = ModelSpec.from_model_dir(model)
+    spec = read_model_spec(model)
     profile = derive_profile(spec, ReplicaLimits(max_flow_batch=2, max_total_s=40.0))
     est = load_trt_estimator(tmp_path, profile, device="cuda", pool_size=2, flow_checkpoint=model / spec.files["flow"])
     flow = build_flow(spec.flow)

@@ -17,12 +17,13 @@ from cosyvoice_runtime.trt.profiles import (
     replica_bytes,
     stream_call_frames,
 )
+from cosyvoice_runtime.yaml_config import read_model_spec
 from tests.runtime.parity.common import parity_dir
 
 
 @functools.lru_cache(maxsize=2)
 def _spec(family: str) -> ModelSpec:
-    return ModelSpec.from_model_dir(parity_dir() / family / "model")
+    return read_model_spec(parity_dir() / family / "model")
 
 
 @pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])

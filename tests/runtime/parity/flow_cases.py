@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.flow.flow import Flow, build_flow
 from cosyvoice_runtime.weights import load_checkpoint
+from cosyvoice_runtime.yaml_config import read_model_spec
 from tests.runtime.parity.common import ParityCase, assert_matches, checker
 
 INPUTS = ("token", "prompt_token", "prompt_feat", "embedding")
@@ -26,10 +26,10 @@ FALLBACK_TOL = {"cond": "spks", "t_steps": "spks", "est_last_x": "feat_full"}
 
 @functools.lru_cache(maxsize=8)
 def _flow(model_dir: str, n_timesteps: int | None, cfg_rate: float | None) -> Flow:
-    spec = ModelSpec.from_model_dir(model_dir).flow
+    spec = read_model_spec(model_dir).flow
     overrides = {k: v for k, v in (("n_timesteps", n_timesteps), ("inference_cfg_rate", cfg_rate)) if v is not None}
     flow = build_flow(dataclasses.replace(spec, **overrides))
-    load_checkpoint(flow, f"{model_dir}/{ModelSpec.from_model_dir(model_dir).files['flow']}")
+    load_checkpoint(flow, f"{model_dir}/{read_model_spec(model_dir).files['flow']}")
     return flow.eval()
 
 

@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from cosyvoice_runtime.config import MelSpec, ModelSpec
+from cosyvoice_runtime.config import MelSpec
 from cosyvoice_runtime.frontend.features import prompt_mel
+from cosyvoice_runtime.yaml_config import read_model_spec
 from tests.runtime.parity.common import ParityCase, assert_matches, checker
 
 
 def _case_mel_spec(case: ParityCase) -> MelSpec:
     """The model yaml's ``feat_extractor``; every field the case json states overrides it."""
-    spec = ModelSpec.from_model_dir(case.model_dir).mel
+    spec = read_model_spec(case.model_dir).mel
     overrides = {f.name: case.params[f.name] for f in dataclasses.fields(MelSpec) if f.name in case.params}
     return dataclasses.replace(spec, **overrides)
 

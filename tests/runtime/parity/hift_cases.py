@@ -24,6 +24,7 @@ from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.hift.generator import build_hift
 from cosyvoice_runtime.hift.noise import NoiseRecipe, replay_noise_buffers
 from cosyvoice_runtime.weights import load_checkpoint
+from cosyvoice_runtime.yaml_config import read_model_spec
 from tests.runtime.parity.common import ParityCase, assert_matches, checker, parity_dir
 
 HIFT_PREFIX = "generator."
@@ -32,7 +33,7 @@ HIFT_PREFIX = "generator."
 @functools.lru_cache(maxsize=4)
 def load_hift(model_dir: Path):
     """(spec, vocoder) of a model directory, weights loaded strictly and weight norm folded."""
-    spec = ModelSpec.from_model_dir(model_dir)
+    spec = read_model_spec(model_dir)
     hift = build_hift(spec.hift, spec.flow)
     load_checkpoint(hift, model_dir / spec.files["hift"], strip_prefix=HIFT_PREFIX)
     hift.remove_weight_norm()

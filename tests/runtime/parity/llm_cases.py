@@ -13,20 +13,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.llm.bistream import BistreamState, bistream_decode
-from cosyvoice_runtime.llm.generate import DecodeState, decode_all, decode
+from cosyvoice_runtime.llm.generate import DecodeState, decode, decode_all
 from cosyvoice_runtime.llm.inputs import build_lm_input
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.model import build_llm
 from cosyvoice_runtime.llm.sampling import SamplingParams, make_generator
 from cosyvoice_runtime.weights import load_checkpoint
+from cosyvoice_runtime.yaml_config import read_model_spec
 from tests.runtime.parity.common import ParityCase, assert_matches, checker
 
 
 @functools.lru_cache(maxsize=4)
 def load_llm(model_dir: Path):
-    spec = ModelSpec.from_model_dir(model_dir)
+    spec = read_model_spec(model_dir)
     model = build_llm(spec.llm)
     load_checkpoint(model, Path(model_dir) / spec.files["llm"])
     return model.eval().requires_grad_(False)
