@@ -10,9 +10,12 @@ The long soak (``bench.soak``, 2,000 requests on the tiny model) is ``test_soak`
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -235,10 +238,16 @@ def test_request_timeout_frees_its_slot(faults_app):
     url = faults_app["url"]
     _assert_idle(url)
     before = sum(e["aborted"] for e in _engines(url).values())
-    # A unary request held by the fakes: nothing can arrive before the client's own timeout.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/audio/speech", json=_speech("t" * 100, stream=False, seed=fakes.hold_seed()),
-                   timeout=httpx.Timeout(30, read=1.0))
+    # A unary request held by the fakes (no answer can come); once it decodes, the client gives up
+    # as its read timeout would: it closes the connection. (Timing out after 1 s instead raced the
+    # request's way to the engine on a loaded machine: cancelled before it had a slot, no abort.)
+    parts = urlsplit(url)
+    body = json.dumps(_speech("t" * 100, stream=False, seed=fakes.hold_seed())).encode()
+    with socket.create_connection((parts.hostname, parts.port), timeout=GUARD_S) as sock:
+        sock.sendall(f"POST {parts.path}/v1/audio/speech HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        _wait_for(lambda: sum(e["running"] for e in _engines(url).values()) == 1, "the request decoding")
+        sock.shutdown(socket.SHUT_RDWR)
     engines = _assert_idle(url)
     assert sum(e["aborted"] for e in engines.values()) == before + 1, engines  # aborted, not decoded to the end
 
