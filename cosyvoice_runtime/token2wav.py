@@ -22,6 +22,7 @@ import torch
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.flow import FlowItem
+from cosyvoice_runtime.flow.incremental import FlowCache, incremental_mel, supports_incremental
 from cosyvoice_runtime.hift.batch import vocode_batch
 from cosyvoice_runtime.hift.streaming import VocoderStream, vocode_chunk
 
@@ -59,6 +60,8 @@ class StreamState:
     calls: int = 0
     finished: bool = False
     samples_out: int = 0
+    flow_cache: FlowCache | None = field(default=None, repr=False)  # cv2_flow="incremental" only
+    flow_frames: int = 0  # estimator frames solved for this request so far (each of 2 x n_timesteps passes)
 
 
 @dataclass
@@ -116,12 +119,21 @@ class Token2Wav:
         cv3_vocoder: CosyVoice3 vocoder strategy: "recompute" (official: the whole accumulated
             mel every chunk, quadratic in the utterance) or "incremental" (the new frames and a
             bounded left context; same samples within float noise). CosyVoice2 ignores it.
+        cv2_flow: CosyVoice2 streamed flow calls: "recompute" (official: every call solves the
+            prompt and all earlier tokens again) or "incremental" (each request keeps the
+            estimator state of the frames already emitted in its :class:`StreamState` and solves
+            only the new frames; same mel within float noise, :mod:`cosyvoice_runtime.flow.incremental`).
+            Incremental jobs run one request at a time and eagerly (no CUDA graphs; the graphed
+            solver stays for recomputed jobs). CosyVoice3 ignores it.
     """
 
     def __init__(self, spec: ModelSpec, flow: torch.nn.Module, hift: torch.nn.Module,
                  official_final_full_attention: bool = False, min_first_hop: int | None = None,
-                 cv3_vocoder: str = "recompute") -> None:
+                 cv3_vocoder: str = "recompute", cv2_flow: str = "recompute") -> None:
+        if cv2_flow not in ("recompute", "incremental"):
+            raise ValueError(f"cv2_flow must be 'recompute' or 'incremental', got {cv2_flow!r}")
         self.spec = spec
+        self.cv2_flow = cv2_flow
         self.cv3_vocoder = cv3_vocoder  # VocoderStream strategy of CV3 streams (CV2 ignores it)
         self.flow = flow
         self.hift = hift
@@ -177,9 +189,37 @@ class Token2Wav:
 
     @torch.inference_mode()
     def flow_mels(self, jobs: list[Token2WavJob]) -> list[torch.Tensor]:
-        """New mel frames of each job, (1, n_mels, frames) from its token offset on; one CFM solve."""
-        mels = self.flow.inference_batch([self._flow_item(job) for job in jobs])
-        return [mel[:, :, job.state.token_offset * self.ratio:] for mel, job in zip(mels, jobs)]
+        """New mel frames of each job, (1, n_mels, frames) from its token offset on.
+
+        Recomputed jobs share one CFM solve; incremental ones (``cv2_flow``) run one at a time.
+        """
+        items = [self._flow_item(job) for job in jobs]
+        incremental = [self.cv2_flow == "incremental" and job.state.stream and supports_incremental(self.flow, item)
+                       for job, item in zip(jobs, items)]
+        out: list[torch.Tensor | None] = [None] * len(jobs)
+        batch = [i for i, inc in enumerate(incremental) if not inc]
+        if batch:
+            mels = self.flow.inference_batch([items[i] for i in batch])
+            for i, mel in zip(batch, mels):
+                state = jobs[i].state
+                state.flow_frames += state.prompt.feat.shape[1] + mel.shape[-1]
+                out[i] = mel[:, :, state.token_offset * self.ratio:]
+        for i, inc in enumerate(incremental):
+            if inc:
+                out[i] = self._incremental_mel(jobs[i], items[i])
+        return out
+
+    def _incremental_mel(self, job: Token2WavJob, item: FlowItem) -> torch.Tensor:
+        state = job.state
+        if state.flow_cache is None:
+            state.flow_cache = FlowCache()
+        start = state.flow_cache.frames
+        mel = incremental_mel(self.flow, item, state.flow_cache)  # frames [start, T), prompt included
+        state.flow_frames += mel.shape[-1]
+        first = state.prompt.feat.shape[1] + state.token_offset * self.ratio - start
+        if first < 0:
+            raise RuntimeError(f"flow cache of {start} frames is past the job's first new frame")
+        return mel[:, :, first:]
 
     def flow_mel(self, job: Token2WavJob) -> torch.Tensor:
         return self.flow_mels([job])[0]
@@ -197,6 +237,7 @@ class Token2Wav:
         state.calls += 1
         if job.finalize:
             state.finished = True
+            state.flow_cache = None
         else:
             short_first = state.token_offset == 0 and job.hop < state.hop_len
             state.token_offset += job.hop
