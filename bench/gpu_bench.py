@@ -125,7 +125,10 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     token2wav on a low-priority one, ``lenbatch`` = (with edf) a token2wav batch holds only jobs at
     most 1.5x as long (prompt + tokens) as its most urgent one, ``express`` = a second token2wav
     lane (own flow + vocoder copies and graphs, higher-priority CUDA stream) takes every stream's
-    first two chunks (:mod:`bench.replica_sim`); implies prio."""
+    first two chunks (:mod:`bench.replica_sim`); implies prio; ``cvinc`` = CosyVoice2's streamed flow
+    calls incremental (Token2Wav ``cv2_flow="incremental"``: each stream's estimator state of the
+    emitted frames kept, only new frames solved, one stream at a time and eagerly; without it the
+    official full recompute)."""
     _, _, extra = parse_mode(mode)
     switch = sys.getswitchinterval()
     if "fastswitch" in extra:
@@ -138,7 +141,7 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
 
 
 KNOWN_EXTRAS = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile", "vinc", "prio",
-                "lenbatch", "express"}
+                "lenbatch", "express", "cvinc"}
 LENGTH_RATIO = 1.5  # extra "lenbatch"
 
 
@@ -162,6 +165,7 @@ def mode_setup(base: CosyVoiceModel, mode: str, flow_batch: int, n_tokens: int,
     sim_args = {"cuda_graphs": llm_graphs, "flow_batch": flow_batch, "min_first_hop": min_first_hop, "edf_slack_s": edf,
                 "llm_compile": compile_backend if "llmcompile" in extra else None,
                 "cv3_vocoder": "incremental" if "vinc" in extra else "recompute", "stream_priority": "prio" in extra,
+                "cv2_flow": "incremental" if "cvinc" in extra else "recompute",
                 "length_ratio": LENGTH_RATIO if "lenbatch" in extra else None}
     graphs = "all" if "allgraphs" in extra else "solve" if "graphs" in extra else None
     model, sim_args["express"] = _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop,

@@ -74,7 +74,8 @@ class ReplicaSim:
 
     def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, cuda_graphs: bool = False,
                  flow_batch: int = 16, min_first_hop: int | None = None, edf_slack_s: float | None = None,
-                 llm_compile: str | None = None, cv3_vocoder: str = "recompute", stream_priority: bool = False,
+                 llm_compile: str | None = None, cv3_vocoder: str = "recompute", cv2_flow: str = "recompute",
+                 stream_priority: bool = False,
                  max_text: int = TEXT, length_ratio: float | None = None, express: CosyVoiceModel | None = None):
         self.model = model
         self.edf_slack_s = edf_slack_s  # None: first chunks first (see _pick)
@@ -96,11 +97,13 @@ class ReplicaSim:
             # ("capturing stream has unjoined work", H200 2026-12-02).
             self.engine.capture_graphs()
             sync(model.device)
-        self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=min_first_hop, cv3_vocoder=cv3_vocoder)
+        self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=min_first_hop, cv3_vocoder=cv3_vocoder,
+                             cv2_flow=cv2_flow)
         self.lanes = [_Lane("bulk", self.t2w, self.priorities[1],
                             (lambda st: st.calls >= EXPRESS_CALLS) if express else (lambda st: True), flow_batch)]
         if express is not None:
-            ex = Token2Wav(model.spec, express.flow, express.hift, min_first_hop=min_first_hop, cv3_vocoder=cv3_vocoder)
+            ex = Token2Wav(model.spec, express.flow, express.hift, min_first_hop=min_first_hop, cv3_vocoder=cv3_vocoder,
+                           cv2_flow=cv2_flow)
             self.lanes.append(_Lane("express", ex, -1, lambda st: st.calls < EXPRESS_CALLS, EXPRESS_BATCH))
         self.busy: set[str] = set()  # streams with a job running in some lane (a stream's jobs are sequential)
         self.lock = threading.Condition()

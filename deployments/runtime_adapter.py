@@ -278,12 +278,13 @@ class RuntimeTokenEngine:
 class RuntimeToken2Wav:
     """:class:`Token2WavRuntime` over ``cosyvoice_runtime.token2wav.Token2Wav``."""
 
-    def __init__(self, model, first_chunk_min_tokens: int | None = None, cv3_vocoder: str = "incremental") -> None:
+    def __init__(self, model, first_chunk_min_tokens: int | None = None, cv3_vocoder: str = "incremental",
+                 cv2_flow: str = "recompute") -> None:
         from cosyvoice_runtime.token2wav import Token2Wav
 
         # None: the official first chunk (one hop + alignment pad); else the early one (Token2Wav min_first_hop)
         self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=first_chunk_min_tokens,
-                             cv3_vocoder=cv3_vocoder)
+                             cv3_vocoder=cv3_vocoder, cv2_flow=cv2_flow)
         self.sample_rate = model.spec.sample_rate
         self.n_mels = model.spec.flow.output_size
         self.embedding_dim = model.spec.flow.spk_embed_dim
@@ -418,7 +419,8 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
         engine=RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
                                   compile_backend="inductor" if mode == "torchscript" and device.type == "cuda"
                                   else None),
-        token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first, cv3_vocoder=cfg.token2wav.cv3_vocoder),
+        token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first, cv3_vocoder=cfg.token2wav.cv3_vocoder,
+                                   cv2_flow=cfg.token2wav.cv2_flow),
         device=str(device),
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
                  "compiled": report["compiled"], "estimator": report["estimator"], **graphs,

@@ -100,6 +100,11 @@ class Token2WavBatchConfig(StrictModel):
     # left context (same samples within float noise, tests/runtime/test_hift_batch.py); "recompute"
     # re-vocodes the whole accumulated mel every chunk, as the official implementation does.
     cv3_vocoder: Literal["incremental", "recompute"] = "incremental"
+    # CosyVoice2's streamed flow calls: "recompute" solves the prompt and every earlier token again on
+    # each call, as the official implementation does; "incremental" keeps each stream's estimator state
+    # of the frames already emitted and solves only the new ones (same mel within float noise,
+    # tests/runtime/test_flow_incremental.py; one stream at a time, no CUDA graphs; not yet timed on a GPU).
+    cv2_flow: Literal["recompute", "incremental"] = "recompute"
 
 
 class SynthesizerConfig(DeploymentKnobs):
