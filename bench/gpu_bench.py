@@ -244,7 +244,7 @@ def _capture(model: CosyVoiceModel, graphs: str, max_batch: int, max_frames: int
     model.flow.enable_graphs(max_batch=max_batch, max_frames=max_frames, encoder=graphs == "all")
     n = model.flow.capture_graphs()
     n_voc = 0
-    if graphs == "all" and hasattr(model.hift, "enable_graphs"):
+    if graphs == "all" and not model.spec.hift.causal:  # the CV2 vocoder
         n_voc = graph_streaming_vocoder(model.hift, model.spec, max_batch, min_first_hop=min_first_hop).num_graphs
     logger.info("captured %d flow and %d vocoder graphs (batch <= %d, frames <= %d) in %.1f s", n, n_voc, max_batch,
                 max_frames, time.perf_counter() - t0)

@@ -23,7 +23,8 @@ from bench.replica_sim import PROMPT_SPEECH, TEXT
 from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.inputs import build_lm_input
 from cosyvoice_runtime.llm.sampling import SamplingParams
-from cosyvoice_runtime.token2wav import Token2Wav, prompt_token_pad
+from cosyvoice_runtime.stream_schedule import prompt_token_pad
+from cosyvoice_runtime.token2wav import Token2Wav
 
 
 def timed(fn: Callable[[], object], reps: int, device: torch.device) -> dict:

@@ -25,6 +25,7 @@ from cosyvoice_runtime.flow.flow import FlowItem
 from cosyvoice_runtime.flow.incremental import FlowCache, incremental_mel, supports_incremental
 from cosyvoice_runtime.hift.batch import vocode_batch
 from cosyvoice_runtime.hift.streaming import VocoderStream, vocode_chunk
+from cosyvoice_runtime.stream_schedule import first_hop
 
 
 @dataclass
@@ -73,32 +74,6 @@ class Token2WavJob:
     finalize: bool
     hop: int  # tokens this call advances the offset by (0 for the final call)
     source_override: torch.Tensor | None = field(default=None, repr=False)
-
-
-def prompt_token_pad(n_prompt_tokens: int, hop: int) -> int:
-    """Extra first-chunk tokens that align chunk ends to the flow's attention chunks."""
-    return math.ceil(n_prompt_tokens / hop) * hop - n_prompt_tokens
-
-
-def first_hop(n_prompt_tokens: int, hop: int, min_first_hop: int | None = None) -> int:
-    """Tokens of the first streamed chunk.
-
-    Official: ``hop + pad``. With ``min_first_hop``: the smallest ``pad + k * hop`` (k >= 0) that
-    is at least ``min_first_hop`` tokens, i.e. the first chunk ends at the first attention-chunk
-    boundary past that many tokens. Every chunk end stays on a boundary, so the mel of emitted
-    frames is the same as with the official schedule (chunk masks: a frame never sees a later
-    chunk); only the first audio comes earlier.
-    """
-    pad = prompt_token_pad(n_prompt_tokens, hop)
-    if min_first_hop is None:
-        return hop + pad
-    return pad + max(0, math.ceil((max(1, min_first_hop) - pad) / hop)) * hop
-
-
-def first_chunk_frames(hop: int, token_mel_ratio: int, min_first_hop: int | None = None) -> list[int]:
-    """Every vocoder input length (mel frames) a first streamed chunk can have, over all prompt
-    lengths: the first hop depends only on the prompt length modulo ``hop``."""
-    return sorted({token_mel_ratio * first_hop(n, hop, min_first_hop) for n in range(hop)})
 
 
 class Token2Wav:

@@ -374,7 +374,7 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     model.flow.enable_graphs(max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio)
     n_flow = model.flow.capture_graphs()
     n_vocoder = 0
-    if hasattr(model.hift, "enable_graphs"):  # the CV2 vocoder
+    if not spec.hift.causal:  # the CV2 vocoder (the CV3 one has no graphs)
         n_vocoder = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,
                                             first_chunk_min_tokens).num_graphs
     logger.info("captured %d flow and %d vocoder CUDA graphs (batch <= %d, flow calls <= %.0f s) in %.1f s",

@@ -11,7 +11,7 @@ Parameter names are the official ``hift.pt`` keys (after the ``generator.`` pref
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,6 @@ from torch import nn
 
 from cosyvoice_runtime.config import FlowSpec, HiftSpec
 from cosyvoice_runtime.hift.f0 import F0Predictor
-from cosyvoice_runtime.hift.graphs import GraphedDecode
 from cosyvoice_runtime.hift.layers import (
     CausalConv1d,
     CausalConv1dDownsample,
@@ -162,22 +161,9 @@ class HiFTGenerator(_HiFTBase):
 
     def __init__(self, spec: HiftSpec) -> None:
         super().__init__(spec)
-        # Set by enable_graphs: a plain attribute (not a submodule), so checkpoint keys are unchanged.
-        self.graphed_decode: GraphedDecode | None = None
-
-    def enable_graphs(self, max_batch: int = 16, max_frames: int = 512, capture_frames: Sequence[int] = (),
-                      use_graphs: bool = True, **kwargs) -> GraphedDecode:
-        """Decode through CUDA graphs per (batch bucket, exact length) from now on.
-
-        ``capture_frames``: lengths captured now, for every batch bucket (replica start-up);
-        ``use_graphs=False`` runs the padded buckets eagerly (CPU tests). See
-        :mod:`cosyvoice_runtime.hift.graphs`.
-        """
-        self.graphed_decode = GraphedDecode(self, max_batch=max_batch, max_frames=max_frames,
-                                            use_graphs=use_graphs, **kwargs)
-        if capture_frames:
-            self.graphed_decode.capture(capture_frames)
-        return self.graphed_decode
+        # The runtime attaches its CUDA-graph wrapper here (cosyvoice_runtime.hift.graphs.enable_graphs):
+        # a plain attribute (not a submodule), so checkpoint keys are unchanged.
+        self.graphed_decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """mel (B, 80, T) + source (B, 1, 480·T) -> speech (B, 480·T) clamped to ±audio_limit."""
@@ -251,7 +237,8 @@ class CausalHiFTGenerator(_HiFTBase):
             buffers = official_noise_buffers(self.spec, self.flow_spec)
         self.m_source.set_noise_buffers(buffers.rand_ini, buffers.sine_waves)
 
-    def _ensure_noise(self) -> None:
+    def ensure_noise(self) -> None:
+        """Install the official noise buffers now if they are missing (``noise="lazy"``)."""
         if not self.m_source.has_noise_buffers:
             if not self.auto_load_noise:
                 raise RuntimeError("noise buffers not loaded: call load_noise_buffers() (built with noise='none')")
@@ -279,7 +266,7 @@ class CausalHiFTGenerator(_HiFTBase):
     def source(self, f0: torch.Tensor, zero_noise: bool = False) -> torch.Tensor:
         """(B, T) Hz -> (B, 1, 480·T) excitation from the fixed buffers."""
         if not zero_noise:
-            self._ensure_noise()
+            self.ensure_noise()
         return self.m_source(f0, zero_noise=zero_noise)
 
     @torch.inference_mode()

@@ -30,19 +30,9 @@ import torch
 
 from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.flow.graphs import batch_buckets
+from cosyvoice_runtime.stream_schedule import first_chunk_frames, streaming_lengths
 
 logger = logging.getLogger(__name__)
-
-
-def streaming_lengths(mel_cache_len: int, token_hop_len: int, token_max_hop_len: int, scale: int,
-                      token_mel_ratio: int) -> list[int]:
-    """Vocoder input lengths (frames) of the streamed calls after the first: cache + 2 x hop."""
-    out, hop = [], token_hop_len
-    while True:
-        out.append(mel_cache_len + token_mel_ratio * hop)
-        if hop >= token_max_hop_len or scale <= 1:
-            return out
-        hop = min(token_max_hop_len, hop * scale)
 
 
 @dataclass
@@ -135,18 +125,33 @@ class GraphedDecode(graph_capture.GraphOwner):
         return graph
 
 
+def enable_graphs(hift, max_batch: int = 16, max_frames: int = 512, capture_frames: Sequence[int] = (),
+                  use_graphs: bool = True, **kwargs) -> GraphedDecode:
+    """Make a CV2 ``HiFTGenerator`` decode through CUDA graphs per (batch bucket, exact length).
+
+    Attaches the wrapper as ``hift.graphed_decode`` (a plain attribute, not a submodule, so the
+    checkpoint keys are unchanged), which ``hift.decode`` calls from now on.
+    ``capture_frames``: lengths captured now, for every batch bucket (replica start-up);
+    ``use_graphs=False`` runs the padded buckets eagerly (CPU tests). Other keyword arguments
+    go to :class:`GraphedDecode`.
+    """
+    graphed = GraphedDecode(hift, max_batch=max_batch, max_frames=max_frames, use_graphs=use_graphs, **kwargs)
+    hift.graphed_decode = graphed
+    if capture_frames:
+        graphed.capture(capture_frames)
+    return graphed
+
+
 def graph_streaming_vocoder(hift, spec, max_batch: int, max_frames: int = 512,
                             min_first_hop: int | None = None) -> GraphedDecode:
     """Turn on the CV2 vocoder graphs and capture the lengths streaming feeds it (replica start).
 
     Every call after the first (cache + 2 x hop) for every batch bucket; every first-chunk
-    length (:func:`~cosyvoice_runtime.token2wav.first_chunk_frames`; ``min_first_hop`` as the
-    stream's Token2Wav) for batches of 1 and 2, since first chunks rarely share a length.
+    length (:func:`~cosyvoice_runtime.stream_schedule.first_chunk_frames`; ``min_first_hop`` as
+    the stream's Token2Wav) for batches of 1 and 2, since first chunks rarely share a length.
     """
-    from cosyvoice_runtime.token2wav import first_chunk_frames
-
     st, ratio = spec.stream, spec.flow.token_mel_ratio
     later = streaming_lengths(st.mel_cache_len, st.token_hop_len, st.token_max_hop_len, st.stream_scale_factor, ratio)
-    graphed = hift.enable_graphs(max_batch=max_batch, max_frames=max_frames, capture_frames=later)
+    graphed = enable_graphs(hift, max_batch=max_batch, max_frames=max_frames, capture_frames=later)
     graphed.capture(first_chunk_frames(st.token_hop_len, ratio, min_first_hop), batch_sizes=[1, 2])
     return graphed

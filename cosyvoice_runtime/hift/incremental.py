@@ -103,7 +103,7 @@ def window_source(hift, state, win: Window, f0: torch.Tensor, finalize: bool) ->
     final_f0 = win.total if finalize else win.total - hift.f0_look_right
     if final_f0 > committed:
         inc.cum = torch.cat([inc.cum, cum[:, committed - a: final_f0 - a]], dim=1)
-    hift._ensure_noise()
+    hift.ensure_noise()
     spf = state.samples_per_frame
     noise = src.buffer_noise(spf * a, spf * (win.total - a))
     return src.merge(f0, src.upsample_phase(cum.to(rad.dtype)), noise)

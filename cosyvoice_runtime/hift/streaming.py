@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
+from cosyvoice_runtime.hift.incremental import incremental_vocode
 
 STRATEGIES = ("recompute", "incremental")
 
@@ -181,8 +182,6 @@ def cv3_emit(hift, state: VocoderStream, speech: torch.Tensor, frames: int, fina
 def _vocode_cv3(hift, state: VocoderStream, mel: torch.Tensor, finalize: bool, speed: float) -> torch.Tensor:
     cv3_accumulate(state, mel)
     if state.strategy == "incremental" and speed == 1.0:  # a speed change is one unstreamed call: a full pass anyway
-        from cosyvoice_runtime.hift.incremental import incremental_vocode
-
         return incremental_vocode(hift, state, finalize)
     full = speed_resample(state.mel, speed)
     if not finalize and full.shape[2] <= hift.lag_frames:

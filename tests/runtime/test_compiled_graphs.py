@@ -11,6 +11,7 @@ import torch
 
 from cosyvoice_runtime.flow.flow import build_flow
 from cosyvoice_runtime.hift.generator import build_hift
+from cosyvoice_runtime.hift.graphs import enable_graphs
 from cosyvoice_runtime.modes import compile_model
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from tests.runtime.test_flow_batch import JOBS, _item
@@ -48,7 +49,7 @@ def _check(tmp_path, device: str, backend: str, use_graphs: bool, tol: float) ->
     done = compile_model(types.SimpleNamespace(flow=flow, hift=hift), backend=backend)
     assert done == ["flow.decoder.estimator", "flow.encoder", "hift.body"]
     flow.enable_graphs(max_batch=8, max_frames=512, use_graphs=use_graphs)
-    vocoder = hift.enable_graphs(max_batch=4, max_frames=256, capture_after=1, use_graphs=use_graphs)
+    vocoder = enable_graphs(hift, max_batch=4, max_frames=256, capture_after=1, use_graphs=use_graphs)
     if use_graphs:
         assert flow.capture_graphs() > 0
     with torch.inference_mode():

@@ -13,6 +13,7 @@ import torch
 
 from cosyvoice_runtime.flow.flow import build_flow
 from cosyvoice_runtime.hift.generator import build_hift
+from cosyvoice_runtime.hift.graphs import enable_graphs
 from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.sampling import SamplingParams
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
@@ -52,7 +53,7 @@ def test_owners_capture_on_own_streams_and_replay_together(tmp_path):
     hift = build_hift(spec.hift)
     hift.remove_weight_norm()
     hift = hift.eval().cuda()
-    vocoder = hift.enable_graphs(max_batch=4, max_frames=256, capture_after=2)  # nothing captured yet
+    vocoder = enable_graphs(hift, max_batch=4, max_frames=256, capture_after=2)  # nothing captured yet
     gen = torch.Generator(device="cuda").manual_seed(3)
     voc_inputs = []
     with torch.inference_mode():

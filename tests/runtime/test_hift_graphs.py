@@ -14,8 +14,9 @@ import torch
 
 from cosyvoice_runtime.hift.batch import vocode_batch
 from cosyvoice_runtime.hift.generator import build_hift, overlap_add_istft
-from cosyvoice_runtime.hift.graphs import streaming_lengths
+from cosyvoice_runtime.hift.graphs import enable_graphs
 from cosyvoice_runtime.hift.streaming import VocoderStream
+from cosyvoice_runtime.stream_schedule import streaming_lengths
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from tests.runtime.parity.hift_cases import load_hift
 from tests.runtime.test_hift_batch import _mels, _split
@@ -55,7 +56,7 @@ def _sources(hift, mels, seed=3):
 def test_padded_buckets_equal_eager_decode_and_capture_policy():
     _, hift, mels = _cv2()
     graphed = copy.deepcopy(hift)
-    g = graphed.enable_graphs(max_batch=4, max_frames=150, capture_after=2, max_graphs=2, use_graphs=False)
+    g = enable_graphs(graphed, max_batch=4, max_frames=150, capture_after=2, max_graphs=2, use_graphs=False)
     mel = mels[1]  # 113 frames
     batch = torch.cat([mel, torch.flip(mel, dims=[2])], dim=0)  # 2 rows: bucket 2
     src = torch.cat(_sources(hift, [mel, torch.flip(mel, dims=[2])]), dim=0)
@@ -85,7 +86,7 @@ def test_graphed_streams_equal_plain_streams():
     """Three requests streamed through vocode_batch: same audio with and without the graphs."""
     spec, hift, mels = _cv2()
     graphed = copy.deepcopy(hift)
-    g = graphed.enable_graphs(max_batch=4, max_frames=256, capture_frames=[60, 58, 68], use_graphs=False)
+    g = enable_graphs(graphed, max_batch=4, max_frames=256, capture_frames=[60, 58, 68], use_graphs=False)
     assert g.num_graphs == 3 * 3  # three lengths x buckets 1, 2, 4
     schedules = [_split(mels[0], [60, 50]), _split(mels[0][:, :, 5:], [60, 50]), _split(mels[1], [60, 25])]
     plain_states = [VocoderStream.create(spec, seed=10 + i) for i in range(3)]
@@ -114,7 +115,7 @@ def test_cuda_graphs_equal_eager(tmp_path):
     hift.remove_weight_norm()
     hift = hift.eval().cuda()
     graphed = copy.deepcopy(hift)
-    g = graphed.enable_graphs(max_batch=4, max_frames=256, capture_frames=[58])
+    g = enable_graphs(graphed, max_batch=4, max_frames=256, capture_frames=[58])
     gen = torch.Generator(device="cuda").manual_seed(1)
     for rows, frames in ((3, 58), (1, 58), (2, 90), (2, 90), (2, 90)):
         mel = torch.randn(rows, spec.hift.in_channels, frames, device="cuda", generator=gen)

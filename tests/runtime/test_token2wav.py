@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from cosyvoice_runtime.errors import InvalidInputError
-from cosyvoice_runtime.hift.graphs import streaming_lengths
 from cosyvoice_runtime.model import load_model
-from cosyvoice_runtime.token2wav import FlowPrompt, Token2Wav, first_chunk_frames, first_hop, prompt_token_pad
+from cosyvoice_runtime.stream_schedule import first_chunk_frames, first_hop, prompt_token_pad, streaming_lengths
+from cosyvoice_runtime.token2wav import FlowPrompt, Token2Wav
 from tests.runtime.parity.common import parity_dir
 
 

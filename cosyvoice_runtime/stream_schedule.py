@@ -1,0 +1,50 @@
+"""The streaming chunk schedule (spec §6.1): how many tokens each streamed token2wav call covers.
+
+The first chunk is ``token_hop_len + pad`` tokens with ``pad = ceil(Lp / hop) * hop - Lp`` so that
+chunk boundaries fall on the flow's 25-token attention chunks counted from the prompt start; the
+hop then grows by ``stream_scale_factor`` up to ``token_max_hop_len``.
+
+Pure arithmetic on ints, shared by :mod:`cosyvoice_runtime.token2wav` (which follows the
+schedule per request) and :mod:`cosyvoice_runtime.hift.graphs` (which captures the vocoder
+input lengths the schedule produces), so neither imports the other.
+"""
+from __future__ import annotations
+
+import math
+
+
+def prompt_token_pad(n_prompt_tokens: int, hop: int) -> int:
+    """Extra first-chunk tokens that align chunk ends to the flow's attention chunks."""
+    return math.ceil(n_prompt_tokens / hop) * hop - n_prompt_tokens
+
+
+def first_hop(n_prompt_tokens: int, hop: int, min_first_hop: int | None = None) -> int:
+    """Tokens of the first streamed chunk.
+
+    Official: ``hop + pad``. With ``min_first_hop``: the smallest ``pad + k * hop`` (k >= 0) that
+    is at least ``min_first_hop`` tokens, i.e. the first chunk ends at the first attention-chunk
+    boundary past that many tokens. Every chunk end stays on a boundary, so the mel of emitted
+    frames is the same as with the official schedule (chunk masks: a frame never sees a later
+    chunk); only the first audio comes earlier.
+    """
+    pad = prompt_token_pad(n_prompt_tokens, hop)
+    if min_first_hop is None:
+        return hop + pad
+    return pad + max(0, math.ceil((max(1, min_first_hop) - pad) / hop)) * hop
+
+
+def first_chunk_frames(hop: int, token_mel_ratio: int, min_first_hop: int | None = None) -> list[int]:
+    """Every vocoder input length (mel frames) a first streamed chunk can have, over all prompt
+    lengths: the first hop depends only on the prompt length modulo ``hop``."""
+    return sorted({token_mel_ratio * first_hop(n, hop, min_first_hop) for n in range(hop)})
+
+
+def streaming_lengths(mel_cache_len: int, token_hop_len: int, token_max_hop_len: int, scale: int,
+                      token_mel_ratio: int) -> list[int]:
+    """Vocoder input lengths (frames) of the streamed calls after the first: cache + 2 x hop."""
+    out, hop = [], token_hop_len
+    while True:
+        out.append(mel_cache_len + token_mel_ratio * hop)
+        if hop >= token_max_hop_len or scale <= 1:
+            return out
+        hop = min(token_max_hop_len, hop * scale)
