@@ -61,7 +61,7 @@ def _tensors() -> tuple[int, int]:
             if isinstance(obj, torch.Tensor):
                 n += 1
                 nbytes += obj.element_size() * obj.nelement()
-        except Exception:  # noqa: BLE001 - proxies and half-dead objects
+        except Exception:  # noqa: BLE001, S112 - proxies and half-dead objects
             continue
     return n, nbytes
 

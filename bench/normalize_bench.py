@@ -60,7 +60,7 @@ def pin_one_core(core: int | None) -> str:
         import torch
 
         torch.set_num_threads(1)
-    except Exception:  # noqa: BLE001 - torch is optional for this benchmark
+    except Exception:  # noqa: BLE001, S110 - torch is optional for this benchmark
         pass
     if hasattr(os, "sched_setaffinity"):
         avail = sorted(os.sched_getaffinity(0))
@@ -112,13 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("cosyvoice_runtime").setLevel(logging.ERROR)
     pinning = pin_one_core(args.core)
-    import wetext  # noqa: F401
-
     from importlib.metadata import version
+
+    import wetext  # noqa: F401
 
     report = {
         "benchmark": "text normalisation + sentence splitting (TextNormalizer.normalize, split=True)",
-        "host": socket.gethostname(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
         "wetext": version("wetext"), "pinning": pinning, "seconds_per_set": args.seconds,
         "with_wetext": run(args.seconds, True), "rules_only": run(args.seconds, False),
@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     stem = f"normalize-{report['host']}-{dt.date.today().isoformat()}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
     lines = [f"# Text normalisation throughput ({report['host']}, {report['date']})", "",
-             f"One core ({pinning}), 1 torch thread, wetext {report['wetext']}, Python {report['python']}, "
-             f"{args.seconds:g} s per set. Each call = normalise + split one sentence (end to end, as a request).", "",
+             (f"One core ({pinning}), 1 torch thread, wetext {report['wetext']}, Python {report['python']}, "
+              f"{args.seconds:g} s per set. Each call = normalise + split one sentence (end to end, as a request)."),
+             "",
              "| backend | set | sentences/s | mean ms | p50 ms | p99 ms | chars/sentence |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for backend in ("with_wetext", "rules_only"):
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{r['p99_ms']} | {r['mean_chars']} |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     logger.info("wrote %s.{md,json}", out / stem)
-    print("\n".join(lines))  # noqa: T201 - CLI output
+    print("\n".join(lines))  # CLI output
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ class HealthSampler(threading.Thread):
 
             pynvml.nvmlInit()
             return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        except Exception:  # no NVML (CPU machine): the replicas' own figures only
+        except Exception:  # noqa: BLE001 - no NVML (CPU machine): the replicas' own figures only
             return []
 
     def _gpu_utilization(self) -> list[float]:
@@ -192,10 +192,12 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Load ramp: {result['target']}, {result['date']}", "",
-             f"Machine: {result['machine']}. Open loop (Poisson) per phase; `/health` sampled every "
-             f"{result['sample_s']} s (`bench/ramp.py`).", "",
-             "| phase | req/s | s | requests | ok | lost | 429 | TTFA p50 / p99 ms | x real time | replicas min-max (end) "
-             "| utilisation median % | /health probes failed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             (f"Machine: {result['machine']}. Open loop (Poisson) per phase; `/health` sampled every "
+              f"{result['sample_s']} s (`bench/ramp.py`)."),
+             "",
+             ("| phase | req/s | s | requests | ok | lost | 429 | TTFA p50 / p99 ms | x real time "
+              "| replicas min-max (end) | utilisation median % | /health probes failed |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ph in result["phases"]:
         s = ph["summary"]
         reps = ph["replicas_min_max"]

@@ -70,13 +70,13 @@ def write_report(out: Path, device: str, family: str, n_tokens: int, baseline: d
     lines = [
         f"# Streaming benchmark: {family}, {device}, {date}",
         "",
-        f"Full-size {family} architecture, random weights, {n_tokens} speech tokens per request "
-        f"({n_tokens / 25:.1f} s of audio), zero-shot prompt shapes (87 prompt speech tokens, 14 prompt text "
-        "tokens, 40 text tokens), streaming. Closed loop: `concurrency` streams in flight, at least 2x that many "
-        "requests per row. Baseline: one request at a time, eager fp32, single-request reference pipeline.",
+        (f"Full-size {family} architecture, random weights, {n_tokens} speech tokens per request "
+         f"({n_tokens / 25:.1f} s of audio), zero-shot prompt shapes (87 prompt speech tokens, 14 prompt text "
+         "tokens, 40 text tokens), streaming. Closed loop: `concurrency` streams in flight, at least 2x that many "
+         "requests per row. Baseline: one request at a time, eager fp32, single-request reference pipeline."),
         "",
-        f"Sequential baseline: {baseline['throughput_x_realtime']:.2f}x real time, first audio p50 "
-        f"{baseline['ttfa_p50_ms']:.0f} ms.",
+        (f"Sequential baseline: {baseline['throughput_x_realtime']:.2f}x real time, first audio p50 "
+         f"{baseline['ttfa_p50_ms']:.0f} ms."),
         "",
         "| mode | conc. | TTFA p50 ms | TTFA p99 ms | RTF p50 | x real time | vs baseline | underruns | peak GiB |",
         "|---|---|---|---|---|---|---|---|---|",

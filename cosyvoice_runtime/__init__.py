@@ -6,4 +6,4 @@ need them, so importing this package stays cheap for CPU-only replicas.
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import CosyVoiceError, InvalidInputError, ModelLoadError, VoiceNotFoundError
 
-__all__ = ["ModelSpec", "CosyVoiceError", "InvalidInputError", "ModelLoadError", "VoiceNotFoundError"]
+__all__ = ["CosyVoiceError", "InvalidInputError", "ModelLoadError", "ModelSpec", "VoiceNotFoundError"]

@@ -248,5 +248,5 @@ class ModelSpec:
     stream: StreamSpec
     files: dict[str, str] = field(default_factory=dict)  # role -> file name
 
-    def replace(self, **changes) -> "ModelSpec":
+    def replace(self, **changes) -> ModelSpec:
         return dataclasses.replace(self, **changes)

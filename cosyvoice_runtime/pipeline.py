@@ -9,8 +9,8 @@ splits the same steps across replicas and batches them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 

@@ -150,7 +150,7 @@ def write_speech_tokenizer_onnx(path: str | Path, seed: int = 0) -> Path:
         numpy_helper.from_array(powers, "powers"), numpy_helper.from_array(np.float32(0.999), "shrink"),
         numpy_helper.from_array(np.float32(1.0), "one"),
     ]
-    conv = dict(kernel_shape=[3], strides=[2], pads=[1, 1])  # T -> ceil(T / 2)
+    conv = {"kernel_shape": [3], "strides": [2], "pads": [1, 1]}  # T -> ceil(T / 2)
     nodes = [
         helper.make_node("Conv", ["feats", "w1"], ["c1"], **conv),
         helper.make_node("Tanh", ["c1"], ["a1"]),

@@ -28,19 +28,19 @@ logger = logging.getLogger(__name__)
 # Tiny sizes (same wiring as the released models). The text vocabulary keeps the released
 # 151936 rows so that the real special-token ids (151646...) stay valid.
 _TINY = {
-    "cosyvoice2": dict(hidden=32, layers=2, heads=4, kv_heads=2, inter=96, flow_in=32, enc_out=32, enc_heads=4,
-                       enc_units=64, enc_blocks=2, unet_ch=32, unet_head_dim=16, unet_blocks=1, unet_mid=2,
-                       unet_heads=2, hift_ch=32),
-    "cosyvoice3": dict(hidden=32, layers=2, heads=4, kv_heads=2, inter=96, pre_ch=64, dit_dim=48, dit_depth=2,
-                       dit_heads=3, dit_head_dim=16, hift_ch=32),
+    "cosyvoice2": {"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2, "inter": 96, "flow_in": 32, "enc_out": 32,
+                   "enc_heads": 4, "enc_units": 64, "enc_blocks": 2, "unet_ch": 32, "unet_head_dim": 16,
+                   "unet_blocks": 1, "unet_mid": 2, "unet_heads": 2, "hift_ch": 32},
+    "cosyvoice3": {"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2, "inter": 96, "pre_ch": 64, "dit_dim": 48,
+                   "dit_depth": 2, "dit_heads": 3, "dit_head_dim": 16, "hift_ch": 32},
 }
 # The released architectures, for benchmarks with random weights (no download needed).
 _FULL = {
-    "cosyvoice2": dict(hidden=896, layers=24, heads=14, kv_heads=2, inter=4864, flow_in=512, enc_out=512,
-                       enc_heads=8, enc_units=2048, enc_blocks=6, unet_ch=256, unet_head_dim=64, unet_blocks=4,
-                       unet_mid=12, unet_heads=8, hift_ch=512),
-    "cosyvoice3": dict(hidden=896, layers=24, heads=14, kv_heads=2, inter=4864, pre_ch=1024, dit_dim=1024,
-                       dit_depth=22, dit_heads=16, dit_head_dim=64, hift_ch=512),
+    "cosyvoice2": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "inter": 4864, "flow_in": 512,
+                   "enc_out": 512, "enc_heads": 8, "enc_units": 2048, "enc_blocks": 6, "unet_ch": 256,
+                   "unet_head_dim": 64, "unet_blocks": 4, "unet_mid": 12, "unet_heads": 8, "hift_ch": 512},
+    "cosyvoice3": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "inter": 4864, "pre_ch": 1024,
+                   "dit_dim": 1024, "dit_depth": 22, "dit_heads": 16, "dit_head_dim": 64, "hift_ch": 512},
 }
 TEXT_VOCAB_ROWS = 151936
 

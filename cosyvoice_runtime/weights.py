@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import pickle
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 from torch import nn

@@ -145,7 +145,7 @@ def _resolve(value: Any, root: dict, path: Path, key: str, depth: int = 0) -> An
 def load_tagged_yaml(path: Path) -> dict:
     """Parse a HyperPyYAML file into plain data (tags -> :class:`Tagged`, refs resolved)."""
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)  # noqa: S506 (custom safe loader)
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)  # _Loader is a yaml.SafeLoader
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ModelLoadError(path, f"is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
@@ -158,10 +158,9 @@ class _Section:
 
     def __init__(self, path: Path, key: str, node: Any, classes: tuple[str, ...] | None = None):
         self.path, self.key = path, key
-        if classes is not None:
-            if not isinstance(node, Tagged) or node.cls not in classes:
-                found = node.target if isinstance(node, Tagged) else type(node).__name__
-                raise ConfigError(path, key, f"expected one of {list(classes)}, found {found}")
+        if classes is not None and (not isinstance(node, Tagged) or node.cls not in classes):
+            found = node.target if isinstance(node, Tagged) else type(node).__name__
+            raise ConfigError(path, key, f"expected one of {list(classes)}, found {found}")
         args = node.args if isinstance(node, Tagged) else node
         if not isinstance(args, dict):
             raise ConfigError(path, key, f"expected a mapping of arguments, found {type(args).__name__}")
@@ -194,7 +193,7 @@ class _Section:
             raise ConfigError(self.path, f"{self.key}.{name}", f"expected a list, found {value!r}")
         return tuple(tuple(int(x) for x in v) if isinstance(v, list) else int(v) for v in value)
 
-    def sub(self, name: str, classes: tuple[str, ...] | None = None) -> "_Section":
+    def sub(self, name: str, classes: tuple[str, ...] | None = None) -> _Section:
         return _Section(self.path, f"{self.key}.{name}", self.raw(name), classes)
 
     def done(self) -> None:
@@ -263,12 +262,12 @@ def _read_flow(sec: _Section, family: str) -> FlowSpec:
     cfm.done()
     dec.raw("spk_emb_dim")
     dec.raw("in_channels")
-    common = dict(
-        family=family, input_size=sec.num("input_size"), output_size=sec.num("output_size"),
-        spk_embed_dim=sec.num("spk_embed_dim"), vocab_size=sec.num("vocab_size"),
-        token_mel_ratio=sec.num("token_mel_ratio"), pre_lookahead_len=sec.num("pre_lookahead_len"),
-        inference_cfg_rate=cfg_rate, t_scheduler=t_sched,
-    )
+    common = {
+        "family": family, "input_size": sec.num("input_size"), "output_size": sec.num("output_size"),
+        "spk_embed_dim": sec.num("spk_embed_dim"), "vocab_size": sec.num("vocab_size"),
+        "token_mel_ratio": sec.num("token_mel_ratio"), "pre_lookahead_len": sec.num("pre_lookahead_len"),
+        "inference_cfg_rate": cfg_rate, "t_scheduler": t_sched,
+    }
     if family == "cosyvoice2":
         enc = sec.sub("encoder", ("UpsampleConformerEncoder",))
         encoder = ConformerEncoderSpec(

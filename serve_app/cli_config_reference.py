@@ -98,7 +98,7 @@ def _defining_class(model: type[BaseModel], name: str) -> str:
 
 def _docstring_attributes(cls: type) -> dict[str, str]:
     doc = inspect.getdoc(cls) or ""
-    m = re.search(r"^Attributes:\n((?:[ \t]+.*\n?|\n)+)", doc, re.M)
+    m = re.search(r"^Attributes:\n((?:[ \t]+.*\n?|\n)+)", doc, re.MULTILINE)
     out: dict[str, str] = {}
     if not m:
         return out

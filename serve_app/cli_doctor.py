@@ -61,7 +61,7 @@ def probe_nvidia_smi() -> tuple[str | None, str | None, list[GpuInfo]]:
 def probe_torch(env: Environment) -> None:
     try:
         import torch
-    except Exception as exc:  # broken installs raise more than ImportError
+    except Exception as exc:  # noqa: BLE001 - broken installs raise more than ImportError
         env.extra["torch_error"] = str(exc)
         return
     env.torch_version = torch.__version__
@@ -72,7 +72,7 @@ def probe_torch(env: Environment) -> None:
         warnings.simplefilter("always")
         try:
             env.cuda_available = bool(torch.cuda.is_available())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a broken driver is reported, not raised
             env.cuda_error = str(exc)
     if not env.cuda_available and caught:
         env.cuda_error = env.cuda_error or str(caught[-1].message)
@@ -89,8 +89,8 @@ def probe_torch(env: Environment) -> None:
             try:
                 v = int(torch._C._cuda_getDriverVersion())  # e.g. 12080
                 env.driver_cuda_version = f"{v // 1000}.{(v % 1000) // 10}"
-            except Exception:
-                pass
+            except Exception as exc:  # noqa: BLE001 - a private torch call: the version stays unknown
+                logger.debug("driver CUDA version unknown: %s", exc)
 
 
 def probe_tensorrt(env: Environment) -> None:
@@ -98,7 +98,7 @@ def probe_tensorrt(env: Environment) -> None:
         import tensorrt
 
         env.tensorrt_version = tensorrt.__version__
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a broken TensorRT install is reported, not raised
         env.tensorrt_error = f"{type(exc).__name__}: {exc}"
 
 
@@ -111,7 +111,7 @@ def probe_wetext(env: Environment) -> None:
             return
         env.wetext_version = version("wetext")
         env.wetext_fst_dir = Path(next(iter(spec.submodule_search_locations))) / "fsts"
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the wetext checks report what is missing
         logger.debug("wetext probe failed: %s", exc)
 
 
@@ -152,7 +152,7 @@ def estimate_need_bytes(model_dir: Path | None, dtype: str, max_running: int, ma
 
         b = read_model_spec(model_dir).llm.backbone
         kv = 2 * b.num_layers * b.num_kv_heads * b.head_dim * max_running * max_model_len * _DTYPE_BYTES.get(dtype, 4)
-    except Exception:  # a broken yaml is the model checks' business
+    except Exception:  # noqa: BLE001 - a broken yaml is the model checks' business
         kv = 0
     return weights + kv
 

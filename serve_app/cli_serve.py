@@ -80,7 +80,7 @@ class RayBackend:
 
         try:
             ServeSubmissionClient(address).deploy_applications(document)
-        except Exception as exc:  # connection refused, auth, version: all reported the same way
+        except Exception as exc:  # noqa: BLE001 - connection refused, auth, version: all reported the same way
             raise CliError(f"could not deploy to {address}: {exc} (check with: fastcosy doctor --ray-address "
                            f"{address})") from None
 
@@ -138,18 +138,17 @@ def usage_banner(cfg: LoadedConfig) -> str:
     args = cfg.args
     model = args.ingress.model_names[0] if args.ingress.model_names else _served_family(cfg)
     tiny = not (args.synthesizer.model_dir or args.frontend.model_dir or args.model_dir)
-    body = ('{"model": "%s", "input": "%s", "voice": "%s", "response_format": "wav"}'
-            % (model, EXAMPLE_TEXT, EXAMPLE_VOICE))
+    body = f'{{"model": "{model}", "input": "{EXAMPLE_TEXT}", "voice": "{EXAMPLE_VOICE}", "response_format": "wav"}}'
     lines = [f"FastCosyVoice is serving at {base}"]
     if tiny:
         lines.append(f"  model: the tiny RANDOM-WEIGHT {args.tiny_family} model: valid audio, NOT speech "
                      "(set model_dir for a real model)")
     lines += [
         f"  in a browser: {base}/playground (play as it is made, register voices, text-in streaming)",
-        "  register your own voice (a 3-10 s prompt recording and its transcript; the tiny model "
-        f"already has '{EXAMPLE_VOICE}'):",
-        f"    curl -s {base}/v1/voices -F voice_id=myvoice -F prompt_text='<transcript>' "
-        "-F audio=@prompt.wav",
+        ("  register your own voice (a 3-10 s prompt recording and its transcript; the tiny model "
+         f"already has '{EXAMPLE_VOICE}'):"),
+        (f"    curl -s {base}/v1/voices -F voice_id=myvoice -F prompt_text='<transcript>' "
+         "-F audio=@prompt.wav"),
         "  synthesize to a WAV file:",
         f"    curl -s {base}/v1/audio/speech -H 'Content-Type: application/json' \\",
         f"      -d {shlex.quote(body)} -o hello.wav",

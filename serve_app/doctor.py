@@ -17,9 +17,9 @@ import hashlib
 import json
 import re
 import zipfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 GIB = 1024**3
 
@@ -534,7 +534,7 @@ def _file_problem(path: Path) -> str | None:
             onnx.load_model(str(path), load_external_data=False)
         except ImportError:
             return None
-        except Exception as exc:  # protobuf DecodeError and friends
+        except Exception as exc:  # noqa: BLE001 - protobuf DecodeError and friends
             return f"does not parse as ONNX ({type(exc).__name__})"
     return None
 
@@ -647,7 +647,7 @@ def run_checks(env: Environment, checks=CHECKS) -> list[CheckResult]:
         name = check.__name__.removeprefix("check_")
         try:
             out = check(env)
-        except Exception as exc:  # a broken check must not hide the others
+        except Exception as exc:  # noqa: BLE001 - a broken check must not hide the others
             out = CheckResult(name, Status.FAIL, f"check crashed: {type(exc).__name__}: {exc}",
                               "report this as a bug in fastcosy doctor")
         results.extend(out if isinstance(out, list) else [out])

@@ -15,7 +15,7 @@ _EXPORTS = {
     "import_spk2info": "voices", "content_voice_id": "voices", "check_voice_id": "voices",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 - lazy exports (PEP 562 __getattr__): the keys of _EXPORTS
 
 
 def __getattr__(name: str):

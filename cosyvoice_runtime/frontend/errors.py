@@ -10,16 +10,16 @@ from cosyvoice_runtime.errors import InvalidInputError, VoiceNotFoundError
 
 __all__ = [
     "EmptyTextError",
-    "TextTooLongError",
     "InvalidAudioError",
-    "PromptTooShortError",
-    "PromptTooLongError",
-    "VoiceFamilyMismatchError",
-    "InvalidVoiceIdError",
-    "VoiceExistsError",
-    "VoiceStoreFullError",
     "InvalidInputError",
+    "InvalidVoiceIdError",
+    "PromptTooLongError",
+    "PromptTooShortError",
+    "TextTooLongError",
+    "VoiceExistsError",
+    "VoiceFamilyMismatchError",
     "VoiceNotFoundError",
+    "VoiceStoreFullError",
 ]
 
 

@@ -6,9 +6,9 @@ Every user-facing failure is a typed :class:`~cosyvoice_runtime.errors.InvalidIn
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 class FrontendLimits:
     max_text_chars: int = 50_000
     max_prompt_text_chars: int = 1_000
-    prompt: PromptLimits = PromptLimits()
+    prompt: PromptLimits = field(default_factory=PromptLimits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ class Frontend:
         self.registry = registry
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, voices_dir: str | Path | None = None, **kwargs) -> "Frontend":
+    def from_model_dir(cls, model_dir: str | Path, voices_dir: str | Path | None = None, **kwargs) -> Frontend:
         registry = VoiceRegistry(voices_dir) if voices_dir is not None else None
         return cls(read_model_spec(model_dir), registry=registry, **kwargs)
 

@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 import re
 import unicodedata
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from cosyvoice_runtime.frontend import rules
 from cosyvoice_runtime.frontend.split import Lang, ParagraphSplitter, SplitParams
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_SPLIT_PARAMS = SplitParams()  # immutable: safe as a shared default
 
 # Blocks end after one of these (plus closing quotes and whitespace); a cut never lands next to
 # '-' or '—' so the multi-character zh rules (" - ", "——") never straddle two blocks.
@@ -42,7 +44,7 @@ _DIGIT = re.compile(r"\d")
 def _wetext_engines() -> tuple[object, object] | None:
     try:
         from wetext import Normalizer
-    except Exception as exc:  # pragma: no cover - wetext is a hard dependency in production
+    except Exception as exc:  # noqa: BLE001 - wetext is a hard dependency in production  # pragma: no cover
         logger.warning("wetext unavailable (%s): only the rule-based normalisation runs", exc)
         return None
     # Explicit languages: the zh branch uses the zh grammar for the whole text, as the
@@ -132,7 +134,7 @@ class TextNormalizer:
             frontend passes its tokenizer's. Defaults to a word+punctuation count.
     """
 
-    def __init__(self, use_wetext: bool = True, split_params: SplitParams = SplitParams(),
+    def __init__(self, use_wetext: bool = True, split_params: SplitParams = DEFAULT_SPLIT_PARAMS,
                  en_length: Callable[[str], int] | None = None) -> None:
         self._engines = _wetext_engines() if use_wetext else None
         self.split_params = split_params
@@ -224,7 +226,7 @@ class TextNormalizer:
             return text
         try:
             return _keep_edges(text, engine.normalize(text))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any wetext failure falls back, never fails the request
             logger.warning("wetext failed on %r (%s: %s); retrying per script run",
                            text[:80], type(exc).__name__, exc)
         out = []
@@ -234,7 +236,7 @@ class TextNormalizer:
                 continue
             try:
                 out.append(_keep_edges(run, engine.normalize(run)))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - as above, per script run
                 logger.warning("wetext failed on run %r (%s); keeping it raw", run[:80], type(exc).__name__)
                 out.append(run)
         return "".join(out)

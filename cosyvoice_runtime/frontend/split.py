@@ -13,8 +13,9 @@ reference ``split_paragraph`` result, with two deliberate additions:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 Lang = Literal["zh", "en"]
 

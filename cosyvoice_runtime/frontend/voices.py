@@ -433,19 +433,21 @@ def import_spk2info(path: str | Path, family: str, registry: VoiceRegistry) -> l
     for key in table:
         check_voice_id(str(key))
     ids = []
+    def array(entry: dict, name: str, dtype) -> np.ndarray | None:
+        return entry[name].detach().cpu().numpy().astype(dtype).reshape(-1) if name in entry else None
+
     for key, entry in table.items():
-        def arr(name, dtype):
-            return entry[name].detach().cpu().numpy().astype(dtype).reshape(-1) if name in entry else None
 
         if "flow_prompt_speech_token" in entry:
             mel = entry["prompt_speech_feat"].detach().cpu().numpy().astype(np.float32).reshape(-1, MEL_BINS)
-            voice = PromptFeatures(family=family, text="", kind="zero_shot", text_tokens=arr("prompt_text", np.int32),
-                                   speech_tokens=arr("flow_prompt_speech_token", np.int32), mel=mel,
-                                   embedding=arr("flow_embedding", np.float32), meta={"source": "spk2info"})
+            voice = PromptFeatures(family=family, text="", kind="zero_shot",
+                                   text_tokens=array(entry, "prompt_text", np.int32),
+                                   speech_tokens=array(entry, "flow_prompt_speech_token", np.int32), mel=mel,
+                                   embedding=array(entry, "flow_embedding", np.float32), meta={"source": "spk2info"})
         elif "embedding" in entry:
             voice = PromptFeatures(family=family, text="", kind="sft", text_tokens=np.zeros(0, np.int32),
                                    speech_tokens=np.zeros(0, np.int32), mel=np.zeros((0, MEL_BINS), np.float32),
-                                   embedding=arr("embedding", np.float32), meta={"source": "spk2info"})
+                                   embedding=array(entry, "embedding", np.float32), meta={"source": "spk2info"})
         else:
             logger.warning("spk2info entry %r has neither shape of spec §2.9; skipped", key)
             continue

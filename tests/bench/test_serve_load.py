@@ -18,7 +18,7 @@ def test_serve_load_runs_the_app_and_writes_its_report(tmp_path):
     res = subprocess.run([sys.executable, "-m", "bench.serve_load", "--config", "configs/local.yaml",
                           "--concurrency", "2", "--min-requests", "2", "--warmup", "1", "--text", "Hi.",
                           "--num-cpus", "4", "--no-progress", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
                          env={**__import__("os").environ, "RAY_AUTH_MODE": "disabled"})
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())

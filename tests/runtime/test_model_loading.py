@@ -79,7 +79,7 @@ def test_wrong_shape_tensor(model_copy):
 def test_missing_and_unexpected_keys(model_copy):
     _, path = model_copy
     state = torch.load(path / "llm.pt", weights_only=True)
-    removed = sorted(state)[0]
+    removed = min(state)
     del state[removed]
     state["extra.weight"] = torch.zeros(1)
     torch.save(state, path / "llm.pt")

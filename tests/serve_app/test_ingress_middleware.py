@@ -13,8 +13,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from serve_app.ingress import SERVE_HEADROOM, IngressConfig, TTSIngress
-from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
 from serve_app.metrics import IngressMetrics
+from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
 from tests.serve_app.test_ingress_inproc import _app, _wav
 
 

@@ -43,7 +43,7 @@ def frontends(model_dirs, tmp_path_factory):
 
 
 def tone(seconds: float, sr: int, freqs=(220.0, 3000.0), amps=(0.3, 0.1), channels: int = 1) -> np.ndarray:
-    t = np.arange(int(round(seconds * sr))) / sr
+    t = np.arange(round(seconds * sr)) / sr
     x = sum(a * np.sin(2 * np.pi * f * t) for f, a in zip(freqs, amps)).astype(np.float32)
     return x if channels == 1 else np.stack([x * (1.0 - 0.25 * c) for c in range(channels)], axis=1)
 

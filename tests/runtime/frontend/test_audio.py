@@ -140,5 +140,5 @@ def test_odd_rates_resample_30_s_within_one_gib_of_address_space():
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc = subprocess.run([sys.executable, "-c", _BOUNDED.format(root=root)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

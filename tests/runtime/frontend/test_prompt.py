@@ -6,8 +6,13 @@ import pytest
 
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.frontend import Waveform, align_prompt, check_text
-from cosyvoice_runtime.frontend.errors import (EmptyTextError, InvalidAudioError, PromptTooLongError,
-                                               PromptTooShortError, TextTooLongError)
+from cosyvoice_runtime.frontend.errors import (
+    EmptyTextError,
+    InvalidAudioError,
+    PromptTooLongError,
+    PromptTooShortError,
+    TextTooLongError,
+)
 from tests.runtime.frontend.conftest import FAMILIES, encode, tone
 
 

@@ -59,7 +59,7 @@ def test_tiny_campplus_signature(tmp_path):
 
     path = tiny_assets.write_campplus_onnx(tmp_path / "c.onnx", seed=3)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (inp,), (out,) = sess.get_inputs(), sess.get_outputs()
+    (inp,), (_,) = sess.get_inputs(), sess.get_outputs()
     assert inp.name == "input" and inp.type == "tensor(float)" and inp.shape[0] == 1 and inp.shape[2] == 80
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((1, t, 80)).astype(np.float32) for t in (50, 120))
