@@ -22,8 +22,20 @@ solves frames ``[P, T)`` against the cache of frames ``[0, P)`` and, for a non-f
 the cache to the last attention-chunk boundary at or before ``T`` (frames past it are computed
 again next call, as they may see frames that do not exist yet).
 
+Why ``"input"`` is the default: memory decides capacity. In bf16 the normed inputs are 560 KiB per
+cached frame per stream (56 blocks x 256 channels x 2 rows x 10 steps x 2 bytes), keys and values
+2.2 MiB: 48 streams of 20 s answers after a 3.5 s prompt (~1180 frames each) hold ~31 GiB against
+~121 GiB, which does not fit next to the model on one H200. Recomputing keys/values costs one
+256 -> 1024 GEMM over the cached frames per block and step: on the 2-core VM (full-size U-Net,
+fp32, one pass of 100 new frames over 400 cached, a loaded machine) 1.45-2.1 s against 0.9-1.8 s
+with cached keys/values, and 9-11 s for the full recompute of the 500 frames.
+
 One request per call (no batch, no padding): every frame is valid, so the padding-mask products of
-the full path (multiplications by exactly 1) are left out. Runs eagerly (no CUDA graphs).
+the full path (multiplications by exactly 1) are left out. Runs eagerly (no CUDA graphs: the cached
+length changes every call). On a GPU the eager estimator is launch-bound at small shapes (docs/tuning.md:
+20 ms eager against 3.7 ms graphed for 2 x 256 frames), so this path is to be timed against the graphed
+recompute before it is turned on; graphs per (new frames, cached-length bucket) with masked padding
+keys would be the next step.
 """
 from __future__ import annotations
 
@@ -37,8 +49,13 @@ from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.cfm import CFMSolver, time_grid
 from cosyvoice_runtime.flow.flow import Flow, FlowItem
 from cosyvoice_runtime.flow.masks import to_bias
-from cosyvoice_runtime.flow.unet import CausalBlock1D, CausalResnetBlock1D, CausalUNet, TransformerBlock, \
-    sinusoidal_embedding
+from cosyvoice_runtime.flow.unet import (
+    CausalBlock1D,
+    CausalResnetBlock1D,
+    CausalUNet,
+    TransformerBlock,
+    sinusoidal_embedding,
+)
 from cosyvoice_runtime.fused import fused_linear
 
 CACHE_STORES = ("input", "kv")
