@@ -28,6 +28,7 @@ serve: $(STAMP)
 	$(VENV)/bin/fastcosy serve --config configs/local.yaml
 
 test: $(STAMP) browser
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q
 

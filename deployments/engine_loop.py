@@ -223,7 +223,7 @@ class EngineLoop:
         for request_id, request in adds.items():
             try:
                 self.engine.add(request_id, request)
-            except Exception as exc:  # bad input for this request only: its consumer gets the error
+            except Exception as exc:  # noqa: BLE001 - bad input for this request only: its consumer gets the error
                 failed[request_id] = exc
             else:
                 self._live[request_id] = None

@@ -25,7 +25,7 @@ class ReplicaMetrics:
             from ray.serve.metrics import Counter, Gauge, Histogram
 
             serve.get_replica_context()  # raises outside a replica
-        except Exception:
+        except Exception:  # noqa: BLE001 - whatever it raises, we are not in a replica
             return cls(component)
         return cls(component, {
             "ttfa": Histogram("tts_replica_time_to_first_audio_s", "Replica time to first audio chunk (s)",

@@ -238,9 +238,12 @@ def portable_error(exc: BaseException) -> BaseException:
         return exc
     try:
         pickle.loads(pickle.dumps(exc))
-        return exc
     except Exception:  # noqa: BLE001 - any unpickling failure means "not portable"
-        pass
+        portable = False
+    else:
+        portable = True
+    if portable:
+        return exc
     message = str(exc)
     if type(exc).__name__ in _TOO_LARGE_NAMES:
         return PayloadTooLargeError(message)

@@ -39,7 +39,8 @@ from ray import serve
 from cosyvoice_runtime.config import ENDOFPROMPT_TOKEN_ID
 from cosyvoice_runtime.modes import preflight, resolve_mode
 from deployments import constants
-from deployments.compute import MAIN as MAIN_LANE, ComputeExecutor
+from deployments.compute import MAIN as MAIN_LANE
+from deployments.compute import ComputeExecutor
 from deployments.deadlines import DEFAULT_SLACK_S, DeadlineGate, Playback
 from deployments.engine_loop import EngineLoop, is_fatal
 from deployments.gpu_stats import DeviceProbe, release_fragmented_cache
@@ -479,5 +480,5 @@ class Synthesizer:
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside a replica (unit tests)
+    except Exception:  # noqa: BLE001 - outside a replica (unit tests)
         return "local"

@@ -384,7 +384,7 @@ class TTSIngress:
     async def metrics_endpoint(self, request: Request) -> Response:
         try:
             snapshot = await asyncio.wait_for(self.synth.stats.remote(), self.cfg.health_timeout_s)
-        except Exception:  # metrics must render even when the synthesizer is down
+        except Exception:  # noqa: BLE001 - metrics must render even when the synthesizer is down
             logger.warning("synthesizer stats unavailable for /metrics")
             snapshot = None
         return Response(self.metrics.render(snapshot), media_type=CONTENT_TYPE)
@@ -408,7 +408,7 @@ class TTSIngress:
             form = await parser.parse()
         except PayloadTooLargeError:
             raise
-        except Exception as exc:  # malformed multipart
+        except Exception as exc:  # noqa: BLE001 - malformed multipart
             raise ApiError(400, f"malformed multipart body: {exc}", code="invalid_input") from None
         try:
             fields: dict[str, Any] = {}

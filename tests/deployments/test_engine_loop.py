@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -227,7 +228,7 @@ def test_a_step_that_raises_for_one_request_fails_that_request_only():
 
 def test_a_transient_step_failure_is_retried_and_fails_nobody():
     class Flaky(fakes.FakeEngine):
-        fail_at = {5}
+        fail_at: ClassVar[set[int]] = {5}  # steps that raise once (the class lives for this test only)
 
         def step(self):
             if self.steps in self.fail_at:

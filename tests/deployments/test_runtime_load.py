@@ -85,7 +85,7 @@ def test_unknown_knob_is_rejected():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_replica_captures_flow_graphs_and_matches_eager(model_dir):
-    cfg = dict(device="cuda", warmup=False, flow_graph_max_s=8.0)
+    cfg = {"device": "cuda", "warmup": False, "flow_graph_max_s": 8.0}
     graphed = load_synthesis_runtime(SynthesizerConfig(**cfg), model_dir)
     eager = load_synthesis_runtime(SynthesizerConfig(**cfg, cuda_graphs=False), model_dir)
     assert graphed.details["flow_graphs"] > 0 and eager.details["flow_graphs"] == 0

@@ -193,7 +193,7 @@ class _Held(threading.Thread):
             self.sock.sendall(self.request)
             while data := self.sock.recv(65536):
                 self.received += data
-                head, sep, rest = self.received.partition(b"\r\n\r\n")
+                _, sep, rest = self.received.partition(b"\r\n\r\n")
                 if sep and rest:
                     self.first.set()
         except OSError:
@@ -280,10 +280,8 @@ def test_serve_plain_text_429_when_the_ingress_serve_slots_are_full(limits_app):
             assert r.status_code == 429, (r.status_code, r.text[:200])
     finally:
         for g in gens:
-            try:
+            with contextlib.suppress(Exception):  # a call that failed re-raises its error on cancel
                 g.cancel()
-            except Exception:  # noqa: BLE001 - a call that failed re-raises its error on cancel
-                pass
     for t in threads:
         t.join(GUARD_S)
     # The queued ones go on once the slots free up: served, or (past the app's own limit) the JSON 429.

@@ -77,8 +77,7 @@ def test_openai_speech_pcm_streaming_arrives_in_chunks(tts_app, voice):
                             "stream": True}) as r:
         assert r.status_code == 200
         assert r.headers.get("transfer-encoding") == "chunked"
-        for part in r.iter_raw():
-            pieces.append(part)
+        pieces.extend(r.iter_raw())
     data = b"".join(pieces)
     assert len(data) == 2 * _expected_samples(text)  # s16le
     assert len(pieces) > 1  # audio came out as it was made
@@ -283,8 +282,11 @@ def test_disconnect_mid_stream_frees_the_decode_slot(tts_app, voice):
         during = _engine_stats(tts_app)
         assert during["running"] == 1, str((before, during))
     # Leaving the block closes the connection mid-stream.
-    _wait_for(lambda: (lambda e: e["running"] == 0 and e["open_streams"] == 0)(_engine_stats(tts_app)),
-              "the slot freed")
+    def freed() -> bool:
+        e = _engine_stats(tts_app)
+        return e["running"] == 0 and e["open_streams"] == 0
+
+    _wait_for(freed, "the slot freed")
     assert _engine_stats(tts_app)["aborted"] == before["aborted"] + 1
 
 

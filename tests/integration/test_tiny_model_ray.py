@@ -37,7 +37,7 @@ def test_unary_wav_and_streamed_pcm(tiny_app):
     pcm = np.frombuffer(b"".join(parts), "<i2")
     assert pcm.size > 0 and np.isfinite(pcm).all()
     text = httpx.get(f"{url}/metrics").text
-    tokens = float(re.search(r"^tts_generated_tokens_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+    tokens = float(re.search(r"^tts_generated_tokens_total\{[^}]*\} (\S+)$", text, re.MULTILINE).group(1))
     assert tokens > 0
 
 
