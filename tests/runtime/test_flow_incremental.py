@@ -198,3 +198,17 @@ def test_official_streamed_mel_reproduced_incrementally():
         t2w.vocode(job, mel)
         calls += 1
     assert calls == len(case.params["flow_calls"]) == 3
+
+
+def test_incremental_jobs_next_to_the_graphed_recompute(cv2):
+    """With the flow's graphs enabled (padded buckets; run eagerly on the CPU) the incremental jobs
+    still solve eagerly (the encoder goes through its graphed buckets) and match the graphed recompute."""
+    flow = copy.deepcopy(cv2.flow)
+    flow.enable_graphs(max_batch=2, max_frames=512, use_graphs=False)
+    prompt, tokens = _prompt(20, 6), _tokens(120, 6)
+    ref, _ = _stream(Token2Wav(cv2.spec, flow, cv2.hift, min_first_hop=10), prompt, tokens)
+    inc, state = _stream(Token2Wav(cv2.spec, flow, cv2.hift, min_first_hop=10, cv2_flow="incremental"), prompt, tokens)
+    assert len(ref) == len(inc) >= 3
+    for i, (a, b) in enumerate(zip(ref, inc)):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=5e-4), f"chunk {i}"
+    assert state.flow_frames == 2 * (20 + 120)
