@@ -98,6 +98,7 @@ class FakeEngine:
         self.running: dict[str, _Seq] = {}
         self.aborted: list[str] = []
         self.steps = 0
+        self.progress: dict[str, int] = {}  # tokens emitted per request id, kept after it ends
         self._changed = threading.Condition()  # notified after every step and abort
 
     def wait_until(self, predicate, timeout_s: float = GUARD_S) -> bool:
@@ -107,9 +108,8 @@ class FakeEngine:
             return self._changed.wait_for(predicate, timeout_s)
 
     def emitted(self, request_id: str) -> int:
-        """Tokens emitted so far by a running sequence (0 when it is not running)."""
-        seq = self.running.get(request_id)
-        return seq.emitted if seq is not None else 0
+        """Tokens emitted so far by a request (also after it ended: a wait on it cannot miss it)."""
+        return self.progress.get(request_id, 0)
 
     def _notify(self) -> None:
         with self._changed:
@@ -147,6 +147,7 @@ class FakeEngine:
                 seq.held = False
             token = int(seq.request.text_ids[seq.emitted % len(seq.request.text_ids)]) % 6561
             seq.emitted += 1
+            self.progress[rid] = seq.emitted
             done = seq.emitted >= seq.target
             events.append(TokenEvent(rid, [token], finished=done, finish_reason="stop" if done else None))
             if done:

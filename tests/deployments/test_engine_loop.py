@@ -90,10 +90,12 @@ def test_need_coalesces_tokens_up_to_what_the_consumer_can_use():
 
 def test_a_consumer_cancelled_while_waiting_frees_its_slot():
     loop, engine, compute = _loop(max_running=1)
+    held = _lm(50)
+    held.seed = fakes.hold_seed()  # stops after its first tokens, until aborted
 
     async def main():
         async def never_enough():
-            async for _ in loop.generate("slow", _lm(500), need=lambda: None):  # only the end
+            async for _ in loop.generate("slow", held, need=lambda: None):  # only the end, which never comes
                 pass
 
         task = asyncio.create_task(never_enough())

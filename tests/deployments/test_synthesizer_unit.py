@@ -33,11 +33,11 @@ def _prompt() -> VoicePrompt:
                        embedding=np.ones(192, np.float32))
 
 
-def _req(rid: str, n_ids: int, stream: bool, pieces: int = 1) -> PreparedRequest:
+def _req(rid: str, n_ids: int, stream: bool, pieces: int = 1, seed: int | None = None) -> PreparedRequest:
     text = [TextPiece("x", np.arange(n_ids, dtype=np.int32)) for _ in range(pieces)]
     return PreparedRequest(request_id=rid, pieces=text,
                            prompt=_prompt(), llm_prompt_text_ids=np.zeros(0, np.int32), llm_use_prompt_speech=True,
-                           stream=stream)
+                           stream=stream, seed=seed)
 
 
 def _synth(max_running: int = 4, overlap_stages: bool | None = None, **token2wav) -> Synthesizer:
@@ -97,7 +97,7 @@ def test_abandoned_stream_aborts_and_frees_its_slot():
     s = _synth(max_running=2)
 
     async def main():
-        gen = s.synthesize(_req("c", 200, stream=True))
+        gen = s.synthesize(_req("c", 200, stream=True, seed=fakes.hold_seed()))  # held after its first chunk
         first = await gen.__anext__()
         assert len(first.samples) > 0
         assert s.loop.stats().running == 1
@@ -115,7 +115,7 @@ def test_cancelled_task_aborts_sequence():
     s = _synth(max_running=2)
 
     async def consume():
-        async for _ in s.synthesize(_req("k", 300, stream=False)):
+        async for _ in s.synthesize(_req("k", 300, stream=False, seed=fakes.hold_seed())):  # never ends by itself
             pass
 
     async def main():
@@ -264,17 +264,19 @@ def test_non_finite_audio_fails_that_request_and_not_the_others():
 
 def test_a_fatal_token2wav_fault_ends_every_open_stream_with_an_error_and_marks_the_replica_unhealthy():
     s, t2w = _faulty_synth()
+    engine = s.runtime.engine
 
-    async def collect(rid):
-        return [c async for c in s.synthesize(_req(rid, 200, stream=True))]
+    async def collect(req):
+        return [c async for c in s.synthesize(req)]
 
     async def main():
-        first = asyncio.create_task(collect("a"))
-        other = asyncio.create_task(collect("b"))
-        engine = s.runtime.engine
-        assert await asyncio.to_thread(engine.wait_until, lambda: engine.emitted("a/0") and engine.emitted("b/0"))
-        t2w.fatal = True  # the next chunk job meets a device that is gone
-        return await asyncio.gather(first, other, return_exceptions=True)
+        # "open": unary, held in the engine (no chunk job until its end); then a stream whose first
+        # chunk job meets a device that is gone.
+        waiting = asyncio.create_task(collect(_req("open", 50, stream=False, seed=fakes.hold_seed())))
+        assert await asyncio.to_thread(engine.wait_until, lambda: engine.emitted("open/0") >= fakes.HOP)
+        t2w.fatal = True
+        breaking = asyncio.create_task(collect(_req("b", 50, stream=True)))
+        return await asyncio.gather(waiting, breaking, return_exceptions=True)
 
     results = asyncio.run(main())
     assert all(isinstance(r, EngineDeadError) for r in results), results  # an error, never silence
@@ -291,22 +293,29 @@ def test_a_decode_step_that_fails_for_one_request_fails_that_stream_only():
     step = engine.step
 
     def poisoned_step():
-        if engine.emitted("bad/0") >= 2:
+        if "bad/0" in engine.running and engine.running["bad/0"].emitted >= 2:
             raise ValueError("probability tensor contains either inf, nan or element < 0")
         return step()
 
     engine.step = poisoned_step
 
-    async def collect(rid, n_ids):
-        return [c async for c in s.synthesize(_req(rid, n_ids, stream=True))]
+    async def collect(rid, n_ids, seed=None):
+        return [c async for c in s.synthesize(_req(rid, n_ids, stream=True, seed=seed))]
+
+    seed = fakes.hold_seed()  # "good" decodes until held, then waits for the test
 
     async def main():
-        good = asyncio.create_task(collect("good", 30))
-        assert await asyncio.to_thread(engine.wait_until, lambda: engine.emitted("good/0") >= 1)
+        good = asyncio.create_task(collect("good", 30, seed))
+        assert await asyncio.to_thread(engine.wait_until, lambda: engine.emitted("good/0") >= fakes.HOP)
         bad = asyncio.create_task(collect("bad", 30))  # joins later: the newest, the first suspect
-        return await asyncio.gather(good, bad, return_exceptions=True)
+        with pytest.raises(RequestFailedError):
+            await bad
+        fakes.release(seed)
+        return await good
 
-    good, bad = asyncio.run(main())
-    assert isinstance(bad, RequestFailedError)
+    try:
+        good = asyncio.run(main())
+    finally:
+        fakes.forget(seed)
     assert sum(len(c.samples) for c in good) == 30 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
     s.check_health()
