@@ -27,8 +27,9 @@ cached frame per stream (56 blocks x 256 channels x 2 rows x 10 steps x 2 bytes)
 2.2 MiB: 48 streams of 20 s answers after a 3.5 s prompt (~1180 frames each) hold ~31 GiB against
 ~121 GiB, which does not fit next to the model on one H200. Recomputing keys/values costs one
 256 -> 1024 GEMM over the cached frames per block and step: on the 2-core VM (full-size U-Net,
-fp32, one pass of 100 new frames over 400 cached, a loaded machine) 1.45-2.1 s against 0.9-1.8 s
-with cached keys/values, and 9-11 s for the full recompute of the 500 frames.
+fp32, one thread, one pass of 100 new frames over 400 cached; a loaded machine, two runs of three)
+1.5-2.7 s against 0.9-3.4 s with cached keys/values, within the noise of each other, and 9-11 s
+for the full recompute of the 500 frames.
 
 One request per call (no batch, no padding): every frame is valid, so the padding-mask products of
 the full path (multiplications by exactly 1) are left out. Runs eagerly (no CUDA graphs: the cached
@@ -39,6 +40,7 @@ keys would be the next step.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +61,9 @@ from cosyvoice_runtime.flow.unet import (
 from cosyvoice_runtime.fused import fused_linear
 
 CACHE_STORES = ("input", "kv")
+# to_k and to_v of each attention module as one weight (fused_linear's cache, per module; the
+# module's own q/k/v cache serves the full path)
+_KV_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -124,26 +129,23 @@ class _Pass:
         attn = block.attn1
         normed = block.norm1(h)
         b, n, _ = normed.shape
-        qkv = fused_linear(normed, (attn.to_q, attn.to_k, attn.to_v), attn._fused)
-        q, k, v = qkv.view(b, n, 3, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
         old = self.old.attn[self._attn] if self.old is not None else None
         self._attn += 1
         if self.store == "kv":
+            qkv = fused_linear(normed, (attn.to_q, attn.to_k, attn.to_v), attn._fused)
+            q, k, v = qkv.view(b, n, 3, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
             if old is not None:
                 k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
             cut = k.shape[2] - n + self.keep
             self.new.attn.append((k[:, :, :cut].contiguous(), v[:, :, :cut].contiguous()))
         else:
-            if old is not None:
-                inner = attn.heads * attn.head_dim
-                # rows [inner:] of the fused q/k/v weight are to_k and to_v (no bias)
-                kv_old = F.linear(old, attn._fused["weight"][inner:])
-                k_old, v_old = kv_old.view(b, -1, 2, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-                k, v = torch.cat([k_old, k], dim=2), torch.cat([v_old, v], dim=2)
-                normed_all = torch.cat([old, normed], dim=1)
-            else:
-                normed_all = normed
-            self.new.attn.append(normed_all[:, : normed_all.shape[1] - n + self.keep].contiguous())
+            # keys/values of cached and new frames in one GEMM, queries of the new frames only
+            normed_all = normed if old is None else torch.cat([old, normed], dim=1)
+            q = attn.to_q(normed).view(b, n, attn.heads, attn.head_dim).transpose(1, 2)
+            kv = fused_linear(normed_all, (attn.to_k, attn.to_v), _KV_FUSED.setdefault(attn, {}))
+            k, v = kv.view(b, -1, 2, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+            cut = normed_all.shape[1] - n + self.keep
+            self.new.attn.append(normed_all if cut == normed_all.shape[1] else normed_all[:, :cut].contiguous())
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None])
         h = h + attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
         return h + block.ff(block.norm3(h))
