@@ -77,10 +77,7 @@ def plot(out: Path, stem: str, doc: dict) -> list[str]:
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    names.append(f"{stem}-latency.png")
-    fig.savefig(out / names[-1], dpi=110)
-    plt.close(fig)
+    names.append(_save(plt, fig, out / f"{stem}-latency.png"))
     util = [s for s in searches if s["kind"] == "sessions" and any(p.get("gpu_util_pct") for p in s["probes"])]
     if util:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -89,19 +86,25 @@ def plot(out: Path, stem: str, doc: dict) -> list[str]:
             ax.plot([p["load"] for p in ps], [p["gpu_util_pct"] for p in ps], marker="o", label=f"{s['mode']} nvidia-smi")
             ax.plot([p["load"] for p in ps], [100 * (p.get("t2w_busy_fraction") or 0) for p in ps], marker="x",
                     linestyle="--", label=f"{s['mode']} token2wav lane busy")
-            if s.get("capacity") and all(p.get("streams_in_flight_mean") is not None for p in ps):
-                ax.plot([p["load"] for p in ps], [100 * p["streams_in_flight_mean"] / s["capacity"] for p in ps],
-                        marker="s", linestyle=":", label=f"{s['mode']} load signal (in flight / SLO capacity)")
+            # the autoscaler's signal: in flight / in flight at the SLO capacity (slo_streams)
+            full = next((p.get("streams_in_flight_mean") for p in ps if p["load"] == s.get("capacity")), None)
+            if full and all(p.get("streams_in_flight_mean") is not None for p in ps):
+                ax.plot([p["load"] for p in ps], [100 * p["streams_in_flight_mean"] / full for p in ps],
+                        marker="s", linestyle=":", label=f"{s['mode']} load signal (in flight / in flight at capacity)")
         ax.set_xlabel("sessions")
         ax.set_ylabel("percent")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        names.append(f"{stem}-gpu.png")
-        fig.savefig(out / names[-1], dpi=110)
-        plt.close(fig)
+        names.append(_save(plt, fig, out / f"{stem}-gpu.png"))
     return names
+
+
+def _save(plt, fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
 
 
 def write_report(out: Path, stem: str, doc: dict) -> Path:

@@ -1,28 +1,18 @@
 """Uploaded prompt files: the header is checked before decoding, decoding is bounded."""
 from __future__ import annotations
 
-import io
 import struct
 
 import numpy as np
 import pytest
 import soundfile as sf
 
+from bench.fuzz_uploads import encode as encode_blocks  # blockwise writes: libvorbis crashes on one long write
 from cosyvoice_runtime.frontend import audio_file
 from cosyvoice_runtime.frontend.audio import decode_audio
 from cosyvoice_runtime.frontend.audio_file import AudioLimits, read_audio, read_header
 from cosyvoice_runtime.frontend.errors import InvalidAudioError, PromptTooLongError
 from tests.runtime.frontend.conftest import tone
-
-
-def encode_blocks(samples: np.ndarray, sr: int, fmt: str, subtype: str | None = None) -> bytes:
-    """Written in blocks: libvorbis crashes on one multi-minute write."""
-    channels = 1 if samples.ndim == 1 else samples.shape[1]
-    buf = io.BytesIO()
-    with sf.SoundFile(buf, "w", sr, channels, format=fmt, subtype=subtype) as f:
-        for i in range(0, samples.shape[0], 1 << 15):
-            f.write(samples[i:i + (1 << 15)])
-    return buf.getvalue()
 
 
 def wav_header(channels: int, rate: int, data_bytes: int, bits: int = 16) -> bytes:
