@@ -22,6 +22,7 @@ import pytest
 
 from tests.deployments import fakes
 from tests.integration.conftest import TEST_ARGS, replica_ongoing
+from tests.integration.waiting import GUARD_S, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -56,17 +57,6 @@ def faults_app(ray_session):
 
 def _speech(text: str, stream: bool = True, seed: int | None = None) -> dict:
     return {"model": "tts-1", "input": text, "voice": VOICE, "response_format": "pcm", "stream": stream, "seed": seed}
-
-
-GUARD_S = 120.0  # turns a state that never comes into a failure instead of a hang (not a synchronisation)
-
-
-def _wait_for(predicate, what: str) -> None:
-    """Poll ``predicate`` (replica state) until it holds; fail after GUARD_S."""
-    deadline = time.monotonic() + GUARD_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"never reached: {what}"
-        time.sleep(0.1)  # spacing between polls, not a synchronisation
 
 
 def _engines(url: str, timeout_s: float = GUARD_S) -> dict[str, dict]:
@@ -171,13 +161,13 @@ def test_killed_replica_mid_stream(faults_app):
             ongoing.update(replica_ongoing(APP, "Synthesizer"))
             return len(ongoing) == 2 and sum(ongoing.values()) == 6
 
-        _wait_for(all_inside, "six streams inside two replicas")
+        wait_for(all_inside, "six streams inside two replicas")
         # Routing spreads six streams over two replicas (four slots each); each side gets some.
         assert all(ongoing.values()), ongoing
         victim_name = min(ongoing)
         ray.kill(ray.get_actor(victim_name, namespace="serve"), no_restart=True)
         # The victim's streams end by themselves (with an error: the others are still held).
-        _wait_for(lambda: sum(s.done for s in streams) == ongoing[victim_name], "the victim's streams end")
+        wait_for(lambda: sum(s.done for s in streams) == ongoing[victim_name], "the victim's streams end")
         fakes.release(seed)  # the survivors run to their end
         for s in streams:
             s.join(GUARD_S)
@@ -192,7 +182,7 @@ def test_killed_replica_mid_stream(faults_app):
     for s in broken:  # a clean, prompt transport error, not a timeout or a truncated "success"
         assert s.error in ("RemoteProtocolError", "ReadError"), (s.error, s.nbytes)
     # Serve replaces the replica ...
-    _wait_for(lambda: len(now := _synth_replicas()) == 2 and victim_name not in now
+    wait_for(lambda: len(now := _synth_replicas()) == 2 and victim_name not in now
               and _running("Synthesizer") == 2, "a replacement replica running")
     # ... and new requests (both replicas, unary and streamed) succeed.
     for stream in (False, True, False, True):
@@ -246,7 +236,7 @@ def test_request_timeout_frees_its_slot(faults_app):
     with socket.create_connection((parts.hostname, parts.port), timeout=GUARD_S) as sock:
         sock.sendall(f"POST {parts.path}/v1/audio/speech HTTP/1.1\r\nHost: {parts.netloc}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        _wait_for(lambda: sum(e["running"] for e in _engines(url).values()) == 1, "the request decoding")
+        wait_for(lambda: sum(e["running"] for e in _engines(url).values()) == 1, "the request decoding")
         sock.shutdown(socket.SHUT_RDWR)
     engines = _assert_idle(url)
     assert sum(e["aborted"] for e in engines.values()) == before + 1, engines  # aborted, not decoded to the end

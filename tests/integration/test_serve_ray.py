@@ -5,7 +5,6 @@ import asyncio
 import io
 import re
 import struct
-import time
 import wave
 
 import httpx
@@ -16,19 +15,11 @@ import soundfile as sf
 from deployments.protocol import InvalidInputError, SynthesisMode, SynthesisRequest, VoiceNotFoundError
 from tests.deployments import fakes
 from tests.integration.conftest import APP_NAME, replica_ongoing
+from tests.integration.waiting import GUARD_S, wait_for
 
 pytestmark = pytest.mark.ray
 
 SR = fakes.SAMPLE_RATE
-GUARD_S = 120.0  # turns a state that never comes into a failure instead of a hang (not a synchronisation)
-
-
-def _wait_for(predicate, what: str) -> None:
-    """Poll ``predicate`` (replica state) until it holds; fail after GUARD_S."""
-    deadline = time.monotonic() + GUARD_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"never reached: {what}"
-        time.sleep(0.05)  # spacing between polls, not a synchronisation
 
 
 def _prompt_wav(seconds: float = 2.0, sr: int = 16000) -> bytes:
@@ -221,7 +212,7 @@ def test_concurrent_requests_are_batched(tts_app, voice):
     async def main():
         async with httpx.AsyncClient(timeout=GUARD_S) as client:
             calls = asyncio.gather(*(one(client, i) for i in range(4)))
-            await asyncio.to_thread(_wait_for, lambda: list(replica_ongoing(APP_NAME, "Synthesizer").values()) == [4],
+            await asyncio.to_thread(wait_for, lambda: list(replica_ongoing(APP_NAME, "Synthesizer").values()) == [4],
                                     "4 streams in the synthesizer (4 slots: all decoding)")
             fakes.release(seed)
             return await calls
@@ -286,7 +277,7 @@ def test_disconnect_mid_stream_frees_the_decode_slot(tts_app, voice):
         e = _engine_stats(tts_app)
         return e["running"] == 0 and e["open_streams"] == 0
 
-    _wait_for(freed, "the slot freed")
+    wait_for(freed, "the slot freed")
     assert _engine_stats(tts_app)["aborted"] == before["aborted"] + 1
 
 
@@ -301,7 +292,7 @@ def test_health_and_metrics(tts_app, voice):
     assert rep["ready"] and rep["device"] == "cpu" and "gpu_memory_allocated_bytes" in rep
     assert rep["mode"] == "pytorch" and rep["mode_source"] in ("config", "env", "default")
     # Serve's running count, read by the ingress's background task (in a thread, off the event loop)
-    _wait_for(lambda: httpx.get(f"{url}/health", timeout=30).json()["synthesizer_running_replicas"] == 1,
+    wait_for(lambda: httpx.get(f"{url}/health", timeout=30).json()["synthesizer_running_replicas"] == 1,
               "the ingress read Serve's running count")
     # one answered and one refused request of its own: the counters below exist whatever ran before
     assert httpx.get(f"{url}/v1/voices", timeout=30).status_code == 200
