@@ -21,7 +21,7 @@ export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=
 } > "$OUT/checks.txt" 2>&1
 cat "$OUT/checks.txt"
 if [ "${COLOC_S:-0}" -gt 0 ]; then
-  timeout "$COLOC_S" python3 -m tests.integration.measure_colocation --steps 200 --flow-jobs 20 > "$OUT/colocation.txt" 2>&1
+  timeout "$COLOC_S" python3 -m bench.measure_colocation --steps 200 --flow-jobs 20 > "$OUT/colocation.txt" 2>&1
   tail -30 "$OUT/colocation.txt"
 fi
 python3 -m cosyvoice_runtime.tiny_model --size full --out /tmp/cv2-full > /dev/null 2>&1 || echo "full-size model: failed"

@@ -1,8 +1,8 @@
-"""The one-vs-two deployments measurement (tests/integration/measure_colocation.py) runs end to end
+"""The one-vs-two deployments measurement (bench/measure_colocation.py) runs end to end
 on the CPU with the tiny model: every layout reports its timings (the GPU numbers come from a lease)."""
 from __future__ import annotations
 
-from tests.integration.measure_colocation import Setup, measure
+from bench.measure_colocation import Setup, measure
 
 
 def test_every_layout_is_measured():

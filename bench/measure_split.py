@@ -1,6 +1,6 @@
 """Measure what splitting token generation and token2wav into two deployments would cost.
 
-Run: RAY_AUTH_MODE=disabled .venv/bin/python -m tests.integration.measure_split
+Run: RAY_AUTH_MODE=disabled .venv/bin/python -m bench.measure_split
 
 Measures on real local Ray (no model): (1) per-item latency of a handle stream (what a
 TokenGenerator -> Token2Wav token stream costs per token), (2) round trip of a unary handle call

@@ -11,7 +11,7 @@ Full-size CosyVoice2 architecture with random weights (timing only), fp16 LLM + 
 All three with the replica's CUDA graphs (LLM decode, flow solve + encoder, vocoder), as a GPU
 replica runs by default; ``--eager`` measures without them.
 
-Run on a GPU machine: ``python -m tests.integration.measure_colocation [--eager]``. The CPU test
+Run on a GPU machine: ``python -m bench.measure_colocation [--eager]``. The CPU test
 runs it on the tiny model with a few steps (``--device cpu --size tiny``) so that a lease is
 never spent on a script that fails.
 """
