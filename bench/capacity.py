@@ -31,7 +31,7 @@ from bench.capacity_report import write_report
 from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, SimTarget
 from bench.gpu_bench import make_model, make_voice, mode_setup
 from bench.load import register_voices
-from bench.replica_sim import ReplicaSim
+from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
 from bench.report import _slug
 from bench.soak import start_local, wait_idle
 
@@ -64,15 +64,15 @@ class Run:
 
     def workload(self) -> dict:
         return {"mix": self.work.mix.describe(), "seed": self.work.seed, "window_s": self.work.window_s,
-                "ramp_s": self.work.ramp_s, "prompt_s": 87 / TOKENS_PER_S, "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
+                "ramp_s": self.work.ramp_s, "prompt_s": PROMPT_SPEECH / TOKENS_PER_S, "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
                 "slo_underruns": self.slo.max_underruns, "family": self.args.family, "level": self.args.level}
 
-    def write(self) -> None:
+    def write(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
         doc = {"device": self.device, "date": self.date, "workload": self.workload(), "searches": self.searches}
         (self.out / f"{self.stem}.json").write_text(json.dumps(doc, indent=1, default=str))
         write_report(self.out, self.stem, doc)
-        update_latest(self)  # after every probe: a run cut short still leaves its finished searches there
+        return update_latest(self)  # after every probe: a run cut short still leaves its finished searches there
 
 
 def _probe_extra(probe: Probe, sampler: GpuSampler | None, target) -> dict:
@@ -106,7 +106,7 @@ def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) 
 
 def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
     url = start_local(Path(args.config), num_cpus=args.num_cpus)
-    voice = register_voices(url, 1, prefix="capacity", prompt_seconds=(87 / TOKENS_PER_S,))[0]
+    voice = register_voices(url, 1, prefix="capacity", prompt_seconds=(PROMPT_SPEECH / TOKENS_PER_S,))[0]
 
     def settle() -> None:  # the next probe starts on an idle service
         if not wait_idle(url, timeout_s=120):
@@ -212,8 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if sampler:
             sampler.close()
-        run.write()
-    latest = update_latest(run)
+        latest = run.write()
     logger.info("done in %.0f s: %s", time.perf_counter() - t0,
                 {k: latest.get(k) for k in ("slo_streams", "slo_streams_serve", "slo_rate_rps", "ttfb_p50_ms_c1")})
     return latest

@@ -19,7 +19,7 @@ import time
 import httpx
 import torch
 
-from bench.metrics import RequestTrace
+from bench.metrics import RequestTrace, percentile
 from bench.replica_sim import ReplicaSim
 from cosyvoice_runtime.pipeline import VoicePrompt
 
@@ -87,20 +87,17 @@ class SimTarget:
         new = [s for s in self.sim.streams.values() if t0 <= s.trace.submitted_s < t1]
         token = [s.first_token_s - s.trace.submitted_s for s in new if s.first_token_s]
         job = [s.first_job_s - s.trace.submitted_s for s in new if s.first_job_s]
+        bulk_s, express_s = [b[0] for b in batches], [b[0] for b in express]
         return {  # first audio = first token + the rest of the first chunk's tokens + wait + first job
-                "first_token_ms_p50": _ms(statistics.median(token)) if token else None,
-                "first_token_ms_p99": _ms(_q(token, 0.99)) if token else None,
-                "first_job_start_ms_p50": _ms(statistics.median(job)) if job else None,
-                "first_job_start_ms_p99": _ms(_q(job, 0.99)) if job else None,"decode_step_ms_p50": _ms(statistics.median(steps)) if steps else None,
-                "decode_step_ms_p99": _ms(_q(steps, 0.99)) if steps else None,
-                "t2w_batch_ms_p50": _ms(statistics.median(b[0] for b in batches)) if batches else None,
-                "t2w_batch_ms_p99": _ms(_q([b[0] for b in batches], 0.99)) if batches else None,
+                "first_token_ms_p50": _ms_at(token, 50), "first_token_ms_p99": _ms_at(token, 99),
+                "first_job_start_ms_p50": _ms_at(job, 50), "first_job_start_ms_p99": _ms_at(job, 99),
+                "decode_step_ms_p50": _ms_at(steps, 50), "decode_step_ms_p99": _ms_at(steps, 99),
+                "t2w_batch_ms_p50": _ms_at(bulk_s, 50), "t2w_batch_ms_p99": _ms_at(bulk_s, 99),
                 "t2w_jobs_per_batch": round(statistics.mean(b[1] for b in batches), 2) if batches else None,
-                "t2w_busy_fraction": round(sum(b[0] for b in batches) / span, 3),
+                "t2w_busy_fraction": round(sum(bulk_s) / span, 3),
                 "first_chunk_jobs": sum(b[2] for b in batches + express),
-                "express_batch_ms_p50": _ms(statistics.median(b[0] for b in express)) if express else None,
-                "express_batch_ms_p99": _ms(_q([b[0] for b in express], 0.99)) if express else None,
-                "express_busy_fraction": round(sum(b[0] for b in express) / span, 3) if express else None}
+                "express_batch_ms_p50": _ms_at(express_s, 50), "express_batch_ms_p99": _ms_at(express_s, 99),
+                "express_busy_fraction": round(sum(express_s) / span, 3) if express else None}
 
 
 def _resolve(fut: asyncio.Future, trace: RequestTrace) -> None:
@@ -108,13 +105,9 @@ def _resolve(fut: asyncio.Future, trace: RequestTrace) -> None:
         fut.set_result(trace)
 
 
-def _ms(seconds: float) -> float:
-    return round(seconds * 1e3, 2)
-
-
-def _q(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+def _ms_at(seconds: list[float], q: float) -> float | None:
+    """The ``q``-th percentile in milliseconds (None when nothing was timed)."""
+    return round(percentile(seconds, q) * 1e3, 2) if seconds else None
 
 
 def text_for(audio_s: float, rng: random.Random) -> str:
