@@ -42,6 +42,8 @@ COPY pyproject.toml README.md ./
 COPY cosyvoice_runtime/ cosyvoice_runtime/
 COPY deployments/ deployments/
 COPY serve_app/ serve_app/
+COPY fastcosy_cli/ fastcosy_cli/
+COPY bench/ bench/
 # The project itself is pinned by this source tree; its dependencies by pyproject.toml.
 # hadolint ignore=DL3013
 RUN if [ -n "${EXTRAS}" ]; then pip install ".[${EXTRAS}]"; else pip install .; fi

@@ -79,7 +79,7 @@ def test_copied_paths_exist_and_are_not_dockerignored():
 
 
 def test_image_default_config_validates():
-    from serve_app.cli_common import load_serve_config
+    from fastcosy_cli.common import load_serve_config
 
     cfg = load_serve_config(REPO / "deploy" / "docker" / "single-gpu.yaml").args
     assert cfg.synthesizer.resources.num_gpus == 1 and cfg.model_dir == "/models/model"
@@ -118,7 +118,7 @@ def test_rayservice_nodes_as_the_kuberay_autoscaler_sees_them_fit_the_replicas()
 
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
-    from serve_app.cli_common import load_serve_config
+    from fastcosy_cli.common import load_serve_config
 
     spec = _rayservice()["spec"]["rayClusterConfig"]
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
@@ -161,7 +161,7 @@ def test_rayservice_probes_run_with_what_the_image_has():
 
 
 def test_rayservice_voices_are_shared_storage_on_every_pod():
-    from serve_app.cli_common import load_serve_config
+    from fastcosy_cli.common import load_serve_config
 
     args = load_serve_config(REPO / "configs" / "production.yaml").args
     voices_dir = Path(args.frontend.voices_dir)
@@ -176,7 +176,7 @@ def test_rayservice_voices_are_shared_storage_on_every_pod():
 
 
 def test_rayservice_token_auth_and_api_keys():
-    from serve_app.cli_common import load_serve_config
+    from fastcosy_cli.common import load_serve_config
 
     spec = _rayservice()["spec"]["rayClusterConfig"]
     assert spec["authOptions"]["mode"] == "token"

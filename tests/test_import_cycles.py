@@ -15,7 +15,8 @@ import textwrap
 import grimp
 import pytest
 
-PRODUCT_PACKAGES = ("serve_app", "deployments", "cosyvoice_runtime")
+# bench is not served, but the CLI runs it (fastcosy bench) and it is installed with the project.
+PRODUCT_PACKAGES = ("fastcosy_cli", "bench", "serve_app", "deployments", "cosyvoice_runtime")
 
 
 def module_cycles(graph: grimp.ImportGraph) -> list[tuple[str, ...]]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from cosyvoice_runtime.trt.plan_key import EngineKey, sha256_file, write_sidecar
 from cosyvoice_runtime.trt.profiles import GIB, EstimatorProfile, ReplicaLimits, derive_profile, fit_to_memory
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,6 @@ def limits_from_args(spec, args: argparse.Namespace) -> ReplicaLimits:
 
 def export_onnx(estimator, out_dir: Path, attention: str, verify: bool) -> tuple[Path, str]:
     """``out_dir/estimator.<attention>.onnx`` and its SHA-256."""
-    from cosyvoice_runtime.trt.engine import sha256_file
     from cosyvoice_runtime.trt.export import export_estimator, verify_onnx
 
     path = out_dir / f"estimator.{attention}.onnx"
@@ -145,15 +145,13 @@ def _progress_monitor(trt):
     return Progress()
 
 
-def write_plan(out_dir: Path, serialized: bytes, key, profile: EstimatorProfile, **meta) -> Path:
+def write_plan(out_dir: Path, serialized: bytes, key: EngineKey, profile: EstimatorProfile, **meta) -> Path:
     """Write the plan atomically (no empty plan after a crash) and its sidecar."""
-    from cosyvoice_runtime.trt.engine import write_sidecar
-
     path = out_dir / key.plan_name()
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(serialized)
     os.replace(tmp, path)
-    write_sidecar(path, key, profile, **meta)
+    write_sidecar(path, key, profile.to_dict(), **meta)
     return path
 
 
@@ -190,7 +188,7 @@ def check_plan(plan_path: Path, estimator, profile: EstimatorProfile, streaming:
 def main(argv: list[str] | None = None) -> int:
     from cosyvoice_runtime.errors import ModelLoadError
     from cosyvoice_runtime.flow.flow import build_flow
-    from cosyvoice_runtime.trt.engine import EngineKey, gpu_compute_capability, sha256_file, tensorrt_version
+    from cosyvoice_runtime.trt.engine import gpu_compute_capability, tensorrt_version
     from cosyvoice_runtime.weights import load_checkpoint
     from cosyvoice_runtime.yaml_config import read_model_spec
 

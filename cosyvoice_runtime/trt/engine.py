@@ -16,10 +16,7 @@ is row-independent). Each call checks an execution context out of a blocking poo
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import importlib.util
-import json
 import logging
 import queue
 from collections.abc import Callable
@@ -31,68 +28,16 @@ import torch
 from torch import nn
 
 from cosyvoice_runtime.errors import InvalidInputError, ModelLoadError
+from cosyvoice_runtime.trt.plan_key import PLAN_SUFFIX, EngineKey, plan_mismatches, read_sidecar, sha256_file
 from cosyvoice_runtime.trt.profiles import EstimatorProfile
 
 logger = logging.getLogger(__name__)
 
-PLAN_SUFFIX = ".plan"
-SIDECAR_SUFFIX = ".json"  # appended to the plan name: estimator_...plan.json
-ATTENTIONS = ("full", "chunk")
-PRECISIONS = ("fp16", "fp32")
 BUILD_HINT = ("build plans on a node with this GPU and TensorRT: fastcosy build-trt --model-dir <model> "
               "--out <trt_plan_dir> [--fp16] [--max-batch N]")
-_HASH_CHUNK = 1 << 22
 
 
-# ----------------------------------------------------------------------------------- cache key
-@dataclass(frozen=True)
-class EngineKey:
-    """What a plan is valid for. Any field that differs means another plan (another file name)."""
-
-    compute_capability: str  # "9.0"
-    tensorrt_version: str  # full version: plans do not load across TensorRT releases
-    profile_hash: str
-    precision: str  # fp16 | fp32
-    onnx_hash: str
-    attention: str = "full"  # full | chunk
-
-    def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-
-    def digest(self) -> str:
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-    def plan_name(self) -> str:
-        """``estimator_full_fp16_sm90_trt10.13.3.9_<digest>.plan``: the sm/trt tokens are for people
-        and ``fastcosy doctor``; the digest covers every field."""
-        sm = self.compute_capability.replace(".", "")
-        return f"estimator_{self.attention}_{self.precision}_sm{sm}_trt{self.tensorrt_version}_{self.digest()}{PLAN_SUFFIX}"
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def sidecar_path(plan: Path) -> Path:
-    return plan.with_name(plan.name + SIDECAR_SUFFIX)
-
-
-def write_sidecar(plan: Path, key: EngineKey, profile: EstimatorProfile, **extra) -> Path:
-    """The ``<plan>.json`` that replicas and ``fastcosy doctor`` read."""
-    meta = {**dataclasses.asdict(key), "key": key.digest(), "profile": profile.to_dict(), **extra}
-    path = sidecar_path(plan)
-    path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    return path
-
-
+# ------------------------------------------------------------------------------- plan lookup
 @dataclass(frozen=True)
 class PlanInfo:
     path: Path
@@ -102,20 +47,15 @@ class PlanInfo:
 
 
 def read_plans(plan_dir: str | Path) -> tuple[list[PlanInfo], list[str]]:
-    """Plans with a readable sidecar, and one line per file that could not be used."""
-    root = Path(plan_dir)
+    """Plans with a usable sidecar (:func:`~cosyvoice_runtime.trt.plan_key.read_sidecar`), and one
+    line per file that could not be used."""
     found, skipped = [], []
-    for plan in sorted(root.glob(f"*{PLAN_SUFFIX}")):
-        side = sidecar_path(plan)
-        if plan.stat().st_size == 0:
-            skipped.append(f"{plan.name}: empty (left by a failed build)")
+    for plan in sorted(Path(plan_dir).glob(f"*{PLAN_SUFFIX}")):
+        meta, unusable = read_sidecar(plan)
+        if meta is None:
+            skipped.append(f"{plan.name}: {unusable}")
             continue
-        try:
-            meta = json.loads(side.read_text())
-            key = EngineKey(**{f.name: str(meta[f.name]) for f in dataclasses.fields(EngineKey)})
-            found.append(PlanInfo(plan, key, EstimatorProfile.from_dict(meta["profile"]), meta))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            skipped.append(f"{plan.name}: no usable {side.name} ({type(exc).__name__}: {exc})")
+        found.append(PlanInfo(plan, EngineKey.from_sidecar(meta), EstimatorProfile.from_dict(meta["profile"]), meta))
     return found, skipped
 
 
@@ -132,21 +72,10 @@ def select_plans(plans: list[PlanInfo], *, compute_capability: str, tensorrt_ver
     chosen: dict[str, PlanInfo] = {}
     rejected: list[str] = []
     for p in plans:
-        k = p.key
-        why = []
-        if k.compute_capability != compute_capability:
-            why.append(f"built for sm{k.compute_capability}, this GPU is sm{compute_capability}")
-        if k.tensorrt_version != tensorrt_version:
-            why.append(f"built with TensorRT {k.tensorrt_version}, installed is {tensorrt_version}")
-        if precision is not None and k.precision != precision:
-            why.append(f"precision {k.precision}, wanted {precision}")
-        if flow_sha256 and p.meta.get("flow_sha256") and p.meta["flow_sha256"] != flow_sha256:
-            why.append("exported from another flow.pt")
-        if profile is not None and not (p.profile.covers(profile.rows[0], profile.frames[0])
-                                        and p.profile.covers(profile.rows[2], profile.frames[2])
-                                        and p.profile.n_mels == profile.n_mels and p.profile.spk_dim == profile.spk_dim):
-            why.append(f"profile rows {p.profile.rows} frames {p.profile.frames} does not cover "
-                       f"rows {profile.rows} frames {profile.frames}")
+        why = plan_mismatches(p.key, p.profile.to_dict(), p.meta.get("flow_sha256"),
+                              compute_capability=compute_capability, tensorrt_version=tensorrt_version,
+                              precision=precision, needed=profile.to_dict() if profile is not None else None,
+                              flow_sha256=flow_sha256)
         if why:
             rejected.append(f"{p.path.name}: " + "; ".join(why))
             continue
@@ -155,8 +84,8 @@ def select_plans(plans: list[PlanInfo], *, compute_capability: str, tensorrt_ver
             exact = profile is not None and q.key.profile_hash == profile.digest()
             return (exact, q.key.precision == "fp16", q.profile.rows[2] * q.profile.frames[2])
 
-        if k.attention not in chosen or rank(p) > rank(chosen[k.attention]):
-            chosen[k.attention] = p
+        if p.key.attention not in chosen or rank(p) > rank(chosen[p.key.attention]):
+            chosen[p.key.attention] = p
     return chosen, rejected
 
 

@@ -49,7 +49,7 @@ def test_which_configs_ask_for_the_tiny_model():
 
 
 def test_doctor_fails_a_config_that_would_refuse_to_start():
-    from serve_app.doctor import Environment, Status, check_model_dir
+    from fastcosy_cli.doctor_checks import Environment, Status, check_model_dir
 
     assert check_model_dir(Environment(model_dir=None, tiny_allowed=False)).status is Status.FAIL
     assert check_model_dir(Environment(model_dir=None, tiny_allowed=True)).status is Status.WARN

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from serve_app.cli_synth import split_segments
+from fastcosy_cli.synth import split_segments
 from tests.deployments import fakes
 
 pytestmark = pytest.mark.ray
@@ -29,7 +29,7 @@ VOICE = "cli-voice"
 
 def fastcosy(*args: str) -> subprocess.CompletedProcess:
     script = Path(sys.executable).with_name("fastcosy")
-    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "serve_app.cli"]
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "fastcosy_cli"]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=180, check=False)
 
 

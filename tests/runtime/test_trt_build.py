@@ -32,20 +32,21 @@ def test_without_tensorrt_onnx_is_written_then_exit_2(tmp_path, caplog):
     assert not list(tmp_path.glob("*.plan"))
 
 
-def test_cli_forwards_to_the_builder(monkeypatch):
-    from serve_app import cli, cli_tools
+def test_cli_forwards_to_the_builder(monkeypatch, tmp_path, capsys):
+    from fastcosy_cli.main import main
 
     seen = {}
 
-    class FakeBuilder:
-        @staticmethod
-        def main(argv):
-            seen["argv"] = argv
-            return 2
+    def fake_main(argv):
+        seen["argv"] = argv
+        return 2
 
-    monkeypatch.setattr(cli_tools, "_module_or_none", lambda name: FakeBuilder)
-    assert cli.main(["build-trt", "--model-dir", "/m", "--out", "/p", "--fp16"]) == 2
-    assert seen["argv"] == ["--model-dir", "/m", "--out", "/p", "--fp16"]
+    monkeypatch.setattr(build, "main", fake_main)
+    argv = ["--model-dir", str(parity_dir() / "cosyvoice3" / "model"), "--out", str(tmp_path), "--fp16"]
+    assert main(["build-trt", *argv]) == 2
+    assert seen["argv"] == argv
+    summary = capsys.readouterr().out
+    assert "precision    fp16" in summary and "failed (exit 2" in summary
 
 
 def test_too_small_memory_budget_is_exit_2(tmp_path):

@@ -15,14 +15,13 @@ from cosyvoice_runtime.errors import InvalidInputError, ModelLoadError
 from cosyvoice_runtime.trt import engine as trt_engine
 from cosyvoice_runtime.trt.engine import (
     ContextPool,
-    EngineKey,
     PlanInfo,
     TrtEstimator,
     load_trt_estimator,
     read_plans,
     select_plans,
-    write_sidecar,
 )
+from cosyvoice_runtime.trt.plan_key import EngineKey, write_sidecar
 from cosyvoice_runtime.trt.profiles import EstimatorProfile
 
 PROFILE = EstimatorProfile(rows=(2, 4, 8), frames=(2, 100, 400), n_mels=80, spk_dim=80)
@@ -49,24 +48,20 @@ def test_cache_key_changes_with_gpu_trt_profile_precision_onnx():
 def _plan(tmp_path, key: EngineKey, profile: EstimatorProfile = PROFILE, **meta):
     path = tmp_path / key.plan_name()
     path.write_bytes(b"plan")
-    write_sidecar(path, key, profile, **meta)
+    write_sidecar(path, key, profile.to_dict(), **meta)
     return path
 
 
-def test_sidecar_round_trip_and_doctor_reads_it(tmp_path):
-    from serve_app.doctor import read_plan_sidecar
-
+def test_read_plans_keeps_usable_plans_and_says_why_it_skips_the_others(tmp_path):
     path = _plan(tmp_path, KEY, flow_sha256="f" * 64)
     (tmp_path / "broken.plan").write_bytes(b"")
     (tmp_path / "nosidecar.plan").write_bytes(b"x")
     plans, skipped = read_plans(tmp_path)
     assert [p.key for p in plans] == [KEY] and plans[0].profile == PROFILE
     assert plans[0].meta["flow_sha256"] == "f" * 64
-    assert any("broken.plan: empty" in s for s in skipped) and any("nosidecar.plan" in s for s in skipped)
-    meta, why = read_plan_sidecar(path)
-    assert why is None and (meta["compute_capability"], meta["tensorrt_version"]) == ("9.0", "10.13.3.9")
-    assert read_plan_sidecar(tmp_path / "broken.plan")[0] is None
-    assert "sidecar" in read_plan_sidecar(tmp_path / "nosidecar.plan")[1]
+    assert sorted(skipped) == ["broken.plan: empty (left by a failed build)",
+                               "nosidecar.plan: no nosidecar.plan.json sidecar (replicas skip plans without one)"]
+    assert plans[0].path == path
 
 
 def test_plan_selection_rejects_other_gpu_trt_and_small_profiles(tmp_path):

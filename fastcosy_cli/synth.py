@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serve_app.cli_common import CliError, out
+from fastcosy_cli.common import CliError, out
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def _local_session(args: argparse.Namespace):
 
     model_dir, family, voices_dir = args.model_dir, "cosyvoice2", None
     if args.config:
-        from serve_app.cli_common import load_serve_config
+        from fastcosy_cli.common import load_serve_config
 
         cfg = load_serve_config(args.config).args
         model_dir = model_dir or cfg.synthesizer.model_dir or cfg.frontend.model_dir or cfg.model_dir

@@ -1,25 +1,34 @@
 """``fastcosy doctor``: independent checks of a serving node, each with the fix for a failure.
 
 Every check is a pure function of an :class:`Environment` (facts probed from the machine by
-:func:`serve_app.cli_doctor.probe_environment`, or written by hand in tests) and returns
+:func:`fastcosy_cli.doctor.probe_environment`, or written by hand in tests) and returns
 :class:`CheckResult` records ``(name, status, message, fix)``. Checks never raise: a check that
 crashes is reported as a failure of that check only. A ``fail`` means serving with this
 configuration will not work (exit code 1); a ``warn`` means it works but something is likely
 wrong or slow.
 
-This module imports only the standard library at import time, so that it runs on a bare GPU
-node before the serving stack is installed.
+This module imports only the standard library and the standard-library-only TensorRT plan
+rule (:mod:`cosyvoice_runtime.trt.plan_key`, the one the replica's loader applies) at import
+time, so that it runs on a bare GPU node before the serving stack is installed.
 """
 from __future__ import annotations
 
 import enum
-import hashlib
 import json
 import re
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cosyvoice_runtime.trt.plan_key import (
+    FLOW_CHECKPOINT,
+    PLAN_SUFFIX,
+    EngineKey,
+    plan_mismatches,
+    read_sidecar,
+    sha256_file,
+)
 
 GIB = 1024**3
 
@@ -50,17 +59,6 @@ REQUIRED_FILES = {
 _TOKENIZER_ALTERNATIVES = (("CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt"),
                            ("CosyVoice-BlankEN/tokenizer.json",))
 CHECKSUMS_FILE = "checksums.json"
-FLOW_CHECKPOINT = "flow.pt"
-
-# The TensorRT plan rule of the loader (cosyvoice_runtime.trt.engine: read_plans, select_plans,
-# EngineKey), restated with the standard library so doctor runs before torch is installed.
-# tests/serve_app/test_doctor_trt_rule.py checks that both accept and reject the same plans.
-PLAN_SUFFIX = ".plan"
-PLAN_SIDECAR_SUFFIX = ".json"  # appended to the plan's name
-PLAN_KEY_FIELDS = ("compute_capability", "tensorrt_version", "profile_hash", "precision", "onnx_hash", "attention")
-PLAN_PROFILE_FIELDS = ("rows", "frames", "n_mels", "spk_dim")
-PLAN_PRECISIONS = ("fp16", "fp32")
-PLAN_ATTENTIONS = ("full", "chunk")
 # ONNX files are parsed (catches truncation) only up to this size; larger ones are size-checked.
 _ONNX_PARSE_LIMIT_BYTES = 64 * 1024**2
 
@@ -319,76 +317,6 @@ def check_tensorrt(env: Environment) -> CheckResult:
     return CheckResult("tensorrt", Status.OK, f"TensorRT {env.tensorrt_version}{used}")
 
 
-def plan_sidecar_path(plan: Path) -> Path:
-    return plan.with_name(plan.name + PLAN_SIDECAR_SUFFIX)
-
-
-def _valid_range(value) -> bool:
-    return (isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, int) for v in value)
-            and 1 <= value[0] <= value[1] <= value[2])
-
-
-def read_plan_sidecar(plan: Path) -> tuple[dict | None, str | None]:
-    """``(sidecar, None)`` when the loader can use the plan, else ``(None, why not)``.
-
-    The loader's rule (``read_plans``): a non-empty plan with a ``<plan>.json`` that holds
-    every cache-key field, a known precision and attention, and a well-formed profile.
-    """
-    if plan.stat().st_size == 0:
-        return None, "empty (left by a failed build)"
-    side = plan_sidecar_path(plan)
-    try:
-        meta = json.loads(side.read_text())
-    except FileNotFoundError:
-        return None, f"no {side.name} sidecar (replicas skip plans without one)"
-    except (OSError, ValueError) as exc:
-        return None, f"{side.name} is unreadable ({type(exc).__name__})"
-    if not isinstance(meta, dict):
-        return None, f"{side.name} does not hold an object"
-    missing = [k for k in (*PLAN_KEY_FIELDS, "profile") if k not in meta]
-    if missing:
-        return None, f"{side.name} lacks {', '.join(missing)}"
-    if str(meta["precision"]) not in PLAN_PRECISIONS:
-        return None, f"{side.name}: unknown precision {meta['precision']!r}"
-    if str(meta["attention"]) not in PLAN_ATTENTIONS:
-        return None, f"{side.name}: unknown attention {meta['attention']!r}"
-    prof = meta["profile"]
-    if (not isinstance(prof, dict) or any(k not in prof for k in PLAN_PROFILE_FIELDS)
-            or not _valid_range(prof["rows"]) or not _valid_range(prof["frames"])):
-        return None, f"{side.name}: malformed profile"
-    return meta, None
-
-
-def profile_covers(built: dict, needed: dict) -> bool:
-    """The loader's coverage rule: the plan's ranges hold the needed min and max shapes."""
-    def covers(rows: int, frames: int) -> bool:
-        return built["rows"][0] <= rows <= built["rows"][2] and built["frames"][0] <= frames <= built["frames"][2]
-
-    return (covers(needed["rows"][0], needed["frames"][0]) and covers(needed["rows"][2], needed["frames"][2])
-            and int(built["n_mels"]) == int(needed["n_mels"]) and int(built["spk_dim"]) == int(needed["spk_dim"]))
-
-
-def plan_mismatches(meta: dict, *, compute_capability: str | None, tensorrt_version: str | None,
-                    needed: dict | None = None, flow_sha256: str | None = None) -> list[str]:
-    """Why a replica on this node rejects a plan (the loader's ``select_plans``); [] = it loads it.
-
-    Exact comparisons, as the loader makes them: a plan is valid for one compute capability
-    ("12.0") and one full TensorRT version ("10.13.3.9"; plans do not load across TensorRT
-    releases, patch releases included). A fact passed as None is not compared.
-    """
-    why = []
-    if compute_capability is not None and str(meta["compute_capability"]) != compute_capability:
-        why.append(f"built for sm{meta['compute_capability']}, this GPU is sm{compute_capability}")
-    if tensorrt_version is not None and str(meta["tensorrt_version"]) != tensorrt_version:
-        why.append(f"built with TensorRT {meta['tensorrt_version']}, installed is {tensorrt_version}")
-    if flow_sha256 and meta.get("flow_sha256") and meta["flow_sha256"] != flow_sha256:
-        why.append(f"exported from another {FLOW_CHECKPOINT}")
-    if needed is not None and not profile_covers(meta["profile"], needed):
-        why.append(f"profile rows {tuple(meta['profile']['rows'])} frames {tuple(meta['profile']['frames'])} does "
-                   f"not cover rows {tuple(needed['rows'])} frames {tuple(needed['frames'])}")
-    return why
-
-
 def _capability_text(cap: tuple[int, int]) -> str:
     return f"{cap[0]}.{cap[1]}"  # as the loader formats torch.cuda.get_device_capability()
 
@@ -423,14 +351,15 @@ def check_engine_cache(env: Environment) -> list[CheckResult]:
     flow_sha: str | None = None
     verdicts: list[tuple[Path, dict | None, list[str]]] = []
     for plan in plans:
-        meta, unusable = read_plan_sidecar(plan)
+        meta, unusable = read_sidecar(plan)
         if meta is None:
             verdicts.append((plan, None, [unusable]))
             continue
         if (flow_sha is None and env.verify_checksums and meta.get("flow_sha256") and flow is not None
                 and flow.is_file()):
-            flow_sha = _sha256(flow)
-        verdicts.append((plan, meta, plan_mismatches(meta, compute_capability=capability,
+            flow_sha = sha256_file(flow)
+        verdicts.append((plan, meta, plan_mismatches(EngineKey.from_sidecar(meta), meta["profile"],
+                                                     meta.get("flow_sha256"), compute_capability=capability,
                                                      tensorrt_version=env.tensorrt_version,
                                                      needed=env.trt_profile_needed, flow_sha256=flow_sha)))
     usable = [(p, m) for p, m, why in verdicts if not why]
@@ -502,14 +431,6 @@ def check_model_dir(env: Environment) -> CheckResult:
     return CheckResult("model_dir", Status.OK, f"{family} file set complete in {d}")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _file_problem(path: Path) -> str | None:
     """Why a model file cannot load (cheap structural checks), or None."""
     size = path.stat().st_size
@@ -559,7 +480,7 @@ def check_model_files(env: Environment) -> CheckResult:
             p = d / rel
             if not p.is_file():
                 bad.append(f"{rel} (missing)")
-            elif _sha256(p) != digest:
+            elif sha256_file(p) != digest:
                 bad.append(f"{rel} (checksum mismatch)")
         what = f"{len(sums)} files match {CHECKSUMS_FILE}"
     else:

@@ -1,13 +1,13 @@
 """Offline tools of ``fastcosy``: ``make-tiny-model``, ``build-trt``, ``bench``, ``config-reference``.
 
 ``build-trt`` and ``bench`` hand their arguments to the modules that implement them
-(``cosyvoice_runtime.trt.build``, ``bench.gpu_bench``) and say so plainly, with exit code 2,
-where this installation does not have them.
+(``cosyvoice_runtime.trt.build``, ``bench.gpu_bench``; ``bench`` is installed with the project).
+Those modules import torch, so each command imports its module when it runs: ``fastcosy --help``
+and ``fastcosy doctor`` must work on a node where torch is not installed yet.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import logging
 import sys
@@ -16,22 +16,11 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from serve_app.cli_common import EXIT_PROBLEM, CliError, out
+from fastcosy_cli.common import EXIT_PROBLEM, CliError, out
 
 logger = logging.getLogger(__name__)
 
-TRT_BUILD_MODULE = "cosyvoice_runtime.trt.build"
-BENCH_MODULE = "bench.gpu_bench"
 DEFAULT_REFERENCE_PATH = Path("docs/configuration.md")
-
-
-def _module_or_none(name: str):
-    try:
-        if importlib.util.find_spec(name) is None:
-            return None
-    except ModuleNotFoundError:  # a missing parent package
-        return None
-    return importlib.import_module(name)
 
 
 def _forward(args: argparse.Namespace) -> list[str]:
@@ -69,7 +58,7 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
 def add_build_trt(sub: argparse._SubParsersAction) -> None:
     # add_help=False: --help reaches the builder's parser, which owns the flags.
     p = sub.add_parser("build-trt", add_help=False, help="offline TensorRT plan build for the flow estimator "
-                       f"(python -m {TRT_BUILD_MODULE}; fastcosy build-trt --help lists its flags)")
+                       "(python -m cosyvoice_runtime.trt.build; fastcosy build-trt --help lists its flags)")
     p.set_defaults(func=run_build_trt, forward_rest=True)
 
 
@@ -88,26 +77,24 @@ class BuildPlan:
     profile: object  # EstimatorProfile
 
 
-def plan_build(builder, argv: list[str]) -> BuildPlan | None:
-    """Parse ``argv`` with the builder's parser and derive its limits and profile (no export);
-    None for a builder without that parser (then there is no summary).
+def plan_build(argv: list[str]) -> BuildPlan:
+    """Parse ``argv`` with the builder's parser and derive its limits and profile (no export).
 
     Raises:
         SystemExit: bad arguments or ``--help`` (argparse's own behaviour).
         CliError: the model directory does not load, or the memory budget is too small.
     """
     from cosyvoice_runtime.errors import CosyVoiceError
+    from cosyvoice_runtime.trt import build as trt_build
     from cosyvoice_runtime.trt.profiles import ReplicaLimits, derive_profile
     from cosyvoice_runtime.yaml_config import read_model_spec
 
     # The builder's own parser: the same flags, defaults and errors.
-    if not (callable(getattr(builder, "build_parser", None)) and callable(getattr(builder, "limits_from_args", None))):
-        return None
-    a = builder.build_parser().parse_args(argv)
+    a = trt_build.build_parser().parse_args(argv)
     try:
         spec = read_model_spec(a.model_dir)
         requested = ReplicaLimits(max_flow_batch=a.max_batch, max_prompt_s=a.max_prompt_s, max_total_s=a.max_total_s)
-        limits = builder.limits_from_args(spec, a)
+        limits = trt_build.limits_from_args(spec, a)
     except CosyVoiceError as exc:
         raise CliError(f"cannot build TensorRT plans: {exc}") from None
     except ValueError as exc:  # limits out of range, or a memory budget below the fixed costs
@@ -158,44 +145,37 @@ def build_summary(plan: BuildPlan, rc: int, started: float) -> str:
 
 
 def run_build_trt(args: argparse.Namespace) -> int:
-    builder = _module_or_none(TRT_BUILD_MODULE)
-    if builder is None or not callable(getattr(builder, "main", None)):
-        raise CliError(f"TensorRT plan building is not available in this installation: {TRT_BUILD_MODULE} (with a "
-                       "main(argv)) does not exist. Serve with synthesizer.mode: pytorch meanwhile.")
     from cosyvoice_runtime.errors import CosyVoiceError
+    from cosyvoice_runtime.trt import build as trt_build
 
     argv = _forward(args)
-    plan = plan_build(builder, argv)
+    plan = plan_build(argv)
     started = time.time()
     with warnings.catch_warnings():
         # torch's ONNX exporter warns once per graph pass about Slice folding: noise for an operator.
         warnings.filterwarnings("ignore", message="Constant folding", category=UserWarning)
         try:
             # Without tensorrt the builder still writes the ONNX files, then exits 2 with what to install.
-            rc = int(builder.main(argv) or 0)
+            rc = int(trt_build.main(argv) or 0)
         except CosyVoiceError as exc:
             raise CliError(f"cannot build TensorRT plans: {exc}") from None
-    if plan is not None:
-        out(build_summary(plan, rc, started))
+    out(build_summary(plan, rc, started))
     return rc
 
 
 # ---------------------------------------------------------------------------------------- bench
 def add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", add_help=False, help=f"GPU streaming benchmark (python -m {BENCH_MODULE}, from the "
-                       "repository root; fastcosy bench --help lists its flags)")
+    p = sub.add_parser("bench", add_help=False, help="GPU streaming benchmark (python -m bench.gpu_bench; "
+                       "fastcosy bench --help lists its flags)")
     p.set_defaults(func=run_bench, forward_rest=True)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    bench = _module_or_none(BENCH_MODULE)
-    if bench is None or not callable(getattr(bench, "main", None)):
-        raise CliError(f"the benchmark ({BENCH_MODULE}) is not importable: it lives in the repository's bench/ "
-                       "folder, which is not part of the installed package; run fastcosy bench from the "
-                       "repository root")
+    from bench import gpu_bench
+
     prog, sys.argv[0] = sys.argv[0], "fastcosy bench"  # the benchmark's parser names itself after argv[0]
     try:
-        return int(bench.main(_forward(args)) or 0)
+        return int(gpu_bench.main(_forward(args)) or 0)
     finally:
         sys.argv[0] = prog
 
@@ -209,7 +189,7 @@ def add_config_reference(sub: argparse._SubParsersAction) -> None:
 
 
 def run_config_reference(args: argparse.Namespace) -> int:
-    from serve_app.cli_config_reference import render_reference
+    from fastcosy_cli.config_reference import render_reference
 
     text = render_reference()
     if args.output == "-":

@@ -27,9 +27,9 @@ _TIMEOUT_S = 240
 
 
 def fastcosy(*args: str, cwd: Path | None = None, timeout: float = _TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run the installed console script (``python -m serve_app.cli`` when it is not on disk)."""
+    """Run the installed console script (``python -m fastcosy_cli`` when it is not on disk)."""
     script = Path(sys.executable).with_name("fastcosy")
-    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "serve_app.cli"]
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "fastcosy_cli"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "FAST_COSY_MODEL_DIR": ""}
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env,
                           check=False)

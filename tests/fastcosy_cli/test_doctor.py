@@ -4,12 +4,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from serve_app import cli_doctor
-from serve_app.doctor import (
+from fastcosy_cli import doctor
+from fastcosy_cli.doctor_checks import (
     CHECKS,
     Environment,
     GpuInfo,
@@ -131,7 +133,7 @@ PROFILE = {"rows": [2, 8, 16], "frames": [2, 1550, 3000], "n_mels": 80, "spk_dim
 
 
 def _meta(**kw) -> dict:
-    """A complete sidecar as ``cosyvoice_runtime.trt.engine.write_sidecar`` writes it."""
+    """A complete sidecar as ``cosyvoice_runtime.trt.plan_key.write_sidecar`` writes it."""
     meta = {"compute_capability": "12.0", "tensorrt_version": "10.13.3.9", "profile_hash": "p" * 12,
             "precision": "fp16", "onnx_hash": "o" * 16, "attention": "full", "key": "k" * 16, "profile": PROFILE}
     meta.update(kw)
@@ -237,6 +239,15 @@ def test_engine_cache_without_detected_gpu_or_tensorrt_warns_and_pytorch_mode_sk
     r = _by_plan(check_engine_cache(env))["a.plan"]
     assert r.status is Status.WARN and "installed TensorRT version" in r.message
     assert only(check_engine_cache(gpu_env(mode="pytorch"))).status is Status.OK
+
+
+def test_doctor_checks_import_only_the_standard_library_and_the_plan_rule():
+    """doctor runs on a GPU node before torch or the serving stack is installed."""
+    code = ("import sys, fastcosy_cli.doctor_checks\n"
+            "print(','.join(sorted({m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names))))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    outside = {m for m in res.stdout.strip().split(",") if m and not m.startswith("_")}
+    assert outside == {"fastcosy_cli", "cosyvoice_runtime"}
 
 
 def test_only_full_attention_plans_is_noted_not_failed(tmp_path):
@@ -359,7 +370,7 @@ def test_ray_probe_reports_closed_port():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert "Error" in cli_doctor.probe_ray(f"127.0.0.1:{port}")
+    assert "Error" in doctor.probe_ray(f"127.0.0.1:{port}")
 
 
 def test_free_gpu_memory_against_max_mem_gb():
@@ -398,11 +409,11 @@ def test_a_crashing_check_is_reported_not_raised():
 def test_cli_run_prints_report_and_returns_exit_code(capsys):
     env = gpu_env(torch_version="2.6.0+cu124", torch_cuda_version="12.4", torch_arch_list=CU124_ARCHS)
     args = argparse.Namespace(json=False)
-    assert cli_doctor.run(args, environment=env) == 1
+    assert doctor.run(args, environment=env) == 1
     text = capsys.readouterr().out
     assert "[FAIL] gpu_arch" in text and "serving is blocked" in text
     args.json = True
-    cli_doctor.run(args, environment=gpu_env())
+    doctor.run(args, environment=gpu_env())
     data = json.loads(capsys.readouterr().out)
     assert {d["status"] for d in data} <= {"ok", "warn", "fail"}
 
@@ -411,7 +422,7 @@ def test_probe_of_this_machine_with_a_config_does_not_crash(tmp_path):
     cfg = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
     ns = argparse.Namespace(config=str(cfg), model_dir=None, plan_dir=None, mode=None, device=None,
                             ray_address=None, max_mem_gb=None, no_checksums=True, json=False)
-    env = cli_doctor.probe_environment(ns)
+    env = doctor.probe_environment(ns)
     assert env.config_error is None and env.torch_version and env.mode == "pytorch"
     assert env.wetext_version is not None
 
@@ -461,7 +472,7 @@ def _doctor_args(**kw) -> argparse.Namespace:
 
 
 def test_probe_nvidia_smi_parses_driver_cuda_and_gpus(fake_node):
-    driver, cuda, gpus = cli_doctor.probe_nvidia_smi()
+    driver, cuda, gpus = doctor.probe_nvidia_smi()
     assert (driver, cuda) == ("570.124.04", "12.8")
     (gpu,) = gpus
     assert gpu.name == "NVIDIA GeForce RTX 5090" and gpu.capability == (12, 0)
@@ -470,18 +481,18 @@ def test_probe_nvidia_smi_parses_driver_cuda_and_gpus(fake_node):
 
 def test_probe_without_nvidia_smi_reports_no_driver(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
-    assert cli_doctor.probe_nvidia_smi() == (None, None, [])
+    assert doctor.probe_nvidia_smi() == (None, None, [])
 
 
 def test_probe_tensorrt_version_and_import_error(fake_node, monkeypatch):
     import sys
 
     env = Environment()
-    cli_doctor.probe_tensorrt(env)
+    doctor.probe_tensorrt(env)
     assert env.tensorrt_version == "10.13.3.9"
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import raises ImportError
     env = Environment()
-    cli_doctor.probe_tensorrt(env)
+    doctor.probe_tensorrt(env)
     assert env.tensorrt_version is None and "ModuleNotFoundError" in env.tensorrt_error
 
 
@@ -491,7 +502,7 @@ def test_faked_rtx5090_node_blocks_serving_with_every_fix(fake_node, tiny_model,
     plans = fake_node / "plans"
     _plan(plans, "old.plan", _meta(tensorrt_version="10.12.0.36", precision="fp32"))
     args = _doctor_args(model_dir=str(tiny_model), mode="trt", plan_dir=str(plans), device="cuda", max_mem_gb=12.0)
-    env = cli_doctor.probe_environment(args)
+    env = doctor.probe_environment(args)
     assert env.gpus[0].capability == (12, 0) and env.tensorrt_version == "10.13.3.9"
     assert env.trt_profile_needed == PROFILE  # from the tiny spec and the default synthesizer limits
     results = run_checks(env)
@@ -507,7 +518,7 @@ def test_faked_rtx5090_node_blocks_serving_with_every_fix(fake_node, tiny_model,
     assert f"fastcosy build-trt --model-dir {tiny_model} --out {plans} --max-batch 8" in stale.fix
     mem = only(status["gpu_memory"])
     assert mem.status is Status.FAIL and "5.0 GiB free" in mem.message and "max_mem_gb 12" in mem.message
-    assert cli_doctor.run(args, environment=env) == 1
+    assert doctor.run(args, environment=env) == 1
     assert "serving is blocked" in capsys.readouterr().out
 
 
@@ -515,9 +526,9 @@ def test_probe_needed_profile_follows_the_synthesizer_config(tiny_model):
     from deployments.synthesizer import SynthesizerConfig
 
     cfg = SynthesizerConfig(token2wav={"max_batch_size": 3})
-    need = cli_doctor.needed_trt_profile(tiny_model, cfg)
+    need = doctor.needed_trt_profile(tiny_model, cfg)
     assert need["rows"] == [2, 4, 6] and need["frames"][2] == 3000  # opt: half the largest batch, rounded up
-    assert cli_doctor.needed_trt_profile(None, cfg) is None
+    assert doctor.needed_trt_profile(None, cfg) is None
 
 
 def test_ray_probe_against_a_dashboard_like_http_server():
@@ -539,12 +550,12 @@ def test_ray_probe_against_a_dashboard_like_http_server():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        env = Environment(ray_address=url, ray_probe=cli_doctor.probe_ray)
+        env = Environment(ray_address=url, ray_probe=doctor.probe_ray)
         assert check_ray(env).status is Status.OK
         answers["/api/version"] = 401  # token auth on, no token here
         r = check_ray(env)
         assert r.status is Status.FAIL and "auth token" in r.message and "RAY_AUTH_TOKEN" in r.fix
-        gcs = Environment(ray_address=f"127.0.0.1:{server.server_address[1]}", ray_probe=cli_doctor.probe_ray)
+        gcs = Environment(ray_address=f"127.0.0.1:{server.server_address[1]}", ray_probe=doctor.probe_ray)
         assert check_ray(gcs).status is Status.OK  # a TCP connect for GCS addresses
     finally:
         server.shutdown()

@@ -19,8 +19,8 @@ import argparse
 import logging
 import sys
 
-from serve_app import cli_doctor, cli_serve, cli_synth, cli_tools
-from serve_app.cli_common import CliError
+from fastcosy_cli import doctor, serve, synth, tools
+from fastcosy_cli.common import CliError
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    cli_serve.add_parser(sub)
-    cli_synth.add_parser(sub)
-    cli_tools.add_make_tiny_model(sub)
-    cli_tools.add_build_trt(sub)
-    cli_tools.add_bench(sub)
-    cli_doctor.add_parser(sub)
-    cli_tools.add_config_reference(sub)
+    serve.add_parser(sub)
+    synth.add_parser(sub)
+    tools.add_make_tiny_model(sub)
+    tools.add_build_trt(sub)
+    tools.add_bench(sub)
+    doctor.add_parser(sub)
+    tools.add_config_reference(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point (``fastcosy = serve_app.cli:main``); returns the exit code."""
+    """Console-script entry point (``fastcosy = fastcosy_cli.main:main``); returns the exit code."""
     parser = build_parser()
     # build-trt / bench hand everything they do not know to the module that implements them.
     args, rest = parser.parse_known_args(argv)
@@ -61,6 +61,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,7 +20,7 @@ import signal
 import threading
 from typing import Any, Protocol
 
-from serve_app.cli_common import CliError, LoadedConfig, load_serve_config, out
+from fastcosy_cli.common import CliError, LoadedConfig, load_serve_config, out
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _served_family(cfg: LoadedConfig) -> str:
     if model_dir:
         from pathlib import Path
 
-        from serve_app.doctor import detect_family
+        from fastcosy_cli.doctor_checks import detect_family
 
         return detect_family(Path(model_dir)) or "cosyvoice2"
     return args.tiny_family or "cosyvoice2"

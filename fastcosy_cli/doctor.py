@@ -1,4 +1,4 @@
-"""``fastcosy doctor``: probe this machine into an :class:`~serve_app.doctor.Environment` and
+"""``fastcosy doctor``: probe this machine into an :class:`~fastcosy_cli.doctor_checks.Environment` and
 run the checks. Every probe tolerates a missing component (that absence is itself a fact)."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
-from serve_app.cli_common import CliError, out
-from serve_app.doctor import Environment, GpuInfo, exit_code, format_report, results_json, run_checks
+from fastcosy_cli.common import CliError, out
+from fastcosy_cli.doctor_checks import Environment, GpuInfo, exit_code, format_report, results_json, run_checks
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def probe_environment(args: argparse.Namespace) -> Environment:
     if args.config:
         env.config_path = str(args.config)
         try:
-            from serve_app.cli_common import load_serve_config
+            from fastcosy_cli.common import load_serve_config
 
             cfg = load_serve_config(args.config).args
             synth = cfg.synthesizer

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from serve_app import cli, cli_serve, cli_synth, cli_tools
+from fastcosy_cli import serve, synth
+from fastcosy_cli.common import CliError
+from fastcosy_cli.config_reference import render_reference
+from fastcosy_cli.main import build_parser, main
 from serve_app.audio_codec import make_stream_encoder
-from serve_app.cli_config_reference import render_reference
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_CONFIG = REPO / "configs" / "local.yaml"
@@ -21,7 +23,7 @@ LOCAL_CONFIG = REPO / "configs" / "local.yaml"
 
 def test_every_subcommand_is_registered(capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["--help"])
+        main(["--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
     for cmd in ("serve", "synth", "make-tiny-model", "build-trt", "bench", "doctor", "config-reference"):
@@ -32,7 +34,7 @@ def test_console_script_is_declared():
     import tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["fastcosy"] == "serve_app.cli:main"
+    assert scripts["fastcosy"] == "fastcosy_cli.main:main"
 
 
 # ---------------------------------------------------------------------- configuration reference
@@ -42,8 +44,8 @@ def test_committed_configuration_reference_is_current():
 
 
 def test_reference_covers_every_field_of_every_model():
+    from fastcosy_cli.config_reference import _models_in_order
     from serve_app.args import AppArgs
-    from serve_app.cli_config_reference import _models_in_order
 
     text = render_reference()
     for model, _ in _models_in_order(AppArgs):
@@ -56,9 +58,9 @@ def test_reference_covers_every_field_of_every_model():
 def test_config_reference_check_flag(tmp_path, capsys):
     stale = tmp_path / "configuration.md"
     stale.write_text("old")
-    assert cli.main(["config-reference", "-o", str(stale), "--check"]) == 1
-    assert cli.main(["config-reference", "-o", str(stale)]) == 0
-    assert cli.main(["config-reference", "-o", str(stale), "--check"]) == 0
+    assert main(["config-reference", "-o", str(stale), "--check"]) == 1
+    assert main(["config-reference", "-o", str(stale)]) == 0
+    assert main(["config-reference", "-o", str(stale), "--check"]) == 0
 
 
 # ------------------------------------------------------------------------------------- serve
@@ -80,12 +82,12 @@ class FakeBackend:
 
 
 def _serve_args(*extra):
-    return cli.build_parser().parse_args(["serve", "--config", str(LOCAL_CONFIG), *extra])
+    return build_parser().parse_args(["serve", "--config", str(LOCAL_CONFIG), *extra])
 
 
 def test_serve_local_starts_prints_curl_and_shuts_down(capsys):
     backend = FakeBackend()
-    assert cli_serve.run(_serve_args("--num-cpus", "4"), backend=backend) == 0
+    assert serve.run(_serve_args("--num-cpus", "4"), backend=backend) == 0
     kinds = [c[0] for c in backend.calls]
     assert kinds == ["start", "wait", "shutdown"]
     cfg = backend.calls[0][1]
@@ -99,7 +101,7 @@ def test_serve_local_starts_prints_curl_and_shuts_down(capsys):
 
 def test_serve_overrides_host_port_and_model_dir(capsys):
     backend = FakeBackend()
-    cli_serve.run(_serve_args("--host", "0.0.0.0", "--port", "8123", "--model-dir", "/m/cv2"), backend=backend)
+    serve.run(_serve_args("--host", "0.0.0.0", "--port", "8123", "--model-dir", "/m/cv2"), backend=backend)
     cfg = backend.calls[0][1]
     assert cfg.document["http_options"]["host"] == "0.0.0.0" and cfg.document["http_options"]["port"] == 8123
     assert cfg.args.model_dir == "/m/cv2"
@@ -108,7 +110,7 @@ def test_serve_overrides_host_port_and_model_dir(capsys):
 
 def test_serve_deploys_to_a_cluster_without_starting_ray(capsys):
     backend = FakeBackend()
-    assert cli_serve.run(_serve_args("--address", "http://head:8265"), backend=backend) == 0
+    assert serve.run(_serve_args("--address", "http://head:8265"), backend=backend) == 0
     (kind, address, document), = backend.calls
     assert kind == "deploy" and address == "http://head:8265"
     assert document["applications"][0]["import_path"] == "serve_app.app:build_app"
@@ -118,7 +120,7 @@ def test_serve_deploys_to_a_cluster_without_starting_ray(capsys):
 def test_serve_rejects_a_typo_before_starting(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text(LOCAL_CONFIG.read_text().replace("max_running: 8", "max_runing: 8"))
-    assert cli.main(["serve", "--config", str(bad)]) == 2
+    assert main(["serve", "--config", str(bad)]) == 2
     assert "max_runing" in capsys.readouterr().err
 
 
@@ -126,32 +128,32 @@ def test_serve_accepts_a_bare_args_file(tmp_path):
     bare = tmp_path / "args.yaml"
     bare.write_text("tiny_family: cosyvoice3\nsynthesizer: {device: cpu}\n")
     backend = FakeBackend()
-    cli_serve.run(cli.build_parser().parse_args(["serve", "--config", str(bare)]), backend=backend)
+    serve.run(build_parser().parse_args(["serve", "--config", str(bare)]), backend=backend)
     assert backend.calls[0][1].args.tiny_family == "cosyvoice3"
 
 
 def test_serve_missing_config_is_a_clear_error(capsys):
-    assert cli.main(["serve", "--config", "/nonexistent.yaml"]) == 2
+    assert main(["serve", "--config", "/nonexistent.yaml"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------- synth
 def test_split_segments_packs_sentences_under_the_limit():
     text = "First sentence. Second one! Third? " * 20
-    segs = cli_synth.split_segments(text, 100)
+    segs = synth.split_segments(text, 100)
     assert all(len(s) <= 100 for s in segs) and len(segs) > 5
     assert " ".join(segs).split() == text.split()  # nothing lost or reordered
-    assert cli_synth.split_segments("你好。世界！", 3) == ["你好。", "世界！"]
-    assert cli_synth.split_segments("你好。世界！", 100) == ["你好。世界！"]
-    assert all(len(s) <= 10 for s in cli_synth.split_segments("x" * 35, 10))  # no break at all: hard cuts
-    assert cli_synth.split_segments("  \n ", 10) == []
+    assert synth.split_segments("你好。世界！", 3) == ["你好。", "世界！"]
+    assert synth.split_segments("你好。世界！", 100) == ["你好。世界！"]
+    assert all(len(s) <= 10 for s in synth.split_segments("x" * 35, 10))  # no break at all: hard cuts
+    assert synth.split_segments("  \n ", 10) == []
 
 
 def test_wav_stream_reader_handles_arbitrary_byte_boundaries():
     samples = (np.sin(np.arange(1000) / 7) * 0.5).astype(np.float32)
     enc = make_stream_encoder("wav", 24000)
     data = enc.encode(samples[:500]) + enc.encode(samples[500:]) + enc.finish()
-    reader = cli_synth.WavStreamReader()
+    reader = synth.WavStreamReader()
     got = np.concatenate([reader.feed(data[i:i + 7]) for i in range(0, len(data), 7)])
     assert reader.sample_rate == 24000 and got.size == 1000
     assert np.abs(got / 32767.0 - samples).max() < 1e-4
@@ -177,7 +179,7 @@ class FakeService:
 
 
 def _synth_args(tmp_path, *extra):
-    return cli.build_parser().parse_args(["synth", "--url", "http://svc:8000", "-o", str(tmp_path / "out.wav"),
+    return build_parser().parse_args(["synth", "--url", "http://svc:8000", "-o", str(tmp_path / "out.wav"),
                                           "--no-progress", *extra])
 
 
@@ -186,8 +188,8 @@ def test_synth_remote_streams_every_segment_into_one_wav(tmp_path, capsys):
     client = httpx.Client(transport=httpx.MockTransport(service))
     text = "One two three. " * 30
     args = _synth_args(tmp_path, "--voice", "alice", "--segment-chars", "60", "--seed", "7", text)
-    assert cli_synth.run(args, client=client) == 0
-    segments = cli_synth.split_segments(text, 60)
+    assert synth.run(args, client=client) == 0
+    segments = synth.split_segments(text, 60)
     assert len(service.requests) == len(segments) > 1
     first = json.loads(service.requests[0].content)
     assert first["voice_id"] == "alice" and first["mode"] == "voice" and first["stream"] is True
@@ -203,7 +205,7 @@ def test_synth_remote_zero_shot_uploads_the_prompt(tmp_path):
     service = FakeService()
     client = httpx.Client(transport=httpx.MockTransport(service))
     args = _synth_args(tmp_path, "--prompt-wav", str(prompt), "--prompt-text", "hi there", "Hello.")
-    assert cli_synth.run(args, client=client) == 0
+    assert synth.run(args, client=client) == 0
     req = service.requests[0]
     assert req.headers["content-type"].startswith("multipart/form-data")
     assert b'name="prompt_audio"' in req.content and b"zero_shot" in req.content
@@ -212,46 +214,38 @@ def test_synth_remote_zero_shot_uploads_the_prompt(tmp_path):
 def test_synth_remote_error_is_reported_with_the_service_message(tmp_path, capsys):
     client = httpx.Client(transport=httpx.MockTransport(FakeService(status=404)))
     args = _synth_args(tmp_path, "--voice", "x", "Hello.")
-    with pytest.raises(cli.CliError, match="voice 'x' not found"):
-        cli_synth.run(args, client=client)
+    with pytest.raises(CliError, match="voice 'x' not found"):
+        synth.run(args, client=client)
 
 
 def test_synth_needs_a_voice_or_prompt(tmp_path, capsys):
-    assert cli.main(["synth", "--url", "http://svc", "-o", str(tmp_path / "o.wav"), "Hello."]) == 2
+    assert main(["synth", "--url", "http://svc", "-o", str(tmp_path / "o.wav"), "Hello."]) == 2
     assert "--voice" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------- tools
-def test_build_trt_without_builder_is_a_clear_exit_2(monkeypatch, capsys):
-    monkeypatch.setattr(cli_tools, "TRT_BUILD_MODULE", "cosyvoice_runtime.trt.no_such_builder")
-    assert cli.main(["build-trt", "--model-dir", "/m"]) == 2
-    assert "not available" in capsys.readouterr().err
-
-
 def test_bench_forwards_arguments(monkeypatch):
+    from bench import gpu_bench
+
     seen = {}
 
-    class FakeBench:
-        @staticmethod
-        def main(argv):
-            seen["argv"] = argv
+    def fake_main(argv):
+        seen["argv"] = argv
 
-    monkeypatch.setattr(cli_tools, "_module_or_none", lambda name: FakeBench)
-    assert cli.main(["bench", "--", "--family", "cosyvoice3", "--size", "tiny"]) == 0
+    monkeypatch.setattr(gpu_bench, "main", fake_main)
+    assert main(["bench", "--", "--family", "cosyvoice3", "--size", "tiny"]) == 0
     assert seen["argv"] == ["--family", "cosyvoice3", "--size", "tiny"]
-    monkeypatch.setattr(cli_tools, "_module_or_none", lambda name: None)
-    assert cli.main(["bench"]) == 2
 
 
 def test_make_tiny_model_refuses_to_clobber(tmp_path, capsys):
     (tmp_path / "m").mkdir()
-    assert cli.main(["make-tiny-model", "--out", str(tmp_path / "m")]) == 2
+    assert main(["make-tiny-model", "--out", str(tmp_path / "m")]) == 2
     assert "--overwrite" in capsys.readouterr().err
 
 
 def test_make_tiny_model_writes_the_official_layout(tmp_path, capsys):
     pytest.importorskip("cosyvoice_runtime.flow.flow")  # the writer builds the real modules
-    assert cli.main(["make-tiny-model", "--out", str(tmp_path / "m"), "--family", "cosyvoice3"]) == 0
+    assert main(["make-tiny-model", "--out", str(tmp_path / "m"), "--family", "cosyvoice3"]) == 0
     assert (tmp_path / "m" / "cosyvoice3.yaml").is_file() and (tmp_path / "m" / "checksums.json").is_file()
     assert "RANDOM-WEIGHT" in capsys.readouterr().out
 
@@ -278,13 +272,13 @@ def test_synth_local_prepares_with_the_frontend_and_runs_the_pipeline(tmp_path, 
 
     frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
     pipeline = FakePipeline()
-    monkeypatch.setattr(cli_synth, "_local_session", lambda args: (frontend, pipeline, "cpu"))
+    monkeypatch.setattr(synth, "_local_session", lambda args: (frontend, pipeline, "cpu"))
     prompt = tmp_path / "prompt.wav"
     sf.write(prompt, np.zeros(16000 * 2, dtype=np.float32), 16000)
-    args = cli.build_parser().parse_args(["synth", "-o", str(tmp_path / "local.wav"), "--no-progress",
+    args = build_parser().parse_args(["synth", "-o", str(tmp_path / "local.wav"), "--no-progress",
                                           "--prompt-wav", str(prompt), "--prompt-text", "hi", "--seed", "3",
                                           "Ab. Cd."])
-    assert cli_synth.run(args) == 0
+    assert synth.run(args) == 0
     # The fake frontend splits "Ab. Cd." into two pieces of 3 byte-ids each.
     assert [c[0].tolist() for c in pipeline.calls] == [list(b"Ab."), list(b"Cd.")]
     voice = pipeline.calls[0][1]
