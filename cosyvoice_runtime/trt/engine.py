@@ -2,8 +2,9 @@
 
 Plans are built offline (``fastcosy build-trt`` / ``python -m cosyvoice_runtime.trt.build``)
 and are specific to the GPU architecture and the TensorRT version; a replica only loads a
-plan whose ``<plan>.json`` sidecar names this GPU's compute capability and this TensorRT, and
-otherwise fails at start-up pointing to the build command (never a lazy build, spec §9.4).
+plan whose ``<plan>.json`` sidecar names this GPU's compute capability and this TensorRT (the
+rule, shared with ``fastcosy doctor``: :mod:`cosyvoice_runtime.trt.plan_key`), and otherwise
+fails at start-up pointing to the build command (never a lazy build, spec §9.4).
 
 :class:`TrtEstimator` has the torch estimator's call signature
 ``(x, mask, mu, t, spks, cond, streaming) -> (rows, 80, T)`` and swaps into
