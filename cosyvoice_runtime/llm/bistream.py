@@ -70,14 +70,15 @@ def first_fill_index(num_prompt_speech: int, group: int, official_quirks: bool) 
     return group - rest
 
 
-def _interleaved_mask(spec: LLMSpec, official_quirks: bool) -> tuple[int, ...]:
+def interleaved_mask_ids(spec: LLMSpec, official_quirks: bool) -> tuple[int, ...]:
     """Ids forbidden before the text ends: the official masks index S only; we allow only fill."""
     if official_quirks:
         return (spec.official_min_len_masked_id,)
     return tuple(i for i in spec.stop_ids if i != spec.fill)
 
 
-def _final_mask(spec: LLMSpec, official_quirks: bool) -> tuple[int, ...]:
+def final_mask_ids(spec: LLMSpec, official_quirks: bool) -> tuple[int, ...]:
+    """Ids forbidden once the text ended: the official masks none; we allow eos only."""
     return () if official_quirks else tuple(i for i in spec.stop_ids if i != spec.eos)
 
 
@@ -163,7 +164,7 @@ def bistream_decode(model, cache: KVCache, text_chunks: Iterable, prompt_text_id
                     token = spec.fill
                     state.next_fill += n_speech + 1
                 else:
-                    token = sample_fn(mask_ids_(logp, _interleaved_mask(spec, official_quirks)), state)
+                    token = sample_fn(mask_ids_(logp, interleaved_mask_ids(spec, official_quirks)), state)
                 if token == spec.fill:
                     state.next_fill = len(state.tokens) + n_speech + 1
                 state.tokens.append(token)
@@ -186,7 +187,7 @@ def bistream_decode(model, cache: KVCache, text_chunks: Iterable, prompt_text_id
             max_tokens = max(int(state.text_seen * spec.max_token_text_ratio), len(state.emitted) + 1)
         while max_tokens is None or len(state.emitted) < max_tokens:
             logp = forward(pending)
-            token = sample_fn(mask_ids_(logp, _final_mask(spec, official_quirks)), state)
+            token = sample_fn(mask_ids_(logp, final_mask_ids(spec, official_quirks)), state)
             state.tokens.append(token)
             if token >= spec.speech_token_size:
                 if token == spec.eos:

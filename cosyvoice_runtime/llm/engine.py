@@ -15,6 +15,15 @@ With ``use_cuda_graphs`` on a CUDA model the decode step (model + sampling) runs
 padded batch bucket, one host sync. Call :meth:`LLMEngine.capture_graphs` at startup to
 capture every bucket up front (otherwise each is captured on first use).
 
+Bistream requests (text-in streaming, spec §3.8; :meth:`LLMEngine.add_bistream_request`,
+:meth:`LLMEngine.feed_text`) share the batch: each is a
+:class:`~cosyvoice_runtime.llm.bistream_seq.BistreamSequence`. A row whose next input is its
+last speech token joins the decode forward; one that must feed several positions (the prompt
+groups, 5 more text ids after a ``fill``, the final stage) joins the step's batched prefill
+forward as an extension of its slot. A request waiting for text is parked: it keeps its KV slot
+and takes no work until text arrives (:meth:`LLMEngine.has_unfinished` does not count it, so a
+driver loop sleeps instead of spinning).
+
 The engine is synchronous and single-threaded; the deployment's loop task drives it.
 """
 from __future__ import annotations
@@ -25,8 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from cosyvoice_runtime.errors import InvalidInputError
+from cosyvoice_runtime.llm import bistream
+from cosyvoice_runtime.llm.bistream import BistreamState
+from cosyvoice_runtime.llm.bistream_seq import BistreamSequence, embed_segments
 from cosyvoice_runtime.llm.cuda_graph import DEFAULT_HISTORY_WIDTH, DecodeRunner
 from cosyvoice_runtime.llm.generate import (
+    FINISH_LENGTH,
     DecodeState,
     SampleFn,
     commit_token,
@@ -43,6 +56,10 @@ logger = logging.getLogger(__name__)
 # 1,024 positions); admitted requests beyond it are prefilled in further forwards of the step.
 PREFILL_TOKEN_BUDGET = 16384
 NONFINITE_LOGITS = "nonfinite_logits"  # finish reason of a request whose logits held NaN/Inf (it fails alone)
+# Sampler inputs of a bistream row in the static decode step: official_rng makes the in-step
+# sampler skip it (a placeholder id); the engine chooses its token from the logits.
+_SAMPLED_OUTSIDE = DecodeState(min_len=0, max_len=1, params=SamplingParams(method="greedy", official_rng=True),
+                               rng_seed=0)
 
 
 def _nonfinite_rows(logits: torch.Tensor) -> set[int]:
@@ -116,6 +133,7 @@ class LLMEngine:
                                        history_width=history_width, use_graphs=graphs,
                                        compile_backend=compile_backend)
         self._requests: dict[str, _Request] = {}
+        self._bistream: dict[str, BistreamSequence] = {}
 
     def capture_graphs(self) -> int:
         """Capture every decode graph now (startup); returns how many exist (0 without graphs)."""
@@ -160,9 +178,53 @@ class LLMEngine:
         self._requests[request_id] = _Request(request_id, lm_input.to(self.device, self.cache.dtype), state,
                                               sample_fn or default_sample_fn)
 
+    def add_bistream_request(self, request_id: str, prompt_text_ids, prompt_speech_ids,
+                             params: SamplingParams | None = None, sample_fn: bistream.SampleFn | None = None,
+                             generator: torch.Generator | None = None, max_tokens: int | None = None) -> None:
+        """Queue a bistream request (spec §3.8); its text comes later through :meth:`feed_text`.
+
+        Args:
+            prompt_text_ids / prompt_speech_ids: the prompt, as ``bistream_decode`` takes it.
+            params / generator: as :meth:`add_request`; sampling is ``bistream_decode``'s
+                (``bistream.default_sample_fn``, the request's own generator) unless ``sample_fn``.
+            max_tokens: cap on emitted tokens (default: ``bistream_decode``'s). The KV slot is a
+                cap too: a request whose next input does not fit finishes with reason "length".
+
+        Raises:
+            InvalidInputError: CV3 prompt text without ``<|endofprompt|>``, or a prompt that
+                cannot fit in a KV slot.
+            KeyError: ``request_id`` is already in the engine.
+        """
+        params = params or SamplingParams.from_spec(self.spec)
+        state = BistreamState(generator=generator or make_generator(params.seed, self.device), params=params)
+        seq = BistreamSequence(self.spec, prompt_text_ids, prompt_speech_ids, state,
+                               official_quirks=self.official_quirks, max_tokens=max_tokens,
+                               sample_fn=sample_fn or bistream.default_sample_fn)
+        try:
+            self.scheduler.add(request_id, seq.prompt_positions + 1)
+        except ValueError as exc:
+            raise InvalidInputError(str(exc)) from exc
+        self._bistream[request_id] = seq
+
+    def feed_text(self, request_id: str, chunks, end: bool = False) -> bool:
+        """More text for a bistream request: ``chunks`` of text ids (one id per chunk, as the
+        official frontend streams them); ``end``: the text is complete. False if the request is
+        unknown (finished or aborted).
+
+        Raises:
+            InvalidInputError: text after the end of the text.
+        """
+        seq = self._bistream.get(request_id)
+        if seq is None:
+            return False
+        seq.feed(chunks, end)
+        self.scheduler.unpark(request_id)  # the next step advances it (or parks it again)
+        return True
+
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request and free its KV slot now; False if unknown."""
         self._requests.pop(request_id, None)
+        self._bistream.pop(request_id, None)
         freed = self.scheduler.abort(request_id)
         if freed:
             logger.debug("aborted %s", request_id)
@@ -177,54 +239,138 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
-    def state_of(self, request_id: str) -> DecodeState | None:
+    def num_parked(self) -> int:
+        """Bistream requests holding a slot while they wait for text."""
+        return self.scheduler.num_parked
+
+    def state_of(self, request_id: str) -> DecodeState | BistreamState | None:
         req = self._requests.get(request_id)
-        return None if req is None else req.state
+        if req is not None:
+            return req.state
+        seq = self._bistream.get(request_id)
+        return None if seq is None else seq.state
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[LLMEvent]:
-        """One decode step of the running batch, then the prefill of admitted requests."""
+        """One decode step of the running batch, then the prefill of admitted requests (with the
+        multi-position inputs of bistream requests)."""
         plan = self.scheduler.schedule()
         events: list[LLMEvent] = []
         with torch.inference_mode():
-            if plan.decode:
-                reqs = [self._requests[s.request_id] for s in plan.decode]
-                slots = [s.slot for s in plan.decode]
-                if self.runner is None:
-                    last = torch.tensor([r.state.tokens[-1] for r in reqs], device=self.device)
-                    logits = self.model.logits(self.model.decode(self.model.embed_speech(last), self.cache, slots))
-                    tokens = self._select(reqs, logits)
-                else:
-                    tokens, logits = self._static_decode(reqs, slots)
-                events += [self._commit(r, tok, logits[i]) if tok is not None else self._fail(r)
-                           for i, (r, tok) in enumerate(zip(reqs, tokens))]
-            if plan.prefill:
-                events += self._prefill([self._requests[seq.request_id] for seq in plan.prefill],
-                                        [seq.slot for seq in plan.prefill])
+            admitted = [s for s in plan.prefill if s.request_id in self._bistream]
+            for s in admitted:  # a bistream prompt is fed once its text allows (_route_bistream)
+                self._bistream[s.request_id].state.slot = s.slot
+                self.cache.reset(s.slot)
+                self.scheduler.mark_prefilled(s.request_id)
+            feeds, extends = self._route_bistream(
+                [s for s in plan.decode if s.request_id in self._bistream] + admitted, events)
+            decode = [s for s in plan.decode if s.request_id in self._requests]
+            if decode or feeds:
+                events += self._decode(decode, feeds)
+            prefill = [s for s in plan.prefill if s.request_id in self._requests]
+            if prefill or extends:
+                events += self._prefill(prefill, extends)
         return events
 
-    def _prefill(self, reqs: list[_Request], slots: list[int]) -> list[LLMEvent]:
-        """The admitted requests' prompts as padded batched forwards of at most
-        ``PREFILL_TOKEN_BUDGET`` padded positions each; each request yields its first token."""
-        for req, slot in zip(reqs, slots):
-            req.state.slot = slot
-            self.cache.reset(slot)
-        groups: list[list[int]] = [[]]
-        for i, req in enumerate(reqs):
-            longest = max([req.lm_input.shape[0]] + [reqs[j].lm_input.shape[0] for j in groups[-1]])
-            if groups[-1] and longest * (len(groups[-1]) + 1) > PREFILL_TOKEN_BUDGET:
-                groups.append([])
-            groups[-1].append(i)
-        hidden = torch.cat([self.model.prefill_batch([reqs[i].lm_input for i in g], self.cache, [slots[i] for i in g])
-                            for g in groups])
-        logits = self.model.logits(hidden)
-        tokens = self._select(reqs, logits)
+    def _route_bistream(self, scheduled: list, events: list[LLMEvent]) -> tuple[list, list]:
+        """Bistream rows of this step: (one speech id to feed, several positions to feed);
+        those waiting for text are parked, those that end now add their event."""
+        feeds, extends = [], []
+        for s in scheduled:
+            seq = self._bistream[s.request_id]
+            if not seq.decoding:
+                seq.advance()
+            if seq.finish_reason is not None:
+                events.append(self._end_bistream(s.request_id, None))
+            elif not seq.decoding:
+                self.scheduler.park(s.request_id)
+            elif self.cache.lengths[s.slot] + seq.num_pending() > self.cache.max_len:
+                seq.finish_reason = FINISH_LENGTH  # the KV slot is full
+                events.append(self._end_bistream(s.request_id, None))
+            else:
+                (feeds if seq.single_speech_feed() is not None else extends).append(s)
+        return feeds, extends
+
+    def _decode(self, decode: list, feeds: list) -> list[LLMEvent]:
+        """One forward for every row that feeds one speech id: running requests, then bistream rows."""
+        reqs = [self._requests[s.request_id] for s in decode]
+        seqs = [self._bistream[s.request_id] for s in feeds]
+        slots = [s.slot for s in decode] + [s.slot for s in feeds]
+        fed = [r.state.tokens[-1] for r in reqs] + [seq.take_input()[0][1][0] for seq in seqs]
+        n = len(reqs)
+        if self.runner is None:
+            ids = torch.tensor(fed, device=self.device)
+            logits = self.model.logits(self.model.decode(self.model.embed_speech(ids), self.cache, slots))
+            tokens = self._select(reqs, logits[:n]) if reqs else []
+        else:
+            tokens, logits = self._static_decode(reqs, slots, fed, len(seqs))
+        events = [self._commit(r, tok, logits[i]) if tok is not None else self._fail(r)
+                  for i, (r, tok) in enumerate(zip(reqs, tokens))]
+        return events + self._choose_bistream(feeds, seqs, logits[n:])
+
+    def _prefill(self, prefill: list, extends: list) -> list[LLMEvent]:
+        """The admitted requests' prompts and the bistream rows' multi-position inputs as padded
+        batched forwards of at most ``PREFILL_TOKEN_BUDGET`` padded positions each; each row
+        yields a token (a bistream row: per its state machine)."""
+        reqs = [self._requests[s.request_id] for s in prefill]
+        for req, s in zip(reqs, prefill):
+            req.state.slot = s.slot
+            self.cache.reset(s.slot)
+        seqs = [self._bistream[s.request_id] for s in extends]
+        inputs = [r.lm_input for r in reqs] + [embed_segments(self.model, seq.take_input(), self.device)
+                                              for seq in seqs]
+        slots = [s.slot for s in prefill] + [s.slot for s in extends]
+        logits = self.model.logits(torch.cat([self.model.prefill_batch([inputs[i] for i in g], self.cache,
+                                                                       [slots[i] for i in g])
+                                              for g in self._prefill_groups(inputs, slots)]))
+        n = len(reqs)
+        tokens = self._select(reqs, logits[:n]) if reqs else []
         events = []
         for i, req in enumerate(reqs):
             req.lm_input = req.lm_input[:0]  # the prompt now lives in the cache
             self.scheduler.mark_prefilled(req.request_id)
             events.append(self._commit(req, tokens[i], logits[i]) if tokens[i] is not None else self._fail(req))
+        return events + self._choose_bistream(extends, seqs, logits[n:])
+
+    def _prefill_groups(self, inputs: list[torch.Tensor], slots: list[int]) -> list[list[int]]:
+        """Consecutive rows per forward: within the token budget, and the right padding fits every
+        row's slot (a bistream row extends a slot that already holds positions)."""
+        groups: list[list[int]] = [[]]
+        for i in range(len(inputs)):
+            group = groups[-1] + [i]
+            longest = max(inputs[j].shape[0] for j in group)
+            fits = all(self.cache.lengths[slots[j]] + longest <= self.cache.max_len for j in group)
+            if groups[-1] and (longest * len(group) > PREFILL_TOKEN_BUDGET or not fits):
+                groups.append([])
+            groups[-1].append(i)
+        return groups
+
+    def _choose_bistream(self, scheduled: list, seqs: list[BistreamSequence], logits: torch.Tensor) -> list[LLMEvent]:
+        """Each bistream row's next id from its logits rows (bistream_decode's log-softmax and masks)."""
+        if not seqs:
+            return []
+        bad = _nonfinite_rows(logits)
+        logp = logits.float().log_softmax(dim=-1)
+        events = []
+        for i, (s, seq) in enumerate(zip(scheduled, seqs)):
+            if i in bad:
+                logger.warning("request %s: non-finite logits (NaN/Inf); failing it alone", s.request_id)
+                seq.finish_reason = NONFINITE_LOGITS
+                events.append(self._end_bistream(s.request_id, None))
+                continue
+            token = seq.choose(logp[i])
+            kept = logits[i] if self.return_logits else None
+            if seq.finish_reason is not None:
+                events.append(self._end_bistream(s.request_id, token, kept))
+            elif token is not None:
+                events.append(LLMEvent(s.request_id, token, logits=kept))
         return events
+
+    def _end_bistream(self, request_id: str, token: int | None, logits: torch.Tensor | None = None) -> LLMEvent:
+        seq = self._bistream.pop(request_id)
+        seq.state.finished = True
+        self.scheduler.finish(request_id)
+        return LLMEvent(request_id, token, True, seq.finish_reason, logits)
 
     def _select(self, reqs: list[_Request], logits: torch.Tensor) -> list[int | None]:
         """Sampled tokens of the rows with finite logits; None for a row with NaN/Inf (that request
@@ -246,12 +392,15 @@ class LLMEngine:
         self.scheduler.finish(req.request_id)
         return LLMEvent(req.request_id, None, True, NONFINITE_LOGITS)
 
-    def _static_decode(self, reqs: list[_Request], slots: list[int]) -> tuple[list[int | None], torch.Tensor]:
+    def _static_decode(self, reqs: list[_Request], slots: list[int], fed: list[int],
+                       n_bistream: int) -> tuple[list[int | None], torch.Tensor]:
+        """The runner's step; rows past ``reqs`` are bistream rows, whose ids the caller chooses."""
         states = [r.state for r in reqs]
-        tokens, logits = self.runner.step([s.tokens[-1] for s in states], slots, states)
+        tokens, logits = self.runner.step(fed, slots, states + [_SAMPLED_OUTSIDE] * n_bistream)
+        tokens = tokens[:len(reqs)]
         if self.return_logits:
             logits = logits.clone()  # the runner's buffer is overwritten by the next step
-        bad = _nonfinite_rows(logits)  # their in-graph samples are meaningless: those requests fail
+        bad = _nonfinite_rows(logits[:len(reqs)])  # their in-graph samples are meaningless: those requests fail
         for i in bad:
             tokens[i] = None
         # Rows the in-step sampler does not serve (custom sampler, official RNG, wide window).

@@ -4,6 +4,10 @@ Requests wait in FIFO order until a KV slot is free and the running batch has ro
 then prefilled (one sequence per prefill) and join the decode batch on the next step. A finished
 or aborted request gives its slot back at once, so a waiting request can be admitted in the
 very next step.
+
+A running request can be parked (a bistream request waiting for text): it keeps its slot but is
+left out of the decode batch, and does not count as work (:meth:`Scheduler.has_unfinished`)
+until it is unparked.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class _Entry:
     num_positions: int  # prompt length + max new tokens: the KV room the request may need
     slot: int | None = None
     prefilled: bool = False
+    parked: bool = False
 
 
 class Scheduler:
@@ -76,8 +81,17 @@ class Scheduler:
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
+    @property
+    def num_parked(self) -> int:
+        return sum(e.parked for e in self._running.values())
+
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        """Whether a step has work: a running request that is not parked, or a waiting one that
+        can be admitted (while parked requests fill every slot, waiting ones wait for a slot)."""
+        return any(not e.parked for e in self._running.values()) or self._can_admit()
+
+    def _can_admit(self) -> bool:
+        return bool(self._waiting and self._free_slots and len(self._running) < self.max_batch_size)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._entries
@@ -104,9 +118,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Admit waiting requests into free slots and list this step's work."""
         out = SchedulerOutput(decode=[ScheduledSeq(e.request_id, e.slot) for e in self._running.values()
-                                      if e.prefilled])
-        while (self._waiting and self._free_slots and len(self._running) < self.max_batch_size
-               and len(out.prefill) < self.max_prefills_per_step):
+                                      if e.prefilled and not e.parked])
+        while self._can_admit() and len(out.prefill) < self.max_prefills_per_step:
             entry = self._entries[self._waiting.popleft()]
             entry.slot = self._free_slots.popleft()
             self._running[entry.request_id] = entry
@@ -115,6 +128,15 @@ class Scheduler:
 
     def mark_prefilled(self, request_id: str) -> None:
         self._entries[request_id].prefilled = True
+
+    def park(self, request_id: str) -> None:
+        """Keep a running request's slot but leave it out of the steps until :meth:`unpark`."""
+        self._entries[request_id].parked = True
+
+    def unpark(self, request_id: str) -> None:
+        entry = self._entries.get(request_id)
+        if entry is not None:
+            entry.parked = False
 
     def finish(self, request_id: str) -> bool:
         """Remove a request (finished or aborted) and free its slot; False if unknown."""

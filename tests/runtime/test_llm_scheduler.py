@@ -49,3 +49,21 @@ def test_abort_waiting_and_running_and_refusals():
     sch.add("x", 3)
     with pytest.raises(KeyError):
         sch.add("x", 3)
+
+
+def test_parked_request_keeps_its_slot_without_work():
+    s = Scheduler(num_slots=1, max_prefills_per_step=1)
+    s.add("b", 10)
+    s.add("w", 10)
+    assert [q.request_id for q in s.schedule().prefill] == ["b"]
+    s.mark_prefilled("b")
+    s.park("b")
+    # the slot is held, the waiting request cannot be admitted: no work, so a driver sleeps
+    assert s.num_parked == 1 and s.num_free_slots == 0 and not s.has_unfinished()
+    assert s.schedule().empty
+    s.unpark("b")
+    assert s.has_unfinished() and [q.request_id for q in s.schedule().decode] == ["b"]
+    s.park("b")
+    s.finish("b")
+    assert s.num_parked == 0 and s.has_unfinished()  # the slot is free again: "w" can be admitted
+    s.unpark("gone")  # unknown ids are ignored (a request that ended meanwhile)
