@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt
 
+from cosyvoice_runtime.config import ENDOFPROMPT_TOKEN_ID
 from deployments.compute import ComputeExecutor
 from deployments.options import DeploymentKnobs
 from deployments.protocol import (
@@ -97,6 +98,16 @@ class TextFrontend:
     async def prepare(self, req: SynthesisRequest) -> PreparedRequest:
         """Validate, normalise, split and tokenise; resolve the prompt for ``req.mode``."""
         return await self._run(self._prepare, req)
+
+    async def prepare_bistream(self, req: SynthesisRequest) -> PreparedRequest:
+        """The prompt of a bistream (text-in streaming) request of a registered voice; its text
+        follows as fragments (:meth:`tokenize_fragment`), so ``pieces`` is empty."""
+        return await self._run(self._prepare_bistream, req)
+
+    async def tokenize_fragment(self, text: str) -> np.ndarray:
+        """Text ids of one bistream fragment, tokenised on its own and NOT normalised (spec §3.8:
+        the official frontend passes a text generator through untouched)."""
+        return await self._run(self.rt.tokenize, text)
 
     async def register_voice(self, voice_id: str, prompt_text: str, audio: np.ndarray, sample_rate: int,
                              overwrite: bool = False) -> VoiceInfo:
@@ -211,6 +222,20 @@ class TextFrontend:
         return PreparedRequest(request_id=req.request_id, pieces=pieces, prompt=prompt,
                                llm_prompt_text_ids=np.asarray(llm_text_ids, dtype=np.int32),
                                llm_use_prompt_speech=use_speech, speed=req.speed, stream=req.stream, seed=req.seed)
+
+
+    def _prepare_bistream(self, req: SynthesisRequest) -> PreparedRequest:
+        if not req.voice_id:
+            raise InvalidInputError("text-in streaming needs a voice id")
+        prompt = self._resolve_prompt(req, need_transcript=True)
+        if prompt.family != self.rt.family:
+            raise InvalidInputError(f"voice was made for {prompt.family}, this model is {self.rt.family}")
+        ids = np.asarray(prompt.prompt_text_ids, dtype=np.int32)
+        if self.rt.family == "cosyvoice3" and ENDOFPROMPT_TOKEN_ID not in ids:
+            # CV3 bistream feeds the prompt up to <|endofprompt|> first (a voice stored without it)
+            ids = np.concatenate([self.rt.tokenize(self._with_cv3_prefix("")), ids]).astype(np.int32)
+        return PreparedRequest(request_id=req.request_id, pieces=[], prompt=prompt, llm_prompt_text_ids=ids,
+                               llm_use_prompt_speech=True, speed=req.speed, stream=True, seed=req.seed)
 
 
 def _info(voice_id: str, prompt: VoicePrompt) -> VoiceInfo:

@@ -11,6 +11,11 @@ decision and its measurements are in ``docs/serving.md``):
   batch;
 * all blocking compute goes through one :class:`~deployments.compute.ComputeExecutor`.
 
+Text-in streaming (:meth:`Synthesizer.synthesize_bistream`, spec §3.8): one LLM sequence whose
+text arrives while it speaks. Its first streamed item is a
+:class:`~deployments.text_inbox.BistreamTicket`: the caller pushes the text to this replica's
+text inbox actor (started at the first such call), and the request reads it from there.
+
 A request that is abandoned (client disconnect, handle ``cancel()``) raises ``CancelledError``
 inside :meth:`synthesize`; the ``finally`` of the engine loop's generator aborts its sequence.
 
@@ -39,10 +44,11 @@ from ray import serve
 from cosyvoice_runtime.config import ENDOFPROMPT_TOKEN_ID
 from cosyvoice_runtime.modes import preflight, resolve_mode
 from deployments import constants
+from deployments.bistream import BistreamLMRequest, BistreamTokenEngine
 from deployments.compute import MAIN as MAIN_LANE
 from deployments.compute import ComputeExecutor
 from deployments.deadlines import DEFAULT_SLACK_S, DeadlineGate, Playback
-from deployments.engine_loop import EngineLoop, is_fatal
+from deployments.engine_loop import EngineLoop, TextSource, is_fatal
 from deployments.gpu_stats import DeviceProbe, release_fragmented_cache
 from deployments.observability import ReplicaMetrics
 from deployments.options import DeploymentKnobs, StrictModel
@@ -59,6 +65,7 @@ from deployments.protocol import (
     portable_error,
 )
 from deployments.runtime_adapter import LMRequest, ModelSource, SynthesisRuntime, call_with_timeout
+from deployments.text_inbox import ActorInbox, BistreamTicket, InboxClient, LocalInbox
 
 logger = logging.getLogger(__name__)
 TOKEN2WAV_LANE = "token2wav"  # the compute lane of flow + HiFT batches when stages overlap
@@ -163,7 +170,9 @@ def _import_factory(path: str) -> RuntimeFactory:
 def default_runtime_factory(cfg: SynthesizerConfig, source: ModelSource) -> SynthesisRuntime:
     from deployments.runtime_adapter import load_synthesis_runtime
 
-    return load_synthesis_runtime(cfg, str(source.resolve()))
+    runtime = load_synthesis_runtime(cfg, str(source.resolve()))
+    runtime.engine = BistreamTokenEngine(runtime.engine)
+    return runtime
 
 
 class Synthesizer:
@@ -175,13 +184,17 @@ class Synthesizer:
         runtime_factory: builds the runtime; defaults to the real one (or ``cfg.runtime_factory``).
         metrics: exporter; a no-op one is used outside a replica.
         clock: seconds for playback deadlines, underruns and latencies (tests inject a fake clock).
+        inbox: where bistream text arrives; default: a text inbox actor in a replica (started at
+            the first bistream call: no idle process per replica), one in this process outside.
     """
 
     def __init__(self, cfg: SynthesizerConfig, source: ModelSource | None = None,
                  runtime_factory: RuntimeFactory | None = None,
-                 metrics: ReplicaMetrics | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 metrics: ReplicaMetrics | None = None, clock: Callable[[], float] = time.perf_counter,
+                 inbox: InboxClient | None = None) -> None:
         self.cfg = cfg
         self.clock = clock
+        self._inbox = inbox
         if runtime_factory is None:
             runtime_factory = _import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
         started = time.perf_counter()
@@ -224,8 +237,28 @@ class Synthesizer:
                     time.perf_counter() - started, source)
 
     # ---------------------------------------------------------------- handle API
-    async def synthesize(self, req: PreparedRequest) -> AsyncIterator[AudioChunk]:
-        """Stream audio chunks of ``req`` as they are produced (handle ``.options(stream=True)``)."""
+    async def synthesize_bistream(self, req: PreparedRequest) -> AsyncIterator[BistreamTicket | AudioChunk]:
+        """Text-in streaming (handle ``.options(stream=True)``): first a :class:`BistreamTicket`
+        (push this request's text ids there, then the end), then audio chunks as :meth:`synthesize`
+        makes them, the first before the text has ended. ``req.pieces`` is not used."""
+        if not hasattr(self.runtime.engine, "add_bistream"):
+            raise InvalidInputError("this replica's engine does not take bistream requests")
+        if self._inbox is None:
+            self._inbox = _default_inbox()
+        inbox, session = self._inbox, req.request_id
+        await inbox.open(session)
+        try:
+            yield BistreamTicket(inbox, session)
+            async for chunk in self.synthesize(req, text=inbox.text(session)):
+                yield chunk
+        finally:
+            inbox.close(session)
+
+    async def synthesize(self, req: PreparedRequest, text: TextSource | None = None) -> AsyncIterator[AudioChunk]:
+        """Stream audio chunks of ``req`` as they are produced (handle ``.options(stream=True)``).
+
+        ``text``: the text of a bistream request (:meth:`synthesize_bistream` only): one LLM
+        sequence over the prompt of ``req`` instead of one per piece."""
         started = self.clock()
         playback = Playback(started)
         index = 0
@@ -240,9 +273,10 @@ class Synthesizer:
             if self.max_prompt_tokens is not None and n_prompt > self.max_prompt_tokens:
                 raise InvalidInputError(f"prompt of {n_prompt} speech tokens is longer than this replica accepts "
                                         f"({self.max_prompt_tokens})")
-            last_piece = len(req.pieces) - 1
-            for p, piece in enumerate(req.pieces):
-                async for audio, final in self._synthesize_piece(req, p, piece, playback):
+            pieces = req.pieces if text is None else [None]
+            last_piece = len(pieces) - 1
+            for p, piece in enumerate(pieces):
+                async for audio, final in self._synthesize_piece(req, p, piece, playback, text):
                     now = self.clock()
                     if index == 0:
                         self.metrics.observe_ttfa(now - started)
@@ -388,20 +422,22 @@ class Synthesizer:
                 self.t2w.run_batch([job])
         logger.info("warmup: %d tokens in %.2f s", len(tokens), time.perf_counter() - started)
 
-    async def _synthesize_piece(self, req: PreparedRequest, p: int, piece,
-                                playback: Playback) -> AsyncIterator[tuple[np.ndarray, bool]]:
-        if piece.text_ids.size == 0:
-            raise InvalidInputError(f"text piece {p} has no tokens")
+    async def _synthesize_piece(self, req: PreparedRequest, p: int, piece, playback: Playback,
+                                text: TextSource | None = None) -> AsyncIterator[tuple[np.ndarray, bool]]:
         prompt = req.prompt
-        lm = LMRequest(
-            text_ids=piece.text_ids, prompt_text_ids=req.llm_prompt_text_ids,
-            prompt_speech_ids=prompt.speech_tokens if req.llm_use_prompt_speech else np.zeros(0, dtype=np.int32),
-            seed=req.seed,
-        )
+        speech = prompt.speech_tokens if req.llm_use_prompt_speech else np.zeros(0, dtype=np.int32)
+        if text is not None:
+            lm = BistreamLMRequest(prompt_text_ids=req.llm_prompt_text_ids, prompt_speech_ids=speech, seed=req.seed)
+        elif piece.text_ids.size == 0:
+            raise InvalidInputError(f"text piece {p} has no tokens")
+        else:
+            lm = LMRequest(text_ids=piece.text_ids, prompt_text_ids=req.llm_prompt_text_ids,
+                           prompt_speech_ids=speech, seed=req.seed)
         state = self.t2w.new_stream(prompt, stream=req.stream, speed=req.speed, seed=req.seed)
         tokens: list[int] = []
         # Woken when the next chunk's tokens are there (or at the end), not on every decode step.
-        async for event in self.loop.generate(f"{req.request_id}/{p}", lm, need=lambda: self.t2w.tokens_needed(state)):
+        async for event in self.loop.generate(f"{req.request_id}/{p}", lm, need=lambda: self.t2w.tokens_needed(state),
+                                              text=text):
             tokens.extend(event.new_tokens)
             while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
                 turn = self.gate.turn(playback.deadline_s()) if self.gate is not None else contextlib.nullcontext()
@@ -475,6 +511,15 @@ class Synthesizer:
         env = opts["ray_actor_options"].setdefault("runtime_env", {}).setdefault("env_vars", {})
         env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENA_MAX)
         return opts
+
+
+def _default_inbox() -> InboxClient:
+    """The text inbox actor inside a Serve replica, one in this process outside (tests)."""
+    try:
+        serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - outside a replica (unit tests, in-process apps)
+        return LocalInbox()
+    return ActorInbox.start()
 
 
 def _replica_id() -> str:

@@ -4,7 +4,8 @@ They keep the real contracts that the serving layer relies on: an engine with a 
 decode slots that admits waiting sequences between steps and frees a slot on abort, and a
 token2wav that emits one job per hop and a final job, with a batched ``run_batch``. Each
 sequence emits ``TOKENS_PER_TEXT_ID`` tokens per text id, so tests choose how long a request
-runs through the length of its text; a hold seed (:func:`hold_seed`) stops it after its first
+runs through the length of its text (a bistream request: of the text fed so far, waiting for more
+until its end); a hold seed (:func:`hold_seed`) stops it after its first
 chunk until the test releases it. ``STEP_S`` / ``BATCH_S`` emulate compute time: real sleeps (the
 Ray suites), or, given a :class:`FakeClock`, that clock advanced instead (unit tests: time is what
 the fakes say it is, whatever the machine's load).
@@ -87,6 +88,12 @@ class _Seq:
     target: int
     emitted: int = 0
     held: bool = False  # a hold seed, not yet released
+    text: list[int] | None = None  # a bistream request's text so far (None: request.text_ids)
+    ended: bool = True  # a bistream request's text is complete
+
+    @property
+    def ids(self):
+        return self.request.text_ids if self.text is None else self.text
 
 
 class FakeEngine:
@@ -119,6 +126,17 @@ class FakeEngine:
         target = TOKENS_PER_TEXT_ID * len(request.text_ids)
         self.waiting[request_id] = _Seq(request, target, held=request.seed in _HOLD_SEEDS)
 
+    def add_bistream(self, request_id: str, request) -> None:
+        self.waiting[request_id] = _Seq(request, 0, text=[], ended=False)
+
+    def feed_text(self, request_id: str, ids, end: bool) -> bool:
+        seq = self.waiting.get(request_id) or self.running.get(request_id)
+        if seq is None:
+            return False
+        seq.text.extend(int(i) for i in ids)
+        seq.target, seq.ended = TOKENS_PER_TEXT_ID * len(seq.text), end
+        return True
+
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
         self.waiting.pop(request_id, None)
@@ -126,7 +144,8 @@ class FakeEngine:
         self._notify()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        # a bistream request that has spoken all its text so far waits for more: no work
+        return bool(self.waiting) or any(s.ended or s.emitted < s.target for s in self.running.values())
 
     def num_running(self) -> int:
         return len(self.running)
@@ -145,10 +164,15 @@ class FakeEngine:
                 if not _release_marker(seq.request.seed).exists():
                     continue  # one streamed chunk's worth, then nothing until released or aborted
                 seq.held = False
-            token = int(seq.request.text_ids[seq.emitted % len(seq.request.text_ids)]) % 6561
+            if seq.emitted >= seq.target:  # a bistream request: all its text spoken
+                if seq.ended:
+                    events.append(TokenEvent(rid, [], finished=True, finish_reason="stop"))
+                    del self.running[rid]
+                continue
+            token = int(seq.ids[seq.emitted % len(seq.ids)]) % 6561
             seq.emitted += 1
             self.progress[rid] = seq.emitted
-            done = seq.emitted >= seq.target
+            done = seq.emitted >= seq.target and seq.ended
             events.append(TokenEvent(rid, [token], finished=done, finish_reason="stop" if done else None))
             if done:
                 del self.running[rid]
