@@ -8,15 +8,23 @@
 * server -> client: ``{"audio": "<base64>", "isFinal": false, "normalizedAlignment": null,
   "alignment": null}`` messages, then ``{"isFinal": true}`` and a normal close (1000).
 
-Text becomes speech sentence by sentence: a sentence is sent to synthesis as soon as its end
-mark (and the character after it) has arrived, or when the buffer passes ``MAX_SEGMENT_CHARS``
-(cut at a soft break with the runtime's splitter helpers), or on ``flush`` / the end. Segments
-are synthesised one after another while more text arrives, into ONE encoder, so the
-concatenated audio is one valid stream of the output format. CosyVoice2's bistream (text and
-speech tokens interleaved in one LLM sequence, ``cosyvoice_runtime.llm.bistream``) would start
-audio after ~5 text tokens instead of a sentence and keep prosody across sentence boundaries;
-it needs an engine request whose text grows while it decodes, which the engine loop does not
-take yet.
+Two modes (query ``mode``), both into ONE encoder, so the concatenated audio is one valid stream
+of the output format:
+
+* ``bistream`` (default; CosyVoice2 and CosyVoice3, spec §3.8): one LLM sequence reads the text
+  while it speaks, text and speech tokens interleaved (5 text : 15 speech). Each fragment is
+  tokenised on its own, NOT normalised (as the official bistream frontend), and pushed to the
+  synthesizer replica running the sequence through its text inbox
+  (``deployments/text_inbox.py``); audio starts once the prompt's speech is paired with text
+  (about 5 text tokens per 15 prompt speech tokens, less the prompt's own text) and a first chunk
+  of speech tokens exists, not at a sentence end, and prosody runs on across sentences. A turn
+  (one sequence) ends at ``flush`` (its text is complete: the model speaks the rest and stops;
+  text after it starts a new turn), at the end, or at the first sentence end past
+  ``TURN_SOFT_IDS`` text tokens (``TURN_MAX_IDS`` wherever), so a turn fits a KV slot.
+* ``sentence``: a sentence is sent to synthesis as soon as its end mark (and the character after
+  it) has arrived, or when the buffer passes ``MAX_SEGMENT_CHARS`` (cut at a soft break with the
+  runtime's splitter helpers), or on ``flush`` / the end; segments are normalised and
+  synthesised one after another while more text arrives.
 
 Bounded: one admission turn per session (AdmissionControl), ``MAX_SESSION_CHARS`` of text per
 session, an inactivity timeout (query ``inactivity_timeout``, default 20 s, at most 180 s, as
@@ -39,7 +47,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from cosyvoice_runtime.frontend.split import CLOSING_QUOTES, EN_SENTENCE_END, ZH_SENTENCE_END, cut_to_length
 from deployments.frontend import VOICE_ID_PATTERN
-from deployments.protocol import CosyVoiceError, InvalidInputError, OverloadedError, SynthesisRequest
+from deployments.protocol import AudioChunk, CosyVoiceError, InvalidInputError, OverloadedError, SynthesisRequest
 from serve_app.audio_codec import run_encoder
 from serve_app.errors import classify, error_body, message_of, request_id_of
 from serve_app.handles import admitted, cancel_stream
@@ -49,6 +57,9 @@ from serve_app.speech import AudioOut, split_speed
 logger = logging.getLogger(__name__)
 
 ROUTE = "/v1/text-to-speech/{voice_id}/stream-input"
+MODES = ("bistream", "sentence")
+TURN_SOFT_IDS, TURN_MAX_IDS = 120, 200  # text tokens of a bistream turn (see the module docstring)
+_FLUSH = object()  # end of a bistream turn
 DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
 PCM_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
 MP3_RATES = (22050, 24000, 44100)
@@ -125,7 +136,7 @@ class StreamInputSession:
     def __init__(self, ws: WebSocket, frontend: Any, synth: Any, voice_id: str) -> None:
         self.ws, self.frontend, self.synth, self.voice_id = ws, frontend, synth, voice_id
         self.rid = request_id_of(ws)
-        self.segments: asyncio.Queue[str | None] = asyncio.Queue()
+        self.segments: asyncio.Queue = asyncio.Queue()  # sentence: segments; bistream: fragments, _FLUSH; None: end
         self.out: AudioOut | None = None
         self.speed = 1.0
         self.chars = 0
@@ -137,11 +148,15 @@ class StreamInputSession:
         try:
             fmt = parse_output_format(ws.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT))
             timeout = _inactivity(ws.query_params.get("inactivity_timeout"))
+            mode = ws.query_params.get("mode", MODES[0])
+            if mode not in MODES:
+                raise InvalidInputError(f"mode must be one of {', '.join(MODES)}")
             if not _VOICE_ID_RE.match(self.voice_id):
                 raise InvalidInputError(f"voice_id must match {VOICE_ID_PATTERN}")
             first = await self._receive(timeout)
             self.speed = _speed_of(first)
-            worker = asyncio.create_task(self._synthesize_all(fmt))
+            bistream = mode == "bistream"
+            worker = asyncio.create_task(self._bistream_all(fmt) if bistream else self._synthesize_all(fmt))
             buffer = SentenceBuffer()
             msg = first
             while True:
@@ -151,11 +166,16 @@ class StreamInputSession:
                 if text == "" and msg is not first:
                     break
                 self._count(text)
-                ready = buffer.feed(text)
-                if msg.get("flush"):
-                    ready += buffer.flush()
-                for seg in ready:
-                    self.segments.put_nowait(seg)
+                if bistream:
+                    self.segments.put_nowait(text)
+                    if msg.get("flush"):
+                        self.segments.put_nowait(_FLUSH)
+                else:
+                    ready = buffer.feed(text)
+                    if msg.get("flush"):
+                        ready += buffer.flush()
+                    for seg in ready:
+                        self.segments.put_nowait(seg)
                 msg = await self._receive(timeout, worker)
             for seg in buffer.flush():
                 self.segments.put_nowait(seg)
@@ -210,14 +230,76 @@ class StreamInputSession:
             n += 1
             prepared = await admitted(self.frontend.prepare.remote(req))
             gen = self.synth.options(stream=True).synthesize.remote(prepared)
-            try:
-                async for chunk in gen:
-                    if self.out is None:  # encoder calls run in the encoder pool, off the event loop
-                        self.out = await run_encoder(AudioOut, fmt.fmt, chunk.sample_rate, tempo=tempo,
-                                                     out_rate=fmt.rate, bit_rate=fmt.bit_rate)
-                    await self._send_audio(await run_encoder(self.out.feed, chunk.samples))
-            finally:
-                cancel_stream(gen)
+            await self._play(gen, fmt, tempo)
+        await self._close_audio()
+
+    async def _bistream_all(self, fmt: OutputFormat) -> None:
+        """Bistream turns one after another: start a sequence at a turn's first non-blank
+        fragment, push each fragment's ids to it, end it at flush / the end / the turn bound."""
+        native, tempo = split_speed(self.speed)
+        turn: _Turn | None = None
+        n = 0
+        try:
+            while True:
+                item = await self._next_fragment(turn)
+                if item is None or item is _FLUSH:
+                    if turn is not None:
+                        await turn.finish()
+                        turn = None
+                    if item is None:
+                        break
+                    continue
+                if turn is None:
+                    if not item.strip():
+                        continue  # blanks between turns (ElevenLabs' first " ") start nothing
+                    req = SynthesisRequest(request_id=f"{self.rid}-{n}", text="", voice_id=self.voice_id, speed=native,
+                                           stream=True)
+                    n += 1
+                    prepared = await admitted(self.frontend.prepare_bistream.remote(req))
+                    gen = self.synth.options(stream=True).synthesize_bistream.remote(prepared)
+                    try:
+                        ticket = await admitted(gen.__anext__())
+                    except BaseException:
+                        cancel_stream(gen)
+                        raise
+                    turn = _Turn(ticket, asyncio.create_task(self._play(gen, fmt, tempo)))
+                ids = (await self.frontend.tokenize_fragment.remote(item)).tolist()
+                await turn.push(ids)
+                if turn.ids >= TURN_MAX_IDS or (turn.ids >= TURN_SOFT_IDS and _ends_sentence(item)):
+                    await turn.finish()
+                    turn = None
+        finally:
+            if turn is not None and not turn.audio.done():
+                turn.audio.cancel()  # cancels the handle stream: its decode slot is freed
+        await self._close_audio()
+
+    async def _next_fragment(self, turn: _Turn | None):
+        """The next queued item; a turn whose synthesis failed meanwhile raises its error now."""
+        if turn is None:
+            return await self.segments.get()
+        get = asyncio.ensure_future(self.segments.get())
+        done, _ = await asyncio.wait({get, turn.audio}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        turn.audio.result()  # raises the synthesis error
+        raise InvalidInputError("the speech of this turn ended before its text did (it outgrew the model's "
+                                "context): send flush more often")
+
+    async def _play(self, gen, fmt: OutputFormat, tempo: float) -> None:
+        """Encode and send one synthesis call's audio (skipping a bistream call's ticket)."""
+        try:
+            async for chunk in gen:
+                if not isinstance(chunk, AudioChunk):
+                    continue
+                if self.out is None:  # encoder calls run in the encoder pool, off the event loop
+                    self.out = await run_encoder(AudioOut, fmt.fmt, chunk.sample_rate, tempo=tempo,
+                                                 out_rate=fmt.rate, bit_rate=fmt.bit_rate)
+                await self._send_audio(await run_encoder(self.out.feed, chunk.samples))
+        finally:
+            cancel_stream(gen)
+
+    async def _close_audio(self) -> None:
         if self.out is not None:
             await self._send_audio(await run_encoder(self.out.close))
 
@@ -237,6 +319,33 @@ class StreamInputSession:
         with contextlib.suppress(Exception):  # the client may be gone already
             await self.ws.send_json(body)
             await self.ws.close(close)
+
+
+@dataclass
+class _Turn:
+    """One bistream sequence of a session: where its text goes, and the task sending its audio."""
+
+    ticket: Any  # deployments.text_inbox.BistreamTicket
+    audio: asyncio.Task
+    ids: int = 0
+
+    async def push(self, ids: list[int]) -> None:
+        if self.audio.done():
+            self.audio.result()  # a failed synthesis raises its own error, not "session closed"
+        if ids:
+            await self.ticket.push(ids)
+            self.ids += len(ids)
+
+    async def finish(self) -> None:
+        """End of this turn's text; returns once its audio has been sent."""
+        if not self.audio.done():
+            await self.ticket.push([], end=True)
+        await self.audio
+
+
+def _ends_sentence(fragment: str) -> bool:
+    text = fragment.rstrip().rstrip("".join(CLOSING_QUOTES))
+    return bool(text) and text[-1] in SENTENCE_END
 
 
 def _inactivity(value: str | None) -> float:

@@ -1,6 +1,8 @@
 """WebSocket text-in streaming (ElevenLabs stream-input shapes), in process through Starlette's
-TestClient: message shapes, sentence-wise start, flush, output formats, errors, admission.
-Through real Ray with the ``websockets`` client: tests/integration/test_openai_contract_ray.py."""
+TestClient: message shapes, bistream (the default) and sentence-wise start, flush, output formats,
+errors, admission. Through real Ray with the ``websockets`` client:
+tests/integration/test_openai_contract_ray.py, and bistream on the tiny model in
+tests/integration/test_tiny_model_ray.py."""
 from __future__ import annotations
 
 import base64
@@ -12,10 +14,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from deployments.protocol import InvalidInputError
+from serve_app import stream_input
 from serve_app.ingress import IngressConfig
 from serve_app.stream_input import SentenceBuffer, parse_output_format
 from tests.deployments import fakes
-from tests.serve_app.test_ingress_inproc import _app, _wav
+from tests.serve_app.test_ingress_inproc import _ingress, _wav
 
 SR = fakes.SAMPLE_RATE
 PATH = "/v1/text-to-speech/{voice}/stream-input"
@@ -26,12 +29,23 @@ def _samples(text: str) -> int:
 
 
 @pytest.fixture
-def client():
-    with TestClient(_app(IngressConfig(max_input_chars=1000, max_ongoing_requests=2, max_queued_requests=4))) as c:
+def ingress():
+    return _ingress(IngressConfig(max_input_chars=1000, max_ongoing_requests=2, max_queued_requests=4))
+
+
+@pytest.fixture
+def client(ingress):
+    with TestClient(ingress.__serve_build_asgi_app__()) as c:
         r = c.post("/v1/voices", data={"voice_id": "default", "prompt_text": "hi"},
                    files={"audio": ("a.wav", _wav(), "audio/wav")})
         assert r.status_code == 201
         yield c
+
+
+def _emitted(ingress) -> dict[str, int]:
+    """Speech tokens per LLM sequence of the fake engine, by request id suffix (turn/piece)."""
+    engine = ingress.synth._target.runtime.engine
+    return {rid.split("-")[-1]: n for rid, n in engine.progress.items()}
 
 
 def _collect(ws) -> tuple[list[dict], bytes]:
@@ -44,7 +58,7 @@ def _collect(ws) -> tuple[list[dict], bytes]:
 
 
 def test_sentences_are_spoken_as_they_complete_then_final(client):
-    with client.websocket_connect(PATH.format(voice="alloy") + "?output_format=pcm_24000") as ws:
+    with client.websocket_connect(PATH.format(voice="alloy") + "?output_format=pcm_24000&mode=sentence") as ws:
         ws.send_json({"text": " ", "voice_settings": {"stability": 0.5}, "generation_config": {}})
         ws.send_json({"text": "Hello there. How"})  # one complete sentence: synthesis starts now
         first = ws.receive_json()
@@ -60,7 +74,7 @@ def test_sentences_are_spoken_as_they_complete_then_final(client):
 
 
 def test_flush_forces_out_the_buffer_and_pcm_16000(client):
-    with client.websocket_connect(PATH.format(voice="default") + "?output_format=pcm_16000") as ws:
+    with client.websocket_connect(PATH.format(voice="default") + "?output_format=pcm_16000&mode=sentence") as ws:
         ws.send_json({"text": " "})
         ws.send_json({"text": "no sentence end here", "flush": True})
         first = ws.receive_json()  # audio before the end of the text: the flush sent it to synthesis
@@ -72,7 +86,7 @@ def test_flush_forces_out_the_buffer_and_pcm_16000(client):
 
 
 def test_mp3_output_is_one_stream(client):
-    with client.websocket_connect(PATH.format(voice="default") + "?output_format=mp3_44100_128") as ws:
+    with client.websocket_connect(PATH.format(voice="default") + "?output_format=mp3_44100_128&mode=sentence") as ws:
         ws.send_json({"text": " "})
         ws.send_json({"text": "One. Two. Three."})
         ws.send_json({"text": ""})
@@ -87,6 +101,7 @@ def test_mp3_output_is_one_stream(client):
 @pytest.mark.parametrize("query, first, code", [
     ("?output_format=wav_123", {"text": " "}, "invalid_input"),
     ("?inactivity_timeout=999", {"text": " "}, "invalid_input"),
+    ("?mode=words", {"text": " "}, "invalid_input"),
     ("", {"nope": 1}, "invalid_input"),
     ("", {"text": " ", "voice_settings": {"speed": 9}}, "invalid_input"),
 ])
@@ -117,6 +132,64 @@ def test_sessions_take_admission_turns(client):
             body = c.receive_json()
             assert body["error"]["code"] == "queue_full"
             assert c.receive()["code"] == 1013
+
+
+def test_bistream_speaks_before_the_text_ends_and_all_of_it(client, ingress):
+    """Fragments are tokenised as they are (the fake: utf-8 bytes, spaces included), not
+    normalised, and read by ONE sequence while it speaks: audio before any sentence end."""
+    fragments = ["Hello", " there", " how are", " you", " doing"]
+    with client.websocket_connect(PATH.format(voice="default") + "?output_format=pcm_24000") as ws:
+        ws.send_json({"text": " ", "voice_settings": {"stability": 0.5}})
+        ws.send_json({"text": fragments[0]})
+        ws.send_json({"text": fragments[1]})  # 11 ids -> 22 tokens: one streamed hop of 12 exists
+        first = ws.receive_json()
+        assert set(first) == {"audio", "isFinal", "normalizedAlignment", "alignment"} and first["isFinal"] is False
+        for f in fragments[2:]:
+            ws.send_json({"text": f})
+        ws.send_json({"text": ""})
+        messages, audio = _collect(ws)
+    assert messages[-1] == {"isFinal": True}
+    pcm = base64.b64decode(first["audio"]) + audio
+    assert len(pcm) // 2 == _samples("".join(fragments))
+    assert _emitted(ingress) == {"0/0": 2 * len("".join(fragments))}  # one sequence for the session
+
+
+def test_bistream_flush_ends_the_turn_and_later_text_starts_another(client, ingress):
+    with client.websocket_connect(PATH.format(voice="default") + "?output_format=pcm_24000") as ws:
+        ws.send_json({"text": " "})
+        ws.send_json({"text": "abcdefg", "flush": True})  # 14 tokens: a hop of 12, then the final 2
+        got = 0
+        while got < 2 * _samples("abcdefg"):  # the whole turn is spoken before the session ends
+            got += len(base64.b64decode(ws.receive_json()["audio"]))
+        assert got == 2 * _samples("abcdefg")
+        ws.send_json({"text": "xyz"})
+        ws.send_json({"text": ""})
+        _, audio = _collect(ws)
+    assert len(audio) // 2 == _samples("xyz")
+    assert _emitted(ingress) == {"0/0": 14, "1/0": 6}
+
+
+def test_bistream_turn_ends_at_a_sentence_end_past_the_soft_bound(client, ingress, monkeypatch):
+    monkeypatch.setattr(stream_input, "TURN_SOFT_IDS", 8)
+    with client.websocket_connect(PATH.format(voice="default") + "?output_format=pcm_24000") as ws:
+        ws.send_json({"text": " "})
+        for f in ["Hi.", " Again", " now.", " Last"]:  # 3 ids, 9 (no sentence end), 14 at one: the turn ends
+            ws.send_json({"text": f})
+        ws.send_json({"text": ""})
+        _, audio = _collect(ws)
+    assert _emitted(ingress) == {"0/0": 2 * 14, "1/0": 2 * 5}
+    assert len(audio) // 2 == _samples("Hi. Again now. Last")
+
+
+def test_bistream_close_mid_text_aborts_the_sequence(client, ingress):
+    engine = ingress.synth._target.runtime.engine
+    with client.websocket_connect(PATH.format(voice="default") + "?output_format=pcm_24000") as ws:
+        ws.send_json({"text": " "})
+        ws.send_json({"text": "waiting for more text"})
+        assert ws.receive_json()["audio"]
+    # the socket closed with the sequence parked, waiting for text: its decode slot is freed
+    assert engine.wait_until(lambda: any(rid.endswith("-0/0") for rid in engine.aborted))
+    assert engine.wait_until(lambda: engine.num_running() == 0)
 
 
 def test_sentence_buffer():
