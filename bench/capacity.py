@@ -122,6 +122,9 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
             loop_fn = closed_loop if kind == "sessions" else open_loop
             result = await loop_fn(target, load, work, run.slo)
             run.record(entry, result, _probe_extra(result, sampler, target))
+            if args.trace and isinstance(target, SimTarget):
+                name = f"trace-{run.stem}-{_slug(mode)}-{kind}-{load}.json"
+                (run.out / name).write_text(json.dumps(target.timeline(*result.span)))
             if getattr(target, "failed", None) is not None:  # not an SLO miss: the search stops here
                 raise RuntimeError(f"{mode}: the replica failed during the {kind} probe at {load}") from target.failed
             settle()
@@ -195,6 +198,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--flow-batch", type=int, default=16)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--trace", action="store_true", help="replica level: write each probe's timeline "
+                    "(decode steps, token2wav batches, requests) to trace-*.json")
     return ap.parse_args(argv)
 
 

@@ -100,6 +100,23 @@ class SimTarget:
                 "express_busy_fraction": round(sum(express_s) / span, 3) if express else None}
 
 
+    def timeline(self, t0: float, t1: float) -> dict:
+        """Every decode step, token2wav batch and request of the span, in ms from ``t0`` (``--trace``):
+        what a late first audio waited behind."""
+        def ms(t):
+            return None if t is None else round((t - t0) * 1e3, 2)
+
+        sim = self.sim
+        return {"steps": [(ms(s), ms(e)) for s, e in sim.step_log if t0 <= s < t1],
+                "batches": [(ms(s), ms(e), n, f, lane) for s, e, n, f, lane in sim.batch_log if t0 <= s < t1],
+                "chunks": [[ms(t) for t in st.trace.chunk_times_s] for st in list(sim.streams.values())
+                           if t0 <= st.trace.submitted_s < t1],
+                "requests": [{"submitted": ms(st.trace.submitted_s), "first_token": ms(st.first_token_s),
+                              "first_job": ms(st.first_job_s), "first_audio": ms(st.trace.chunk_times_s[0] if st.trace.chunk_times_s else None),
+                              "audio_s": st.trace.audio_s, "tokens": len(st.tokens)}
+                             for st in list(sim.streams.values()) if t0 <= st.trace.submitted_s < t1]}
+
+
 def _resolve(fut: asyncio.Future, trace: RequestTrace) -> None:
     if not fut.done():
         fut.set_result(trace)

@@ -128,7 +128,9 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     first two chunks (:mod:`bench.replica_sim`); implies prio; ``cvinc`` = CosyVoice2's streamed flow
     calls incremental (Token2Wav ``cv2_flow="incremental"``: each stream's estimator state of the
     emitted frames kept, only new frames solved, one stream at a time and eagerly; without it the
-    official full recompute)."""
+    official full recompute), ``steps`` = the flow solved one Euler pass at a time over rows picked
+    earliest deadline first (:mod:`cosyvoice_runtime.flow.stepper`), so a first chunk joins at the next
+    pass instead of waiting for a whole batch; with ``edf``'s slack."""
     _, _, extra = parse_mode(mode)
     switch = sys.getswitchinterval()
     if "fastswitch" in extra:
@@ -141,7 +143,7 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
 
 
 KNOWN_EXTRAS = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile", "vinc", "prio",
-                "lenbatch", "express", "cvinc"}
+                "lenbatch", "express", "cvinc", "steps"}
 LENGTH_RATIO = 1.5  # extra "lenbatch"
 
 
@@ -166,10 +168,10 @@ def mode_setup(base: CosyVoiceModel, mode: str, flow_batch: int, n_tokens: int,
                 "llm_compile": compile_backend if "llmcompile" in extra else None,
                 "cv3_vocoder": "incremental" if "vinc" in extra else "recompute", "stream_priority": "prio" in extra,
                 "cv2_flow": "incremental" if "cvinc" in extra else "recompute",
-                "length_ratio": LENGTH_RATIO if "lenbatch" in extra else None}
+                "length_ratio": LENGTH_RATIO if "lenbatch" in extra else None, "stepped": "steps" in extra}
     graphs = "all" if "allgraphs" in extra else "solve" if "graphs" in extra else None
     model, sim_args["express"] = _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop,
-                                           compile_backend, express="express" in extra)
+                                           compile_backend, express="express" in extra, stepper="steps" in extra)
     return model, sim_args
 
 
@@ -209,14 +211,15 @@ _PREPARED: dict[tuple, CosyVoiceModel] = {}
 
 def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, flow_batch: int,
               n_tokens: int, min_first_hop: int | None, compile_backend: str = "inductor",
-              express: bool = False) -> tuple[CosyVoiceModel, CosyVoiceModel | None]:
+              express: bool = False, stepper: bool = False) -> tuple[CosyVoiceModel, CosyVoiceModel | None]:
     """The cast (compiled / graphed) copy of ``base`` for a mode, and the express lane's model
     (own flow and vocoder copies and graphs) when asked; modes that differ only in scheduling
     (fastswitch) share it, so graphs are captured once per run.
 
     ``graphs``: None, "solve" (the flow solve) or "all" (the solve, the CV2 encoder and the CV2
     vocoder on a copy of the vocoder, captured as a replica does it)."""
-    key = (id(base), kind, prec, graphs, flow_batch, n_tokens, min_first_hop if graphs == "all" else None, express)
+    key = (id(base), kind, prec, graphs, flow_batch, n_tokens, min_first_hop if graphs == "all" else None, express,
+           stepper)
     if key not in _PREPARED:
         _PREPARED.clear()  # one prepared copy at a time: GPU memory
         model = cast(base, DTYPES[prec])
@@ -231,7 +234,7 @@ def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, fl
             ex = CosyVoiceModel(spec=model.spec, llm=model.llm, flow=copy.deepcopy(model.flow),
                                 hift=copy.deepcopy(model.hift))
         if graphs and model.device.type == "cuda":
-            _capture(model, graphs, flow_batch, 2 * (PROMPT_SPEECH + n_tokens), min_first_hop)
+            _capture(model, graphs, flow_batch, 2 * (PROMPT_SPEECH + n_tokens), min_first_hop, stepper)
             if ex is not None:  # first and second chunks only: short solves, small batches
                 _capture(ex, graphs, EXPRESS_BATCH, 2 * (PROMPT_SPEECH + 3 * model.spec.stream.token_hop_len),
                          min_first_hop)
@@ -239,9 +242,10 @@ def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, fl
     return _PREPARED[key]
 
 
-def _capture(model: CosyVoiceModel, graphs: str, max_batch: int, max_frames: int, min_first_hop: int | None) -> None:
+def _capture(model: CosyVoiceModel, graphs: str, max_batch: int, max_frames: int, min_first_hop: int | None,
+             stepper: bool = False) -> None:
     t0 = time.perf_counter()
-    model.flow.enable_graphs(max_batch=max_batch, max_frames=max_frames, encoder=graphs == "all")
+    model.flow.enable_graphs(max_batch=max_batch, max_frames=max_frames, encoder=graphs == "all", stepper=stepper)
     n = model.flow.capture_graphs()
     n_voc = 0
     if graphs == "all" and not model.spec.hift.causal:  # the CV2 vocoder

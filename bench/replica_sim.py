@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.metrics import RequestTrace
+from cosyvoice_runtime.flow.stepper import pick_rows
 from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.inputs import build_lm_input
 from cosyvoice_runtime.llm.sampling import SamplingParams
@@ -75,8 +76,8 @@ class ReplicaSim:
     def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, cuda_graphs: bool = False,
                  flow_batch: int = 16, min_first_hop: int | None = None, edf_slack_s: float | None = None,
                  llm_compile: str | None = None, cv3_vocoder: str = "recompute", cv2_flow: str = "recompute",
-                 stream_priority: bool = False,
-                 max_text: int = TEXT, length_ratio: float | None = None, express: CosyVoiceModel | None = None):
+                 stream_priority: bool = False, max_text: int = TEXT, length_ratio: float | None = None,
+                 express: CosyVoiceModel | None = None, stepped: bool = False):
         self.model = model
         self.edf_slack_s = edf_slack_s  # None: first chunks first (see _pick)
         self.n_tokens = n_tokens  # per request unless submit() says otherwise (then the most it may say)
@@ -87,6 +88,11 @@ class ReplicaSim:
         # extra "lenbatch" (with edf): a batch holds only jobs at most this many times as long as its
         # most urgent one, so a first chunk is not padded to a 20 s stream's prefix
         self.length_ratio = length_ratio
+        # extra "steps": the bulk lane solves the flow one Euler pass at a time over rows picked by
+        # deadline (cosyvoice_runtime.flow.stepper); a new stream's first chunk joins at the next pass
+        if stepped and (express is not None or cv2_flow != "recompute"):
+            raise ValueError("steps: one lane and the recomputed flow only")
+        self.stepped = stepped
         self.engine = LLMEngine(model.llm, max_batch_size=max_batch,
                                 max_seq_len=PROMPT_SPEECH + PROMPT_TEXT + max_text + n_tokens + 8,
                                 use_cuda_graphs=cuda_graphs and model.device.type == "cuda",
@@ -137,7 +143,8 @@ class ReplicaSim:
 
     def start(self) -> None:
         """Start the worker threads (for a caller that drives submissions itself)."""
-        loops = [self._llm_loop] + [lambda lane=lane: self._t2w_loop(lane) for lane in self.lanes]
+        t2w_loop = self._t2w_step_loop if self.stepped else self._t2w_loop
+        loops = [self._llm_loop] + [lambda lane=lane: t2w_loop(lane) for lane in self.lanes]
         self._threads = [threading.Thread(target=self._guard(f), daemon=True) for f in loops]
         for t in self._threads:
             t.start()
@@ -185,9 +192,7 @@ class ReplicaSim:
                 with self.lock:
                     jobs = []
                     while not self.stop:
-                        jobs = [(rid, j) for rid, st in self.open.items()
-                                if rid not in self.busy and lane.takes(st.state)
-                                and (j := lane.t2w.next_job(st.state, list(st.tokens), st.llm_done)) is not None]
+                        jobs = self._ready_jobs(lane)
                         if jobs:
                             break
                         self.lock.wait()
@@ -221,6 +226,76 @@ class ReplicaSim:
                             if st.on_finish is not None:
                                 st.on_finish(st)
                     self.lock.notify_all()
+
+    def _t2w_step_loop(self, lane: _Lane) -> None:
+        """The bulk lane, stepped: admit ready jobs as flow rows, one pass over the rows picked by
+        deadline, vocode the rows whose solve is done; the GPU runs at most one pass ahead."""
+        device = self.model.device
+        cuda = device.type == "cuda"
+        stream = torch.cuda.Stream(priority=lane.priority) if cuda else None
+        rows: list = []
+        rid_of: dict[int, str] = {}
+        slack = self.edf_slack_s if self.edf_slack_s is not None else 0.0
+        ratio = self.length_ratio or 2.0
+        last_pass = None
+        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            while not self.stop:
+                with self.lock:
+                    while not self.stop and not rows:
+                        if self._ready_jobs(lane):
+                            break
+                        self.lock.wait()
+                    if self.stop:
+                        return
+                    jobs = self._ready_jobs(lane)
+                    self.busy.update(rid for rid, _ in jobs)
+                    deadline = {rid: self.streams[rid].trace.playback_deadline_s() for rid in self.busy}
+                start = time.perf_counter()
+                if jobs:
+                    for rid, job in jobs:
+                        if job.state.calls == 0:
+                            self.streams[rid].first_job_s = start
+                    new = lane.t2w.start_solves([j for _, j in jobs])
+                    rid_of.update((id(r), rid) for r, (rid, _) in zip(new, jobs))
+                    rows += new
+                batch = pick_rows(rows, {id(r): deadline[rid_of[id(r)]] for r in rows}, start, slack,
+                                  lane.max_batch, ratio)
+                if last_pass is not None:
+                    last_pass.synchronize()  # at most one pass queued behind the running one
+                lane.t2w.advance(batch)
+                if cuda:
+                    last_pass = torch.cuda.Event()
+                    last_pass.record(stream)
+                done = [r for r in batch if r.step == lane.t2w.n_steps]
+                if not done:
+                    continue
+                rows = [r for r in rows if r.step < lane.t2w.n_steps]
+                audios = lane.t2w.finish(done)
+                if stream is not None:
+                    stream.synchronize()
+                now = time.perf_counter()
+                self.t2w_batches += 1
+                self.t2w_jobs += len(done)
+                firsts = sum(1 for r in done if r.tag.state.calls == 1)
+                self.batch_log.append((start, now, len(done), firsts, lane.name))
+                with self.lock:
+                    for row, audio in zip(done, audios):
+                        rid = rid_of.pop(id(row))
+                        st = self.streams[rid]
+                        self.busy.discard(rid)
+                        if audio.numel():
+                            st.trace.add_chunk(now, audio.numel())
+                        if row.tag.state.finished:
+                            del self.open[rid]
+                            if st.on_finish is not None:
+                                st.on_finish(st)
+                    self.lock.notify_all()
+
+    def _ready_jobs(self, lane: _Lane) -> list:
+        """(rid, job) of every open stream with a job ready and none running (caller holds the lock)."""
+        return [(rid, j) for rid, st in self.open.items()
+                if rid not in self.busy and lane.takes(st.state)
+                and (j := lane.t2w.next_job(st.state, list(st.tokens), st.llm_done)) is not None]
 
     def _pick(self, jobs: list, now: float, max_batch: int) -> list:
         """The token2wav batch to run now out of a lane's ready jobs (caller holds the lock).

@@ -23,6 +23,7 @@ from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.flow import FlowItem
 from cosyvoice_runtime.flow.incremental import FlowCache, incremental_mel, supports_incremental
+from cosyvoice_runtime.flow.stepper import SolveRow
 from cosyvoice_runtime.hift.batch import vocode_batch
 from cosyvoice_runtime.hift.streaming import VocoderStream, vocode_chunk
 from cosyvoice_runtime.stream_schedule import first_hop
@@ -241,6 +242,40 @@ class Token2Wav:
             if out[i] is None:
                 out[i] = self.vocode(job, mels[i])
         return out
+
+    # -- step by step (flow.stepper): the caller runs the passes, so urgent jobs can overtake -----
+    def start_solves(self, jobs: list[Token2WavJob]) -> list[SolveRow]:
+        """Encode jobs of distinct requests into flow rows at step 0 (``row.tag`` is the job).
+
+        Then :meth:`advance` picked rows until ``row.step == n_steps`` and :meth:`finish` them.
+        CosyVoice2's incremental flow (``cv2_flow``) is not stepped: such jobs use :meth:`run_batch`.
+        """
+        if len({id(job.state) for job in jobs}) != len(jobs):
+            raise ValueError("jobs of a request are sequential: at most one row per request")
+        return self.flow.start_rows([self._flow_item(job) for job in jobs], list(jobs))
+
+    @property
+    def n_steps(self) -> int:
+        return self.spec.flow.n_timesteps
+
+    def advance(self, rows: list[SolveRow]) -> None:
+        """One flow pass over these rows."""
+        self.flow.stepper.advance(rows)
+
+    @torch.inference_mode()
+    def finish(self, rows: list[SolveRow]) -> list[torch.Tensor]:
+        """Vocode finished rows (their jobs advance); the audio of each, in order."""
+        if any(r.step < self.n_steps for r in rows):
+            raise ValueError("finish() takes rows whose solve is done")
+        jobs, mels = [], []
+        for row in rows:
+            job = row.tag
+            state = job.state
+            n_prompt = state.prompt.feat.shape[1]
+            state.flow_frames += row.frames
+            jobs.append(job)
+            mels.append(self.flow.row_mel(row, n_prompt)[:, :, state.token_offset * self.ratio:])
+        return self.vocode_many(jobs, mels)
 
     def run(self, job: Token2WavJob) -> torch.Tensor:
         """Flow + vocoder for one job; returns the (samples,) audio to emit."""

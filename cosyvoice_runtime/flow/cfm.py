@@ -42,6 +42,36 @@ def time_grid(n_steps: int, scheduler: str, dtype: torch.dtype, device: torch.de
     return t
 
 
+def step_schedule(n_steps: int, scheduler: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t, dt) of each Euler step, each (n_steps,), in the compute dtype.
+
+    Accumulated as the official loop does (``t = t + dt``; ``dt = t_span[k + 1] - t``), so in bf16
+    the step times are not exactly the grid points; a solve run step by step
+    (:mod:`cosyvoice_runtime.flow.stepper`) reads the same values as the whole solve.
+    """
+    t_span = time_grid(n_steps, scheduler, dtype, device)
+    t, dt = t_span[0], t_span[1] - t_span[0]
+    ts, dts = [], []
+    for step in range(1, n_steps + 1):
+        ts.append(t)
+        dts.append(dt)
+        t = t + dt
+        if step < n_steps:
+            dt = t_span[step + 1] - t
+    return torch.stack(ts), torch.stack(dts)
+
+
+def euler_update(x: torch.Tensor, v: torch.Tensor, dt: torch.Tensor, mask: torch.Tensor, rate: float) -> torch.Tensor:
+    """One guided Euler step of x (B, 80, T) from the velocities v (2B, 80, T) of its conditional
+    rows then its unconditional rows; dt is 0-dim or (B, 1, 1).
+
+    The DiT does not mask its output; keeping padded frames of a batch at their noise keeps them
+    finite (an exact no-op where the mask is 1, i.e. for every valid frame).
+    """
+    b = x.shape[0]
+    return x + dt * (((1.0 + rate) * v[:b] - rate * v[b:]) * mask)
+
+
 class CFMSolver(nn.Module):
     """The ``decoder`` of the flow: holds the estimator (key prefix ``decoder.estimator``)."""
 
@@ -72,8 +102,7 @@ class CFMSolver(nn.Module):
         b, c, t_len = mu.shape
         dtype = spks.dtype
         x = (self.noise(t_len, spks).expand(b, -1, -1) if noise is None else noise.to(dtype)).clone()
-        t_span = time_grid(self.spec.n_timesteps, self.spec.t_scheduler, dtype, mu.device)
-        t, dt = t_span[0], t_span[1] - t_span[0]
+        t_steps, dts = step_schedule(self.spec.n_timesteps, self.spec.t_scheduler, dtype, mu.device)
         # CFG buffers are filled by copy into one allocation (the TensorRT path binds them).
         x_in = torch.zeros(2 * b, c, t_len, device=mu.device, dtype=dtype)
         mask_in = torch.zeros(2 * b, 1, t_len, device=mu.device, dtype=dtype)
@@ -89,8 +118,9 @@ class CFMSolver(nn.Module):
         if trace is not None:
             trace["noise"] = x.clone()
             trace["t_steps"] = []
-        n = len(t_span) - 1
+        n = len(t_steps)
         for step in range(1, n + 1):
+            t = t_steps[step - 1]
             x_in[:b] = x_in[b:] = x
             t_in[:] = t
             v = self.estimator(x_in, mask_in, mu_in, t_in, spks_in, cond_in, streaming)
@@ -101,13 +131,7 @@ class CFMSolver(nn.Module):
                 if step == n:
                     trace["est_last_x"] = x[:1].clone()
                     trace["est_last_out"] = v.clone()
-            v_cond, v_uncond = v[:b], v[b:]
-            # The DiT does not mask its output; keeping padded frames of a batch at their noise
-            # keeps them finite (an exact no-op where the mask is 1, i.e. for every valid frame).
-            x = x + dt * (((1.0 + rate) * v_cond - rate * v_uncond) * mask)
-            t = t + dt
-            if step < n:
-                dt = t_span[step + 1] - t
+            x = euler_update(x, v, dts[step - 1], mask, rate)
         if trace is not None:
             trace["t_steps"] = torch.stack(trace["t_steps"])
         return x.float()

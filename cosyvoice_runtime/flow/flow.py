@@ -19,6 +19,7 @@ from cosyvoice_runtime.flow.dit import DiT
 from cosyvoice_runtime.flow.encoder import PreLookaheadLayer, UpsampleConformerEncoder
 from cosyvoice_runtime.flow.encoder_graphs import GraphedEncoder
 from cosyvoice_runtime.flow.graphs import GraphedSolver
+from cosyvoice_runtime.flow.stepper import FlowStepper, SolveRow
 from cosyvoice_runtime.flow.unet import CausalUNet
 
 
@@ -48,21 +49,24 @@ class Flow(nn.Module):
         # Set by enable_graphs: plain attributes (not submodules), so checkpoint keys are unchanged.
         self.graphed_solver: GraphedSolver | None = None
         self.graphed_encoder: GraphedEncoder | None = None
+        self.stepper: FlowStepper | None = None  # solves run step by step (start_rows); eager until enabled
 
     @property
     def estimator(self) -> nn.Module:
         return self.decoder.estimator
 
     def enable_graphs(self, max_batch: int = 16, max_frames: int = 1024, capture: bool = False,
-                      use_graphs: bool = True, encoder: bool = True) -> GraphedSolver:
+                      use_graphs: bool = True, encoder: bool = True, stepper: bool = False) -> GraphedSolver:
         """Solve (and, for CosyVoice2 with ``encoder``, encode) through CUDA graphs per padded
-        bucket from now on.
+        bucket from now on; with ``stepper``, the step-by-step solve too (one graph per pass).
 
         ``capture`` captures every bucket now (replica start-up) instead of on first use;
         ``use_graphs=False`` runs the padded buckets eagerly (CPU tests).
         """
         self.graphed_solver = GraphedSolver(self.decoder, max_batch=max_batch, max_frames=max_frames,
                                             use_graphs=use_graphs)
+        self.stepper = (FlowStepper(self.decoder, max_batch=max_batch, max_frames=max_frames, use_graphs=use_graphs)
+                        if stepper else None)
         self.graphed_encoder = None
         if encoder and self.spec.family == "cosyvoice2":
             ratio = self.spec.token_mel_ratio
@@ -75,7 +79,11 @@ class Flow(nn.Module):
 
     def capture_graphs(self) -> int:
         """Capture every bucket of the enabled graphs now; how many graphs exist."""
-        n = self.graphed_solver.capture() if self.graphed_solver else 0
+        # with the stepper on, the whole-solve graphs serve only the odd run_batch (warm-up): on first use
+        if self.stepper is not None:
+            n = self.stepper.capture()
+        else:
+            n = self.graphed_solver.capture() if self.graphed_solver else 0
         return n + (self.graphed_encoder.capture() if self.graphed_encoder else 0)
 
     def encode(self, items: list[FlowItem]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,19 +125,9 @@ class Flow(nn.Module):
         h = self.pre_lookahead_layer(emb)[:, :n_keep]
         return h.repeat_interleave(self.spec.token_mel_ratio, dim=1)
 
-    @torch.inference_mode()
-    def inference_batch(self, items: list[FlowItem], trace: dict | None = None) -> list[torch.Tensor]:
-        """One CFM solve for jobs of several requests (right-padded, per-item masks).
-
-        Every item gets exactly what it would get alone: causal convolutions and key-padding
-        masks keep padding out of valid frames, the fixed noise is indexed by absolute frame, and
-        each item has its own prompt mel, speaker vector and streaming/final attention.
-
-        Returns:
-            per item (1, 80, frames_i - 2 L_i) float32.
-        """
-        if not items:
-            return []
+    def _condition(self, items: list[FlowItem]) -> tuple[torch.Tensor, ...]:
+        """The solver's inputs for a batch of jobs: mu, mask, cond (B, 80|1, T_max), spks (B, 80),
+        and the frames of each job (a list)."""
         dtype = self.spk_embed_affine_layer.weight.dtype
         dev = self.spk_embed_affine_layer.weight.device
         emb = torch.cat([it.embedding.reshape(1, -1) for it in items]).to(dev, dtype)
@@ -144,7 +142,23 @@ class Flow(nn.Module):
             if n_prompt > n_frames[i]:
                 raise InvalidInputError(f"prompt mel of {n_prompt} frames is longer than the {n_frames[i]} flow frames")
             cond[i, :, :n_prompt] = it.prompt_feat[0].transpose(0, 1).to(mu)
-        mu = mu * mask
+        return mu * mask, mask, cond, spks, n_frames
+
+    @torch.inference_mode()
+    def inference_batch(self, items: list[FlowItem], trace: dict | None = None) -> list[torch.Tensor]:
+        """One CFM solve for jobs of several requests (right-padded, per-item masks).
+
+        Every item gets exactly what it would get alone: causal convolutions and key-padding
+        masks keep padding out of valid frames, the fixed noise is indexed by absolute frame, and
+        each item has its own prompt mel, speaker vector and streaming/final attention.
+
+        Returns:
+            per item (1, 80, frames_i - 2 L_i) float32.
+        """
+        if not items:
+            return []
+        mu, mask, cond, spks, n_frames = self._condition(items)
+        dev = mu.device
         if trace is not None:
             trace.update(mu=mu.clone(), spks=spks.clone(), cond=cond.clone())
         solve = self.graphed_solver or self.decoder
@@ -152,6 +166,23 @@ class Flow(nn.Module):
         if trace is not None:
             trace["feat_full"] = feat.clone()
         return [feat[i: i + 1, :, it.prompt_feat.shape[1]: n_frames[i]] for i, it in enumerate(items)]
+
+    @torch.inference_mode()
+    def start_rows(self, items: list[FlowItem], tags: list) -> list[SolveRow]:
+        """Encode jobs (one batch) into rows at step 0 of :attr:`stepper`'s step-by-step solve.
+
+        A finished row's mel is :meth:`row_mel`; it equals :meth:`inference_batch`'s.
+        """
+        if self.stepper is None:
+            self.stepper = FlowStepper(self.decoder, use_graphs=False)
+        mu, _, cond, spks, n_frames = self._condition(items)
+        return [self.stepper.new_row(mu[i, :, :n], cond[i, :, :n], spks[i], bool(it.streaming), tag)
+                for i, (it, n, tag) in enumerate(zip(items, n_frames, tags))]
+
+    @staticmethod
+    def row_mel(row: SolveRow, prompt_frames: int) -> torch.Tensor:
+        """(1, 80, frames - prompt_frames) float32 of a finished row."""
+        return row.x[None, :, prompt_frames:].float()
 
     def inference(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
                   embedding: torch.Tensor, streaming: bool = False, finalize: bool = True,

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_runtime.errors import InvalidInputError
-from cosyvoice_runtime.flow.cfm import CFMSolver, time_grid
+from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update, step_schedule
 from cosyvoice_runtime.flow.flow import Flow, FlowItem
 from cosyvoice_runtime.flow.masks import to_bias
 from cosyvoice_runtime.flow.unet import (
@@ -213,8 +213,7 @@ def solve_incremental(solver: CFMSolver, mu: torch.Tensor, spks: torch.Tensor, c
     dtype = spks.dtype
     start = cache.frames
     x = solver.noise(n, spks, offset=start).expand(b, -1, -1).clone()
-    t_span = time_grid(solver.spec.n_timesteps, solver.spec.t_scheduler, dtype, mu.device)
-    t, dt = t_span[0], t_span[1] - t_span[0]
+    t_steps, dts = step_schedule(solver.spec.n_timesteps, solver.spec.t_scheduler, dtype, mu.device)
     mu_in = torch.zeros(2 * b, c, n, device=mu.device, dtype=dtype)
     cond_in = torch.zeros_like(mu_in)
     spks_in = torch.zeros(2 * b, spks.shape[1], device=mu.device, dtype=dtype)
@@ -222,19 +221,16 @@ def solve_incremental(solver: CFMSolver, mu: torch.Tensor, spks: torch.Tensor, c
     mu_in[:b], spks_in[:b], cond_in[:b] = mu, spks, cond
     bias = chunk_bias(start, start + n, unet.spec.static_chunk_size, dtype, mu.device)
     rate = solver.spec.inference_cfg_rate
-    steps = len(t_span) - 1
+    steps = len(t_steps)
     if cache.steps and len(cache.steps) != steps:
         raise RuntimeError(f"flow cache has {len(cache.steps)} steps, the solver {steps}")
     new_steps = []
-    for step in range(1, steps + 1):
-        t_in[:] = t
-        p = _Pass(cache.steps[step - 1] if cache.steps else None, keep, cache.store)
+    for step in range(steps):
+        t_in[:] = t_steps[step]
+        p = _Pass(cache.steps[step] if cache.steps else None, keep, cache.store)
         v = estimator_step(unet, torch.cat([x, x]), mu_in, t_in, spks_in, cond_in, bias, p)
         new_steps.append(p.new)
-        x = x + dt * ((1.0 + rate) * v[:b] - rate * v[b:])
-        t = t + dt
-        if step < steps:
-            dt = t_span[step + 1] - t
+        x = euler_update(x, v, dts[step], 1.0, rate)
     cache.steps, cache.frames = new_steps, start + keep
     return x.float()
 

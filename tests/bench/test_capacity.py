@@ -214,9 +214,9 @@ def test_text_for_asks_the_random_model_for_about_the_drawn_length():
 
 def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
     (tmp_path / "latest.json").write_text(json.dumps({"throughput_x_realtime": 1.5}))
-    latest = main(["--level", "replica", "--size", "tiny", "--device", "cpu", "--modes", "pytorch-fp32-early-edf",
+    latest = main(["--level", "replica", "--size", "tiny", "--device", "cpu", "--modes", "pytorch-fp32-early-edf-steps",
                    "--window-s", "2", "--ramp-s", "0.2", "--start", "1", "--max-sessions", "1",
-                   "--c1-window-s", "1", "--no-open-loop", "--mix", "1:1-2", "--out", str(tmp_path)])
+                   "--c1-window-s", "1", "--no-open-loop", "--mix", "1:1-2", "--out", str(tmp_path), "--trace"])
     doc = json.loads(next(tmp_path.glob("capacity-replica-cpu-*.json")).read_text())
     assert doc["workload"]["mix"] == "100 % 1-2 s" and doc["workload"]["window_s"] == 2
     sessions = [s for s in doc["searches"] if s["kind"] == "sessions"]
@@ -226,6 +226,13 @@ def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
     assert latest["throughput_x_realtime"] == 1.5  # the throughput benchmark's keys are kept
     assert {"device", "date", "workload", "ttfb_p50_ms_c1"} <= set(latest)
     assert (tmp_path / latest["capacity_report_replica"]).exists()
+    # --trace: the probe's timeline, every request of the window with its first-audio breakdown
+    trace = json.loads(next(tmp_path.glob("trace-*-sessions-1.json")).read_text())
+    probe = sessions[0]["probes"][0]
+    assert len(trace["requests"]) >= probe["requests"] and trace["steps"] and trace["batches"]
+    for r in trace["requests"]:
+        if r["first_audio"] is not None:
+            assert r["submitted"] <= r["first_token"] <= r["first_job"] <= r["first_audio"]
 
 
 def test_lane_stats_split_bulk_and_express_batches():

@@ -100,3 +100,24 @@ def test_express_lane_takes_the_first_two_chunks_of_every_stream():
     firsts_in_bulk = sum(f for _, _, _, f, lane in sim.batch_log if lane == "bulk")
     assert express_jobs == EXPRESS_CALLS * 5 and firsts_in_bulk == 0
     assert not sim.busy and not sim.open
+
+
+def test_stepped_lane_solves_every_chunk_pass_by_pass():
+    from bench.gpu_bench import make_model, make_voice, mode_setup
+    from bench.replica_sim import ReplicaSim
+
+    base = make_model("cosyvoice2", "tiny", "cpu")
+    model, sim_args = mode_setup(base, "pytorch-fp32-allgraphs-early-edf-prio-steps", flow_batch=4, n_tokens=120)
+    assert sim_args["stepped"]  # (CPU: no graphs captured; the flow makes an eager stepper on first use)
+    voice, text = make_voice(model)
+    sim = ReplicaSim(model, max_batch=4, n_tokens=120, **sim_args)
+    traces, _ = sim.run(voice, text, concurrency=3, total=5)
+    assert len(traces) == 5 and all(t.error is None for t in traces)
+    assert all(abs(t.audio_s - 120 / 25) < 1e-6 for t in traces)  # every token vocoded once
+    jobs = sum(n for _, _, n, _, _ in sim.batch_log)
+    assert jobs == sim.t2w_jobs and sum(f for _, _, _, f, _ in sim.batch_log) == 5  # one first chunk per stream
+    # every job took n_timesteps passes; shared passes make the count smaller than jobs x steps
+    stepper = model.flow.stepper
+    assert 0 < stepper.passes <= jobs * model.spec.flow.n_timesteps
+    assert stepper.eager_calls == stepper.passes  # CPU: the padded buckets run eagerly
+    assert not sim.busy and not sim.open

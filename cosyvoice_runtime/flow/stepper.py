@@ -1,0 +1,225 @@
+"""The CFM solve one Euler step at a time, over rows that may be at different steps (issue 14).
+
+A flow job is ten estimator passes. Solved whole (:class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`),
+a batch holds the GPU for all ten: a new stream's first chunk that arrives just after a batch
+with a late chunk of a 20 s CosyVoice2 utterance started (a ~200 ms solve, H200 2026-12-04)
+waits for all of it, and that wait was most of the first-audio tail under load. Here each job
+is a :class:`SolveRow` (its encoder output, condition, speaker vector and ODE state ``x``) and
+the caller runs passes over whichever rows it picks (:func:`pick_rows`: the most urgent first),
+so a first chunk joins at the next pass and finishes ten short passes later while long jobs with
+audio to spare wait. Rows at different steps share a pass: the estimator takes a time per row,
+and each row's ``(t, dt)`` are the whole solve's (:func:`~cosyvoice_runtime.flow.cfm.step_schedule`).
+
+Exactness: a row gets what :meth:`CFMSolver.forward` gives it in a batch (same noise by
+absolute frame, same step times, same Euler update; padded frames hold the noise as there);
+batch composition changes only GEMM rounding, as for any batch.
+
+Graphs: one CUDA graph per (batch, frames) bucket holds one pass; rows are copied into its
+static buffers each pass and their state copied back out.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cosyvoice_runtime import graph_capture
+from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update, step_schedule
+from cosyvoice_runtime.flow.graphs import DEFAULT_FRAME_STEP, batch_buckets
+
+
+@dataclass(eq=False)
+class SolveRow:
+    """One job's solve in progress. ``tag`` is the caller's (the job)."""
+
+    mu: torch.Tensor  # (80, T) encoder output, compute dtype
+    cond: torch.Tensor  # (80, T) prompt mel then zeros
+    spks: torch.Tensor  # (80,) projected speaker vector
+    streaming: bool
+    x: torch.Tensor  # (80, T) the ODE state, compute dtype
+    tag: object = None
+    step: int = 0
+    passes: list[int] = field(default_factory=list)  # batch size of each pass it ran in (stats)
+
+    @property
+    def frames(self) -> int:
+        return int(self.x.shape[-1])
+
+
+@dataclass
+class _Bucket:
+    graph: torch.cuda.CUDAGraph | None
+    x: torch.Tensor  # (B, 80, T)
+    mu: torch.Tensor
+    mask: torch.Tensor  # (B, 1, T)
+    spks: torch.Tensor  # (B, 80)
+    cond: torch.Tensor
+    streaming: torch.Tensor  # (B,) bool
+    t: torch.Tensor  # (B,)
+    dt: torch.Tensor  # (B,)
+    noise: torch.Tensor  # (B, 80, T): what padded rows and frames hold, as in the whole solve
+    out: torch.Tensor | None = None
+
+
+class FlowStepper(graph_capture.GraphOwner):
+    """Passes of ``solver`` over :class:`SolveRow` batches, graphed per padded bucket.
+
+    Args mirror :class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`; ``use_graphs=False`` runs
+    the padded buckets eagerly (CPU); shapes above the largest bucket run eagerly unpadded.
+    """
+
+    def __init__(self, solver: CFMSolver, max_batch: int = 16, max_frames: int = 1024,
+                 frame_step: int = DEFAULT_FRAME_STEP, use_graphs: bool = True) -> None:
+        super().__init__()
+        self.solver = solver
+        self.use_graphs = use_graphs
+        self.batch_buckets = batch_buckets(max_batch)
+        self.frame_step = frame_step
+        self.max_frames = math.ceil(max_frames / frame_step) * frame_step
+        self.passes = 0
+        self._schedule: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def n_steps(self) -> int:
+        return self.solver.spec.n_timesteps
+
+    def _param(self) -> torch.Tensor:
+        return next(self.solver.estimator.parameters())
+
+    def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t, dt) per step on the solver's device and dtype (computed once)."""
+        if self._schedule is None:
+            p = self._param()
+            self._schedule = step_schedule(self.n_steps, self.solver.spec.t_scheduler, p.dtype, p.device)
+        return self._schedule
+
+    def new_row(self, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor, streaming: bool,
+                tag: object = None) -> SolveRow:
+        """A row at step 0: ``x`` is the fixed noise of frames ``[0, T)``."""
+        x = self.solver.noise(mu.shape[-1], spks)[0].clone()
+        return SolveRow(mu=mu, cond=cond, spks=spks, streaming=streaming, x=x, tag=tag)
+
+    def bucket_of(self, batch: int, frames: int) -> tuple[int, int] | None:
+        if batch > self.batch_buckets[-1] or frames > self.max_frames:
+            return None
+        b = next(x for x in self.batch_buckets if x >= batch)
+        return b, math.ceil(frames / self.frame_step) * self.frame_step
+
+    def capture(self, batch_sizes: Sequence[int] | None = None, frames: Sequence[int] | None = None) -> int:
+        """Capture these buckets now (default: all); returns how many graphs exist."""
+        for b in batch_sizes or self.batch_buckets:
+            for t in frames or range(self.frame_step, self.max_frames + 1, self.frame_step):
+                key = self.bucket_of(b, t)
+                if key is not None:
+                    with self._lock:
+                        self._get(key)
+        return len(self._buckets)
+
+    @torch.inference_mode()
+    def advance(self, rows: Sequence[SolveRow]) -> None:
+        """One Euler pass over ``rows`` (distinct, none finished): each row's ``x`` and ``step`` advance."""
+        if not rows:
+            return
+        if any(r.step >= self.n_steps for r in rows):
+            raise ValueError("a finished row cannot take another pass")
+        if len({id(r) for r in rows}) != len(rows):
+            raise ValueError("a row may appear once per pass")
+        b, t_len = len(rows), max(r.frames for r in rows)
+        key = self.bucket_of(b, t_len)
+        with self._lock:
+            if key is None:  # too large for any bucket: an exact-size one-off, eagerly
+                bucket = self._new_bucket(b, t_len)
+            else:
+                bucket = self._get(key)
+            self._load(bucket, rows)
+            if bucket.graph is None:
+                bucket.out = self._run(bucket)
+                self.eager_calls += 1
+            else:
+                bucket.graph.replay()
+                self.replays += 1
+            for i, row in enumerate(rows):
+                row.x = bucket.out[i, :, :row.frames].clone()
+                row.step += 1
+                row.passes.append(b)
+            self.passes += 1
+
+    # -- internals -------------------------------------------------------------------------
+    def _load(self, bucket: _Bucket, rows: Sequence[SolveRow]) -> None:
+        t_steps, dts = self.schedule()
+        bucket.x.copy_(bucket.noise)
+        for buf in (bucket.mu, bucket.mask, bucket.cond, bucket.spks, bucket.t, bucket.dt):
+            buf.zero_()
+        bucket.streaming.fill_(False)
+        # device-to-device copies and fills only: a host tensor here would be a pageable copy,
+        # which waits for the stream's queued work every pass
+        for i, r in enumerate(rows):
+            n = r.frames
+            bucket.x[i, :, :n] = r.x
+            bucket.mu[i, :, :n] = r.mu
+            bucket.cond[i, :, :n] = r.cond
+            bucket.mask[i, :, :n] = 1
+            bucket.spks[i] = r.spks
+            bucket.t[i:i + 1] = t_steps[r.step:r.step + 1]
+            bucket.dt[i:i + 1] = dts[r.step:r.step + 1]
+            if r.streaming:
+                bucket.streaming[i] = True
+
+    def _run(self, bucket: _Bucket) -> torch.Tensor:
+        """One guided pass over the bucket's rows, as :meth:`CFMSolver.forward` runs each step."""
+        b = bucket.x.shape[0]
+        zeros = torch.zeros_like(bucket.mu)
+        x_in = torch.cat([bucket.x, bucket.x])
+        mask_in = torch.cat([bucket.mask, bucket.mask])
+        mu_in = torch.cat([bucket.mu, zeros])
+        cond_in = torch.cat([bucket.cond, zeros])
+        spks_in = torch.cat([bucket.spks, torch.zeros_like(bucket.spks)])
+        t_in = torch.cat([bucket.t, bucket.t])
+        v = self.solver.estimator(x_in, mask_in, mu_in, t_in, spks_in, cond_in, bucket.streaming.repeat(2))
+        return euler_update(bucket.x, v, bucket.dt.view(b, 1, 1), bucket.mask, self.solver.spec.inference_cfg_rate)
+
+    def _new_bucket(self, b: int, t_len: int) -> _Bucket:
+        p = self._param()
+        dev, dtype = p.device, p.dtype
+        n_mels = self.solver.spec.output_size
+        noise = self.solver.noise(t_len, p).expand(b, -1, -1).contiguous()
+
+        def z(*shape):
+            return torch.zeros(*shape, device=dev, dtype=dtype)
+
+        return _Bucket(graph=None, x=z(b, n_mels, t_len), mu=z(b, n_mels, t_len), mask=z(b, 1, t_len),
+                       spks=z(b, n_mels), cond=z(b, n_mels, t_len),
+                       streaming=torch.zeros(b, dtype=torch.bool, device=dev), t=z(b), dt=z(b), noise=noise)
+
+    def _get(self, key: tuple[int, int]) -> _Bucket:
+        bucket = self._buckets.get(key)
+        if bucket is not None:
+            return bucket
+        bucket = self._new_bucket(*key)
+        if self.use_graphs and bucket.x.device.type == "cuda":
+            bucket.mask[:, :, :1] = 1  # a non-empty warm-up input
+            bucket.graph, bucket.out = self._capture(lambda: self._run(bucket), bucket.x.device)
+            bucket.mask.zero_()
+        self._buckets[key] = bucket
+        return bucket
+
+
+def pick_rows(rows: Sequence[SolveRow], deadline_s: dict, now_s: float, slack_s: float, max_batch: int,
+              length_ratio: float = 2.0) -> list[SolveRow]:
+    """The rows of the next pass: earliest deadline first (``deadline_s[id(row)]``).
+
+    While some row is due within ``slack_s``, the pass is for those rows (a first chunk is due at
+    once), plus rows no longer than the longest of them (they ride in the same padded bucket for
+    almost nothing); otherwise the earliest rows. At most ``max_batch``, and at most
+    ``length_ratio`` times the frames of the most urgent row, which the pass pads to.
+    """
+    order = sorted(rows, key=lambda r: deadline_s[id(r)])
+    if not order:
+        return []
+    urgent = [r for r in order if deadline_s[id(r)] - now_s < slack_s]
+    limit = length_ratio * order[0].frames
+    if urgent:
+        limit = max(r.frames for r in urgent if r.frames <= limit)
+    return [r for r in order if r.frames <= limit][:max_batch]

@@ -1,0 +1,93 @@
+"""The step-by-step flow solve (cosyvoice_runtime.flow.stepper, issue 14): rows that join at
+different times and share passes at different ODE steps end with the mel of the whole solve,
+and the pass picker serves the most urgent rows first."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cosyvoice_runtime.flow.cfm import step_schedule, time_grid
+from cosyvoice_runtime.flow.stepper import FlowStepper, SolveRow, pick_rows
+from tests.runtime.test_flow_batch import BATCH_TOL, FAMILIES, JOBS, TEST_STEPS, _flow, _item
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_staggered_rows_equal_the_whole_solve(family):
+    """Jobs join one by one; each pass takes a random subset (rows at different steps share it);
+    every job's mel equals inference_batch's, per item."""
+    flow = _flow(family)
+    flow.stepper = None  # eager stepper, created on first use
+    gen = torch.Generator().manual_seed(11)
+    items = [_item(gen, flow, *job) for job in JOBS]
+    whole = flow.inference_batch(items)
+    rng = random.Random(5)
+    waiting = list(range(len(items)))
+    live: list[SolveRow] = []
+    done: dict[int, torch.Tensor] = {}
+    mixed_steps = False
+    while waiting or live:
+        if waiting and (not live or rng.random() < 0.5):
+            i = waiting.pop(0)
+            live += flow.start_rows([items[i]], [i])
+        batch = rng.sample(live, rng.randint(1, len(live)))
+        mixed_steps |= len({r.step for r in batch}) > 1
+        flow.stepper.advance(batch)
+        for row in [r for r in live if r.step == TEST_STEPS]:
+            live.remove(row)
+            done[row.tag] = flow.row_mel(row, items[row.tag].prompt_feat.shape[1])
+    assert mixed_steps, "the schedule never put rows of different steps in one pass"
+    for i, expected in enumerate(whole):
+        assert done[i].shape == expected.shape
+        err = (done[i] - expected).abs().max().item()
+        assert err <= BATCH_TOL, f"{family} job {JOBS[i]}: stepped vs whole max err {err:.2e}"
+
+
+def test_step_schedule_is_the_solvers_accumulation():
+    """bf16: t accumulates off the grid; the schedule reproduces the loop, not the grid."""
+    t_steps, dts = step_schedule(10, "cosine", torch.bfloat16, torch.device("cpu"))
+    grid = time_grid(10, "cosine", torch.bfloat16, torch.device("cpu"))
+    t, dt = grid[0], grid[1] - grid[0]
+    for k in range(10):
+        assert t_steps[k].item() == t.item() and dts[k].item() == dt.item()
+        t = t + dt
+        if k < 9:
+            dt = grid[k + 2] - t
+    assert t_steps.dtype == dts.dtype == torch.bfloat16 and t_steps.shape == (10,)
+
+
+def test_a_finished_row_takes_no_pass():
+    flow = _flow("cosyvoice2")
+    stepper = FlowStepper(flow.decoder, use_graphs=False)
+    gen = torch.Generator().manual_seed(2)
+    row = flow.start_rows([_item(gen, flow, 10, 20, True, True)], [0])[0]
+    for _ in range(TEST_STEPS):
+        stepper.advance([row])
+    with pytest.raises(ValueError, match="finished"):
+        stepper.advance([row])
+    with pytest.raises(ValueError, match="once per pass"):
+        stepper.advance([flow.start_rows([_item(gen, flow, 10, 20, True, True)], [1])[0]] * 2)
+
+
+def _rows(frames: list[int]) -> list[SolveRow]:
+    z = torch.zeros(1, 1)
+    return [SolveRow(mu=z, cond=z, spks=z[0], streaming=True, x=torch.zeros(80, n), tag=i)
+            for i, n in enumerate(frames)]
+
+
+def test_pick_rows_urgent_first_with_short_riders():
+    rows = _rows([200, 1200, 180, 260, 150])
+    now = 10.0
+    deadline = {id(rows[0]): 10.0, id(rows[1]): 10.1, id(rows[2]): 13.0, id(rows[3]): 14.0, id(rows[4]): 15.0}
+    # rows 0 and 1 are due within the slack; 1 is too long to pad row 0 to (ratio 2), so the pass
+    # is row 0 plus the riders no longer than it (2 and 4), in deadline order
+    assert [r.tag for r in pick_rows(rows, deadline, now, 0.5, 16, 2.0)] == [0, 2, 4]
+    assert [r.tag for r in pick_rows(rows, deadline, now, 0.5, 2, 2.0)] == [0, 2]
+
+
+def test_pick_rows_without_urgency_batches_by_deadline_and_length():
+    rows = _rows([300, 1200, 500, 700])
+    deadline = {id(r): 20.0 + i for i, r in enumerate(rows)}
+    assert [r.tag for r in pick_rows(rows, deadline, 10.0, 0.5, 16, 2.0)] == [0, 2]
+    assert pick_rows([], {}, 0.0, 0.5, 16) == []
