@@ -33,13 +33,18 @@ def _items(model, n: int, seed: int) -> list[FlowItem]:
     return out
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(fn, reps: int = 5) -> float:
     fn()
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t0) / reps * 1e3
 
 
@@ -48,9 +53,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--family", default="cosyvoice2")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--size", default="full", choices=["full", "tiny"])
+    ap.add_argument("--frames", default="256,640,1024", help="timed frame lengths")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    model = cast(make_model(args.family, "full", args.device), DTYPES[args.dtype])
+    model = cast(make_model(args.family, args.size, args.device), DTYPES[args.dtype])
     flow = model.flow
     flow.enable_graphs(max_batch=16, max_frames=1024, stepper=True)
     items = _items(model, 8, seed=3)
@@ -71,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     scale = max(float(w.abs().max()) for w in whole)
     timing = []
     for b in (1, 4, 16):
-        for frames in (256, 640, 1024):
+        for frames in [int(f) for f in args.frames.split(",")]:
             base = _items(model, b, seed=frames + b)
             for it in base:  # force the length: prompt + tokens = frames / 2
                 it.token = it.token[:, :1].repeat(1, frames // 2 - it.prompt_token.shape[1])
@@ -85,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
             pass_ms = _timed(one_pass)
             solve_ms = _timed(lambda base=base: flow.inference_batch(base))
             timing.append({"batch": b, "frames": frames, "pass_ms": round(pass_ms, 2), "whole_solve_ms": round(solve_ms, 2)})
-    doc = {"family": args.family, "dtype": args.dtype, "device": torch.cuda.get_device_name(0),
+    doc = {"family": args.family, "dtype": args.dtype, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "max_err_per_job": errors, "output_scale": scale, "replays": flow.stepper.replays,
            "eager_passes": flow.stepper.eager_calls, "timing": timing}
     print(json.dumps(doc))
