@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.llm.generate import DecodeState, SampleFn, decode, default_sample_fn
 from cosyvoice_runtime.llm.inputs import build_lm_input
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.sampling import SamplingParams
+from cosyvoice_runtime.llm.silent_tokens import SilentTokenFilter
 from cosyvoice_runtime.model import CosyVoiceModel
 from cosyvoice_runtime.token2wav import FlowPrompt, Token2Wav
 
@@ -40,25 +40,6 @@ class VoicePrompt:
     prompt_text_ids: torch.Tensor
     llm_prompt_speech_ids: torch.Tensor
     flow: FlowPrompt
-
-
-class SilentTokenFilter:
-    """CosyVoice3 drops silent/breath tokens from the 6th consecutive one on (spec §3.7).
-
-    The dropped tokens were still fed back into the LLM; only the flow never sees them.
-    """
-
-    def __init__(self, spec: ModelSpec) -> None:
-        self.silent = frozenset(spec.stream.silent_tokens)
-        self.max_run = spec.stream.max_silent_tokens
-        self.run = 0
-
-    def keep(self, token: int) -> bool:
-        if token not in self.silent:
-            self.run = 0
-            return True
-        self.run += 1
-        return self.run <= self.max_run
 
 
 class Pipeline:

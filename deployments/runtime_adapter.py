@@ -229,7 +229,7 @@ class RuntimeTokenEngine:
 
         from cosyvoice_runtime.llm.inputs import build_lm_input
         from cosyvoice_runtime.llm.sampling import SamplingParams
-        from cosyvoice_runtime.pipeline import SilentTokenFilter
+        from cosyvoice_runtime.llm.silent_tokens import SilentTokenFilter
 
         lm = build_lm_input(self.llm, torch.as_tensor(request.text_ids, dtype=torch.long),
                             torch.as_tensor(request.prompt_text_ids, dtype=torch.long),
