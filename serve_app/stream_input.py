@@ -58,7 +58,10 @@ logger = logging.getLogger(__name__)
 
 ROUTE = "/v1/text-to-speech/{voice_id}/stream-input"
 MODES = ("bistream", "sentence")
-TURN_SOFT_IDS, TURN_MAX_IDS = 120, 200  # text tokens of a bistream turn (see the module docstring)
+# Text tokens of a bistream turn (module docstring). About 8.5 positions per English text token
+# (itself, 3 interleaved speech tokens, the rest after the text): 160 tokens + a 400-position prompt
+# fit the default 2048-position KV slot.
+TURN_SOFT_IDS, TURN_MAX_IDS = 100, 160
 _FLUSH = object()  # end of a bistream turn
 DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
 PCM_RATES = (8000, 16000, 22050, 24000, 44100, 48000)

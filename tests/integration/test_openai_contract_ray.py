@@ -140,7 +140,8 @@ def test_sdk_disconnect_mid_stream_frees_the_decode_slot(service):
 
 # ------------------------------------------------------------------------------ WebSocket
 def _ws(service, voice: str = "default", fmt: str = "pcm_24000"):
-    return connect(f"{service['ws_url']}/v1/text-to-speech/{voice}/stream-input?output_format={fmt}",
+    """Sentence-wise mode (these tests count its segments); bistream through Ray: test_tiny_model_ray.py."""
+    return connect(f"{service['ws_url']}/v1/text-to-speech/{voice}/stream-input?output_format={fmt}&mode=sentence",
                    open_timeout=30, close_timeout=10)
 
 

@@ -2,7 +2,8 @@
 
 The tiny model does not speak; this checks that the production adapters (frontend, LLM engine,
 token2wav) work inside replicas: voice registration through the ONNX prompt encoder, unary WAV,
-streamed PCM in several chunks, tokens counted in /metrics, disconnect aborting a real sequence.
+streamed PCM in several chunks, tokens counted in /metrics, disconnect aborting a real sequence,
+bistream text-in streaming over the WebSocket (text inbox actor, engine parking).
 Runs as a second application (route prefix /tiny) in the session's Ray: the ``tiny_app`` fixture of
 conftest.py, shared with the browser test of the playground.
 """
@@ -84,3 +85,35 @@ def test_openai_sdk_streams_the_real_runtime(tiny_app):
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0
     assert sum(len(base64.b64decode(e["audio"])) for e in events[:-1]) > 0
+
+
+def test_websocket_bistream_speaks_before_the_text_ends(tiny_app):
+    """One LLM sequence reads the text while it speaks: the end of the text is held back until the
+    first audio message has arrived (a missing one fails the recv's guard). The fragments reach the
+    replica running the sequence through its text inbox actor."""
+    import base64
+    import json
+
+    from websockets.sync.client import connect
+
+    from tests.integration.waiting import GUARD_S
+
+    url = tiny_app["url"].replace("http://", "ws://") + "/v1/text-to-speech/tiny/stream-input?output_format=pcm_24000"
+    # ~60 text ids (the tiny tokenizer is about one id per character): enough to pair the 75-token
+    # prompt speech and pass the first chunk, few enough for one turn
+    words = [f" word{i % 7}" for i in range(10)]
+    with connect(url, open_timeout=30, close_timeout=10) as ws:
+        ws.send(json.dumps({"text": " ", "voice_settings": {"speed": 1.0}}))
+        for w in words:
+            ws.send(json.dumps({"text": w}))
+        first = json.loads(ws.recv(timeout=GUARD_S))
+        assert first["isFinal"] is False and first["audio"], first
+        ws.send(json.dumps({"text": ""}))
+        messages = [first]
+        while not messages[-1].get("isFinal"):
+            messages.append(json.loads(ws.recv(timeout=GUARD_S)))
+            assert "error" not in messages[-1], messages[-1]
+    pcm = np.frombuffer(b"".join(base64.b64decode(m["audio"]) for m in messages[:-1]), "<i2")
+    assert len(messages) > 2 and pcm.size > 24000  # more than a second of audio, in several messages
+    stats = tiny_app["synth"].stats.remote().result(timeout_s=30)["engine"]
+    assert stats["running"] == 0 and stats["open_streams"] == 0
