@@ -12,10 +12,12 @@ Two modes (query ``mode``), both into ONE encoder, so the concatenated audio is 
 of the output format:
 
 * ``bistream`` (default; CosyVoice2 and CosyVoice3, spec §3.8): one LLM sequence reads the text
-  while it speaks, text and speech tokens interleaved (5 text : 15 speech). Each fragment is
-  tokenised on its own, NOT normalised (as the official bistream frontend), and pushed to the
-  synthesizer replica running the sequence through its text inbox
-  (``deployments/text_inbox.py``); audio starts once the prompt's speech is paired with text
+  while it speaks, text and speech tokens interleaved (5 text : 15 speech). Text is NOT
+  normalised (as the official bistream frontend) and is tokenised piece by piece, each piece cut
+  just before a whitespace (:class:`WordCutter`: a word split over messages, or typed key by key,
+  is tokenised whole, as in the whole text, since Qwen2's pre-tokenizer starts a word's tokens at
+  the space before it); the ids go to the synthesizer replica running the sequence through its
+  text inbox (``deployments/text_inbox.py``); audio starts once the prompt's speech is paired with text
   (about 5 text tokens per 15 prompt speech tokens, less the prompt's own text) and a first chunk
   of speech tokens exists, not at a sentence end, and prosody runs on across sentences. A turn
   (one sequence) ends at ``flush`` (its text is complete: the model speaks the rest and stops;
@@ -63,6 +65,7 @@ MODES = ("bistream", "sentence")
 # fit the default 2048-position KV slot.
 TURN_SOFT_IDS, TURN_MAX_IDS = 100, 160
 _FLUSH = object()  # end of a bistream turn
+MAX_HELD_CHARS = 8  # text without any whitespace (CJK) is sent in runs of this many characters
 DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
 PCM_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
 MP3_RATES = (22050, 24000, 44100)
@@ -131,6 +134,27 @@ class SentenceBuffer:
             if j < len(buf) and (buf[j].isspace() or c in "。？！"):
                 return j
         return None
+
+
+class WordCutter:
+    """Bistream text -> pieces to tokenise: everything before the last whitespace, the rest held
+    (a partial word) until more text, a flush or the end; a run without whitespace is sent once
+    it passes ``MAX_HELD_CHARS``."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        buf = self._held + text
+        cut = max(buf.rfind(c) for c in " \t\n\r\u3000")
+        if cut <= 0:
+            cut = len(buf) if len(buf) > MAX_HELD_CHARS else 0
+        piece, self._held = buf[:cut], buf[cut:]
+        return piece
+
+    def flush(self) -> str:
+        piece, self._held = self._held, ""
+        return piece
 
 
 class StreamInputSession:
@@ -237,44 +261,48 @@ class StreamInputSession:
         await self._close_audio()
 
     async def _bistream_all(self, fmt: OutputFormat) -> None:
-        """Bistream turns one after another: start a sequence at a turn's first non-blank
-        fragment, push each fragment's ids to it, end it at flush / the end / the turn bound."""
+        """Bistream turns one after another: a turn starts at its first non-blank piece, each
+        piece's ids go to its sequence, and it ends at flush / the end / the turn bound."""
         native, tempo = split_speed(self.speed)
+        cutter = WordCutter()
         turn: _Turn | None = None
         n = 0
         try:
             while True:
                 item = await self._next_fragment(turn)
-                if item is None or item is _FLUSH:
-                    if turn is not None:
+                ends = item is None or item is _FLUSH
+                piece = cutter.flush() if ends else cutter.feed(item)
+                if turn is None:
+                    piece = piece.lstrip()  # a turn starts at text (ElevenLabs' first " " is no text)
+                if piece:
+                    if turn is None:
+                        turn = await self._start_turn(f"{self.rid}-{n}", native, fmt, tempo)
+                        n += 1
+                    await turn.push((await self.frontend.tokenize_fragment.remote(piece)).tolist())
+                    if turn.ids >= TURN_MAX_IDS or (turn.ids >= TURN_SOFT_IDS and _ends_sentence(piece)):
                         await turn.finish()
                         turn = None
-                    if item is None:
-                        break
-                    continue
-                if turn is None:
-                    if not item.strip():
-                        continue  # blanks between turns (ElevenLabs' first " ") start nothing
-                    req = SynthesisRequest(request_id=f"{self.rid}-{n}", text="", voice_id=self.voice_id, speed=native,
-                                           stream=True)
-                    n += 1
-                    prepared = await admitted(self.frontend.prepare_bistream.remote(req))
-                    gen = self.synth.options(stream=True).synthesize_bistream.remote(prepared)
-                    try:
-                        ticket = await admitted(gen.__anext__())
-                    except BaseException:
-                        cancel_stream(gen)
-                        raise
-                    turn = _Turn(ticket, asyncio.create_task(self._play(gen, fmt, tempo)))
-                ids = (await self.frontend.tokenize_fragment.remote(item)).tolist()
-                await turn.push(ids)
-                if turn.ids >= TURN_MAX_IDS or (turn.ids >= TURN_SOFT_IDS and _ends_sentence(item)):
+                if ends and turn is not None:
                     await turn.finish()
                     turn = None
+                if item is None:
+                    break
         finally:
             if turn is not None and not turn.audio.done():
                 turn.audio.cancel()  # cancels the handle stream: its decode slot is freed
         await self._close_audio()
+
+    async def _start_turn(self, request_id: str, speed: float, fmt: OutputFormat, tempo: float) -> _Turn:
+        """A bistream sequence for the voice: its ticket, and a task sending its audio."""
+        req = SynthesisRequest(request_id=request_id, text="", voice_id=self.voice_id, speed=speed, stream=True)
+        prepared = await admitted(self.frontend.prepare_bistream.remote(req))
+        gen = self.synth.options(stream=True).synthesize_bistream.remote(prepared)
+        try:
+            ticket = await admitted(gen.__anext__())
+        except BaseException:
+            cancel_stream(gen)
+            raise
+        return _Turn(ticket, asyncio.create_task(self._play(gen, fmt, tempo)))
 
     async def _next_fragment(self, turn: _Turn | None):
         """The next queued item; a turn whose synthesis failed meanwhile raises its error now."""

@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 from deployments.protocol import InvalidInputError
 from serve_app import stream_input
 from serve_app.ingress import IngressConfig
-from serve_app.stream_input import SentenceBuffer, parse_output_format
+from serve_app.stream_input import SentenceBuffer, WordCutter, parse_output_format
 from tests.deployments import fakes
 from tests.serve_app.test_ingress_inproc import _ingress, _wav
 
@@ -135,16 +135,16 @@ def test_sessions_take_admission_turns(client):
 
 
 def test_bistream_speaks_before_the_text_ends_and_all_of_it(client, ingress):
-    """Fragments are tokenised as they are (the fake: utf-8 bytes, spaces included), not
-    normalised, and read by ONE sequence while it speaks: audio before any sentence end."""
+    """Text is tokenised as it is (the fake: utf-8 bytes, spaces included), not normalised, up to
+    the last whitespace, and read by ONE sequence while it speaks: audio before any sentence end."""
     fragments = ["Hello", " there", " how are", " you", " doing"]
     with client.websocket_connect(PATH.format(voice="default") + "?output_format=pcm_24000") as ws:
         ws.send_json({"text": " ", "voice_settings": {"stability": 0.5}})
-        ws.send_json({"text": fragments[0]})
-        ws.send_json({"text": fragments[1]})  # 11 ids -> 22 tokens: one streamed hop of 12 exists
+        for f in fragments[:3]:  # "Hello there how" is sent (" are" held): 15 ids -> 30 tokens, a hop of 12
+            ws.send_json({"text": f})
         first = ws.receive_json()
         assert set(first) == {"audio", "isFinal", "normalizedAlignment", "alignment"} and first["isFinal"] is False
-        for f in fragments[2:]:
+        for f in fragments[3:]:
             ws.send_json({"text": f})
         ws.send_json({"text": ""})
         messages, audio = _collect(ws)
@@ -177,8 +177,8 @@ def test_bistream_turn_ends_at_a_sentence_end_past_the_soft_bound(client, ingres
             ws.send_json({"text": f})
         ws.send_json({"text": ""})
         _, audio = _collect(ws)
-    assert _emitted(ingress) == {"0/0": 2 * 14, "1/0": 2 * 5}
-    assert len(audio) // 2 == _samples("Hi. Again now. Last")
+    assert _emitted(ingress) == {"0/0": 2 * 14, "1/0": 2 * 4}  # a turn starts at text: "Last"
+    assert len(audio) // 2 == _samples("Hi. Again now.") + _samples("Last")
 
 
 def test_bistream_close_mid_text_aborts_the_sequence(client, ingress):
@@ -190,6 +190,13 @@ def test_bistream_close_mid_text_aborts_the_sequence(client, ingress):
     # the socket closed with the sequence parked, waiting for text: its decode slot is freed
     assert engine.wait_until(lambda: any(rid.endswith("-0/0") for rid in engine.aborted))
     assert engine.wait_until(lambda: engine.num_running() == 0)
+
+
+def test_word_cutter():
+    cut = WordCutter()
+    assert cut.feed("Hel") == "" and cut.feed("lo wo") == "Hello" and cut.feed("rld, and") == " world,"
+    assert cut.feed(" ") == " and" and cut.feed("x") == "" and cut.flush() == " x" and cut.flush() == ""
+    assert cut.feed("你好世界") == "" and cut.feed("你好世界你") == "你好世界你好世界你"  # no whitespace: runs of > 8
 
 
 def test_sentence_buffer():
