@@ -51,7 +51,7 @@ def test_bistream_through_the_engine_loop_matches_the_reference(family, tmp_path
         spoke = asyncio.Event()
 
         async def text():
-            for i, t in enumerate(TEXT[:-1]):
+            for t in TEXT[:-1]:
                 yield [t], False
             await spoke.wait()  # the end of the text only once speech came out
             yield [TEXT[-1]], True
