@@ -231,6 +231,7 @@ class LLMEngine:
         return freed
 
     def has_unfinished(self) -> bool:
+        """Whether :meth:`step` has work; a parked bistream request is none (until ``feed_text``)."""
         return self.scheduler.has_unfinished()
 
     def num_running(self) -> int:
