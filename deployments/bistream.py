@@ -46,7 +46,7 @@ class BistreamTokenEngine:
 
     def __init__(self, inner) -> None:
         from cosyvoice_runtime.llm.bistream_seq import FINISH_PROTOCOL
-        from cosyvoice_runtime.pipeline import SilentTokenFilter
+        from cosyvoice_runtime.llm.silent_tokens import SilentTokenFilter
 
         self.inner = inner
         self._protocol = FINISH_PROTOCOL

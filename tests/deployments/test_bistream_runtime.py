@@ -17,7 +17,7 @@ from cosyvoice_runtime.llm.bistream import BistreamState, bistream_decode
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.model import build_llm
 from cosyvoice_runtime.llm.sampling import SamplingParams
-from cosyvoice_runtime.pipeline import SilentTokenFilter
+from cosyvoice_runtime.llm.silent_tokens import SilentTokenFilter
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from deployments.bistream import BistreamLMRequest, BistreamTokenEngine
 from deployments.compute import ComputeExecutor
