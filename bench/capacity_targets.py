@@ -88,6 +88,7 @@ class SimTarget:
         token = [s.first_token_s - s.trace.submitted_s for s in new if s.first_token_s]
         job = [s.first_job_s - s.trace.submitted_s for s in new if s.first_job_s]
         bulk_s, express_s = [b[0] for b in batches], [b[0] for b in express]
+        passes = [n for s, _, n, _ in self.sim.pass_log if t0 <= s < t1]
         return {  # first audio = first token + the rest of the first chunk's tokens + wait + first job
                 "first_token_ms_p50": _ms_at(token, 50), "first_token_ms_p99": _ms_at(token, 99),
                 "first_job_start_ms_p50": _ms_at(job, 50), "first_job_start_ms_p99": _ms_at(job, 99),
@@ -97,7 +98,10 @@ class SimTarget:
                 "t2w_busy_fraction": round(sum(bulk_s) / span, 3),
                 "first_chunk_jobs": sum(b[2] for b in batches + express),
                 "express_batch_ms_p50": _ms_at(express_s, 50), "express_batch_ms_p99": _ms_at(express_s, 99),
-                "express_busy_fraction": round(sum(express_s) / span, 3) if express else None}
+                "express_busy_fraction": round(sum(express_s) / span, 3) if express else None,
+                # stepped lane: flow passes and rows per pass (its t2w_* figures time the vocoder only)
+                "flow_passes": len(passes) if passes else None,
+                "flow_rows_per_pass": round(statistics.mean(passes), 2) if passes else None}
 
 
     def timeline(self, t0: float, t1: float) -> dict:
@@ -109,6 +113,7 @@ class SimTarget:
         sim = self.sim
         return {"steps": [(ms(s), ms(e)) for s, e in sim.step_log if t0 <= s < t1],
                 "batches": [(ms(s), ms(e), n, f, lane) for s, e, n, f, lane in sim.batch_log if t0 <= s < t1],
+                "passes": [(ms(s), ms(e), n, t) for s, e, n, t in sim.pass_log if t0 <= s < t1],
                 "chunks": [[ms(t) for t in st.trace.chunk_times_s] for st in list(sim.streams.values())
                            if t0 <= st.trace.submitted_s < t1],
                 "requests": [{"submitted": ms(st.trace.submitted_s), "first_token": ms(st.first_token_s),

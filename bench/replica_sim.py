@@ -123,6 +123,7 @@ class ReplicaSim:
         # every token2wav batch
         self.step_log: list[tuple[float, float]] = []
         self.batch_log: list[tuple[float, float, int, int, str]] = []
+        self.pass_log: list[tuple[float, float, int, int]] = []  # stepped: (start, queued, rows, frames) per flow pass
         self._threads: list[threading.Thread] = []
         self.on_error: Callable[[BaseException], None] | None = None  # called once a worker thread failed
 
@@ -262,7 +263,9 @@ class ReplicaSim:
                                   lane.max_batch, ratio)
                 if last_pass is not None:
                     last_pass.synchronize()  # at most one pass queued behind the running one
+                t_pass = time.perf_counter()
                 lane.t2w.advance(batch)
+                self.pass_log.append((t_pass, time.perf_counter(), len(batch), max(r.frames for r in batch)))
                 if cuda:
                     last_pass = torch.cuda.Event()
                     last_pass.record(stream)
@@ -270,6 +273,7 @@ class ReplicaSim:
                 if not done:
                     continue
                 rows = [r for r in rows if r.step < lane.t2w.n_steps]
+                start = time.perf_counter()  # the batch log times the vocoder here (passes: pass_log)
                 audios = lane.t2w.finish(done)
                 if stream is not None:
                     stream.synchronize()

@@ -48,3 +48,11 @@ def streaming_lengths(mel_cache_len: int, token_hop_len: int, token_max_hop_len:
         if hop >= token_max_hop_len or scale <= 1:
             return out
         hop = min(token_max_hop_len, hop * scale)
+
+
+def final_chunk_frames(mel_cache_len: int, token_max_hop_len: int, lookahead: int, token_mel_ratio: int) -> list[int]:
+    """Every vocoder input length a stream's last call can have: the tokens left after the last
+    hop (1 to a full hop plus the look-ahead), with the overlap cache or, when the last call is
+    also the first, without it."""
+    tokens = range(1, token_max_hop_len + lookahead + 1)
+    return sorted({token_mel_ratio * r for r in tokens} | {mel_cache_len + token_mel_ratio * r for r in tokens})

@@ -11,9 +11,9 @@ the last tens of frames of an item. Batch rows are independent, so the batch is 
 bucket with zero rows. Streaming makes few lengths: every call after the first feeds
 ``mel_cache_len + 2 * hop`` frames with hop 25, 50 then 100 tokens (58, 108, 208 frames for the
 released spec), and a first chunk has one of 25 lengths (its hop follows the prompt length
-modulo 25), so those are captured at start (``deployments.runtime_adapter.capture_graphs``);
-other lengths (last chunks) are captured once seen ``capture_after`` times, up to
-``max_graphs``; the rest run eagerly.
+modulo 25), and a last chunk one of ~200 (the tokens left after the last hop), so those are
+captured at start (``deployments.runtime_adapter.capture_graphs``); other lengths (unstreamed
+calls) are captured once seen ``capture_after`` times, up to ``max_graphs``; the rest run eagerly.
 
 The random source stays outside the graph (each request's own generator and cache overwrite,
 :func:`~cosyvoice_runtime.hift.streaming.cv2_source`); the graph takes mel and source as inputs.
@@ -30,7 +30,7 @@ import torch
 
 from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.flow.graphs import batch_buckets
-from cosyvoice_runtime.stream_schedule import first_chunk_frames, streaming_lengths
+from cosyvoice_runtime.stream_schedule import final_chunk_frames, first_chunk_frames, streaming_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class GraphedDecode(graph_capture.GraphOwner):
     """
 
     def __init__(self, hift, max_batch: int = 16, max_frames: int = 512, capture_after: int = 2,
-                 max_graphs: int = 192, use_graphs: bool = True) -> None:
+                 max_graphs: int = 512, use_graphs: bool = True) -> None:
         super().__init__()
         self.hift = hift
         self.batch_buckets = batch_buckets(max_batch)
@@ -148,10 +148,15 @@ def graph_streaming_vocoder(hift, spec, max_batch: int, max_frames: int = 512,
 
     Every call after the first (cache + 2 x hop) for every batch bucket; every first-chunk
     length (:func:`~cosyvoice_runtime.stream_schedule.first_chunk_frames`; ``min_first_hop`` as
-    the stream's Token2Wav) for batches of 1 and 2, since first chunks rarely share a length.
+    the stream's Token2Wav) for batches of 1 and 2, since first chunks rarely share a length;
+    every last-chunk length (:func:`~cosyvoice_runtime.stream_schedule.final_chunk_frames`) for a
+    batch of 1. A last chunk vocoded eagerly held the token2wav thread 100-150 ms under load
+    (H200, 2026-12-04, capacity traces), and a first chunk queued behind it.
     """
     st, ratio = spec.stream, spec.flow.token_mel_ratio
     later = streaming_lengths(st.mel_cache_len, st.token_hop_len, st.token_max_hop_len, st.stream_scale_factor, ratio)
     graphed = enable_graphs(hift, max_batch=max_batch, max_frames=max_frames, capture_frames=later)
     graphed.capture(first_chunk_frames(st.token_hop_len, ratio, min_first_hop), batch_sizes=[1, 2])
+    graphed.capture(final_chunk_frames(st.mel_cache_len, st.token_max_hop_len, spec.flow.pre_lookahead_len, ratio),
+                    batch_sizes=[1])
     return graphed

@@ -240,8 +240,10 @@ def test_lane_stats_split_bulk_and_express_batches():
                "late": SimpleNamespace(trace=RequestTrace(submitted_s=11.0), first_token_s=11.5, first_job_s=None)}
     sim = SimpleNamespace(on_error=None, streams=streams, step_log=[(0.0, 0.002), (1.0, 1.004), (9.0, 9.01)],
                           batch_log=[(0.1, 0.15, 1, 1, "express"), (0.2, 0.4, 2, 0, "bulk"), (1.0, 1.1, 1, 0, "bulk"),
-                                     (20.0, 21.0, 4, 0, "bulk")])
+                                     (20.0, 21.0, 4, 0, "bulk")],
+                          pass_log=[(0.5, 0.501, 3, 256), (0.6, 0.601, 1, 640), (12.0, 12.1, 9, 256)])
     stats = SimTarget(sim, voice=None).lane_stats(0.0, 10.0)
+    assert stats["flow_passes"] == 2 and stats["flow_rows_per_pass"] == 2.0  # the pass at 12 s is outside
     assert stats["decode_step_ms_p50"] == 4.0 and stats["t2w_jobs_per_batch"] == 1.5
     assert stats["t2w_busy_fraction"] == 0.03 and stats["express_busy_fraction"] == 0.005
     assert stats["first_chunk_jobs"] == 1 and stats["express_batch_ms_p50"] == 50.0
