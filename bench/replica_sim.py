@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.metrics import RequestTrace
-from cosyvoice_runtime.flow.stepper import pick_rows
 from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.inputs import build_lm_input
 from cosyvoice_runtime.llm.sampling import SamplingParams
 from cosyvoice_runtime.model import CosyVoiceModel
 from cosyvoice_runtime.pipeline import VoicePrompt
+from cosyvoice_runtime.stream_schedule import pick_rows
 from cosyvoice_runtime.token2wav import StreamState, Token2Wav
 
 logger = logging.getLogger("bench")

@@ -6,11 +6,13 @@ hop then grows by ``stream_scale_factor`` up to ``token_max_hop_len``.
 
 Pure arithmetic on ints, shared by :mod:`cosyvoice_runtime.token2wav` (which follows the
 schedule per request) and :mod:`cosyvoice_runtime.hift.graphs` (which captures the vocoder
-input lengths the schedule produces), so neither imports the other.
+input lengths the schedule produces), so neither imports the other. Also the order of the
+step-by-step flow passes (:func:`pick_rows`), used by the serving layer without importing torch.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 
 def prompt_token_pad(n_prompt_tokens: int, hop: int) -> int:
@@ -56,3 +58,23 @@ def final_chunk_frames(mel_cache_len: int, token_max_hop_len: int, lookahead: in
     also the first, without it."""
     tokens = range(1, token_max_hop_len + lookahead + 1)
     return sorted({token_mel_ratio * r for r in tokens} | {mel_cache_len + token_mel_ratio * r for r in tokens})
+
+
+def pick_rows(rows: Sequence, deadline_s: dict, now_s: float, slack_s: float, max_batch: int,
+              length_ratio: float = 2.0) -> list:
+    """The rows of the next flow pass (:mod:`cosyvoice_runtime.flow.stepper`; anything with ``frames``):
+    earliest deadline first (``deadline_s[id(row)]``).
+
+    While some row is due within ``slack_s``, the pass is for those rows (a first chunk is due at
+    once), plus rows no longer than the longest of them (they ride in the same padded bucket for
+    almost nothing); otherwise the earliest rows. At most ``max_batch``, and at most
+    ``length_ratio`` times the frames of the most urgent row, which the pass pads to.
+    """
+    order = sorted(rows, key=lambda r: deadline_s[id(r)])
+    if not order:
+        return []
+    urgent = [r for r in order if deadline_s[id(r)] - now_s < slack_s]
+    limit = length_ratio * order[0].frames
+    if urgent:
+        limit = max(r.frames for r in urgent if r.frames <= limit)
+    return [r for r in order if r.frames <= limit][:max_batch]

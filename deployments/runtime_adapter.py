@@ -291,6 +291,7 @@ class RuntimeToken2Wav:
         self.device = model.device
         self.dtype = next(model.flow.parameters()).dtype
         self._stream = own_stream(model.device)
+        self._last_pass = None  # CUDA event of the last flow pass (scheduler "steps")
 
     def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> Any:
         import torch
@@ -320,6 +321,36 @@ class RuntimeToken2Wav:
         with torch.cuda.stream(self._stream):  # .cpu() waits for this stream's work only
             return [a.detach().float().cpu().numpy() for a in self.t2w.run_batch(jobs)]
 
+    # -- token2wav.scheduler "steps" (deployments.token2wav_loop) ---------------------------
+    @property
+    def n_steps(self) -> int:
+        return self.t2w.n_steps
+
+    def start_solves(self, jobs: list[Any]) -> list[Any]:
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            return self.t2w.start_solves(jobs)
+
+    def advance(self, rows: list[Any]) -> None:
+        """One flow pass; the GPU holds at most one more queued behind the running one, so a job
+        that arrives now is in the pass after next at the latest."""
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            if self._last_pass is not None:
+                self._last_pass.synchronize()
+            self.t2w.advance(rows)
+            if self._stream is not None:
+                self._last_pass = torch.cuda.Event()
+                self._last_pass.record(self._stream)
+
+    def finish(self, rows: list[Any]) -> list[np.ndarray]:
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            return [a.detach().float().cpu().numpy() for a in self.t2w.finish(rows)]
+
 
 def replica_limits(cfg, model, dtype_bytes: int):
     """The flow batch / call sizes this replica accepts: the config, fitted to ``max_mem_gb``."""
@@ -345,15 +376,24 @@ def replica_limits(cfg, model, dtype_bytes: int):
 VOCODER_GRAPH_MAX_FRAMES = 512  # ~10 s of audio; whole-utterance (unstreamed) calls beyond it run eagerly
 
 
-def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | None) -> dict[str, int]:
+def token2wav_scheduler(configured: str, cv2_flow: str, device) -> str:
+    """``token2wav.scheduler`` resolved once per replica: "auto" is "steps" on CUDA, else "batch";
+    CosyVoice2's incremental flow is not stepped (the config refuses "steps" with it), so "auto" keeps "batch"."""
+    if configured != "auto":
+        return configured
+    return "steps" if str(device).startswith("cuda") and cv2_flow == "recompute" else "batch"
+
+
+def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | None,
+                   stepper: bool = False) -> dict[str, int]:
     """Capture the token2wav CUDA graphs of a CUDA replica (pytorch, torchscript): how many of each.
 
-    Flow (``flow_graphs``): the whole CFM solve and, for CosyVoice2, the token encoder, per
-    padded (batch, length) bucket, batches up to the replica's largest and calls up to
-    ``flow_graph_max_s`` of audio (prompt included). Vocoder (``vocoder_graphs``, CosyVoice2):
-    the lengths of every streamed call after the first, for every batch bucket, and every
-    first-chunk length for batches of 1 and 2; other lengths (last chunks) are captured when
-    they recur (:mod:`cosyvoice_runtime.hift.graphs`).
+    Flow (``flow_graphs``): the whole CFM solve (``stepper``: one Euler pass of it, for the
+    "steps" scheduler) and, for CosyVoice2, the token encoder, per padded (batch, length)
+    bucket, batches up to the replica's largest and calls up to ``flow_graph_max_s`` of audio
+    (prompt included). Vocoder (``vocoder_graphs``, CosyVoice2): the lengths of every streamed
+    call after the first, for every batch bucket, every first-chunk length for batches of 1 and
+    2, and every last-chunk length for a batch of 1; other lengths are captured when they recur (:mod:`cosyvoice_runtime.hift.graphs`).
 
     Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-allgraphs.md): with
     the solve graphs and the early first chunk, first audio at one stream fell from 1.11 s (LLM
@@ -371,7 +411,7 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     rate, ratio = spec.token_frame_rate, spec.flow.token_mel_ratio
     max_s = min(cfg.flow_graph_max_s, limits.max_total_s)
     started = time.perf_counter()
-    model.flow.enable_graphs(max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio)
+    model.flow.enable_graphs(max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio, stepper=stepper)
     n_flow = model.flow.capture_graphs()
     n_vocoder = 0
     if not spec.hift.causal:  # the CV2 vocoder (the CV3 one has no graphs)
@@ -412,7 +452,8 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                                            flow_checkpoint=Path(model_dir) / model.spec.files["flow"])
     report = apply_mode(model, mode, dtype, trt_estimator=trt_estimator)
     min_first = cfg.token2wav.first_chunk_min_tokens if cfg.token2wav.early_first_chunk else None
-    graphs = capture_graphs(model, cfg, mode, limits, min_first)
+    scheduler = token2wav_scheduler(cfg.token2wav.scheduler, cfg.token2wav.cv2_flow, device)
+    graphs = capture_graphs(model, cfg, mode, limits, min_first, stepper=scheduler == "steps")
     rate = model.spec.token_frame_rate
     return SynthesisRuntime(
         # Mode torchscript compiles the decode step too (CUDA only: its graphs are what it pays for).
@@ -423,6 +464,7 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                                    cv2_flow=cfg.token2wav.cv2_flow),
         device=str(device),
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
+                 "t2w_scheduler": scheduler,
                  "compiled": report["compiled"], "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),

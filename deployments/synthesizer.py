@@ -66,6 +66,7 @@ from deployments.protocol import (
 )
 from deployments.runtime_adapter import LMRequest, ModelSource, SynthesisRuntime, call_with_timeout
 from deployments.text_inbox import ActorInbox, BistreamTicket, InboxClient, LocalInbox
+from deployments.token2wav_loop import SteppedToken2Wav
 
 logger = logging.getLogger(__name__)
 TOKEN2WAV_LANE = "token2wav"  # the compute lane of flow + HiFT batches when stages overlap
@@ -113,6 +114,17 @@ class Token2WavBatchConfig(StrictModel):
     # of the frames already emitted and solves only the new ones (same mel within float noise,
     # tests/runtime/test_flow_incremental.py; one stream at a time, no CUDA graphs; not yet timed on a GPU).
     cv2_flow: Literal["recompute", "incremental"] = "recompute"
+    # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
+    # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole
+    # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (5-6 ->
+    # 11 sessions at the SLO, H200 replica simulation 2026-12-04), batch on the CPU (not measured there).
+    scheduler: Literal["auto", "batch", "steps"] = "auto"
+
+    @model_validator(mode="after")
+    def _stepped_flow(self) -> Token2WavBatchConfig:
+        if self.scheduler == "steps" and self.cv2_flow == "incremental":
+            raise ValueError("token2wav.scheduler 'steps' needs cv2_flow 'recompute' (the incremental flow is not stepped)")
+        return self
 
 
 class SynthesizerConfig(DeploymentKnobs):
@@ -219,6 +231,13 @@ class Synthesizer:
         self.t2w_failed_jobs = 0  # chunk jobs failed alone (an error even alone, or non-finite audio)
         slack = cfg.token2wav.deadline_slack_s
         self.gate = DeadlineGate(slack, clock=clock) if slack is not None else None
+        self.stepped: SteppedToken2Wav | None = None  # token2wav.scheduler "steps" (resolved by the runtime)
+        if self.runtime.details.get("t2w_scheduler") == "steps":
+            self.gate = None  # the stepped loop schedules by deadline itself
+            self.stepped = SteppedToken2Wav(self.t2w, self.compute, self._t2w_lane, clock, slack or 0.0,
+                                            min(cfg.token2wav.max_batch_size,
+                                                self.runtime.details.get("max_flow_batch", cfg.token2wav.max_batch_size)),
+                                            on_fatal=self.loop.kill)
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
         self._active = 0  # synthesize() calls in progress; 0 for IDLE_TRIM_DELAY_S -> release_free_heap
         self._trim_timer: asyncio.TimerHandle | None = None
@@ -335,8 +354,11 @@ class Synthesizer:
             "underruns_total": self.underruns,
             "deadline_held_total": self.gate.held if self.gate is not None else 0,
             "token2wav_splits_total": self.t2w_splits,
-            "token2wav_failed_jobs_total": self.t2w_failed_jobs,
-            "failed_requests_total": self.loop.failed + self.t2w_failed_jobs,
+            "token2wav_failed_jobs_total": self.t2w_failed_jobs + self._stepped_failed(),
+            "failed_requests_total": self.loop.failed + self.t2w_failed_jobs + self._stepped_failed(),
+            "token2wav_scheduler": "steps" if self.stepped is not None else "batch",
+            "flow_passes_total": self.stepped.passes if self.stepped is not None else 0,
+            "flow_rows_in_passes_total": self.stepped.rows_in_passes if self.stepped is not None else 0,
             "cuda_cache_releases": self.cuda_cache_releases,
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
             "sm_activity_pct": self.probe.sm_activity_pct(),
@@ -440,12 +462,24 @@ class Synthesizer:
                                               text=text):
             tokens.extend(event.new_tokens)
             while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
-                turn = self.gate.turn(playback.deadline_s()) if self.gate is not None else contextlib.nullcontext()
-                async with turn:
-                    audio = await self._token2wav(job)
+                if self.stepped is not None:
+                    audio = await self._token2wav_stepped(job, playback.deadline_s())
+                else:
+                    turn = self.gate.turn(playback.deadline_s()) if self.gate is not None else contextlib.nullcontext()
+                    async with turn:
+                        audio = await self._token2wav(job)
                 if isinstance(audio, Exception):  # this job failed alone (see _run_jobs)
                     raise audio
                 yield audio, bool(getattr(job, "finalize", False))
+
+    def _stepped_failed(self) -> int:
+        return self.stepped.failed_jobs if self.stepped is not None else 0
+
+    async def _token2wav_stepped(self, job, deadline_s: float) -> np.ndarray | Exception:
+        if self.loop.is_dead:
+            raise EngineDeadError("replica unhealthy: an earlier fault left the device unusable")
+        audio = await self.stepped.run(job, deadline_s)
+        return audio if isinstance(audio, Exception) else self._finite(audio)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def _token2wav(self, jobs: list) -> list[np.ndarray | Exception]:

@@ -5,7 +5,8 @@ a batch holds the GPU for all ten: a new stream's first chunk that arrives just 
 with a late chunk of a 20 s CosyVoice2 utterance started (a ~200 ms solve, H200 2026-12-04)
 waits for all of it, and that wait was most of the first-audio tail under load. Here each job
 is a :class:`SolveRow` (its encoder output, condition, speaker vector and ODE state ``x``) and
-the caller runs passes over whichever rows it picks (:func:`pick_rows`: the most urgent first),
+the caller runs passes over whichever rows it picks
+(:func:`~cosyvoice_runtime.stream_schedule.pick_rows`: the most urgent first),
 so a first chunk joins at the next pass and finishes ten short passes later while long jobs with
 audio to spare wait. Rows at different steps share a pass: the estimator takes a time per row,
 and each row's ``(t, dt)`` are the whole solve's (:func:`~cosyvoice_runtime.flow.cfm.step_schedule`).
@@ -204,22 +205,3 @@ class FlowStepper(graph_capture.GraphOwner):
             bucket.mask.zero_()
         self._buckets[key] = bucket
         return bucket
-
-
-def pick_rows(rows: Sequence[SolveRow], deadline_s: dict, now_s: float, slack_s: float, max_batch: int,
-              length_ratio: float = 2.0) -> list[SolveRow]:
-    """The rows of the next pass: earliest deadline first (``deadline_s[id(row)]``).
-
-    While some row is due within ``slack_s``, the pass is for those rows (a first chunk is due at
-    once), plus rows no longer than the longest of them (they ride in the same padded bucket for
-    almost nothing); otherwise the earliest rows. At most ``max_batch``, and at most
-    ``length_ratio`` times the frames of the most urgent row, which the pass pads to.
-    """
-    order = sorted(rows, key=lambda r: deadline_s[id(r)])
-    if not order:
-        return []
-    urgent = [r for r in order if deadline_s[id(r)] - now_s < slack_s]
-    limit = length_ratio * order[0].frames
-    if urgent:
-        limit = max(r.frames for r in urgent if r.frames <= limit)
-    return [r for r in order if r.frames <= limit][:max_batch]

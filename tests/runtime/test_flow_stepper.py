@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cosyvoice_runtime.flow.cfm import step_schedule, time_grid
-from cosyvoice_runtime.flow.stepper import FlowStepper, SolveRow, pick_rows
+from cosyvoice_runtime.flow.stepper import FlowStepper, SolveRow
+from cosyvoice_runtime.stream_schedule import pick_rows
 from tests.runtime.test_flow_batch import BATCH_TOL, FAMILIES, JOBS, TEST_STEPS, _flow, _item
 
 

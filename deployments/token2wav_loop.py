@@ -1,0 +1,176 @@
+"""Token2wav solved pass by pass, most urgent first (``token2wav.scheduler: steps``, issue 14).
+
+With ``@serve.batch`` a flow batch is one whole solve (ten estimator passes): a new stream's
+first chunk that arrives while a batch with a late chunk of a long CosyVoice2 utterance runs
+waits for all of it. Here every chunk job becomes a flow row
+(:mod:`cosyvoice_runtime.flow.stepper`) and one driver thread, on the replica's token2wav lane,
+repeats: start the jobs that arrived (one encoder batch), run one pass over the rows
+:func:`~cosyvoice_runtime.flow.stepper.pick_rows` picks (earliest playback deadline first; a
+first chunk is due at once), vocode the rows whose solve is done and hand their audio back. A
+first chunk joins at the next pass and long jobs with audio to spare wait. Measured in the
+replica simulation on one H200 (2026-12-04, bench/results/capacity-h200-2026-12-04.md):
+sessions at the SLO 5-6 -> 11.
+
+Failure isolation as the batch path's: a step that raises is retried per job, a job that fails
+alone fails its request only (:class:`RequestFailedError`), a fatal device error kills the
+replica through ``on_fatal``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_runtime.stream_schedule import pick_rows
+from deployments.compute import ComputeExecutor
+from deployments.engine_loop import is_fatal
+from deployments.protocol import EngineDeadError, RequestFailedError
+
+logger = logging.getLogger(__name__)
+
+LENGTH_RATIO = 2.0  # a pass pads to at most this many times the frames of its most urgent row
+
+
+@dataclass(eq=False)
+class _Pending:
+    job: Any
+    deadline_s: float
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    row: Any = None
+
+
+class SteppedToken2Wav:
+    """Chunk jobs in (:meth:`run`), audio out; see the module docstring.
+
+    Args:
+        t2w: the runtime's token2wav with ``start_solves`` / ``advance`` / ``finish`` / ``n_steps``.
+        compute: the replica's executor; the driver runs on ``lane`` while there is work.
+        clock: the clock deadlines are read on (the synthesizer's).
+        slack_s: rows due within this many seconds have the pass to themselves (and short riders).
+        max_batch: rows per pass and jobs per encoder batch.
+        on_fatal: called with a fatal device error (the synthesizer marks the replica dead).
+    """
+
+    def __init__(self, t2w, compute: ComputeExecutor, lane: str, clock: Callable[[], float], slack_s: float,
+                 max_batch: int, on_fatal: Callable[[BaseException], None]) -> None:
+        self.t2w = t2w
+        self.compute = compute
+        self.lane = lane
+        self.clock = clock
+        self.slack_s = slack_s
+        self.max_batch = max_batch
+        self.on_fatal = on_fatal
+        self._lock = threading.Lock()
+        self._new: list[_Pending] = []
+        self._rows: list[_Pending] = []
+        self._running = False
+        self._driver: asyncio.Future | None = None
+        self.passes = 0
+        self.rows_in_passes = 0
+        self.failed_jobs = 0
+
+    async def run(self, job: Any, deadline_s: float) -> np.ndarray | Exception:
+        """The audio of ``job`` (due at ``deadline_s`` on the clock), or the error it failed with alone."""
+        loop = asyncio.get_running_loop()
+        pending = _Pending(job, deadline_s, loop, loop.create_future())
+        with self._lock:
+            self._new.append(pending)
+            start = not self._running
+            self._running = True
+        if start:
+            self._driver = asyncio.ensure_future(self.compute.run(self._drive, lane=self.lane))
+        return await pending.future  # cancelled with its request: the driver drops the row
+
+    # -- driver thread ---------------------------------------------------------------------
+    def _drive(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    new, self._new = self._new, []
+                    if not new and not self._rows:
+                        self._running = False
+                        return
+                for start in range(0, len(new), self.max_batch):
+                    self._start(new[start:start + self.max_batch])
+                self._rows = [p for p in self._rows if not p.future.cancelled()]
+                if self._rows:
+                    self._pass()
+        except BaseException as exc:  # fatal (on_fatal was called) or a bug: fail everything in hand
+            if not is_fatal(exc):
+                logger.exception("token2wav driver failed")
+            with self._lock:
+                hand, self._new, self._rows = self._new + self._rows, [], []
+                self._running = False
+            for p in hand:
+                self._resolve(p, EngineDeadError(f"token2wav failed: {type(exc).__name__}"))
+
+    def _start(self, batch: list[_Pending]) -> None:
+        try:
+            rows = self.t2w.start_solves([p.job for p in batch])
+        except Exception as exc:  # noqa: BLE001 - any model error: isolated per job below
+            self._fatal_or_split(exc, batch, self._start)
+            return
+        for p, row in zip(batch, rows):
+            p.row = row
+        self._rows += batch
+
+    def _pass(self) -> None:
+        by_row = {id(p.row): p for p in self._rows}
+        rows = pick_rows([p.row for p in self._rows], {k: p.deadline_s for k, p in by_row.items()}, self.clock(),
+                         self.slack_s, self.max_batch, LENGTH_RATIO)
+        self._advance([by_row[id(r)] for r in rows])
+        self.passes += 1
+        self.rows_in_passes += len(rows)
+        done = [p for p in self._rows if p.row.step >= self.t2w.n_steps]
+        if done:
+            self._rows = [p for p in self._rows if p.row.step < self.t2w.n_steps]
+            self._finish(done)
+
+    def _advance(self, chosen: list[_Pending]) -> None:
+        try:  # rows advance only when their pass succeeded, so a retry is exact
+            self.t2w.advance([p.row for p in chosen])
+        except Exception as exc:  # noqa: BLE001 - any model error: isolated per job below
+            self._fatal_or_split(exc, chosen, self._advance)
+
+    def _finish(self, done: list[_Pending]) -> None:
+        try:
+            audios = self.t2w.finish([p.row for p in done])
+        except Exception as exc:  # noqa: BLE001 - any model error: isolated per job below
+            self._fatal_or_split(exc, done, self._finish)
+            return
+        for p, audio in zip(done, audios):
+            self._resolve(p, audio)
+
+    def _fatal_or_split(self, exc: Exception, batch: list[_Pending], retry: Callable[[list[_Pending]], None]) -> None:
+        """A fatal error goes up (the replica is dead); otherwise each job is retried alone and one
+        that fails alone fails its request. NOTE: a vocoder error part-way can leave a retried job's
+        vocoder cache advanced, so its audio may click once (as the batch path)."""
+        if is_fatal(exc):
+            logger.exception("token2wav failed fatally; the replica is unhealthy")
+            self.on_fatal(exc)
+            raise exc
+        if len(batch) > 1:
+            logger.warning("token2wav step over %d jobs failed (%s); retrying them one by one", len(batch),
+                           type(exc).__name__)
+            for p in batch:
+                retry([p])
+            return
+        p = batch[0]
+        self.failed_jobs += 1
+        logger.warning("token2wav failed for one job (%s: %s); failing its request", type(exc).__name__, exc)
+        with self._lock:
+            self._rows = [q for q in self._rows if q is not p]
+        self._resolve(p, RequestFailedError(f"audio generation failed: {type(exc).__name__}: {exc}"))
+
+    @staticmethod
+    def _resolve(p: _Pending, result: np.ndarray | Exception) -> None:
+        def deliver():
+            if not p.future.done():
+                p.future.set_result(result)
+        p.loop.call_soon_threadsafe(deliver)

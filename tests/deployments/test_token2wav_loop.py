@@ -1,0 +1,171 @@
+"""token2wav.scheduler "steps" (deployments/token2wav_loop.py, issue 14): the same audio as the
+batch scheduler on the real tiny model, urgent jobs first, and failures isolated per job."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from deployments.compute import ComputeExecutor
+from deployments.protocol import EngineDeadError, PreparedRequest, RequestFailedError, TextPiece, VoicePrompt
+from deployments.runtime_adapter import ModelSource, token2wav_scheduler
+from deployments.synthesizer import Synthesizer, SynthesizerConfig
+from deployments.token2wav_loop import SteppedToken2Wav
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from cosyvoice_runtime.tiny_model import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "cv2", "cosyvoice2"))
+
+
+def _req(rid: str, n_text: int, seed: int) -> PreparedRequest:
+    g = np.random.default_rng(seed)
+    prompt = VoicePrompt(family="cosyvoice2", prompt_text_ids=np.arange(5, dtype=np.int32),
+                         speech_tokens=g.integers(0, 100, 30).astype(np.int32),
+                         mel=g.standard_normal((60, 80)).astype(np.float32),
+                         embedding=g.standard_normal(192).astype(np.float32))
+    text = g.integers(100, 1000, n_text).astype(np.int32)
+    return PreparedRequest(request_id=rid, pieces=[TextPiece("x", text)], prompt=prompt,
+                           llm_prompt_text_ids=np.arange(5, dtype=np.int32), llm_use_prompt_speech=True,
+                           stream=True, seed=seed)
+
+
+def _speak(synth: Synthesizer, reqs: list[PreparedRequest]) -> list[np.ndarray]:
+    async def one(req):
+        return [c.samples async for c in synth.synthesize(req)]
+
+    async def main():
+        return await asyncio.gather(*(one(r) for r in reqs))
+
+    return [np.concatenate(chunks) for chunks in asyncio.run(main())]
+
+
+def test_steps_stream_the_batch_schedulers_audio(model_dir):
+    """Three concurrent streams of different lengths through the real tiny model: the stepped
+    scheduler (passes over rows at different steps) gives each the batch path's samples."""
+    reqs = [_req(f"r{i}", n, seed=i) for i, n in enumerate((6, 11, 3))]
+    out = {}
+    for scheduler in ("batch", "steps"):
+        cfg = SynthesizerConfig(device="cpu", warmup=False, max_model_len=512, token2wav={"scheduler": scheduler})
+        synth = Synthesizer(cfg, ModelSource(model_dir))
+        if scheduler == "batch":  # outside a replica: the @serve.batch method run one job at a time
+            async def direct(job, s=synth):
+                return (await s._run_jobs([job]))[0]
+            synth._token2wav = direct
+        out[scheduler] = _speak(synth, reqs)
+        stats = synth.stats()
+        assert stats["token2wav_scheduler"] == scheduler
+        if scheduler == "steps":
+            assert synth.gate is None and stats["flow_passes_total"] > 0
+            assert stats["flow_rows_in_passes_total"] > stats["flow_passes_total"]  # passes were shared
+    for a, b in zip(out["batch"], out["steps"]):
+        assert a.size == b.size > 0
+        assert float(np.abs(a - b).max()) < 1e-4
+
+
+def test_auto_scheduler_is_steps_on_cuda_with_the_recomputed_flow():
+    assert token2wav_scheduler("auto", "recompute", "cuda:0") == "steps"
+    assert token2wav_scheduler("auto", "recompute", "cpu") == "batch"
+    assert token2wav_scheduler("auto", "incremental", "cuda") == "batch"
+    assert token2wav_scheduler("steps", "recompute", "cpu") == "steps"
+    with pytest.raises(ValidationError, match="needs cv2_flow 'recompute'"):
+        SynthesizerConfig(token2wav={"scheduler": "steps", "cv2_flow": "incremental"})
+
+
+class _FakeT2W:
+    """Rows of ``frames``; a job whose ``poison`` names a step raises there (alone or not)."""
+
+    n_steps = 3
+
+    def __init__(self, fatal: bool = False) -> None:
+        self.passes: list[list[str]] = []
+        self.fatal = fatal
+
+    def start_solves(self, jobs):
+        return [SimpleNamespace(step=0, frames=j.frames, job=j) for j in jobs]
+
+    def advance(self, rows):
+        if any(r.job.poison == "advance" for r in rows):
+            raise (RuntimeError("CUDA error: an illegal memory access") if self.fatal else RuntimeError("bad row"))
+        self.passes.append([r.job.name for r in rows])
+        for r in rows:
+            r.step += 1
+
+    def finish(self, rows):
+        if any(r.job.poison == "finish" for r in rows):
+            raise RuntimeError("vocoder failed")
+        return [np.full(4, float(len(r.job.name)), np.float32) for r in rows]
+
+
+def _job(name: str, frames: int = 100, poison: str | None = None):
+    return SimpleNamespace(name=name, frames=frames, poison=poison)
+
+
+def _loop(t2w, fatal: list | None = None) -> SteppedToken2Wav:
+    return SteppedToken2Wav(t2w, ComputeExecutor(lanes=("t2w",)), "t2w", clock=lambda: 100.0, slack_s=0.5,
+                            max_batch=4, on_fatal=(fatal.append if fatal is not None else lambda exc: None))
+
+
+def test_a_job_that_fails_alone_fails_only_its_request():
+    t2w = _FakeT2W()
+    loop = _loop(t2w)
+
+    async def main():
+        return await asyncio.gather(loop.run(_job("ok"), 100.0), loop.run(_job("bad", poison="advance"), 100.0),
+                                    loop.run(_job("late", poison="finish"), 100.0), loop.run(_job("fine"), 100.0))
+
+    ok, bad, late, fine = asyncio.run(main())
+    assert ok.tolist() == [2.0] * 4 and fine.tolist() == [4.0] * 4
+    assert isinstance(bad, RequestFailedError) and "bad row" in str(bad)
+    assert isinstance(late, RequestFailedError) and "vocoder failed" in str(late)
+    assert loop.failed_jobs == 2
+    assert all("bad" not in names for names in t2w.passes)  # the failed pass was retried without it
+
+
+def test_a_fatal_error_fails_every_job_in_hand_and_reports_it():
+    fatal: list = []
+    loop = _loop(_FakeT2W(fatal=True), fatal)
+
+    async def main():
+        return await asyncio.gather(loop.run(_job("a"), 100.0), loop.run(_job("b", poison="advance"), 100.0))
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) for r in results)
+    assert len(fatal) == 1 and "illegal memory access" in str(fatal[0])
+
+
+def test_the_most_urgent_job_gets_the_passes_first():
+    """A first chunk (due now) submitted while a long job with audio to spare is in its passes
+    takes every pass until it is done; the long one waits (earliest deadline first)."""
+    t2w = _FakeT2W()
+    gate = threading.Event()
+    started = threading.Event()
+    advance = t2w.advance
+
+    def held_advance(rows):  # hold the long job's first pass until the urgent one is queued
+        started.set()
+        if rows[0].job.name == "long" and rows[0].step == 0:
+            gate.wait(timeout=60)
+        advance(rows)
+
+    t2w.advance = held_advance
+    loop = _loop(t2w)
+
+    async def main():
+        long = asyncio.ensure_future(loop.run(_job("long", frames=900), 103.0))  # 3 s of audio in hand
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 60)
+        first = asyncio.ensure_future(loop.run(_job("first", frames=200), 100.0))  # due now
+        await asyncio.sleep(0)  # let run() queue it before the held pass ends
+        gate.set()
+        return await asyncio.gather(long, first)
+
+    asyncio.run(main())
+    assert t2w.passes[0] == ["long"]
+    assert t2w.passes[1:4] == [["first"]] * 3  # the urgent job's three passes, alone (too short to pad to)
+    assert t2w.passes[4:] == [["long"], ["long"]]
