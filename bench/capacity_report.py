@@ -79,13 +79,18 @@ def plot(out: Path, stem: str, doc: dict) -> list[str]:
         ax.legend(fontsize=7)
     names.append(_save(plt, fig, out / f"{stem}-latency.png"))
     util = [s for s in searches if s["kind"] == "sessions" and any(p.get("gpu_util_pct") for p in s["probes"])]
+    # the one-session probe extends the sweep down to one stream
+    single = {s["mode"]: s["probes"] for s in doc["searches"] if s["kind"] == "one-session"}
     if util:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        ax.axhspan(70, 80, color="green", alpha=0.08, label="the load policy's target band (70-80 %)")
         for s in util:
-            ps = sorted((p for p in s["probes"] if p.get("gpu_util_pct") is not None), key=lambda p: p["load"])
+            ps = sorted((p for p in s["probes"] + single.get(s["mode"], []) if p.get("gpu_util_pct") is not None),
+                        key=lambda p: p["load"])
             ax.plot([p["load"] for p in ps], [p["gpu_util_pct"] for p in ps], marker="o", label=f"{s['mode']} nvidia-smi")
-            ax.plot([p["load"] for p in ps], [100 * (p.get("t2w_busy_fraction") or 0) for p in ps], marker="x",
-                    linestyle="--", label=f"{s['mode']} token2wav lane busy")
+            if not any(p.get("flow_passes") for p in ps):  # stepped: the lane's batches time the vocoder only
+                ax.plot([p["load"] for p in ps], [100 * (p.get("t2w_busy_fraction") or 0) for p in ps], marker="x",
+                        linestyle="--", label=f"{s['mode']} token2wav lane busy")
             # the autoscaler's signal: in flight / in flight at the SLO capacity (slo_streams)
             full = next((p.get("streams_in_flight_mean") for p in ps if p["load"] == s.get("capacity")), None)
             if full and all(p.get("streams_in_flight_mean") is not None for p in ps):
