@@ -17,6 +17,12 @@ cat "$W/gpu.txt"
 if [ "${SERVE_S:-0}" -gt 0 ]; then
   mkdir -p /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz
   export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+  # The lent image has no PyAV and its wheel does not fit the carry: an empty `av` module makes the
+  # ingress report mp3/opus/aac/flac unsupported; the capacity probes stream PCM, which needs none.
+  if ! python3 -c "import av" 2>/dev/null; then
+    mkdir -p /tmp/noav/av && : > /tmp/noav/av/__init__.py && export PYTHONPATH=$PYTHONPATH:/tmp/noav
+    echo "note: no PyAV here: compressed response formats are off for this run (PCM probes)"
+  fi
 else
   export PYTHONPATH=$PWD
 fi
