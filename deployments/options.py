@@ -43,8 +43,9 @@ class LoadBandConfig(StrictModel):
     load = (streams in flight + queued) / (replicas * ``slo_streams``); see
     ``deployments.autoscaling_policy``. ``slo_streams``: the mean syntheses in flight of one replica
     at its SLO capacity, measured with ``bench/capacity.py`` (``streams_in_flight_mean`` of the
-    largest load that met the SLO). Default: one H200, CosyVoice2, voice-agent mix, 2026-12-04
-    (5 sessions held 0.52 in flight; docs/tuning.md); measure the target GPU.
+    largest load that met the SLO). Default: one H200, CosyVoice2, voice-agent mix, 2026-12-04:
+    the whole Serve app missed the SLO at 0.69 in flight (6 sessions; the replica alone holds 2.78),
+    so 0.5 (docs/tuning.md); measure the target GPU.
     """
 
     enabled: bool = False

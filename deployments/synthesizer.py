@@ -117,7 +117,7 @@ class Token2WavBatchConfig(StrictModel):
     # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
     # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole
     # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (5-6 ->
-    # 11 sessions at the SLO, H200 replica simulation 2026-12-04), batch on the CPU (not measured there).
+    # 21 sessions at the SLO, H200 replica simulation 2026-12-04), batch on the CPU (not measured there).
     scheduler: Literal["auto", "batch", "steps"] = "auto"
 
     @model_validator(mode="after")

@@ -9,7 +9,7 @@ repeats: start the jobs that arrived (one encoder batch), run one pass over the 
 first chunk is due at once), vocode the rows whose solve is done and hand their audio back. A
 first chunk joins at the next pass and long jobs with audio to spare wait. Measured in the
 replica simulation on one H200 (2026-12-04, bench/results/capacity-h200-2026-12-04.md):
-sessions at the SLO 5-6 -> 11.
+sessions at the SLO 5-6 -> 11, and 21 once every last-chunk vocoder length was graphed too.
 
 Failure isolation as the batch path's: a step that raises is retried per job, a job that fails
 alone fails its request only (:class:`RequestFailedError`), a fatal device error kills the
