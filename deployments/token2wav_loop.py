@@ -97,7 +97,7 @@ class SteppedToken2Wav:
                         self._running = False
                         return
                 for start in range(0, len(new), self.max_batch):
-                    self._start(new[start:start + self.max_batch])
+                    self._isolated(self._start, new[start:start + self.max_batch])
                 self._rows = [p for p in self._rows if not p.future.cancelled()]
                 if self._rows:
                     self._pass()
@@ -111,11 +111,7 @@ class SteppedToken2Wav:
                 self._resolve(p, EngineDeadError(f"token2wav failed: {type(exc).__name__}"))
 
     def _start(self, batch: list[_Pending]) -> None:
-        try:
-            rows = self.t2w.start_solves([p.job for p in batch])
-        except Exception as exc:  # noqa: BLE001 - any model error: isolated per job below
-            self._fatal_or_split(exc, batch, self._start)
-            return
+        rows = self.t2w.start_solves([p.job for p in batch])
         for p, row in zip(batch, rows):
             p.row = row
         self._rows += batch
@@ -124,28 +120,25 @@ class SteppedToken2Wav:
         by_row = {id(p.row): p for p in self._rows}
         rows = pick_rows([p.row for p in self._rows], {k: p.deadline_s for k, p in by_row.items()}, self.clock(),
                          self.slack_s, self.max_batch, LENGTH_RATIO)
-        self._advance([by_row[id(r)] for r in rows])
+        # rows advance only when their pass succeeded, so a retry is exact
+        self._isolated(lambda part: self.t2w.advance([p.row for p in part]), [by_row[id(r)] for r in rows])
         self.passes += 1
         self.rows_in_passes += len(rows)
         done = [p for p in self._rows if p.row.step >= self.t2w.n_steps]
         if done:
             self._rows = [p for p in self._rows if p.row.step < self.t2w.n_steps]
-            self._finish(done)
-
-    def _advance(self, chosen: list[_Pending]) -> None:
-        try:  # rows advance only when their pass succeeded, so a retry is exact
-            self.t2w.advance([p.row for p in chosen])
-        except Exception as exc:  # noqa: BLE001 - any model error: isolated per job below
-            self._fatal_or_split(exc, chosen, self._advance)
+            self._isolated(self._finish, done)
 
     def _finish(self, done: list[_Pending]) -> None:
-        try:
-            audios = self.t2w.finish([p.row for p in done])
-        except Exception as exc:  # noqa: BLE001 - any model error: isolated per job below
-            self._fatal_or_split(exc, done, self._finish)
-            return
-        for p, audio in zip(done, audios):
+        for p, audio in zip(done, self.t2w.finish([p.row for p in done])):
             self._resolve(p, audio)
+
+    def _isolated(self, step: Callable[[list[_Pending]], None], batch: list[_Pending]) -> None:
+        """``step(batch)``; on a model error, see :meth:`_fatal_or_split`."""
+        try:
+            step(batch)
+        except Exception as exc:  # noqa: BLE001 - any model error: isolated per job
+            self._fatal_or_split(exc, batch, lambda part: self._isolated(step, part))
 
     def _fatal_or_split(self, exc: Exception, batch: list[_Pending], retry: Callable[[list[_Pending]], None]) -> None:
         """A fatal error goes up (the replica is dead); otherwise each job is retried alone and one
