@@ -36,6 +36,16 @@ def capture(fn: Callable[[], object], stream: torch.cuda.Stream, pool=None) -> t
     return graph, out
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes the graphs of every owner are captured for: 1, 2, 4, ... below
+    ``max_batch``, then ``max_batch``; a batch is padded to the next one."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
 class GraphOwner:
     """What every token2wav graph owner keeps: graphs by shape key (``_buckets``), its capture
     stream, the one memory pool its graphs share, the lock its replays and captures take (the

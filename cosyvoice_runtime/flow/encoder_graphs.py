@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from cosyvoice_runtime import graph_capture
-from cosyvoice_runtime.flow.graphs import batch_buckets
+from cosyvoice_runtime.graph_capture import batch_buckets
 
 logger = logging.getLogger(__name__)
 

@@ -31,19 +31,11 @@ import torch
 
 from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.flow.cfm import CFMSolver
+from cosyvoice_runtime.graph_capture import batch_buckets
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_FRAME_STEP = 64  # padding granularity of T (mel frames): at most 63 wasted frames per call
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, ... below ``max_batch``, then ``max_batch``."""
-    out, b = [], 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return out + [max_batch]
 
 
 @dataclass

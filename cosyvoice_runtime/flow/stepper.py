@@ -28,7 +28,8 @@ import torch
 
 from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update, step_schedule
-from cosyvoice_runtime.flow.graphs import DEFAULT_FRAME_STEP, batch_buckets
+from cosyvoice_runtime.flow.graphs import DEFAULT_FRAME_STEP
+from cosyvoice_runtime.graph_capture import batch_buckets
 
 
 @dataclass(eq=False)

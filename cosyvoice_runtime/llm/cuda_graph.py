@@ -43,15 +43,6 @@ DEFAULT_HISTORY_WIDTH = 16  # >= the yaml's win_size (10); rows with a larger wi
 _DECODE_COLS = 3  # fed id, slot, position; the sampler's columns follow
 
 
-def default_batch_buckets(max_batch_size: int) -> list[int]:
-    """1, 2, 4, ... below ``max_batch_size``, then ``max_batch_size`` itself."""
-    out, b = [], 1
-    while b < max_batch_size:
-        out.append(b)
-        b *= 2
-    return out + [max_batch_size]
-
-
 def default_key_buckets(max_len: int) -> list[int]:
     """``MIN_KEY_WINDOW``, doubling, capped at (and ending with) ``max_len``."""
     out, w = [], MIN_KEY_WINDOW
@@ -94,7 +85,7 @@ class DecodeRunner:
         if compile_backend is not None:
             self._decode = torch.compile(model.decode_static, dynamic=True, backend=compile_backend)
         self.history_width = history_width
-        self.batch_buckets = sorted(batch_buckets or default_batch_buckets(max_batch_size))
+        self.batch_buckets = sorted(batch_buckets or graph_capture.batch_buckets(max_batch_size))
         self.key_buckets = sorted(key_buckets or default_key_buckets(cache.max_len))
         if self.batch_buckets[-1] < max_batch_size or self.key_buckets[-1] > cache.max_len:
             raise ValueError(f"buckets {self.batch_buckets} / {self.key_buckets} do not fit batch {max_batch_size} "

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cosyvoice_runtime.flow.flow import build_flow
-from cosyvoice_runtime.flow.graphs import GraphedSolver, batch_buckets
+from cosyvoice_runtime.flow.graphs import GraphedSolver
+from cosyvoice_runtime.graph_capture import batch_buckets
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from tests.runtime.test_flow_batch import FAMILIES, JOBS, _flow, _item
 

@@ -6,7 +6,8 @@ import copy
 import pytest
 import torch
 
-from cosyvoice_runtime.llm.cuda_graph import DecodeRunner, default_batch_buckets, default_key_buckets
+from cosyvoice_runtime.graph_capture import batch_buckets
+from cosyvoice_runtime.llm.cuda_graph import DecodeRunner, default_key_buckets
 from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.sampling import SamplingParams, min_len_mask_ids
@@ -14,9 +15,9 @@ from tests.runtime.test_llm_engine import S, prompts, reference, run_engine, tin
 
 
 def test_buckets():
-    assert default_batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
-    assert default_batch_buckets(24) == [1, 2, 4, 8, 16, 24]
-    assert default_batch_buckets(1) == [1]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_buckets(24) == [1, 2, 4, 8, 16, 24]
+    assert batch_buckets(1) == [1]
     assert default_key_buckets(1000) == [128, 256, 512, 1000]
     assert default_key_buckets(100) == [100]
 
