@@ -233,7 +233,7 @@ class LocalHandle:
 def build_app(voices_dir: str):
     """The ingress's ASGI app over a real tiny-model TextFrontend (uploads only; no synthesizer)."""
     from deployments.frontend import FrontendConfig, TextFrontend
-    from deployments.runtime_adapter import ModelSource
+    from deployments.model_source import ModelSource
     from serve_app.ingress import IngressConfig, TTSIngress
 
     fcfg = FrontendConfig(voices_dir=voices_dir)

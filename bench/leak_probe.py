@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     from deployments.frontend import FrontendConfig, TextFrontend
+    from deployments.model_source import ModelSource
     from deployments.protocol import SynthesisRequest
-    from deployments.runtime_adapter import ModelSource
-    from deployments.synthesizer import Synthesizer, SynthesizerConfig
+    from deployments.synthesizer import Synthesizer
+    from deployments.synthesizer_config import SynthesizerConfig
 
     source = ModelSource(None, "cosyvoice2")
     fe = TextFrontend(FrontendConfig(voices_dir=tempfile.mkdtemp(prefix="leak-voices-")), source)

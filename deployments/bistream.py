@@ -2,7 +2,7 @@
 
 A bistream request's text arrives while it decodes (spec §3.8). :class:`BistreamLMRequest` is
 what the synthesizer queues in the engine loop instead of an
-:class:`~deployments.runtime_adapter.LMRequest` (the prompt only; the text follows through
+:class:`~deployments.runtime_protocol.LMRequest` (the prompt only; the text follows through
 ``EngineLoop.generate(..., text=...)``), and :class:`BistreamTokenEngine` adds the two calls
 that need (``add_bistream``, ``feed_text``) to the production token engine, on top of
 ``LLMEngine.add_bistream_request`` / ``feed_text``.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deployments.runtime_adapter import LMRequest, TokenEvent
+from deployments.runtime_protocol import LMRequest, TokenEvent
 
 
 @dataclass
@@ -36,7 +36,7 @@ def one_id_per_chunk(ids: Sequence[int]) -> list[list[int]]:
 
 
 class BistreamTokenEngine:
-    """The production :class:`~deployments.runtime_adapter.TokenEngine` plus bistream requests.
+    """The production :class:`~deployments.runtime_protocol.TokenEngine` plus bistream requests.
 
     Wraps a ``RuntimeTokenEngine`` (its ``engine`` is the ``LLMEngine``): plain requests and
     the stepping go through it unchanged; bistream requests get CosyVoice3's silent-token filter

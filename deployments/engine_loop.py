@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from deployments.bistream import BistreamLMRequest
 from deployments.compute import MAIN, ComputeExecutor
 from deployments.protocol import EngineDeadError, EngineStats, RequestFailedError
-from deployments.runtime_adapter import LMRequest, TokenEngine, TokenEvent
+from deployments.runtime_protocol import LMRequest, TokenEngine, TokenEvent
 
 logger = logging.getLogger(__name__)
 

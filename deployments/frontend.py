@@ -34,7 +34,9 @@ from deployments.protocol import (
     VoicePrompt,
     portable_error,
 )
-from deployments.runtime_adapter import FrontendRuntime, ModelSource, call_with_timeout
+from deployments.model_source import ModelSource
+from deployments.runtime_adapter import call_with_timeout
+from deployments.runtime_protocol import FrontendRuntime
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The production :class:`~deployments.runtime_adapter.FrontendRuntime`.
+"""The production :class:`~deployments.runtime_protocol.FrontendRuntime`.
 
 A thin adapter over ``cosyvoice_runtime.frontend``: :class:`Frontend` (wetext normaliser +
 splitter with the English piece length measured in Qwen2 tokens, tokenizer, ONNX prompt encoder)

@@ -1,172 +1,28 @@
-"""The seam between the deployments and :mod:`cosyvoice_runtime`.
+"""The production runtime of a synthesizer replica: adapters and loader.
 
-Deployments talk to three small protocols only (:class:`FrontendRuntime`,
-:class:`TokenEngine`, :class:`Token2WavRuntime`), and this module builds the production
-implementations from the runtime package. Swapping a runtime component is a change here, not
-in a deployment; unit tests inject fakes of the same protocols through the deployments'
-``runtime_factory`` constructor argument (house style §2.3 rule 9, §2.8 rule 30).
+:class:`RuntimeTokenEngine` and :class:`RuntimeToken2Wav` implement the protocols of
+:mod:`deployments.runtime_protocol` over :mod:`cosyvoice_runtime`; :func:`load_synthesis_runtime`
+loads the model in the replica's mode, fits the flow limits to the memory budget and captures the
+CUDA graphs. Swapping a runtime component is a change here, not in a deployment.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from deployments.model_source import replica_mode, resolve_device
 from deployments.protocol import InvalidInputError, VoicePrompt
+from deployments.runtime_protocol import FrontendRuntime, LMRequest, SynthesisRuntime, TokenEvent
 
 logger = logging.getLogger(__name__)
 
 
-# ------------------------------------------------------------------------------------ protocols
-@dataclass
-class TokenEvent:
-    """What one engine step produced for one request."""
-
-    request_id: str
-    new_tokens: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None  # this request failed (it is finished); the engine goes on
-
-
-@dataclass
-class LMRequest:
-    """Inputs of one LLM sequence (one sentence piece)."""
-
-    text_ids: np.ndarray
-    prompt_text_ids: np.ndarray
-    prompt_speech_ids: np.ndarray
-    seed: int | None = None
-
-
-class TokenEngine(Protocol):
-    """Continuous-batching speech-token generator (``cosyvoice_runtime.llm.engine.LLMEngine``)."""
-
-    max_running: int
-
-    def add(self, request_id: str, request: LMRequest) -> None: ...
-    def step(self) -> list[TokenEvent]: ...
-    def abort(self, request_id: str) -> None: ...
-    def has_unfinished(self) -> bool: ...
-    def num_running(self) -> int: ...
-    def num_waiting(self) -> int: ...
-
-
-class Token2WavRuntime(Protocol):
-    """Per-request stream state + batched flow/HiFT (``cosyvoice_runtime.token2wav``)."""
-
-    sample_rate: int
-    n_mels: int  # prompt mel width
-    embedding_dim: int  # speaker embedding width
-
-    def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> Any: ...
-    def next_job(self, state: Any, tokens: Sequence[int], llm_done: bool) -> Any | None: ...
-    # Tokens in all at which next_job has the next streamed job; None: the next is the final one.
-    def tokens_needed(self, state: Any) -> int | None: ...
-    def run_batch(self, jobs: list[Any]) -> list[np.ndarray]: ...
-
-
-class FrontendRuntime(Protocol):
-    """Text normalisation/splitting/tokenisation, prompt features and the voice store."""
-
-    family: str
-    sample_rate: int
-
-    def split(self, text: str) -> list[str]: ...
-    def tokenize(self, text: str) -> np.ndarray: ...
-    def prompt_from_audio(self, audio: np.ndarray, sample_rate: int, prompt_text: str) -> VoicePrompt: ...
-    def save_voice(self, voice_id: str, prompt: VoicePrompt, overwrite: bool = True) -> None: ...
-    def load_voice(self, voice_id: str) -> VoicePrompt: ...
-    def list_voices(self) -> list[str]: ...
-    def delete_voice(self, voice_id: str) -> None: ...
-
-
-@dataclass
-class SynthesisRuntime:
-    """What a synthesizer replica holds: the token engine and token2wav over one model."""
-
-    engine: TokenEngine
-    token2wav: Token2WavRuntime
-    device: str
-    details: dict = field(default_factory=dict)
-
-
-# ------------------------------------------------------------------------------ model directory
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a replica gets its model: resolved on the replica's own node (see resolve_model_dir).
-
-    ``tiny_family`` set asks for the generated tiny random-weight model when no directory is
-    configured; None (the default) makes a replica without a model refuse to start.
-    """
-
-    model_dir: str | None = None
-    tiny_family: str | None = None
-
-    def resolve(self) -> Path:
-        return resolve_model_dir(self.model_dir, self.tiny_family)
-
-
-class ModelNotConfiguredError(ValueError):
-    """No model directory, and the config did not ask for the tiny model."""
-
-
-def resolve_model_dir(model_dir: str | None, family: str | None) -> Path:
-    """The configured model directory, else ``$FAST_COSY_MODEL_DIR``, else the tiny model if asked for.
-
-    The tiny random-weight model (it does not speak) is written on first use, deterministically,
-    so every node that needs it can generate the same one locally. It is served only when the
-    config names its family (``tiny_family``): a production replica without a model must fail at
-    start, not answer HTTP 200 with noise.
-    """
-    from deployments import constants
-
-    chosen = model_dir or constants.model_dir_override()
-    if chosen:
-        return Path(chosen).expanduser()
-    if family is None:
-        raise ModelNotConfiguredError(
-            f"no model directory: set `model_dir` in the serve config's args (or ${constants.ENV_MODEL_DIR} on "
-            "the node); to serve the tiny random-weight model, which does not speak, set `tiny_family: cosyvoice2` "
-            "(or cosyvoice3) in the args explicitly")
-    target = constants.tiny_model_dir(family)
-    if not (target / f"{family}.yaml").exists():
-        from cosyvoice_runtime.tiny_model import write_tiny_model
-
-        logger.warning("no model directory configured: writing the tiny RANDOM-WEIGHT %s model to %s", family, target)
-        try:
-            write_tiny_model(target, family=family)
-        except OSError:
-            # Another replica on this node won the atomic rename; its directory is complete.
-            if not (target / f"{family}.yaml").exists():
-                raise
-    logger.warning("serving the tiny RANDOM-WEIGHT %s model (tiny_family): valid audio, not speech", family)
-    return target
-
-
-# ------------------------------------------------------------------------ production runtime
-_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
-
-
-def resolve_device(configured: str) -> str:
-    """``auto`` -> ``$FAST_COSY_DEVICE`` or ``cuda`` when available, else ``cpu``."""
-    from deployments import constants
-
-    override = constants.device_override()
-    if override:
-        return override
-    if configured != "auto":
-        return configured
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
+# ------------------------------------------------------------------------------------- adapters
 # Stream priority of the LLM lane (lower is higher; CUDA maps it into the device's range): a decode
 # step's blocks are scheduled ahead of a running flow batch's as SMs free up. Replica simulation
 # on an H200 (2026-12-04, bench/results/capacity-replica-nvidia-h200-2026-12-04.md): p99 first
@@ -352,6 +208,10 @@ class RuntimeToken2Wav:
             return [a.detach().float().cpu().numpy() for a in self.t2w.finish(rows)]
 
 
+# --------------------------------------------------------------------------------------- loader
+_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
 def replica_limits(cfg, model, dtype_bytes: int):
     """The flow batch / call sizes this replica accepts: the config, fitted to ``max_mem_gb``."""
     from cosyvoice_runtime.errors import ModelLoadError
@@ -425,19 +285,19 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
 def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     """Load the model on the replica's device in the replica's execution mode.
 
-    The mode is resolved here too (config, else ``$FAST_COSY_MODE``, else pytorch) so the
-    loader can be called on its own; :class:`~deployments.synthesizer.Synthesizer` passes a
-    config whose mode is already resolved.
+    The mode comes from :func:`~deployments.model_source.replica_mode`, the one rule (config,
+    else ``$FAST_COSY_MODE``, else pytorch): :class:`~deployments.synthesizer.Synthesizer` has
+    already applied it and passes the result in ``cfg.mode``, which the rule returns as given; a
+    caller of its own that leaves ``cfg.mode`` None gets it resolved here.
     """
     import torch
 
     from cosyvoice_runtime.model import load_model
-    from cosyvoice_runtime.modes import apply_mode, preflight, resolve_mode
+    from cosyvoice_runtime.modes import apply_mode, preflight
     from cosyvoice_runtime.tiny_model import is_random_weight_model
     from cosyvoice_runtime.trt.profiles import derive_profile
-    from deployments import constants
 
-    mode, source = resolve_mode(cfg.mode, constants.mode_override())
+    mode, source = replica_mode(cfg.mode)
     preflight(mode, cfg.trt_plan_dir)  # before the weights: a missing TensorRT fails in seconds
     device = resolve_device(cfg.device)
     dtype = getattr(torch, _DTYPES[cfg.dtype])

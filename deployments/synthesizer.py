@@ -35,23 +35,21 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from ray import serve
 
-from cosyvoice_runtime.config import ENDOFPROMPT_TOKEN_ID
-from cosyvoice_runtime.modes import preflight, resolve_mode
-from deployments import constants
+from cosyvoice_runtime.modes import preflight
 from deployments.bistream import BistreamLMRequest, BistreamTokenEngine
 from deployments.compute import MAIN as MAIN_LANE
 from deployments.compute import ComputeExecutor
-from deployments.deadlines import DEFAULT_SLACK_S, DeadlineGate, Playback
+from deployments.deadlines import DeadlineGate, Playback
 from deployments.engine_loop import EngineLoop, TextSource, is_fatal
-from deployments.gpu_stats import DeviceProbe, release_fragmented_cache
+from deployments.gpu_stats import DeviceProbe
+from deployments.housekeeping import IdleTrim, cap_malloc_arenas
+from deployments.model_source import ModelSource, replica_mode
 from deployments.observability import ReplicaMetrics
-from deployments.options import DeploymentKnobs, StrictModel
 from deployments.protocol import (
     AudioChunk,
     CosyVoiceError,
@@ -61,115 +59,19 @@ from deployments.protocol import (
     ReplicaHealth,
     RequestFailedError,
     SynthesisResult,
-    VoicePrompt,
     portable_error,
 )
-from deployments.runtime_adapter import LMRequest, ModelSource, SynthesisRuntime, call_with_timeout
+from deployments.runtime_adapter import call_with_timeout, load_synthesis_runtime
+from deployments.runtime_protocol import LMRequest, SynthesisRuntime
+from deployments.synthesizer_config import SynthesizerConfig
 from deployments.text_inbox import ActorInbox, BistreamTicket, InboxClient, LocalInbox
 from deployments.token2wav_loop import SteppedToken2Wav
+from deployments.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 TOKEN2WAV_LANE = "token2wav"  # the compute lane of flow + HiFT batches when stages overlap
 
-RuntimeFactory = Callable[["SynthesizerConfig", ModelSource], SynthesisRuntime]
-MALLOC_ARENA_MAX = "2"  # glibc arenas per synthesizer replica (see deployment_options)
-IDLE_TRIM_DELAY_S = 1.0  # after this long without a request, freed heap goes back to the OS
-
-
-def release_free_heap() -> bool:
-    """glibc ``malloc_trim(0)``: return freed heap pages to the OS (False where there is no glibc).
-
-    Measured: ~37 ms for ~400 MiB of freed, fragmented tensor memory; sub-millisecond when there is
-    little to return.
-    """
-    import ctypes
-
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
-
-
-class Token2WavBatchConfig(StrictModel):
-    """``@serve.batch`` knobs of the flow + HiFT stage (chunk jobs from many streams)."""
-
-    max_batch_size: PositiveInt = 8
-    batch_wait_timeout_s: float = Field(0.005, ge=0)
-    # First streamed chunk at the first 25-token attention-chunk boundary after the prompt that is at
-    # least first_chunk_min_tokens away, instead of one hop later: same mel for every emitted frame
-    # (chunk masks), first audio up to one hop of LLM work earlier.
-    early_first_chunk: bool = True
-    # Audio of the first chunk (40 ms per token) must outlast making the second one (a full hop of LLM
-    # steps plus a flow call), or the stream stutters right after it starts.
-    first_chunk_min_tokens: PositiveInt = 10
-    # Deadline-first admission (deployments.deadlines): while a stream's audio runs out within this
-    # many seconds, streams with more audio in hand wait for the next batch. None: first come, first served.
-    deadline_slack_s: PositiveFloat | None = DEFAULT_SLACK_S
-    # CosyVoice3's causal vocoder: "incremental" vocodes only each chunk's new frames plus a bounded
-    # left context (same samples within float noise, tests/runtime/test_hift_batch.py); "recompute"
-    # re-vocodes the whole accumulated mel every chunk, as the official implementation does.
-    cv3_vocoder: Literal["incremental", "recompute"] = "incremental"
-    # CosyVoice2's streamed flow calls: "recompute" solves the prompt and every earlier token again on
-    # each call, as the official implementation does; "incremental" keeps each stream's estimator state
-    # of the frames already emitted and solves only the new ones (same mel within float noise,
-    # tests/runtime/test_flow_incremental.py; one stream at a time, no CUDA graphs; not yet timed on a GPU).
-    cv2_flow: Literal["recompute", "incremental"] = "recompute"
-    # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
-    # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole
-    # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (5-6 ->
-    # 21 sessions at the SLO, H200 replica simulation 2026-12-04), batch on the CPU (not measured there).
-    scheduler: Literal["auto", "batch", "steps"] = "auto"
-
-    @model_validator(mode="after")
-    def _stepped_flow(self) -> Token2WavBatchConfig:
-        if self.scheduler == "steps" and self.cv2_flow == "incremental":
-            raise ValueError("token2wav.scheduler 'steps' needs cv2_flow 'recompute' (the incremental flow is not stepped)")
-        return self
-
-
-class SynthesizerConfig(DeploymentKnobs):
-    """Synthesizer replica: model, device, engine capacity, token2wav batching."""
-
-    model_dir: str | None = None  # None: AppArgs.model_dir, then $FAST_COSY_MODEL_DIR, then the tiny model
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    # Execution mode; None: $FAST_COSY_MODE of the node, else pytorch (a value set here wins over the env).
-    # torchscript: torch.compile of the flow estimator + vocoder; trt: prebuilt TensorRT plans of the estimator.
-    mode: Literal["pytorch", "torchscript", "trt"] | None = None
-    trt_plan_dir: str | None = None
-    # GPU memory budget of the replica (GiB): lowers the flow batch / longest flow call until the estimate fits.
-    max_mem_gb: PositiveFloat | None = None
-    max_running: PositiveInt = 16  # decode slots (sequences in the running batch)
-    max_model_len: PositiveInt = 2048  # KV-cache positions per slot (prompt + generated)
-    compute_threads: PositiveInt = 1
-    # CUDA replicas: LLM decode steps and (pytorch mode) whole flow solves, the CV2 token encoder and
-    # the CV2 vocoder replayed as CUDA graphs, captured at start-up (about 0.6 s per flow-solve graph
-    # on an H200); vocoder lengths first met in traffic are captured when they recur.
-    cuda_graphs: bool = True
-    # LLM steps and token2wav batches on two threads (each with its own CUDA stream) instead of one,
-    # so neither waits for the other; None: on for CUDA replicas, off on the CPU (two cores are
-    # already shared by torch's intra-op threads).
-    overlap_stages: bool | None = None
-    # Longest flow call (prompt + audio, seconds) served by a flow graph; longer calls run eagerly.
-    flow_graph_max_s: PositiveFloat = 20.0
-    token2wav: Token2WavBatchConfig = Field(default_factory=Token2WavBatchConfig)
-    startup_timeout_s: PositiveFloat = constants.REPLICA_START_TIMEOUT_S
-    warmup: bool = True  # one short utterance through LLM + flow + HiFT before serving
-    # Import path "module:callable" returning a SynthesisRuntime (tests inject fakes here).
-    runtime_factory: str | None = None
-
-    @model_validator(mode="after")
-    def _capacity(self) -> SynthesizerConfig:
-        if self.max_ongoing_requests > self.max_running:
-            # Every admitted request must get a decode slot at once; excess waits in Serve's queue,
-            # where max_queued_requests bounds it and answers 429.
-            raise ValueError(f"max_ongoing_requests ({self.max_ongoing_requests}) must not exceed "
-                             f"max_running ({self.max_running})")
-        if self.token2wav.max_batch_size > self.max_running:
-            raise ValueError("token2wav.max_batch_size cannot exceed max_running (one open job per stream)")
-        if self.mode == "trt" and not self.trt_plan_dir:
-            raise ValueError("mode 'trt' needs trt_plan_dir (plans are built offline, never in a replica)")
-        return self
+RuntimeFactory = Callable[[SynthesizerConfig, ModelSource], SynthesisRuntime]
 
 
 def _import_factory(path: str) -> RuntimeFactory:
@@ -180,8 +82,6 @@ def _import_factory(path: str) -> RuntimeFactory:
 
 
 def default_runtime_factory(cfg: SynthesizerConfig, source: ModelSource) -> SynthesisRuntime:
-    from deployments.runtime_adapter import load_synthesis_runtime
-
     runtime = load_synthesis_runtime(cfg, str(source.resolve()))
     runtime.engine = BistreamTokenEngine(runtime.engine)
     return runtime
@@ -212,7 +112,7 @@ class Synthesizer:
         started = time.perf_counter()
         source = source or ModelSource(cfg.model_dir)
         # Decided once per replica, on its own node; a mode that cannot run here fails now, not mid-request.
-        self.mode, self.mode_source = resolve_mode(cfg.mode, constants.mode_override())
+        self.mode, self.mode_source = replica_mode(cfg.mode)
         logger.info("synthesizer execution mode: %s (from %s)", self.mode, self.mode_source)
         preflight(self.mode, cfg.trt_plan_dir)
         resolved = cfg.model_copy(update={"mode": self.mode})
@@ -239,11 +139,8 @@ class Synthesizer:
                                                 self.runtime.details.get("max_flow_batch", cfg.token2wav.max_batch_size)),
                                             on_fatal=self.loop.kill)
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
-        self._active = 0  # synthesize() calls in progress; 0 for IDLE_TRIM_DELAY_S -> release_free_heap
-        self._trim_timer: asyncio.TimerHandle | None = None
-        self._trim_task: asyncio.Task | None = None
-        self.heap_trims = 0
-        self.cuda_cache_releases = 0  # empty_cache calls, each after a measured fragmentation
+        self._active = 0  # synthesize() calls in progress; 0 for a while -> freed memory given back
+        self.idle_trim = IdleTrim(self.runtime.device, self.compute.run, idle=lambda: self._active == 0)
         details = self.runtime.details
         # max_mem_gb may lower the flow batch and the prompt length this replica accepts.
         self.max_prompt_tokens: int | None = details.get("max_prompt_tokens")
@@ -251,7 +148,7 @@ class Synthesizer:
                                                details.get("max_flow_batch", cfg.token2wav.max_batch_size)))
         self._token2wav.set_batch_wait_timeout_s(cfg.token2wav.batch_wait_timeout_s)
         if cfg.warmup:
-            call_with_timeout(self._warmup, cfg.startup_timeout_s, "synthesizer warmup")
+            call_with_timeout(lambda: warm_up(self.runtime), cfg.startup_timeout_s, "synthesizer warmup")
         logger.info("synthesizer ready on %s in %.1f s (model %s)", self.runtime.device,
                     time.perf_counter() - started, source)
 
@@ -284,9 +181,7 @@ class Synthesizer:
         samples = 0
         status = "ok"
         self._active += 1
-        if self._trim_timer is not None:
-            self._trim_timer.cancel()
-            self._trim_timer = None
+        self.idle_trim.cancel()
         try:
             n_prompt = len(req.prompt.speech_tokens)
             if self.max_prompt_tokens is not None and n_prompt > self.max_prompt_tokens:
@@ -326,7 +221,7 @@ class Synthesizer:
                 self.metrics.observe_rtf(elapsed / (samples / self.sample_rate))
             self._active -= 1
             if self._active == 0:
-                self._trim_when_idle()
+                self.idle_trim.arm()
 
     async def synthesize_unary(self, req: PreparedRequest) -> SynthesisResult:
         """The whole utterance at once (handle ``.remote()`` without streaming)."""
@@ -359,7 +254,7 @@ class Synthesizer:
             "token2wav_scheduler": "steps" if self.stepped is not None else "batch",
             "flow_passes_total": self.stepped.passes if self.stepped is not None else 0,
             "flow_rows_in_passes_total": self.stepped.rows_in_passes if self.stepped is not None else 0,
-            "cuda_cache_releases": self.cuda_cache_releases,
+            "cuda_cache_releases": self.idle_trim.cuda_cache_releases,
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
             "sm_activity_pct": self.probe.sm_activity_pct(),
             "streams_in_flight": self._active,
@@ -392,58 +287,6 @@ class Synthesizer:
                 "engine_running": float(engine.running)}
 
     # ---------------------------------------------------------------- internals
-    def _trim_when_idle(self) -> None:
-        """Once no request has run for IDLE_TRIM_DELAY_S, give freed heap back (on the compute thread).
-
-        NOTE: even with two glibc arenas the heap keeps the freed chunks of the last peak of
-        transient tensors; returning them when idle keeps an idle replica's RSS near its working set
-        (the soak's after-run check measures it so). Under load nothing is trimmed.
-        """
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # a generator finalised outside the loop
-            return
-        self._trim_timer = loop.call_later(IDLE_TRIM_DELAY_S, self._trim_if_idle)
-
-    def _trim_if_idle(self) -> None:
-        """The idle timer's callback (on the event loop): trim unless a request came meanwhile."""
-        self._trim_timer = None
-        if self._active == 0 and (self._trim_task is None or self._trim_task.done()):
-            self.heap_trims += 1
-            self._trim_task = asyncio.get_running_loop().create_task(self.compute.run(self._release_idle_memory))
-
-    def _release_idle_memory(self) -> None:
-        """Idle only: freed host heap back to the OS; the CUDA cache emptied if measured fragmented."""
-        release_free_heap()
-        cuda = release_fragmented_cache(self.runtime.device)
-        if cuda is not None and cuda["released"]:
-            self.cuda_cache_releases += 1
-
-    def _warmup(self) -> None:
-        """Drive one tiny request through the engine and token2wav synchronously (before serving)."""
-        n_prompt = 2 * constants.WARMUP_TEXT_TOKENS
-        prompt = VoicePrompt(family="warmup", prompt_text_ids=np.zeros(0, np.int32),
-                             speech_tokens=np.zeros(n_prompt, np.int32),
-                             mel=np.zeros((2 * n_prompt, self.t2w.n_mels), np.float32),
-                             embedding=np.zeros(self.t2w.embedding_dim, np.float32))
-        engine = self.runtime.engine
-        # <|endofprompt|> first: CosyVoice3 refuses text without it; for CosyVoice2 it is a plain id.
-        text_ids = np.array([ENDOFPROMPT_TOKEN_ID, *range(1, constants.WARMUP_TEXT_TOKENS)], dtype=np.int32)
-        lm = LMRequest(text_ids=text_ids,
-                       prompt_text_ids=np.zeros(0, np.int32), prompt_speech_ids=prompt.speech_tokens, seed=0)
-        started = time.perf_counter()
-        engine.add("__warmup__", lm)
-        tokens, done = [], False
-        while not done and engine.has_unfinished():
-            for event in engine.step():
-                tokens.extend(event.new_tokens)
-                done = done or event.finished
-        state = self.t2w.new_stream(prompt, stream=False, speed=1.0, seed=0)
-        if tokens:
-            while (job := self.t2w.next_job(state, tokens, llm_done=True)) is not None:
-                self.t2w.run_batch([job])
-        logger.info("warmup: %d tokens in %.2f s", len(tokens), time.perf_counter() - started)
-
     async def _synthesize_piece(self, req: PreparedRequest, p: int, piece, playback: Playback,
                                 text: TextSource | None = None) -> AsyncIterator[tuple[np.ndarray, bool]]:
         prompt = req.prompt
@@ -535,16 +378,7 @@ class Synthesizer:
 
     @classmethod
     def deployment_options(cls, cfg: SynthesizerConfig) -> dict[str, Any]:
-        opts = cfg.serve_options("Synthesizer")
-        # NOTE: glibc malloc gives threads that allocate concurrently (event loop, compute thread,
-        # Ray's threads) arenas of their own, up to 8 per core, and keeps freed chunks in each, so
-        # the replica's RSS ratchets up with every new peak of transient tensors. Measured with the
-        # tiny model on 2 cores (bench/leak_probe.py, 200 requests, Python objects and tensors flat):
-        # RSS 522 -> 761 MiB by default, flat at 612-628 MiB after the first 20 requests with 2 arenas,
-        # same throughput. Serve merges these env_vars with the application's runtime_env.
-        env = opts["ray_actor_options"].setdefault("runtime_env", {}).setdefault("env_vars", {})
-        env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENA_MAX)
-        return opts
+        return cap_malloc_arenas(cfg.serve_options("Synthesizer"))  # RSS that does not ratchet up
 
 
 def _default_inbox() -> InboxClient:

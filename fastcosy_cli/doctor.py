@@ -173,7 +173,7 @@ def needed_trt_profile(model_dir: Path | None, synth, max_mem_gb: float | None =
         from cosyvoice_runtime.trt.profiles import derive_profile
         from cosyvoice_runtime.yaml_config import read_model_spec
         from deployments.runtime_adapter import replica_limits
-        from deployments.synthesizer import SynthesizerConfig
+        from deployments.synthesizer_config import SynthesizerConfig
     except ImportError as exc:
         logger.debug("no TensorRT profile requirement: %s", exc)
         return None

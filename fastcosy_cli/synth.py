@@ -254,7 +254,7 @@ def synth_remote(args: argparse.Namespace, segments: list[str], sink: WavSink, p
 def _local_session(args: argparse.Namespace):
     """(TextFrontend, Pipeline) over the model the arguments name."""
     from deployments.frontend import FrontendConfig, TextFrontend
-    from deployments.runtime_adapter import ModelSource
+    from deployments.model_source import ModelSource
 
     model_dir, family, voices_dir = args.model_dir, "cosyvoice2", None
     if args.config:

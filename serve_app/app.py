@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.frontend import TextFrontend
-from deployments.runtime_adapter import ModelSource
+from deployments.model_source import ModelSource
 from deployments.synthesizer import Synthesizer
 from serve_app.args import AppArgs
 from serve_app.ingress import TTSIngress

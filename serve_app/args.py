@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 
 from deployments.frontend import FrontendConfig
 from deployments.options import StrictModel
-from deployments.synthesizer import SynthesizerConfig
+from deployments.synthesizer_config import SynthesizerConfig
 from serve_app.ingress import IngressConfig
 
 

@@ -1,4 +1,4 @@
-"""Fakes of the runtime protocols in ``deployments.runtime_adapter`` (dependency injection only).
+"""Fakes of the runtime protocols in ``deployments.runtime_protocol`` (dependency injection only).
 
 They keep the real contracts that the serving layer relies on: an engine with a fixed number of
 decode slots that admits waiting sequences between steps and frees a slot on abort, and a
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from deployments.protocol import VoiceExistsError, VoiceNotFoundError, VoicePrompt
-from deployments.runtime_adapter import LMRequest, SynthesisRuntime, TokenEvent
+from deployments.runtime_protocol import LMRequest, SynthesisRuntime, TokenEvent
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_TOKEN = 960  # 25 tokens/s at 24 kHz

@@ -22,7 +22,8 @@ from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from deployments.bistream import BistreamLMRequest, BistreamTokenEngine
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
-from deployments.runtime_adapter import LMRequest, RuntimeTokenEngine
+from deployments.runtime_adapter import RuntimeTokenEngine
+from deployments.runtime_protocol import LMRequest
 
 TEXT = [300 + 11 * i for i in range(14)]
 SEED = 77

@@ -15,7 +15,7 @@ from deployments import engine_loop
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
 from deployments.protocol import EngineDeadError, RequestFailedError
-from deployments.runtime_adapter import LMRequest, TokenEvent
+from deployments.runtime_protocol import LMRequest, TokenEvent
 from tests.deployments import fakes
 
 

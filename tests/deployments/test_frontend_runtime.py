@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from deployments.frontend import FrontendConfig, TextFrontend
+from deployments.model_source import ModelSource
 from deployments.protocol import (
     InvalidInputError,
     PayloadTooLargeError,
@@ -15,7 +16,6 @@ from deployments.protocol import (
     VoiceExistsError,
     VoiceNotFoundError,
 )
-from deployments.runtime_adapter import ModelSource
 
 SR = 16000
 

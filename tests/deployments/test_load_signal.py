@@ -6,7 +6,8 @@ import asyncio
 import numpy as np
 
 from deployments.protocol import PreparedRequest, TextPiece, VoicePrompt
-from deployments.synthesizer import Synthesizer, SynthesizerConfig
+from deployments.synthesizer import Synthesizer
+from deployments.synthesizer_config import SynthesizerConfig
 from tests.deployments import fakes
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from deployments import constants
-from deployments.runtime_adapter import ModelNotConfiguredError, ModelSource
-from deployments.synthesizer import Synthesizer, SynthesizerConfig
+from deployments.model_source import ModelNotConfiguredError, ModelSource
+from deployments.synthesizer import Synthesizer
+from deployments.synthesizer_config import SynthesizerConfig
 
 
 @pytest.fixture

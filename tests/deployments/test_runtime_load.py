@@ -8,7 +8,7 @@ import torch
 
 from deployments.protocol import VoicePrompt
 from deployments.runtime_adapter import load_synthesis_runtime
-from deployments.synthesizer import SynthesizerConfig
+from deployments.synthesizer_config import SynthesizerConfig
 
 
 @pytest.fixture(scope="module")

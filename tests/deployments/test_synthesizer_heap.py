@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from deployments import synthesizer as synth_mod
-from deployments.synthesizer import Synthesizer, SynthesizerConfig
+from deployments import housekeeping
+from deployments.synthesizer import Synthesizer
+from deployments.synthesizer_config import SynthesizerConfig
 from tests.deployments.test_synthesizer_unit import _req, _synth
 
 
@@ -21,7 +22,7 @@ def test_heap_is_trimmed_once_after_idle_not_between_busy_requests(monkeypatch):
     """The idle timer is armed when the last request ends and called off by the next one; its
     expiry is played by calling its callback (no test waits for a timer)."""
     calls = []
-    monkeypatch.setattr(synth_mod, "release_free_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(housekeeping, "release_free_heap", lambda: calls.append(1) or True)
     s = _synth()
 
     async def one(rid):
@@ -30,19 +31,19 @@ def test_heap_is_trimmed_once_after_idle_not_between_busy_requests(monkeypatch):
     async def main():
         loop = asyncio.get_running_loop()
         await asyncio.gather(one("a"), one("b"))
-        armed = s._trim_timer
-        assert armed is not None and armed.when() - loop.time() <= synth_mod.IDLE_TRIM_DELAY_S
+        armed = s.idle_trim.timer
+        assert armed is not None and armed.when() - loop.time() <= housekeeping.IDLE_TRIM_DELAY_S
         await one("c")  # starts before the delay: the pending trim is called off, a new one armed
-        assert armed.cancelled() and s.heap_trims == 0
-        s._trim_timer.cancel()
-        s._trim_if_idle()  # the delay has passed with nothing running
-        assert s.heap_trims == 1 and s._trim_timer is None
-        await s._trim_task
-        s._trim_if_idle()  # fired again while idle: trims again (nothing is in progress)
-        await s._trim_task
+        assert armed.cancelled() and s.idle_trim.heap_trims == 0
+        s.idle_trim.timer.cancel()
+        s.idle_trim.fire()  # the delay has passed with nothing running
+        assert s.idle_trim.heap_trims == 1 and s.idle_trim.timer is None
+        await s.idle_trim.task
+        s.idle_trim.fire()  # fired again while idle: trims again (nothing is in progress)
+        await s.idle_trim.task
 
     asyncio.run(main())
-    assert s.heap_trims == 2 and calls == [1, 1]
+    assert s.idle_trim.heap_trims == 2 and calls == [1, 1]
 
 
 def test_no_trim_while_a_request_is_in_progress():
@@ -51,15 +52,15 @@ def test_no_trim_while_a_request_is_in_progress():
     async def main():
         gen = s.synthesize(_req("busy", 50, stream=True))
         await gen.__anext__()
-        s._trim_if_idle()  # a stale timer firing under load
-        assert s.heap_trims == 0 and s._trim_task is None
+        s.idle_trim.fire()  # a stale timer firing under load
+        assert s.idle_trim.heap_trims == 0 and s.idle_trim.task is None
         await gen.aclose()
 
     asyncio.run(main())
 
 
 def test_release_free_heap_runs_here():
-    assert synth_mod.release_free_heap() in (True, False)  # glibc: whether anything was returned
+    assert housekeeping.release_free_heap() in (True, False)  # glibc: whether anything was returned
 
 
 def test_cuda_cache_is_emptied_only_when_measured_fragmented():

@@ -23,7 +23,8 @@ from deployments.protocol import (
     TextPiece,
     VoicePrompt,
 )
-from deployments.synthesizer import Synthesizer, SynthesizerConfig
+from deployments.synthesizer import Synthesizer
+from deployments.synthesizer_config import SynthesizerConfig
 from tests.deployments import fakes
 
 

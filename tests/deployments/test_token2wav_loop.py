@@ -11,9 +11,11 @@ import pytest
 from pydantic import ValidationError
 
 from deployments.compute import ComputeExecutor
+from deployments.model_source import ModelSource
 from deployments.protocol import EngineDeadError, PreparedRequest, RequestFailedError, TextPiece, VoicePrompt
-from deployments.runtime_adapter import ModelSource, token2wav_scheduler
-from deployments.synthesizer import Synthesizer, SynthesizerConfig
+from deployments.runtime_adapter import token2wav_scheduler
+from deployments.synthesizer import Synthesizer
+from deployments.synthesizer_config import SynthesizerConfig
 from deployments.token2wav_loop import SteppedToken2Wav
 
 

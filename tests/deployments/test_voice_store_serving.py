@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from deployments.frontend import FrontendConfig, TextFrontend
+from deployments.model_source import ModelSource
 from deployments.protocol import PayloadTooLargeError, VoiceExistsError
-from deployments.runtime_adapter import ModelSource
 
 SR = 16000
 

@@ -523,7 +523,7 @@ def test_faked_rtx5090_node_blocks_serving_with_every_fix(fake_node, tiny_model,
 
 
 def test_probe_needed_profile_follows_the_synthesizer_config(tiny_model):
-    from deployments.synthesizer import SynthesizerConfig
+    from deployments.synthesizer_config import SynthesizerConfig
 
     cfg = SynthesizerConfig(token2wav={"max_batch_size": 3})
     need = doctor.needed_trt_profile(tiny_model, cfg)

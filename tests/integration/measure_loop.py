@@ -25,8 +25,9 @@ import time
 import numpy as np
 
 from deployments.protocol import PreparedRequest, TextPiece, VoicePrompt
-from deployments.runtime_adapter import SynthesisRuntime
-from deployments.synthesizer import Synthesizer, SynthesizerConfig
+from deployments.runtime_protocol import SynthesisRuntime
+from deployments.synthesizer import Synthesizer
+from deployments.synthesizer_config import SynthesizerConfig
 from tests.deployments import fakes
 
 

@@ -100,7 +100,8 @@ def test_preflight_refuses_trt_without_tensorrt(tmp_path):
 
 # ------------------------------------------------------------------------------- synthesizer
 def _synth(monkeypatch, env: str | None, **cfg):
-    from deployments.synthesizer import Synthesizer, SynthesizerConfig
+    from deployments.synthesizer import Synthesizer
+    from deployments.synthesizer_config import SynthesizerConfig
     from tests.deployments import fakes
 
     if env is None:
@@ -150,7 +151,8 @@ def test_memory_limits_from_the_runtime_bound_the_prompt_at_admission(monkeypatc
     import numpy as np
 
     from deployments.protocol import InvalidInputError, PreparedRequest, TextPiece, VoicePrompt
-    from deployments.synthesizer import Synthesizer, SynthesizerConfig
+    from deployments.synthesizer import Synthesizer
+    from deployments.synthesizer_config import SynthesizerConfig
     from tests.deployments import fakes
 
     def factory(c, source):

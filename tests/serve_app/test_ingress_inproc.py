@@ -13,7 +13,8 @@ import numpy as np
 import soundfile as sf
 
 from deployments.frontend import FrontendConfig, TextFrontend
-from deployments.synthesizer import Synthesizer, SynthesizerConfig
+from deployments.synthesizer import Synthesizer
+from deployments.synthesizer_config import SynthesizerConfig
 from serve_app.ingress import IngressConfig, TTSIngress
 from serve_app.running_replicas import RunningReplicas
 from tests.deployments import fakes

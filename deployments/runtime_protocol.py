@@ -1,0 +1,90 @@
+"""The protocols between the deployments and :mod:`cosyvoice_runtime`.
+
+Deployments talk to three small protocols only (:class:`FrontendRuntime`,
+:class:`TokenEngine`, :class:`Token2WavRuntime`); :mod:`deployments.runtime_adapter` builds the
+production implementations from the runtime package, and unit tests inject fakes of the same
+protocols through the deployments' ``runtime_factory`` constructor argument (house style §2.3
+rule 9, §2.8 rule 30).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from deployments.protocol import VoicePrompt
+
+
+@dataclass
+class TokenEvent:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_tokens: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None  # this request failed (it is finished); the engine goes on
+
+
+@dataclass
+class LMRequest:
+    """Inputs of one LLM sequence (one sentence piece)."""
+
+    text_ids: np.ndarray
+    prompt_text_ids: np.ndarray
+    prompt_speech_ids: np.ndarray
+    seed: int | None = None
+
+
+class TokenEngine(Protocol):
+    """Continuous-batching speech-token generator (``cosyvoice_runtime.llm.engine.LLMEngine``)."""
+
+    max_running: int
+
+    def add(self, request_id: str, request: LMRequest) -> None: ...
+    def step(self) -> list[TokenEvent]: ...
+    def abort(self, request_id: str) -> None: ...
+    def has_unfinished(self) -> bool: ...
+    def num_running(self) -> int: ...
+    def num_waiting(self) -> int: ...
+
+
+class Token2WavRuntime(Protocol):
+    """Per-request stream state + batched flow/HiFT (``cosyvoice_runtime.token2wav``)."""
+
+    sample_rate: int
+    n_mels: int  # prompt mel width
+    embedding_dim: int  # speaker embedding width
+
+    def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> Any: ...
+    def next_job(self, state: Any, tokens: Sequence[int], llm_done: bool) -> Any | None: ...
+    # Tokens in all at which next_job has the next streamed job; None: the next is the final one.
+    def tokens_needed(self, state: Any) -> int | None: ...
+    def run_batch(self, jobs: list[Any]) -> list[np.ndarray]: ...
+
+
+class FrontendRuntime(Protocol):
+    """Text normalisation/splitting/tokenisation, prompt features and the voice store."""
+
+    family: str
+    sample_rate: int
+
+    def split(self, text: str) -> list[str]: ...
+    def tokenize(self, text: str) -> np.ndarray: ...
+    def prompt_from_audio(self, audio: np.ndarray, sample_rate: int, prompt_text: str) -> VoicePrompt: ...
+    def save_voice(self, voice_id: str, prompt: VoicePrompt, overwrite: bool = True) -> None: ...
+    def load_voice(self, voice_id: str) -> VoicePrompt: ...
+    def list_voices(self) -> list[str]: ...
+    def delete_voice(self, voice_id: str) -> None: ...
+
+
+@dataclass
+class SynthesisRuntime:
+    """What a synthesizer replica holds: the token engine and token2wav over one model."""
+
+    engine: TokenEngine
+    token2wav: Token2WavRuntime
+    device: str
+    details: dict = field(default_factory=dict)

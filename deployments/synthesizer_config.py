@@ -1,0 +1,92 @@
+"""Config of the synthesizer replica (:class:`SynthesizerConfig`) and of its token2wav stage."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
+from deployments import constants
+from deployments.deadlines import DEFAULT_SLACK_S
+from deployments.options import DeploymentKnobs, StrictModel
+
+
+class Token2WavBatchConfig(StrictModel):
+    """``@serve.batch`` knobs of the flow + HiFT stage (chunk jobs from many streams)."""
+
+    max_batch_size: PositiveInt = 8
+    batch_wait_timeout_s: float = Field(0.005, ge=0)
+    # First streamed chunk at the first 25-token attention-chunk boundary after the prompt that is at
+    # least first_chunk_min_tokens away, instead of one hop later: same mel for every emitted frame
+    # (chunk masks), first audio up to one hop of LLM work earlier.
+    early_first_chunk: bool = True
+    # Audio of the first chunk (40 ms per token) must outlast making the second one (a full hop of LLM
+    # steps plus a flow call), or the stream stutters right after it starts.
+    first_chunk_min_tokens: PositiveInt = 10
+    # Deadline-first admission (deployments.deadlines): while a stream's audio runs out within this
+    # many seconds, streams with more audio in hand wait for the next batch. None: first come, first served.
+    deadline_slack_s: PositiveFloat | None = DEFAULT_SLACK_S
+    # CosyVoice3's causal vocoder: "incremental" vocodes only each chunk's new frames plus a bounded
+    # left context (same samples within float noise, tests/runtime/test_hift_batch.py); "recompute"
+    # re-vocodes the whole accumulated mel every chunk, as the official implementation does.
+    cv3_vocoder: Literal["incremental", "recompute"] = "incremental"
+    # CosyVoice2's streamed flow calls: "recompute" solves the prompt and every earlier token again on
+    # each call, as the official implementation does; "incremental" keeps each stream's estimator state
+    # of the frames already emitted and solves only the new ones (same mel within float noise,
+    # tests/runtime/test_flow_incremental.py; one stream at a time, no CUDA graphs; not yet timed on a GPU).
+    cv2_flow: Literal["recompute", "incremental"] = "recompute"
+    # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
+    # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole
+    # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (5-6 ->
+    # 21 sessions at the SLO, H200 replica simulation 2026-12-04), batch on the CPU (not measured there).
+    scheduler: Literal["auto", "batch", "steps"] = "auto"
+
+    @model_validator(mode="after")
+    def _stepped_flow(self) -> Token2WavBatchConfig:
+        if self.scheduler == "steps" and self.cv2_flow == "incremental":
+            raise ValueError("token2wav.scheduler 'steps' needs cv2_flow 'recompute' (the incremental flow is not stepped)")
+        return self
+
+
+class SynthesizerConfig(DeploymentKnobs):
+    """Synthesizer replica: model, device, engine capacity, token2wav batching."""
+
+    model_dir: str | None = None  # None: AppArgs.model_dir, then $FAST_COSY_MODEL_DIR, then the tiny model
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # Execution mode; None: $FAST_COSY_MODE of the node, else pytorch (a value set here wins over the env).
+    # torchscript: torch.compile of the flow estimator + vocoder; trt: prebuilt TensorRT plans of the estimator.
+    mode: Literal["pytorch", "torchscript", "trt"] | None = None
+    trt_plan_dir: str | None = None
+    # GPU memory budget of the replica (GiB): lowers the flow batch / longest flow call until the estimate fits.
+    max_mem_gb: PositiveFloat | None = None
+    max_running: PositiveInt = 16  # decode slots (sequences in the running batch)
+    max_model_len: PositiveInt = 2048  # KV-cache positions per slot (prompt + generated)
+    compute_threads: PositiveInt = 1
+    # CUDA replicas: LLM decode steps and (pytorch mode) whole flow solves, the CV2 token encoder and
+    # the CV2 vocoder replayed as CUDA graphs, captured at start-up (about 0.6 s per flow-solve graph
+    # on an H200); vocoder lengths first met in traffic are captured when they recur.
+    cuda_graphs: bool = True
+    # LLM steps and token2wav batches on two threads (each with its own CUDA stream) instead of one,
+    # so neither waits for the other; None: on for CUDA replicas, off on the CPU (two cores are
+    # already shared by torch's intra-op threads).
+    overlap_stages: bool | None = None
+    # Longest flow call (prompt + audio, seconds) served by a flow graph; longer calls run eagerly.
+    flow_graph_max_s: PositiveFloat = 20.0
+    token2wav: Token2WavBatchConfig = Field(default_factory=Token2WavBatchConfig)
+    startup_timeout_s: PositiveFloat = constants.REPLICA_START_TIMEOUT_S
+    warmup: bool = True  # one short utterance through LLM + flow + HiFT before serving
+    # Import path "module:callable" returning a SynthesisRuntime (tests inject fakes here).
+    runtime_factory: str | None = None
+
+    @model_validator(mode="after")
+    def _capacity(self) -> SynthesizerConfig:
+        if self.max_ongoing_requests > self.max_running:
+            # Every admitted request must get a decode slot at once; excess waits in Serve's queue,
+            # where max_queued_requests bounds it and answers 429.
+            raise ValueError(f"max_ongoing_requests ({self.max_ongoing_requests}) must not exceed "
+                             f"max_running ({self.max_running})")
+        if self.token2wav.max_batch_size > self.max_running:
+            raise ValueError("token2wav.max_batch_size cannot exceed max_running (one open job per stream)")
+        if self.mode == "trt" and not self.trt_plan_dir:
+            raise ValueError("mode 'trt' needs trt_plan_dir (plans are built offline, never in a replica)")
+        return self
