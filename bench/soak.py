@@ -48,7 +48,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yam
 SOAK_TEXTS = ("A.", "Hi.", "Yes.", "Okay.", "Hi there.", "Hello world.")
 SOAK_PROMPT_S = (1.0, 1.5, 2.0)  # voice k gets prompt k % 3: mixed prompt lengths too
 # Idle time before each memory sample (after warm-up and after the run alike): replicas drop
-# per-request objects and the synthesizer returns freed heap after 1 s idle (deployments/synthesizer.py).
+# per-request objects and the synthesizer returns freed heap after 1 s idle (deployments/housekeeping.py).
 SETTLE_S = 2.0
 
 
