@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,9 @@ import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from cosyvoice_runtime.config import ENDOFPROMPT_TOKEN_ID
+from cosyvoice_runtime.frontend.voice_id import check_voice_id  # the one voice-id rule
 from deployments.compute import ComputeExecutor
+from deployments.model_source import ModelSource
 from deployments.options import DeploymentKnobs
 from deployments.protocol import (
     CosyVoiceError,
@@ -34,15 +35,11 @@ from deployments.protocol import (
     VoicePrompt,
     portable_error,
 )
-from deployments.model_source import ModelSource
 from deployments.runtime_adapter import call_with_timeout
 from deployments.runtime_protocol import FrontendRuntime
 
 logger = logging.getLogger(__name__)
 
-# Path-safe ids: they name directories in the voice store.
-VOICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-_VOICE_ID_RE = re.compile(VOICE_ID_PATTERN)
 ENDOFPROMPT = "<|endofprompt|>"
 
 FrontendFactory = Callable[["FrontendConfig", ModelSource], FrontendRuntime]
@@ -65,11 +62,6 @@ class FrontendConfig(DeploymentKnobs):
     cv3_system_prompt: str = "You are a helpful assistant."
     runtime_factory: str | None = None  # "module:callable" (tests inject fakes)
     startup_timeout_s: PositiveFloat = Field(300.0)
-
-
-def check_voice_id(voice_id: str) -> None:
-    if not isinstance(voice_id, str) or not _VOICE_ID_RE.match(voice_id):
-        raise InvalidInputError(f"voice id must match {VOICE_ID_PATTERN}")
 
 
 def _default_factory(cfg: FrontendConfig, source: ModelSource) -> FrontendRuntime:

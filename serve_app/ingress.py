@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from deployments.frontend import VOICE_ID_PATTERN
+from cosyvoice_runtime.frontend.voice_id import VOICE_ID_RULE, is_voice_id
 from deployments.options import DeploymentKnobs
 from deployments.protocol import (
     AudioChunk,
@@ -79,7 +78,6 @@ logger = logging.getLogger(__name__)
 SERVE_HEADROOM = 2
 HEALTH_MEMORY_S = 60.0  # how long /health keeps a replica's last answer when probes cannot reach it
 HEALTH_PROBE_ROUNDS = 4  # idle misses compound to (1/8)^4 for 2 replicas
-_VOICE_ID_RE = re.compile(VOICE_ID_PATTERN)
 MAX_LOGGED_FIELDS = 20  # unknown request fields named in the log, at most
 EMPTY_STREAM_RATE = 24000  # rate named in the header of a stream that has no audio at all
 JSON_INLINE_BYTES = 64 * 1024  # JSON bodies above this are parsed in a worker thread (10 MiB: ~1 s)
@@ -103,9 +101,9 @@ class IngressConfig(DeploymentKnobs):
     @field_validator("voice_aliases")
     @classmethod
     def _aliases_name_voice_ids(cls, v: dict[str, str]) -> dict[str, str]:
-        bad = [f"{k}: {t}" for k, t in v.items() if not (_VOICE_ID_RE.match(k) and _VOICE_ID_RE.match(t))]
+        bad = [f"{k}: {t}" for k, t in v.items() if not (is_voice_id(k) and is_voice_id(t))]
         if bad:
-            raise ValueError(f"voice_aliases entries must be voice ids ({VOICE_ID_PATTERN}): {', '.join(bad)}")
+            raise ValueError(f"voice_aliases entries must be voice ids ({VOICE_ID_RULE}): {', '.join(bad)}")
         return v
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from deployments.frontend import VOICE_ID_PATTERN
+from cosyvoice_runtime.frontend.voice_id import VOICE_ID_PATTERN
 from deployments.protocol import SynthesisMode
 
 # OpenAI's formats, all produced (serve_app.audio_codec).

@@ -48,7 +48,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from cosyvoice_runtime.frontend.split import CLOSING_QUOTES, EN_SENTENCE_END, ZH_SENTENCE_END, cut_to_length
-from deployments.frontend import VOICE_ID_PATTERN
+from cosyvoice_runtime.frontend.voice_id import VOICE_ID_RULE, is_voice_id
 from deployments.protocol import AudioChunk, CosyVoiceError, InvalidInputError, OverloadedError, SynthesisRequest
 from serve_app.audio_codec import run_encoder
 from serve_app.errors import classify, error_body, message_of, request_id_of
@@ -73,7 +73,6 @@ MAX_SEGMENT_CHARS = 250  # a run without a sentence end is cut (at a soft break)
 MAX_SESSION_CHARS = 100_000
 DEFAULT_INACTIVITY_S, MAX_INACTIVITY_S = 20.0, 180.0
 SENTENCE_END = EN_SENTENCE_END | ZH_SENTENCE_END | frozenset("。？！")
-_VOICE_ID_RE = re.compile(VOICE_ID_PATTERN)
 _FORMAT_RE = re.compile(r"^(pcm)_(\d+)$|^(mp3)_(\d+)_(\d+)$")
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_INTERNAL, CLOSE_TRY_AGAIN = 1000, 1008, 1011, 1013
 
@@ -178,8 +177,8 @@ class StreamInputSession:
             mode = ws.query_params.get("mode", MODES[0])
             if mode not in MODES:
                 raise InvalidInputError(f"mode must be one of {', '.join(MODES)}")
-            if not _VOICE_ID_RE.match(self.voice_id):
-                raise InvalidInputError(f"voice_id must match {VOICE_ID_PATTERN}")
+            if not is_voice_id(self.voice_id):
+                raise InvalidInputError(f"invalid voice_id {self.voice_id!r}: use {VOICE_ID_RULE}")
             first = await self._receive(timeout)
             self.speed = _speed_of(first)
             bistream = mode == "bistream"

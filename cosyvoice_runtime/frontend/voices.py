@@ -36,7 +36,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -53,25 +52,16 @@ from cosyvoice_runtime.frontend.errors import (
     VoiceStoreFullError,
 )
 from cosyvoice_runtime.frontend.prompt import PromptFeatures
+from cosyvoice_runtime.frontend.voice_id import check_voice_id
 
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-_ID_RE = re.compile(r"^[^\W_][\w.\-]{0,127}$", re.UNICODE)  # letters/digits first; no separators
 _TENSORS = ("text_tokens", "speech_tokens", "mel", "embedding")
 _TMP_SUFFIX = ".tmp"
 _RECORD_FIELDS = {"family": str, "tensors": str, "sha256": str}
 MEL_BINS = 80
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
-
-
-def check_voice_id(voice_id: str) -> str:
-    """Return ``voice_id`` if it is a safe file-name stem, else raise :class:`InvalidVoiceIdError`."""
-    if not isinstance(voice_id, str) or not _ID_RE.match(voice_id) or ".." in voice_id:
-        raise InvalidVoiceIdError(
-            f"invalid voice id {voice_id!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a "
-            "letter or digit")
-    return voice_id
 
 
 def content_voice_id(family: str, prompt_text: str, audio: bytes) -> str:
