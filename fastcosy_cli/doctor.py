@@ -1,4 +1,4 @@
-"""``fastcosy doctor``: probe this machine into an :class:`~fastcosy_cli.doctor_checks.Environment` and
+"""``fastcosy doctor``: probe this machine into an :class:`~fastcosy_cli.doctor_results.Environment` and
 run the checks. Every probe tolerates a missing component (that absence is itself a fact)."""
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from fastcosy_cli.common import CliError, out
-from fastcosy_cli.doctor_checks import Environment, GpuInfo, exit_code, format_report, results_json, run_checks
+from fastcosy_cli.doctor_checks import run_checks
+from fastcosy_cli.doctor_results import Environment, GpuInfo, exit_code, format_report, results_json
 
 logger = logging.getLogger(__name__)
 
