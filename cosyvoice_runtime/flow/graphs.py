@@ -52,8 +52,10 @@ class _Bucket:
     out: torch.Tensor | None = None  # (B, 80, T) float32, written by the replay
 
 
-class GraphedSolver(graph_capture.GraphOwner):
-    """CUDA-graph replays of ``solver`` over padded (batch, frames) buckets.
+class SolverBuckets(graph_capture.GraphOwner):
+    """Graphs of a CFM solver's work per padded (batch, frames) bucket: the bucket rule and the
+    start-up capture loop shared by the whole solve (:class:`GraphedSolver`) and the single pass
+    (:class:`~cosyvoice_runtime.flow.stepper.FlowStepper`); subclasses build a bucket in ``_get``.
 
     Args:
         solver: the flow's CFM solver (its estimator must be capturable: no host syncs).
@@ -99,6 +101,14 @@ class GraphedSolver(graph_capture.GraphOwner):
                     with self._lock:
                         self._get(key)
         return len(self._buckets)
+
+    def _get(self, key: tuple[int, int]):
+        raise NotImplementedError
+
+
+class GraphedSolver(SolverBuckets):
+    """CUDA-graph replays of the whole solve over padded (batch, frames) buckets
+    (arguments: :class:`SolverBuckets`)."""
 
     def __call__(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                  streaming: bool | torch.Tensor = False, noise: torch.Tensor | None = None,

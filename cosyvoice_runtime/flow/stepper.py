@@ -20,16 +20,13 @@ static buffers each pass and their state copied back out.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update, step_schedule
-from cosyvoice_runtime.flow.graphs import DEFAULT_FRAME_STEP
-from cosyvoice_runtime.graph_capture import batch_buckets
+from cosyvoice_runtime.flow.graphs import DEFAULT_FRAME_STEP, SolverBuckets
 
 
 @dataclass(eq=False)
@@ -65,21 +62,16 @@ class _Bucket:
     out: torch.Tensor | None = None
 
 
-class FlowStepper(graph_capture.GraphOwner):
+class FlowStepper(SolverBuckets):
     """Passes of ``solver`` over :class:`SolveRow` batches, graphed per padded bucket.
 
-    Args mirror :class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`; ``use_graphs=False`` runs
+    Arguments: :class:`~cosyvoice_runtime.flow.graphs.SolverBuckets`; ``use_graphs=False`` runs
     the padded buckets eagerly (CPU); shapes above the largest bucket run eagerly unpadded.
     """
 
     def __init__(self, solver: CFMSolver, max_batch: int = 16, max_frames: int = 1024,
                  frame_step: int = DEFAULT_FRAME_STEP, use_graphs: bool = True) -> None:
-        super().__init__()
-        self.solver = solver
-        self.use_graphs = use_graphs
-        self.batch_buckets = batch_buckets(max_batch)
-        self.frame_step = frame_step
-        self.max_frames = math.ceil(max_frames / frame_step) * frame_step
+        super().__init__(solver, max_batch, max_frames, frame_step, use_graphs)
         self.passes = 0
         self._schedule: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -87,14 +79,10 @@ class FlowStepper(graph_capture.GraphOwner):
     def n_steps(self) -> int:
         return self.solver.spec.n_timesteps
 
-    def _param(self) -> torch.Tensor:
-        return next(self.solver.estimator.parameters())
-
     def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(t, dt) per step on the solver's device and dtype (computed once)."""
         if self._schedule is None:
-            p = self._param()
-            self._schedule = step_schedule(self.n_steps, self.solver.spec.t_scheduler, p.dtype, p.device)
+            self._schedule = step_schedule(self.n_steps, self.solver.spec.t_scheduler, self.dtype, self.device)
         return self._schedule
 
     def new_row(self, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor, streaming: bool,
@@ -102,22 +90,6 @@ class FlowStepper(graph_capture.GraphOwner):
         """A row at step 0: ``x`` is the fixed noise of frames ``[0, T)``."""
         x = self.solver.noise(mu.shape[-1], spks)[0].clone()
         return SolveRow(mu=mu, cond=cond, spks=spks, streaming=streaming, x=x, tag=tag)
-
-    def bucket_of(self, batch: int, frames: int) -> tuple[int, int] | None:
-        if batch > self.batch_buckets[-1] or frames > self.max_frames:
-            return None
-        b = next(x for x in self.batch_buckets if x >= batch)
-        return b, math.ceil(frames / self.frame_step) * self.frame_step
-
-    def capture(self, batch_sizes: Sequence[int] | None = None, frames: Sequence[int] | None = None) -> int:
-        """Capture these buckets now (default: all); returns how many graphs exist."""
-        for b in batch_sizes or self.batch_buckets:
-            for t in frames or range(self.frame_step, self.max_frames + 1, self.frame_step):
-                key = self.bucket_of(b, t)
-                if key is not None:
-                    with self._lock:
-                        self._get(key)
-        return len(self._buckets)
 
     @torch.inference_mode()
     def advance(self, rows: Sequence[SolveRow]) -> None:
@@ -183,10 +155,9 @@ class FlowStepper(graph_capture.GraphOwner):
         return euler_update(bucket.x, v, bucket.dt.view(b, 1, 1), bucket.mask, self.solver.spec.inference_cfg_rate)
 
     def _new_bucket(self, b: int, t_len: int) -> _Bucket:
-        p = self._param()
-        dev, dtype = p.device, p.dtype
+        dev, dtype = self.device, self.dtype
         n_mels = self.solver.spec.output_size
-        noise = self.solver.noise(t_len, p).expand(b, -1, -1).contiguous()
+        noise = self.solver.noise(t_len, torch.empty(0, device=dev, dtype=dtype)).expand(b, -1, -1).contiguous()
 
         def z(*shape):
             return torch.zeros(*shape, device=dev, dtype=dtype)

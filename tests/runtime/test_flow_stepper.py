@@ -14,6 +14,15 @@ from cosyvoice_runtime.stream_schedule import pick_rows
 from tests.runtime.test_flow_batch import BATCH_TOL, FAMILIES, JOBS, TEST_STEPS, _flow, _item
 
 
+@pytest.fixture(autouse=True)
+def _no_stepper_left():
+    """The flows are shared (cached) with other test modules: leave no eager stepper on them
+    (a lock-holding attribute that a deepcopy of the flow elsewhere cannot copy)."""
+    yield
+    for family in FAMILIES:
+        _flow(family).stepper = None
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_staggered_rows_equal_the_whole_solve(family):
     """Jobs join one by one; each pass takes a random subset (rows at different steps share it);
