@@ -27,7 +27,7 @@ coroutine switch per chunk, not one per stream. Measured with zero-cost fakes (6
 tokens, 12-token hops, 2-core VM, 2026-12-03, ``tests/integration/measure_loop.py``, median of
 9 runs): the serving layer's cost per decode step fell from 2.17 to 1.58 ms.
 
-Bistream requests (:class:`~deployments.bistream.BistreamLMRequest`) come with their text as
+Bistream requests (:class:`~deployments.runtime_protocol.BistreamLMRequest`) come with their text as
 an async iterator (``generate(..., text=...)``): a feeder task per request queues each arrival
 like an add, the step thread hands it to the engine (``feed_text``) before its next step. A
 bistream request waiting for text is parked in the engine and is no work, so an idle step
@@ -55,10 +55,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from deployments.bistream import BistreamLMRequest
 from deployments.compute import MAIN, ComputeExecutor
 from deployments.protocol import EngineDeadError, EngineStats, RequestFailedError
-from deployments.runtime_protocol import LMRequest, TokenEngine, TokenEvent
+from deployments.runtime_protocol import BistreamLMRequest, LMRequest, TokenEngine, TokenEvent
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from deployments.model_source import replica_mode, resolve_device
 from deployments.protocol import InvalidInputError, VoicePrompt
-from deployments.runtime_protocol import FrontendRuntime, LMRequest, SynthesisRuntime, TokenEvent
+from deployments.runtime_protocol import BistreamLMRequest, FrontendRuntime, LMRequest, SynthesisRuntime, TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +45,23 @@ def own_stream(device, priority: int = 0):
 
 
 class RuntimeTokenEngine:
-    """:class:`TokenEngine` over ``cosyvoice_runtime.llm.engine.LLMEngine``.
+    """:class:`TokenEngine` over ``cosyvoice_runtime.llm.engine.LLMEngine``, bistream requests included.
 
     Builds each request's prefill input (spec §3.3) and applies CosyVoice3's silent-token
     filter per request (dropped tokens were still fed back to the LLM; only the flow skips them).
+    Bistream text ids are fed one id per chunk, as the official frontend streams them: the engine
+    consumes one chunk each time the model asks for text (a ``fill``), so a many-id chunk would be
+    read 5 ids at a time with its surplus left until the end (:mod:`cosyvoice_runtime.llm.bistream_seq`).
     """
 
     def __init__(self, model, max_running: int, max_model_len: int, cuda_graphs: bool = True,
                  compile_backend: str | None = None) -> None:
+        from cosyvoice_runtime.llm.bistream_seq import FINISH_PROTOCOL
         from cosyvoice_runtime.llm.engine import NONFINITE_LOGITS, LLMEngine
 
-        self._nonfinite = NONFINITE_LOGITS
+        self._errors = {NONFINITE_LOGITS: "non-finite logits (NaN/Inf) in speech token generation",
+                        # official-quirk mode only: a control id the bistream protocol does not allow
+                        FINISH_PROTOCOL: "the model produced a control id the bistream protocol does not allow"}
 
         self.model = model
         self.spec = model.spec
@@ -101,6 +107,20 @@ class RuntimeTokenEngine:
         self.engine.add_request(request_id, lm.embeds, lm.min_len, min(lm.max_len, room), params)
         self._filters[request_id] = SilentTokenFilter(self.spec)
 
+    def add_bistream(self, request_id: str, request: BistreamLMRequest) -> None:
+        import torch
+
+        from cosyvoice_runtime.llm.sampling import SamplingParams
+        from cosyvoice_runtime.llm.silent_tokens import SilentTokenFilter
+
+        params = SamplingParams.from_spec(self.spec.llm, seed=request.seed)
+        with torch.cuda.stream(self._stream):
+            self.engine.add_bistream_request(request_id, request.prompt_text_ids, request.prompt_speech_ids, params)
+        self._filters[request_id] = SilentTokenFilter(self.spec)
+
+    def feed_text(self, request_id: str, ids: Sequence[int], end: bool) -> bool:
+        return self.engine.feed_text(request_id, [[int(i)] for i in ids], end)
+
     def step(self) -> list[TokenEvent]:
         import torch
 
@@ -110,9 +130,8 @@ class RuntimeTokenEngine:
         for ev in events:
             keep = self._filters.get(ev.request_id)
             tokens = [ev.token] if ev.token is not None and (keep is None or keep.keep(ev.token)) else []
-            error = "non-finite logits (NaN/Inf) in speech token generation" \
-                if ev.finish_reason == self._nonfinite else None
-            out.append(TokenEvent(ev.request_id, tokens, ev.finished, ev.finish_reason, error))
+            out.append(TokenEvent(ev.request_id, tokens, ev.finished, ev.finish_reason,
+                                  self._errors.get(ev.finish_reason)))
             if ev.finished:
                 self._filters.pop(ev.request_id, None)
         return out

@@ -38,6 +38,16 @@ class LMRequest:
     seed: int | None = None
 
 
+@dataclass
+class BistreamLMRequest:
+    """The prompt of one bistream sequence (text-in streaming, spec §3.8); its text ids are fed
+    while it runs (``EngineLoop.generate(..., text=...)``, ``add_bistream`` / ``feed_text``)."""
+
+    prompt_text_ids: np.ndarray
+    prompt_speech_ids: np.ndarray
+    seed: int | None = None
+
+
 class TokenEngine(Protocol):
     """Continuous-batching speech-token generator (``cosyvoice_runtime.llm.engine.LLMEngine``)."""
 

@@ -41,7 +41,6 @@ import numpy as np
 from ray import serve
 
 from cosyvoice_runtime.modes import preflight
-from deployments.bistream import BistreamLMRequest, BistreamTokenEngine
 from deployments.compute import MAIN as MAIN_LANE
 from deployments.compute import ComputeExecutor
 from deployments.deadlines import DeadlineGate, Playback
@@ -62,7 +61,7 @@ from deployments.protocol import (
     portable_error,
 )
 from deployments.runtime_adapter import call_with_timeout, load_synthesis_runtime
-from deployments.runtime_protocol import LMRequest, SynthesisRuntime
+from deployments.runtime_protocol import BistreamLMRequest, LMRequest, SynthesisRuntime
 from deployments.synthesizer_config import SynthesizerConfig
 from deployments.text_inbox import ActorInbox, BistreamTicket, InboxClient, LocalInbox
 from deployments.token2wav_loop import SteppedToken2Wav
@@ -82,9 +81,7 @@ def _import_factory(path: str) -> RuntimeFactory:
 
 
 def default_runtime_factory(cfg: SynthesizerConfig, source: ModelSource) -> SynthesisRuntime:
-    runtime = load_synthesis_runtime(cfg, str(source.resolve()))
-    runtime.engine = BistreamTokenEngine(runtime.engine)
-    return runtime
+    return load_synthesis_runtime(cfg, str(source.resolve()))
 
 
 class Synthesizer:

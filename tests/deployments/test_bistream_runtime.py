@@ -1,4 +1,4 @@
-"""The production bistream path below the synthesizer: BistreamTokenEngine over RuntimeTokenEngine
+"""The production bistream path below the synthesizer: RuntimeTokenEngine's bistream requests
 (over LLMEngine) driven by the EngineLoop, on the tiny random-weight LLM. Text arrives through an
 async source whose end is held back until the first tokens came out; the tokens equal
 ``bistream_decode``'s (default RAS sampler, same seed, one id per chunk; CosyVoice3's silent-token
@@ -19,11 +19,10 @@ from cosyvoice_runtime.llm.model import build_llm
 from cosyvoice_runtime.llm.sampling import SamplingParams
 from cosyvoice_runtime.llm.silent_tokens import SilentTokenFilter
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
-from deployments.bistream import BistreamLMRequest, BistreamTokenEngine
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
 from deployments.runtime_adapter import RuntimeTokenEngine
-from deployments.runtime_protocol import LMRequest
+from deployments.runtime_protocol import BistreamLMRequest, LMRequest
 
 TEXT = [300 + 11 * i for i in range(14)]
 SEED = 77
@@ -44,8 +43,7 @@ def test_bistream_through_the_engine_loop_matches_the_reference(family, tmp_path
     silent = SilentTokenFilter(spec)
     want = [t for t in want if silent.keep(t)]
 
-    engine = BistreamTokenEngine(RuntimeTokenEngine(SimpleNamespace(spec=spec, llm=llm), max_running=2,
-                                                    max_model_len=2048))
+    engine = RuntimeTokenEngine(SimpleNamespace(spec=spec, llm=llm), max_running=2, max_model_len=2048)
     loop = EngineLoop(engine, ComputeExecutor())
 
     async def main():
