@@ -27,11 +27,16 @@ skipped by :meth:`VoiceRegistry.list` and reported (a warning, once per record v
 :meth:`VoiceRegistry.problems`); looking it up is :class:`VoiceNotFoundError`. Listing never fails.
 
 Quotas (``max_voices``, ``max_bytes``) are checked before a new voice is written
-(:class:`VoiceStoreFullError`). Across replicas the check is not atomic: concurrent registrations
-can overshoot by at most one voice per writer.
+(:class:`VoiceStoreFullError`). With a quota set, the check and the write hold an exclusive
+``flock`` on ``<root>/.quota.lock``, so writers of every replica sharing the directory take turns
+and the quota is never passed (on NFS, Linux maps flock to the server's byte-range locks; a
+filesystem without locks raises, rather than silently overshooting). Without quotas, writers do
+not serialise.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -57,6 +62,7 @@ from cosyvoice_runtime.frontend.voice_id import check_voice_id
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+QUOTA_LOCK = ".quota.lock"  # flock target of quota-checked writes (a dot file: never listed nor collected)
 _TENSORS = ("text_tokens", "speech_tokens", "mel", "embedding")
 _TMP_SUFFIX = ".tmp"
 _RECORD_FIELDS = {"family": str, "tensors": str, "sha256": str}
@@ -239,6 +245,19 @@ class VoiceRegistry:
                     pass
         return records, total
 
+    @contextlib.contextmanager
+    def _quota_turn(self):
+        """Exclusive across processes and threads while a quota is set (module docstring)."""
+        if self.max_voices is None and self.max_bytes is None:
+            yield
+            return
+        with open(self.root / QUOTA_LOCK, "a+b") as f:  # one open file description per turn
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
     def _check_quota(self, new_record: bool, new_bytes: int) -> None:
         if self.max_voices is None and self.max_bytes is None:
             return
@@ -285,15 +304,16 @@ class VoiceRegistry:
                   "meta": voice.meta}
         data = json.dumps(record, ensure_ascii=False, indent=1).encode("utf-8")
         new_bytes = len(data) + (len(blob) if created_tensors else 0)
-        self._check_quota(new_record=not record_path.exists(), new_bytes=new_bytes)
-        if created_tensors:
-            atomic_write(tensor_path, blob)
-        try:
-            atomic_write(record_path, data, exclusive=not overwrite)
-        except FileExistsError:
+        with self._quota_turn():
+            self._check_quota(new_record=not record_path.exists(), new_bytes=new_bytes)
             if created_tensors:
-                tensor_path.unlink(missing_ok=True)  # ours alone: the winner's record names its own file
-            raise VoiceExistsError(f"voice '{voice_id}' already exists") from None
+                atomic_write(tensor_path, blob)
+            try:
+                atomic_write(record_path, data, exclusive=not overwrite)
+            except FileExistsError:
+                if created_tensors:
+                    tensor_path.unlink(missing_ok=True)  # ours alone: the winner's record names its own file
+                raise VoiceExistsError(f"voice '{voice_id}' already exists") from None
         if old is not None and old["tensors"] != tensor_name:
             (self.root / old["tensors"]).unlink(missing_ok=True)
         with self._lock:

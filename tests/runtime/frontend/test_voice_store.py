@@ -171,6 +171,39 @@ def test_quota_on_voice_count(tmp_path):
     assert reg.put("c", _voice(2)) is True
 
 
+def _quota_racer(store, ids, start, results):
+    reg = VoiceRegistry(store, max_voices=5)
+    start.wait()
+    won = []
+    for vid in ids:
+        try:
+            reg.put(vid, _voice(hash(vid) % 1000))
+            won.append(vid)
+        except VoiceStoreFullError:
+            pass
+    results.put(won)
+
+
+def test_replicas_registering_at_once_never_pass_the_voice_quota(tmp_path):
+    """Six processes (replicas sharing the directory) register 5 new ids each, released together,
+    against max_voices=5: exactly 5 win, whatever the interleaving (the quota check and the write
+    take turns under the store's flock). Without the lock this failed one run in three on the
+    2-core VM (an overshoot needs two checks at the boundary at once); with it, never."""
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_quota_racer, args=(str(tmp_path), [f"p{k}v{i}" for i in range(5)], start, results))
+             for k in range(6)]
+    for p in procs:
+        p.start()
+    start.set()
+    won = [vid for _ in procs for vid in results.get(timeout=120)]
+    for p in procs:
+        p.join()
+    reg = VoiceRegistry(tmp_path)
+    assert len(won) == 5 and sorted(won) == reg.list()
+    assert reg.usage()[0] == 5 and len(list(tmp_path.glob("*.safetensors"))) == 5  # refused voices wrote nothing
+
+
 def test_quota_on_bytes(tmp_path):
     probe = VoiceRegistry(tmp_path / "probe")
     probe.put("a", _voice(0))
