@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from cosyvoice_runtime.config import ENDOFPROMPT_TOKEN_ID
+from cosyvoice_runtime.frontend.prompt_rules import CV3_SYSTEM_PROMPT, MODES, instruct_prompt, with_cv3_prefix
 from cosyvoice_runtime.frontend.voice_id import check_voice_id  # the one voice-id rule
 from deployments.compute import ComputeExecutor
 from deployments.model_source import ModelSource
@@ -40,8 +41,6 @@ from deployments.runtime_protocol import FrontendRuntime
 
 logger = logging.getLogger(__name__)
 
-ENDOFPROMPT = "<|endofprompt|>"
-
 FrontendFactory = Callable[["FrontendConfig", ModelSource], FrontendRuntime]
 
 
@@ -59,7 +58,7 @@ class FrontendConfig(DeploymentKnobs):
     voice_cache_bytes: PositiveInt = 64 * 1024**2  # voice tensors kept in memory per replica (LRU)
     voice_gc_min_age_s: PositiveFloat = 3600.0  # orphaned voice files older than this are removed at start
     # CosyVoice3 needs <|endofprompt|> in the LLM text; this prefix is added where it is missing.
-    cv3_system_prompt: str = "You are a helpful assistant."
+    cv3_system_prompt: str = CV3_SYSTEM_PROMPT
     runtime_factory: str | None = None  # "module:callable" (tests inject fakes)
     startup_timeout_s: PositiveFloat = Field(300.0)
 
@@ -164,9 +163,7 @@ class TextFrontend:
         return self.rt.prompt_from_audio(audio, sample_rate, self._with_cv3_prefix(prompt_text))
 
     def _with_cv3_prefix(self, text: str) -> str:
-        if self.rt.family == "cosyvoice3" and ENDOFPROMPT not in text:
-            return f"{self.cfg.cv3_system_prompt}{ENDOFPROMPT}{text}"
-        return text
+        return with_cv3_prefix(self.rt.family, text, self.cfg.cv3_system_prompt)
 
     def _resolve_prompt(self, req: SynthesisRequest, need_transcript: bool) -> VoicePrompt:
         if req.prompt_audio is not None:
@@ -186,25 +183,22 @@ class TextFrontend:
         if not text:
             raise InvalidInputError("input text is empty")
         mode = SynthesisMode(req.mode)
-        if mode in (SynthesisMode.ZERO_SHOT, SynthesisMode.VOICE):
-            if mode == SynthesisMode.ZERO_SHOT and req.prompt_audio is None:
-                raise InvalidInputError("zero-shot synthesis needs prompt audio")
-            if mode == SynthesisMode.VOICE and not req.voice_id:
-                raise InvalidInputError("voice synthesis needs a voice id")
-            prompt = self._resolve_prompt(req, need_transcript=True)
-            llm_text_ids, use_speech = prompt.prompt_text_ids, True
-        elif mode == SynthesisMode.CROSS_LINGUAL:
-            prompt = self._resolve_prompt(req, need_transcript=False)
-            llm_text_ids, use_speech = np.zeros(0, dtype=np.int32), False
+        rule = MODES[mode.value]  # what the LLM reads before the text (spec §1.2)
+        if mode == SynthesisMode.ZERO_SHOT and req.prompt_audio is None:
+            raise InvalidInputError("zero-shot synthesis needs prompt audio")
+        if mode == SynthesisMode.VOICE and not req.voice_id:
+            raise InvalidInputError("voice synthesis needs a voice id")
+        if mode == SynthesisMode.INSTRUCT and not (req.instruct_text and req.instruct_text.strip()):
+            raise InvalidInputError("instruct synthesis needs instruct_text")
+        prompt = self._resolve_prompt(req, need_transcript=rule.transcript)
+        if rule.transcript:
+            llm_text_ids = prompt.prompt_text_ids
+        elif mode == SynthesisMode.INSTRUCT:
+            llm_text_ids = self.rt.tokenize(instruct_prompt(req.instruct_text))  # verbatim, not normalised
+        else:  # cross-lingual: no transcript, and CosyVoice3's prefix goes before the text itself
+            llm_text_ids = np.zeros(0, dtype=np.int32)
             text = self._with_cv3_prefix(text)
-        else:  # instruct
-            if not (req.instruct_text and req.instruct_text.strip()):
-                raise InvalidInputError("instruct synthesis needs instruct_text")
-            prompt = self._resolve_prompt(req, need_transcript=False)
-            instruct = req.instruct_text.strip()
-            if ENDOFPROMPT not in instruct:
-                instruct += ENDOFPROMPT
-            llm_text_ids, use_speech = self.rt.tokenize(instruct), False  # verbatim, not normalised
+        use_speech = rule.speech
         if prompt.family != self.rt.family:
             raise InvalidInputError(f"voice was made for {prompt.family}, this model is {self.rt.family}")
         pieces = [TextPiece(text=t, text_ids=self.rt.tokenize(t)) for t in self.rt.split(text)]

@@ -49,6 +49,11 @@ def test_register_prepare_delete(frontend):
         cross = await frontend.prepare(
             SynthesisRequest(request_id="c", text="Bonjour.", mode=SynthesisMode.CROSS_LINGUAL, voice_id="v1"))
         assert cross.llm_prompt_text_ids.size == 0 and not cross.llm_use_prompt_speech
+        instruct = await frontend.prepare(SynthesisRequest(request_id="i", text="Hi.", mode=SynthesisMode.INSTRUCT,
+                                                           voice_id="v1", instruct_text=" Speak slowly. "))
+        # the instruction verbatim, closed by <|endofprompt|>, instead of the transcript; no prompt speech
+        assert instruct.llm_prompt_text_ids.tolist() == frontend.rt.tokenize("Speak slowly.<|endofprompt|>").tolist()
+        assert not instruct.llm_use_prompt_speech
         assert [v.voice_id for v in await frontend.list_voices()] == ["default", "v1"]  # + the tiny demo voice
         await frontend.delete_voice("v1")
         with pytest.raises(VoiceNotFoundError):
