@@ -13,9 +13,10 @@ shared model object (so later requests start at the maximum hop); here it is per
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -229,7 +230,19 @@ class Token2Wav:
         """:meth:`vocode` of jobs of distinct requests; one vocoder batch per equal input length.
 
         Jobs with a speed change keep the single-request path (speed only exists unstreamed).
+        All or nothing: if any vocoder call raises, every job's stream state (vocoder caches,
+        random source position, schedule) is put back as it was, so a retry gives the audio a
+        first attempt would have given (no click from a half-advanced overlap cache).
         """
+        saved = [_checkpoint(job.state) for job in jobs]
+        try:
+            return self._vocode_many(jobs, mels)
+        except BaseException:
+            for job, cp in zip(jobs, saved):
+                _rollback(job.state, cp)
+            raise
+
+    def _vocode_many(self, jobs: list[Token2WavJob], mels: list[torch.Tensor]) -> list[torch.Tensor]:
         batched = [i for i, job in enumerate(jobs) if job.state.speed == 1.0]
         out: list[torch.Tensor | None] = [None] * len(jobs)
         if batched:
@@ -267,15 +280,13 @@ class Token2Wav:
         """Vocode finished rows (their jobs advance); the audio of each, in order."""
         if any(r.step < self.n_steps for r in rows):
             raise ValueError("finish() takes rows whose solve is done")
-        jobs, mels = [], []
-        for row in rows:
-            job = row.tag
-            state = job.state
-            n_prompt = state.prompt.feat.shape[1]
-            state.flow_frames += row.frames
-            jobs.append(job)
-            mels.append(self.flow.row_mel(row, n_prompt)[:, :, state.token_offset * self.ratio:])
-        return self.vocode_many(jobs, mels)
+        jobs = [row.tag for row in rows]
+        mels = [self.flow.row_mel(row, job.state.prompt.feat.shape[1])[:, :, job.state.token_offset * self.ratio:]
+                for row, job in zip(rows, jobs)]
+        audios = self.vocode_many(jobs, mels)
+        for row, job in zip(rows, jobs):
+            job.state.flow_frames += row.frames
+        return audios
 
     def run(self, job: Token2WavJob) -> torch.Tensor:
         """Flow + vocoder for one job; returns the (samples,) audio to emit."""
@@ -303,3 +314,22 @@ class Token2Wav:
         while (job := self.next_job(state, tokens, llm_done=True)) is not None:
             chunks.append(self.run(job))
         return chunks
+
+
+def _checkpoint(state: StreamState) -> tuple:
+    """What a vocoder call changes in a stream: its scalar schedule fields, the vocoder state (its
+    fields are reassigned, never written in place, so shallow copies keep the old values) and the
+    positions of its random generators."""
+    vocoder = copy.copy(state.vocoder)
+    gens = {id(g): g for g in (state.generator, state.vocoder.generator) if g is not None}
+    return (copy.copy(state), vocoder, copy.copy(vocoder.incremental), [(g, g.get_state()) for g in gens.values()])
+
+
+def _rollback(state: StreamState, cp: tuple) -> None:
+    before, vocoder, incremental, gens = cp
+    for f in fields(StreamState):
+        setattr(state, f.name, getattr(before, f.name))
+    vocoder.incremental = incremental
+    state.vocoder = vocoder
+    for g, position in gens:
+        g.set_state(position)

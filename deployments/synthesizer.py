@@ -333,9 +333,8 @@ class Synthesizer:
 
         A batch that raises is split in halves and each half retried (a batch too big for the
         device's memory fits in smaller ones), down to single jobs; a job that still raises alone
-        fails its request only. NOTE: a retry is exact when the error came from the flow solve
-        (no stream state is touched before the vocoder); a vocoder error part-way can leave a
-        retried job's vocoder cache advanced, so its audio may click once. A fatal fault
+        fails its request only. A retry is exact: the flow solve touches no stream state, and a
+        vocoder call that raises puts every stream state back (``Token2Wav.vocode_many``). A fatal fault
         (:func:`is_fatal`) fails every open request and marks the replica unhealthy.
         """
         if self.loop.is_dead:

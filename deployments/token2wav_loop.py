@@ -142,8 +142,8 @@ class SteppedToken2Wav:
 
     def _fatal_or_split(self, exc: Exception, batch: list[_Pending], retry: Callable[[list[_Pending]], None]) -> None:
         """A fatal error goes up (the replica is dead); otherwise each job is retried alone and one
-        that fails alone fails its request. NOTE: a vocoder error part-way can leave a retried job's
-        vocoder cache advanced, so its audio may click once (as the batch path)."""
+        that fails alone fails its request. Retries are exact: a pass advances rows only when it
+        succeeded, and a vocoder call that raises puts the stream states back (``Token2Wav.vocode_many``)."""
         if is_fatal(exc):
             logger.exception("token2wav failed fatally; the replica is unhealthy")
             self.on_fatal(exc)
