@@ -13,9 +13,10 @@ shared model object (so later requests start at the maximum hop); here it is per
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -230,17 +231,10 @@ class Token2Wav:
         """:meth:`vocode` of jobs of distinct requests; one vocoder batch per equal input length.
 
         Jobs with a speed change keep the single-request path (speed only exists unstreamed).
-        All or nothing: if any vocoder call raises, every job's stream state (vocoder caches,
-        random source position, schedule) is put back as it was, so a retry gives the audio a
-        first attempt would have given (no click from a half-advanced overlap cache).
+        All or nothing (:func:`_all_or_nothing`).
         """
-        saved = [_checkpoint(job.state) for job in jobs]
-        try:
+        with _all_or_nothing([job.state for job in jobs]):
             return self._vocode_many(jobs, mels)
-        except BaseException:
-            for job, cp in zip(jobs, saved):
-                _rollback(job.state, cp)
-            raise
 
     def _vocode_many(self, jobs: list[Token2WavJob], mels: list[torch.Tensor]) -> list[torch.Tensor]:
         batched = [i for i, job in enumerate(jobs) if job.state.speed == 1.0]
@@ -283,10 +277,10 @@ class Token2Wav:
         jobs = [row.tag for row in rows]
         mels = [self.flow.row_mel(row, job.state.prompt.feat.shape[1])[:, :, job.state.token_offset * self.ratio:]
                 for row, job in zip(rows, jobs)]
-        audios = self.vocode_many(jobs, mels)
-        for row, job in zip(rows, jobs):
-            job.state.flow_frames += row.frames
-        return audios
+        with _all_or_nothing([job.state for job in jobs]):
+            for row, job in zip(rows, jobs):
+                job.state.flow_frames += row.frames
+            return self._vocode_many(jobs, mels)
 
     def run(self, job: Token2WavJob) -> torch.Tensor:
         """Flow + vocoder for one job; returns the (samples,) audio to emit."""
@@ -301,9 +295,10 @@ class Token2Wav:
         if len({id(job.state) for job in jobs}) != len(jobs):
             raise ValueError("a batch may hold at most one job per request (jobs of a request are sequential)")
         out: list[torch.Tensor] = []
-        for start in range(0, len(jobs), max_batch):
-            group = jobs[start:start + max_batch]
-            out += self.vocode_many(group, self.flow_mels(group))
+        with _all_or_nothing([job.state for job in jobs]):  # every group, the incremental flow included
+            for start in range(0, len(jobs), max_batch):
+                group = jobs[start:start + max_batch]
+                out += self._vocode_many(group, self.flow_mels(group))
         return out
 
     def synthesize(self, prompt: FlowPrompt, tokens: Sequence[int] | torch.Tensor, stream: bool = False,
@@ -316,20 +311,37 @@ class Token2Wav:
         return chunks
 
 
+@contextlib.contextmanager
+def _all_or_nothing(states: list[StreamState]) -> Iterator[None]:
+    """If the block raises, every stream is put back as it was (schedule fields, vocoder caches,
+    incremental flow cache, random-source positions), so a retry of the same jobs gives the
+    audio a first attempt would have given: no click from a half-advanced overlap cache, no
+    frames skipped by an advanced flow cache."""
+    saved = [_checkpoint(st) for st in states]
+    try:
+        yield
+    except BaseException:
+        for st, cp in zip(states, saved):
+            _rollback(st, cp)
+        raise
+
+
 def _checkpoint(state: StreamState) -> tuple:
-    """What a vocoder call changes in a stream: its scalar schedule fields, the vocoder state (its
-    fields are reassigned, never written in place, so shallow copies keep the old values) and the
-    positions of its random generators."""
+    """What a token2wav call changes in a stream. The vocoder state and the flow cache have their
+    fields reassigned, never written in place, so shallow copies keep the old values; the random
+    generators are saved by position."""
     vocoder = copy.copy(state.vocoder)
     gens = {id(g): g for g in (state.generator, state.vocoder.generator) if g is not None}
-    return (copy.copy(state), vocoder, copy.copy(vocoder.incremental), [(g, g.get_state()) for g in gens.values()])
+    return (copy.copy(state), vocoder, copy.copy(vocoder.incremental), copy.copy(state.flow_cache),
+            [(g, g.get_state()) for g in gens.values()])
 
 
 def _rollback(state: StreamState, cp: tuple) -> None:
-    before, vocoder, incremental, gens = cp
+    before, vocoder, incremental, flow_cache, gens = cp
     for f in fields(StreamState):
         setattr(state, f.name, getattr(before, f.name))
     vocoder.incremental = incremental
     state.vocoder = vocoder
+    state.flow_cache = flow_cache
     for g, position in gens:
         g.set_state(position)

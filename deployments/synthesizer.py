@@ -333,8 +333,8 @@ class Synthesizer:
 
         A batch that raises is split in halves and each half retried (a batch too big for the
         device's memory fits in smaller ones), down to single jobs; a job that still raises alone
-        fails its request only. A retry is exact: the flow solve touches no stream state, and a
-        vocoder call that raises puts every stream state back (``Token2Wav.vocode_many``). A fatal fault
+        fails its request only. A retry is exact: a token2wav batch that raises puts every stream
+        state back (``Token2Wav.run_batch``, all or nothing). A fatal fault
         (:func:`is_fatal`) fails every open request and marks the replica unhealthy.
         """
         if self.loop.is_dead:

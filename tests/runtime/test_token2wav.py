@@ -148,40 +148,51 @@ def test_early_first_chunk_keeps_the_mel(model):
     torch.testing.assert_close(got, want, atol=5e-4, rtol=5e-4)
 
 
-def test_a_vocoder_failure_leaves_the_streams_as_they_were(model, monkeypatch):
-    """Two streams batched; the vocoder call of their third chunks advances every vocoder state
-    and then raises (as an OOM part-way would): the retry gives, sample for sample, the audio of
-    a run that never failed (overlap caches, random source and schedule were put back)."""
+@pytest.mark.parametrize("cv2_flow, max_batch, fail_call, fail_batch", [
+    ("recompute", 16, 1, 3),  # the one vocoder call of the batch
+    ("incremental", 16, 1, 2),  # CV2: the (non-final) call had advanced the flow cache too (CV3 ignores it)
+    ("recompute", 1, 2, 3),  # two groups of one: the second fails after the first was done
+])
+def test_a_token2wav_failure_leaves_the_streams_as_they_were(model, monkeypatch, cv2_flow, max_batch, fail_call,
+                                                             fail_batch):
+    """Two streams batched; at one chunk a vocoder call advances its states and then
+    raises (as an OOM part-way would): the retry of the whole batch gives, sample for sample, the
+    audio of a run that never failed (overlap caches, flow cache, random source and schedule of
+    every stream were put back)."""
     from cosyvoice_runtime import token2wav as t2w_mod
 
-    t2w = Token2Wav(model.spec, model.flow, model.hift)
+    t2w = Token2Wav(model.spec, model.flow, model.hift, cv2_flow=cv2_flow)
     tokens = [list(range(100, 220)), list(range(300, 390))]
+    real = t2w_mod.vocode_batch
 
     def run(fail_at: int | None):
         states = [t2w.new_stream(_prompt(model, 20 + i, i), stream=True, generator=torch.Generator().manual_seed(i))
                   for i in range(2)]
-        audio, calls, failed = [[], []], 0, False
+        audio, batches, failed = [[], []], 0, False
         while not all(st.finished for st in states):
             jobs = [(k, t2w.next_job(st, tokens[k], llm_done=True)) for k, st in enumerate(states)]
             jobs = [(k, j) for k, j in jobs if j is not None]
-            calls += 1
-            if calls == fail_at and not failed:
-                real = t2w_mod.vocode_batch
+            batches += 1
+            if batches == fail_at and not failed:
+                calls = []
 
-                def half_done(*args, real=real, **kwargs):
-                    real(*args, **kwargs)  # every state advanced ...
-                    raise RuntimeError("CUDA out of memory (injected)")  # ... then the call fails
+                def half_done(*args, calls=calls, **kwargs):
+                    out = real(*args, **kwargs)  # the states advanced ...
+                    calls.append(1)
+                    if len(calls) == fail_call:
+                        raise RuntimeError("CUDA out of memory (injected)")  # ... then the call fails
+                    return out
                 monkeypatch.setattr(t2w_mod, "vocode_batch", half_done)
                 with pytest.raises(RuntimeError, match="injected"):
-                    t2w.run_batch([j for _, j in jobs])
+                    t2w.run_batch([j for _, j in jobs], max_batch=max_batch)
                 monkeypatch.setattr(t2w_mod, "vocode_batch", real)
                 failed = True
-            for (k, _), a in zip(jobs, t2w.run_batch([j for _, j in jobs])):
+            for (k, _), a in zip(jobs, t2w.run_batch([j for _, j in jobs], max_batch=max_batch)):
                 audio[k].append(a)
         return [torch.cat(a) for a in audio], failed
 
     clean, _ = run(None)
-    retried, failed = run(3)
+    retried, failed = run(fail_batch)
     assert failed
     for a, b in zip(clean, retried):
         assert a.shape == b.shape and a.numel() > 0
