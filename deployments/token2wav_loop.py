@@ -134,32 +134,28 @@ class SteppedToken2Wav:
             self._resolve(p, audio)
 
     def _isolated(self, step: Callable[[list[_Pending]], None], batch: list[_Pending]) -> None:
-        """``step(batch)``; on a model error, see :meth:`_fatal_or_split`."""
+        """``step(batch)``. On a model error: a fatal one goes up (the replica is dead); otherwise
+        each job is retried alone and one that fails alone fails its request. Retries are exact:
+        a pass advances rows only when it succeeded, and ``Token2Wav.finish`` puts the stream
+        states back if it raises."""
         try:
             step(batch)
-        except Exception as exc:  # noqa: BLE001 - any model error: isolated per job
-            self._fatal_or_split(exc, batch, lambda part: self._isolated(step, part))
-
-    def _fatal_or_split(self, exc: Exception, batch: list[_Pending], retry: Callable[[list[_Pending]], None]) -> None:
-        """A fatal error goes up (the replica is dead); otherwise each job is retried alone and one
-        that fails alone fails its request. Retries are exact: a pass advances rows only when it
-        succeeded, and a vocoder call that raises puts the stream states back (``Token2Wav.vocode_many``)."""
-        if is_fatal(exc):
-            logger.exception("token2wav failed fatally; the replica is unhealthy")
-            self.on_fatal(exc)
-            raise exc
-        if len(batch) > 1:
-            logger.warning("token2wav step over %d jobs failed (%s); retrying them one by one", len(batch),
-                           type(exc).__name__)
-            for p in batch:
-                retry([p])
-            return
-        p = batch[0]
-        self.failed_jobs += 1
-        logger.warning("token2wav failed for one job (%s: %s); failing its request", type(exc).__name__, exc)
-        with self._lock:
+        except Exception as exc:  # any model error: isolated per job
+            if is_fatal(exc):
+                logger.exception("token2wav failed fatally; the replica is unhealthy")
+                self.on_fatal(exc)
+                raise
+            if len(batch) > 1:
+                logger.warning("token2wav step over %d jobs failed (%s); retrying them one by one", len(batch),
+                               type(exc).__name__)
+                for p in batch:
+                    self._isolated(step, [p])
+                return
+            p = batch[0]
+            self.failed_jobs += 1
+            logger.warning("token2wav failed for one job (%s: %s); failing its request", type(exc).__name__, exc)
             self._rows = [q for q in self._rows if q is not p]
-        self._resolve(p, RequestFailedError(f"audio generation failed: {type(exc).__name__}: {exc}"))
+            self._resolve(p, RequestFailedError(f"audio generation failed: {type(exc).__name__}: {exc}"))
 
     @staticmethod
     def _resolve(p: _Pending, result: np.ndarray | Exception) -> None:

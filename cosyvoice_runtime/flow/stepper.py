@@ -21,7 +21,7 @@ static buffers each pass and their state copied back out.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +40,6 @@ class SolveRow:
     x: torch.Tensor  # (80, T) the ODE state, compute dtype
     tag: object = None
     step: int = 0
-    passes: list[int] = field(default_factory=list)  # batch size of each pass it ran in (stats)
 
     @property
     def frames(self) -> int:
@@ -117,7 +116,6 @@ class FlowStepper(SolverBuckets):
             for i, row in enumerate(rows):
                 row.x = bucket.out[i, :, :row.frames].clone()
                 row.step += 1
-                row.passes.append(b)
             self.passes += 1
 
     # -- internals -------------------------------------------------------------------------
