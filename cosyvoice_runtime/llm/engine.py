@@ -12,8 +12,11 @@ reference loop uses; sampling randomness is per request (its own ``torch.Generat
 
 With ``use_cuda_graphs`` on a CUDA model the decode step (model + sampling) runs through
 :class:`~cosyvoice_runtime.llm.cuda_graph.DecodeRunner`: one CUDA graph replay per step for a
-padded batch bucket, one host sync. Call :meth:`LLMEngine.capture_graphs` at startup to
-capture every bucket up front (otherwise each is captured on first use).
+padded batch bucket, one host sync; the prompts of new requests go through
+:class:`~cosyvoice_runtime.llm.prefill_graph.PrefillRunner` (a graph per batch and length
+bucket) instead of ~600 eager launches that every running stream would wait behind. Call
+:meth:`LLMEngine.capture_graphs` at startup to capture every bucket up front (otherwise each is
+captured on first use).
 
 Bistream requests (text-in streaming, spec §3.8; :meth:`LLMEngine.add_bistream_request`,
 :meth:`LLMEngine.feed_text`) share the batch: each is a
@@ -47,6 +50,7 @@ from cosyvoice_runtime.llm.generate import (
     select_tokens,
 )
 from cosyvoice_runtime.llm.kv_cache import KVCache
+from cosyvoice_runtime.llm.prefill_graph import PrefillRunner
 from cosyvoice_runtime.llm.sampling import SamplingParams, make_generator, min_len_mask_ids
 from cosyvoice_runtime.llm.scheduler import Scheduler
 
@@ -127,20 +131,23 @@ class LLMEngine:
         self.cache = KVCache.for_model(model, max_batch_size + (1 if static else 0), max_seq_len)
         self.scheduler = Scheduler(max_batch_size, max_batch_size, max_seq_len, max_prefills_per_step)
         self.runner = None
+        self.prefill_runner = None
         if static:
             self.runner = DecodeRunner(model, self.cache, max_batch_size, pad_slot=max_batch_size,
                                        stop_mask_ids=min_len_mask_ids(self.spec, official_quirks),
                                        history_width=history_width, use_graphs=graphs,
                                        compile_backend=compile_backend)
+            self.prefill_runner = PrefillRunner(model, self.cache, pad_slot=max_batch_size, use_graphs=graphs)
         self._requests: dict[str, _Request] = {}
         self._bistream: dict[str, BistreamSequence] = {}
 
     def capture_graphs(self) -> int:
-        """Capture every decode graph now (startup); returns how many exist (0 without graphs)."""
+        """Capture every decode and prefill graph now (startup); returns how many exist (0
+        without graphs)."""
         if self.runner is None:
             return 0
         with torch.inference_mode():
-            return self.runner.capture()
+            return self.runner.capture() + self.prefill_runner.capture()
 
     @property
     def device(self) -> torch.device:
@@ -318,12 +325,16 @@ class LLMEngine:
             req.state.slot = s.slot
             self.cache.reset(s.slot)
         seqs = [self._bistream[s.request_id] for s in extends]
-        inputs = [r.lm_input for r in reqs] + [embed_segments(self.model, seq.take_input(), self.device)
-                                              for seq in seqs]
-        slots = [s.slot for s in prefill] + [s.slot for s in extends]
-        logits = self.model.logits(torch.cat([self.model.prefill_batch([inputs[i] for i in g], self.cache,
-                                                                       [slots[i] for i in g])
-                                              for g in self._prefill_groups(inputs, slots)]))
+        fresh = [r.lm_input for r in reqs]
+        parts = []
+        if reqs and self.prefill_runner is not None and self.prefill_runner.fits([len(x) for x in fresh]):
+            parts.append(self.prefill_runner.run(fresh, [s.slot for s in prefill]))
+        elif reqs:
+            parts.append(self._forward_padded(fresh, [s.slot for s in prefill]))
+        if seqs:
+            parts.append(self._forward_padded([embed_segments(self.model, seq.take_input(), self.device)
+                                               for seq in seqs], [s.slot for s in extends]))
+        logits = torch.cat(parts)
         n = len(reqs)
         tokens = self._select(reqs, logits[:n]) if reqs else []
         events = []
@@ -332,6 +343,12 @@ class LLMEngine:
             self.scheduler.mark_prefilled(req.request_id)
             events.append(self._commit(req, tokens[i], logits[i]) if tokens[i] is not None else self._fail(req))
         return events + self._choose_bistream(extends, seqs, logits[n:])
+
+    def _forward_padded(self, inputs: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
+        """Eager prefill: (n, V) logits of each input's last position, in padded batched forwards."""
+        return self.model.logits(torch.cat([self.model.prefill_batch([inputs[i] for i in g], self.cache,
+                                                                     [slots[i] for i in g])
+                                            for g in self._prefill_groups(inputs, slots)]))
 
     def _prefill_groups(self, inputs: list[torch.Tensor], slots: list[int]) -> list[list[int]]:
         """Consecutive rows per forward: within the token budget, and the right padding fits every

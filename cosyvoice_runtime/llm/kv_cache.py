@@ -107,6 +107,18 @@ class KVCache:
         vc[slot_index, :, positions] = v[:, :, 0]
         return kc[:, :, :window].index_select(0, slot_index), vc[:, :, :window].index_select(0, slot_index)
 
+    def write_prefix(self, layer: int, slot_index: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store T keys/values per row at positions 0..T-1 of its slot (an empty slot's prompt).
+
+        Tensors only, so that it can be captured in a CUDA graph; rows may repeat a scratch slot.
+        Returns ``k, v`` themselves: a fresh prompt attends to nothing older.
+        """
+        t = k.shape[2]
+        self.k[layer][:, :, :t].index_copy_(0, slot_index, k)
+        self.v[layer][:, :, :t].index_copy_(0, slot_index, v)
+        return k, v
+
     def advance(self, slots: list[int], new_tokens: int) -> None:
         for s in slots:
             self.lengths[s] += new_tokens

@@ -120,9 +120,11 @@ class _AttnContext:
     """What every layer of one forward shares: cache, slots, positions, key mask."""
 
     def __init__(self, cache: KVCache | None, slots: list[int] | None, positions: torch.Tensor,
-                 mask: torch.Tensor | None, slot_index: torch.Tensor | None, total: int = 0) -> None:
+                 mask: torch.Tensor | None, slot_index: torch.Tensor | None, total: int = 0,
+                 fresh: bool = False) -> None:
         self.cache, self.slots, self.positions, self.mask, self.slot_index = cache, slots, positions, mask, slot_index
         self.total = total
+        self.fresh = fresh  # tensor-only prefill of empty slots: keys are written from position 0
         self.layer = 0
         self._folded: torch.Tensor | None = None
 
@@ -135,6 +137,8 @@ class _AttnContext:
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this layer's new keys/values into the cache; return the attended window."""
+        if self.fresh:  # tensor-only prefill (CUDA-graph capturable): attend to its own keys only
+            return self.cache.write_prefix(self.layer, self.slot_index, k, v)
         if self.slots is None:  # tensor-only decode step (CUDA-graph capturable)
             return self.cache.write_at(self.layer, self.slot_index, self.positions[:, 0], k, v, self.total)
         return self.cache.write(self.layer, self.slots, self.slot_index, self.positions, k, v, self.total)
@@ -244,6 +248,29 @@ class Qwen2Model(nn.Module):
             attn.layer = i
             x = layer(x, cos, sin, attn)
         return self.norm(x)[:, 0]
+
+
+    def prefill_static(self, inputs_embeds: torch.Tensor, cache: KVCache, slot_index: torch.Tensor) -> torch.Tensor:
+        """The prompts of empty slots from tensors only (what a prefill CUDA graph captures).
+
+        Args:
+            inputs_embeds: (B, T, H), right-padded; row b goes to slot ``slot_index[b]`` at
+                positions 0..T-1 (padding rows point at a scratch slot).
+
+        Returns:
+            (B, T, H) final-norm hidden. Causal attention keeps every valid position blind to
+            the padding after it; the caller sets ``cache.lengths`` (the padded keys past a
+            row's end are overwritten by its next tokens, as in :meth:`forward`).
+        """
+        b, t, _ = inputs_embeds.shape
+        pos = torch.arange(t, device=inputs_embeds.device).expand(b, t)
+        attn = _AttnContext(cache, None, pos, None, slot_index, t, fresh=True)
+        cos, sin = self.rotary_emb(pos, inputs_embeds.dtype)
+        x = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            attn.layer = i
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
 
 
 class Qwen2ForCausalLM(nn.Module):

@@ -157,7 +157,9 @@ def test_cuda_graph_engine_equals_eager_engine(dtype, backend):
                            compile_backend=backend if graphs else None)
         assert (engine.runner is not None) == graphs
         if graphs:
-            assert engine.capture_graphs() == len(engine.runner.batch_buckets) * len(engine.runner.key_buckets)
+            prefill = engine.prefill_runner
+            assert engine.capture_graphs() == (len(engine.runner.batch_buckets) * len(engine.runner.key_buckets)
+                                               + len(prefill.batch_buckets) * len(prefill.length_buckets))
         out.append(run_engine(engine, {0: reqs[:2], 3: reqs[2:]}))
     (tok_e, log_e, _), (tok_g, log_g, _) = out
     tol = 1e-3 if dtype == torch.float32 else 0.1
