@@ -130,7 +130,9 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     emitted frames kept, only new frames solved, one stream at a time and eagerly; without it the
     official full recompute), ``steps`` = the flow solved one Euler pass at a time over rows picked
     earliest deadline first (:mod:`cosyvoice_runtime.flow.stepper`), so a first chunk joins at the next
-    pass instead of waiting for a whole batch; with ``edf``'s slack."""
+    pass instead of waiting for a whole batch; with ``edf``'s slack; ``eagerprefill`` = new
+    requests' prompts prefilled eagerly, not through the prefill CUDA graphs (the baseline of
+    :mod:`cosyvoice_runtime.llm.prefill_graph`)."""
     _, _, extra = parse_mode(mode)
     switch = sys.getswitchinterval()
     if "fastswitch" in extra:
@@ -143,7 +145,7 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
 
 
 KNOWN_EXTRAS = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile", "vinc", "prio",
-                "lenbatch", "express", "cvinc", "steps"}
+                "lenbatch", "express", "cvinc", "steps", "eagerprefill"}
 LENGTH_RATIO = 1.5  # extra "lenbatch"
 
 
@@ -168,7 +170,8 @@ def mode_setup(base: CosyVoiceModel, mode: str, flow_batch: int, n_tokens: int,
                 "llm_compile": compile_backend if "llmcompile" in extra else None,
                 "cv3_vocoder": "incremental" if "vinc" in extra else "recompute", "stream_priority": "prio" in extra,
                 "cv2_flow": "incremental" if "cvinc" in extra else "recompute",
-                "length_ratio": LENGTH_RATIO if "lenbatch" in extra else None, "stepped": "steps" in extra}
+                "length_ratio": LENGTH_RATIO if "lenbatch" in extra else None, "stepped": "steps" in extra,
+                "prefill_graphs": "eagerprefill" not in extra}
     graphs = "all" if "allgraphs" in extra else "solve" if "graphs" in extra else None
     model, sim_args["express"] = _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop,
                                            compile_backend, express="express" in extra, stepper="steps" in extra)

@@ -77,7 +77,7 @@ class ReplicaSim:
                  flow_batch: int = 16, min_first_hop: int | None = None, edf_slack_s: float | None = None,
                  llm_compile: str | None = None, cv3_vocoder: str = "recompute", cv2_flow: str = "recompute",
                  stream_priority: bool = False, max_text: int = TEXT, length_ratio: float | None = None,
-                 express: CosyVoiceModel | None = None, stepped: bool = False):
+                 express: CosyVoiceModel | None = None, stepped: bool = False, prefill_graphs: bool = True):
         self.model = model
         self.edf_slack_s = edf_slack_s  # None: first chunks first (see _pick)
         self.n_tokens = n_tokens  # per request unless submit() says otherwise (then the most it may say)
@@ -96,7 +96,7 @@ class ReplicaSim:
         self.engine = LLMEngine(model.llm, max_batch_size=max_batch,
                                 max_seq_len=PROMPT_SPEECH + PROMPT_TEXT + max_text + n_tokens + 8,
                                 use_cuda_graphs=cuda_graphs and model.device.type == "cuda",
-                                compile_backend=llm_compile)
+                                compile_backend=llm_compile, prefill_graphs=prefill_graphs)
         if cuda_graphs and model.device.type == "cuda":
             # NOTE: capture every bucket now, on the default stream with nothing else running: a
             # capture started lazily on the LLM thread while the token2wav thread works fails

@@ -113,12 +113,15 @@ class LLMEngine:
         history_width: emitted ids per row the in-graph RAS repetition check sees.
         compile_backend: ``torch.compile`` the model part of the static decode step with this
             backend (mode torchscript: ``inductor``; tests: ``eager``); None = not compiled.
+        prefill_graphs: with the static decode step, prefill new requests through
+            :class:`~cosyvoice_runtime.llm.prefill_graph.PrefillRunner` (False: eager prefill,
+            the benchmarks' baseline).
     """
 
     def __init__(self, model, max_batch_size: int = 16, max_seq_len: int = 2048, *, max_prefills_per_step: int = 16,
                  official_quirks: bool = False, return_logits: bool = False, use_cuda_graphs: bool = False,
                  static_decode: bool | None = None, history_width: int = DEFAULT_HISTORY_WIDTH,
-                 compile_backend: str | None = None) -> None:
+                 compile_backend: str | None = None, prefill_graphs: bool = True) -> None:
         self.model = model
         self.spec = model.spec
         self.max_running = max_batch_size
@@ -137,7 +140,8 @@ class LLMEngine:
                                        stop_mask_ids=min_len_mask_ids(self.spec, official_quirks),
                                        history_width=history_width, use_graphs=graphs,
                                        compile_backend=compile_backend)
-            self.prefill_runner = PrefillRunner(model, self.cache, pad_slot=max_batch_size, use_graphs=graphs)
+            if prefill_graphs:
+                self.prefill_runner = PrefillRunner(model, self.cache, pad_slot=max_batch_size, use_graphs=graphs)
         self._requests: dict[str, _Request] = {}
         self._bistream: dict[str, BistreamSequence] = {}
 
@@ -147,7 +151,7 @@ class LLMEngine:
         if self.runner is None:
             return 0
         with torch.inference_mode():
-            return self.runner.capture() + self.prefill_runner.capture()
+            return self.runner.capture() + (self.prefill_runner.capture() if self.prefill_runner else 0)
 
     @property
     def device(self) -> torch.device:
