@@ -78,6 +78,7 @@ class _Mailbox:
     """Tokens of one request delivered by the loop and not yet taken by its consumer."""
 
     need: Callable[[], int | None] | None  # see EngineLoop.generate
+    on_first_token: Callable[[], None] | None = None  # see EngineLoop.generate
     tokens: list[int] = field(default_factory=list)
     total: int = 0  # tokens delivered so far, taken or not
     finished: bool = False
@@ -99,6 +100,8 @@ class _Mailbox:
         if event.error is not None:
             self.fail(RequestFailedError(event.error))
             return
+        if event.new_tokens and self.total == 0 and self.on_first_token is not None:
+            self.on_first_token()
         self.tokens.extend(event.new_tokens)
         self.total += len(event.new_tokens)
         if event.finished:
@@ -151,22 +154,23 @@ class EngineLoop:
 
     # ---------------------------------------------------------------- request side
     async def generate(self, request_id: str, request: LMRequest | BistreamLMRequest,
-                       need: Callable[[], int | None] | None = None,
-                       text: TextSource | None = None) -> AsyncIterator[TokenEvent]:
+                       need: Callable[[], int | None] | None = None, text: TextSource | None = None,
+                       on_first_token: Callable[[], None] | None = None) -> AsyncIterator[TokenEvent]:
         """Yield this request's tokens until it finishes; abort it if abandoned.
 
         ``need``: how many tokens in all the consumer can use next (None from it: nothing before
         the end); each yielded event carries every token since the previous one. Without
         ``need``, an event whenever tokens arrived (one or more steps' worth). ``text``: the
         text of a bistream request (required for one, refused for others); an error while
-        reading it fails the request.
+        reading it fails the request. ``on_first_token``: called once, on the event loop, when
+        the first token arrives (the consumer may sleep until ``need`` is met; stage timing).
         """
         if (text is not None) != isinstance(request, BistreamLMRequest):
             raise ValueError("a bistream request needs its text source, and only a bistream request takes one")
         self.raise_if_dead()
         if request_id in self._boxes:
             raise ValueError(f"duplicate request id {request_id}")
-        box = _Mailbox(need)
+        box = _Mailbox(need, on_first_token)
         self._boxes[request_id] = box
         # The loop of the newest request gets the hand-overs (tests run one EngineLoop under
         # several asyncio.run calls; a replica has one event loop).

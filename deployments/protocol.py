@@ -157,6 +157,9 @@ class PreparedRequest:
     seed: int | None = None
 
 
+FIRST_AUDIO_STAGES = ("first_token", "first_chunk_tokens", "first_audio")
+
+
 @dataclass
 class AudioChunk:
     """Synthesizer -> caller: one piece of audio as soon as it exists."""
@@ -167,6 +170,10 @@ class AudioChunk:
     index: int  # 0-based chunk index within the request
     piece: int  # sentence piece this chunk belongs to
     is_last: bool = False
+    # First chunk only: ms after the synthesizer received the request at which it had the first
+    # speech token, the first chunk's tokens and the first audio (FIRST_AUDIO_STAGES); the
+    # ingress sends them on as a Server-Timing header.
+    timing: dict[str, float] | None = None
 
 
 @dataclass

@@ -186,15 +186,19 @@ class Synthesizer:
                                         f"({self.max_prompt_tokens})")
             pieces = req.pieces if text is None else [None]
             last_piece = len(pieces) - 1
+            marks: dict[str, float] = {}  # FIRST_AUDIO_STAGES, clock times (the first piece stamps them)
             for p, piece in enumerate(pieces):
-                async for audio, final in self._synthesize_piece(req, p, piece, playback, text):
+                async for audio, final in self._synthesize_piece(req, p, piece, playback, text, marks):
                     now = self.clock()
+                    timing = None
                     if index == 0:
                         self.metrics.observe_ttfa(now - started)
+                        marks["first_audio"] = now
+                        timing = {k: round((t - started) * 1e3, 2) for k, t in marks.items()}
                     self.underruns += playback.add(now, len(audio) / self.sample_rate)
                     samples += len(audio)
                     yield AudioChunk(request_id=req.request_id, samples=audio, sample_rate=self.sample_rate,
-                                     index=index, piece=p, is_last=final and p == last_piece)
+                                     index=index, piece=p, is_last=final and p == last_piece, timing=timing)
                     index += 1
         except asyncio.CancelledError:
             status = "cancelled"
@@ -285,7 +289,9 @@ class Synthesizer:
 
     # ---------------------------------------------------------------- internals
     async def _synthesize_piece(self, req: PreparedRequest, p: int, piece, playback: Playback,
-                                text: TextSource | None = None) -> AsyncIterator[tuple[np.ndarray, bool]]:
+                                text: TextSource | None, marks: dict[str, float]) -> AsyncIterator[tuple[np.ndarray, bool]]:
+        """The audio of one piece, chunk by chunk; stamps the first token and the first chunk's
+        tokens into ``marks`` unless an earlier piece did."""
         prompt = req.prompt
         speech = prompt.speech_tokens if req.llm_use_prompt_speech else np.zeros(0, dtype=np.int32)
         if text is not None:
@@ -299,9 +305,11 @@ class Synthesizer:
         tokens: list[int] = []
         # Woken when the next chunk's tokens are there (or at the end), not on every decode step.
         async for event in self.loop.generate(f"{req.request_id}/{p}", lm, need=lambda: self.t2w.tokens_needed(state),
-                                              text=text):
+                                              text=text,
+                                              on_first_token=lambda: marks.setdefault("first_token", self.clock())):
             tokens.extend(event.new_tokens)
             while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
+                marks.setdefault("first_chunk_tokens", self.clock())
                 if self.stepped is not None:
                     audio = await self._token2wav_stepped(job, playback.deadline_s())
                 else:

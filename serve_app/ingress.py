@@ -67,6 +67,7 @@ from serve_app.speech import (
     encode_whole,
     split_speed,
 )
+from serve_app.stage_timing import first_audio_stages, server_timing
 from serve_app.stream_input import ROUTE as STREAM_INPUT_ROUTE
 from serve_app.stream_input import StreamInputSession
 
@@ -217,6 +218,7 @@ class TTSIngress:
         handed_to_stream = False  # from then on _stream_body's finally owns the in-flight count
         try:
             prepared = await _admitted(self.frontend.prepare.remote(req))
+            prepared_at = time.perf_counter()
             if not streamed:
                 result = await _admitted(self.synth.synthesize_unary.remote(prepared))
                 # a minute of MP3 takes ~0.3 s to encode: off the event loop
@@ -231,6 +233,9 @@ class TTSIngress:
             except BaseException:
                 _cancel(gen)
                 raise
+            stages = first_audio_stages(started, prepared_at, time.perf_counter(), first)
+            for name, ms in stages.items():
+                self.metrics.stages.labels(name).observe(ms / 1e3)
             sample_rate = first.sample_rate if first is not None else EMPTY_STREAM_RATE
             try:  # opening an encoder is blocking work too (FLAC: ~4 ms)
                 out = await run_encoder(AudioOut, fmt, sample_rate, tempo=tempo, sse=sse,
@@ -242,7 +247,8 @@ class TTSIngress:
         finally:
             if not handed_to_stream:
                 self.metrics.in_flight.dec()
-        return StreamingResponse(self._stream_body(gen, first, out, started), media_type=out.media_type)
+        return StreamingResponse(self._stream_body(gen, first, out, started), media_type=out.media_type,
+                                 headers={"Server-Timing": server_timing(stages)})
 
     async def _stream_body(self, gen, first, out: AudioOut, started: float):
         # Encoding (and SSE's base64) runs in the encoder pool: an MP3/Opus/AAC chunk costs

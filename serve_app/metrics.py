@@ -119,6 +119,9 @@ class IngressMetrics:
                               registry=self.registry)
         self.ttfa = Histogram("tts_time_to_first_audio_seconds", "Request arrival to first audio bytes",
                               buckets=constants.TTFA_BUCKETS_S, registry=self.registry)
+        self.stages = Histogram("tts_first_audio_stage_seconds",
+                                "Streamed requests' time to first audio by stage (serve_app.stage_timing)", ["stage"],
+                                buckets=constants.STAGE_BUCKETS_S, registry=self.registry)
         self.rtf = Histogram("tts_rtf", "Wall time / audio duration per request", buckets=constants.RTF_BUCKETS,
                              registry=self.registry)
         self.in_flight = Gauge("tts_requests_in_flight", "Synthesis requests being served", registry=self.registry)

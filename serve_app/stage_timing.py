@@ -1,0 +1,66 @@
+"""Where a streamed request's time to first audio went, as a ``Server-Timing`` header.
+
+The ingress fetches the first chunk before it sends headers (so that early errors keep their
+status code), which means the whole path to the first audio is known when the headers leave:
+
+* ``frontend``: the frontend's ``prepare`` call (text normalisation, tokens, the voice prompt),
+  handle hops included;
+* ``llm-first-token``: from the synthesizer receiving the request to its first speech token
+  (queueing for a KV slot, the prefill);
+* ``llm-first-chunk``: then to the tokens the first chunk needs (decode steps);
+* ``token2wav``: then to the first chunk's audio (flow + vocoder, waiting for a batch or a pass);
+* ``handoff``: the synthesizer call as the ingress saw it, less the synthesizer's own time to
+  first audio: Ray's hops into and out of the replica and the event loops' delays;
+* ``first-audio``: the ingress's whole time to first audio (request arrival to first chunk).
+
+Browsers show it in their developer tools; the capacity tool (``bench/capacity.py --level
+serve``) aggregates it per stage. The synthesizer's stage times are its own clock's
+(milliseconds after it received the request, ``AudioChunk.timing``), so only differences
+within one process are taken.
+"""
+from __future__ import annotations
+
+from deployments.protocol import AudioChunk
+
+STAGES = ("frontend", "llm-first-token", "llm-first-chunk", "token2wav", "handoff", "first-audio")
+
+
+def first_audio_stages(started: float, prepared: float, first_at: float, first: AudioChunk | None) -> dict[str, float]:
+    """Stage durations in ms (a subset of :data:`STAGES`; the synthesizer's only when it sent them).
+
+    Args:
+        started / prepared / first_at: the ingress's clock (s) at arrival, after ``prepare`` and
+            when the first chunk arrived.
+        first: the first chunk (None: the stream was empty).
+    """
+    out = {"frontend": (prepared - started) * 1e3}
+    timing = first.timing if first is not None else None
+    if timing and "first_audio" in timing:
+        at = [0.0] + [timing.get(k) for k in ("first_token", "first_chunk_tokens", "first_audio")]
+        for name, lo, hi in zip(("llm-first-token", "llm-first-chunk", "token2wav"), at, at[1:]):
+            if lo is not None and hi is not None:
+                out[name] = hi - lo
+        out["handoff"] = max(0.0, (first_at - prepared) * 1e3 - timing["first_audio"])
+    if first is not None:
+        out["first-audio"] = (first_at - started) * 1e3
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def server_timing(stages: dict[str, float]) -> str:
+    """``Server-Timing`` header value: ``name;dur=ms`` entries in :data:`STAGES` order."""
+    return ", ".join(f"{name};dur={stages[name]:.2f}" for name in STAGES if name in stages)
+
+
+def parse_server_timing(value: str) -> dict[str, float]:
+    """The ``dur`` of every entry of a ``Server-Timing`` header (entries without one are skipped)."""
+    out = {}
+    for entry in value.split(","):
+        name, *params = (p.strip() for p in entry.split(";"))
+        for p in params:
+            key, _, dur = p.partition("=")
+            if key == "dur" and name:
+                try:
+                    out[name] = float(dur)
+                except ValueError:
+                    pass
+    return out
