@@ -107,7 +107,17 @@ class Probe:
                 "streams_in_flight_mean": (sum(t.latency_s for t in ok) / self.window_s if self.window_s > 0
                                            else math.nan),
                 "throughput_x_realtime": audio / self.window_s if self.window_s > 0 else math.nan,
-                "aborted": self.aborted, "meets_slo": meets, **self.extra}
+                "aborted": self.aborted, "meets_slo": meets, "stages_ms": stage_summary(ok), **self.extra}
+
+
+def stage_summary(traces: list[RequestTrace]) -> dict[str, list[float]]:
+    """[p50, p99] ms of every first-audio stage the server reported (Server-Timing), by stage."""
+    names = dict.fromkeys(name for t in traces for name in t.stages_ms)
+    out = {}
+    for name in names:
+        values = [t.stages_ms[name] for t in traces if name in t.stages_ms]
+        out[name] = [round(percentile(values, 50), 2), round(percentile(values, 99), 2)]
+    return out
 
 
 class _Judge:

@@ -45,8 +45,23 @@ def markdown(doc: dict, plots: list[str]) -> str:
         lines += ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         for p in sorted(s["probes"], key=lambda p: p["load"]):
             lines.append("| " + " | ".join(_cell(p.get(k), f) for k, _, f in COLUMNS) + " |")
+        lines += _stage_table(s["probes"])
     lines += [""] + [f"![{name}]({name})" for name in plots]
     return "\n".join(lines) + "\n"
+
+
+def _stage_table(probes: list[dict]) -> list[str]:
+    """First audio by stage (the service's Server-Timing header, serve level), p50 / p99 ms per probe."""
+    names = list(dict.fromkeys(name for p in probes for name in p.get("stages_ms") or {}))
+    if not names:
+        return []
+    lines = ["", "First audio by stage as the service reported it (Server-Timing; p50 / p99 ms):", "",
+             "| load | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for p in sorted(probes, key=lambda p: p["load"]):
+        cells = [" / ".join(f"{v:.0f}" for v in p["stages_ms"][n]) if n in p.get("stages_ms", {}) else "-"
+                 for n in names]
+        lines.append(f"| {p['load']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(out: Path, stem: str, doc: dict) -> list[str]:

@@ -22,6 +22,7 @@ import torch
 from bench.metrics import RequestTrace, percentile
 from bench.replica_sim import ReplicaSim
 from cosyvoice_runtime.pipeline import VoicePrompt
+from serve_app.stage_timing import parse_server_timing
 
 PCM_RATE = 24000
 TOKENS_PER_S = 25  # speech tokens per second of audio (both families)
@@ -161,6 +162,7 @@ class HttpTarget:
                 if resp.status_code != 200:
                     trace.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                     return trace
+                trace.stages_ms = parse_server_timing(resp.headers.get("server-timing", ""))
                 async for data in resp.aiter_raw():
                     total = carry + len(data)
                     if total // 2:

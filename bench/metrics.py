@@ -21,6 +21,7 @@ class RequestTrace:
     chunk_samples: list[int] = field(default_factory=list)
     sample_rate: int = 24000
     error: str | None = None
+    stages_ms: dict[str, float] = field(default_factory=dict)  # first audio by stage, as the server reported it
 
     def add_chunk(self, t_s: float, n_samples: int) -> None:
         self.chunk_times_s.append(t_s)

@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from bench.capacity import Run, _searches, main, parse_args
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
+from bench.capacity_report import _stage_table
 from bench.capacity_targets import HttpTarget, SimTarget, text_for
 from bench.metrics import RequestTrace
 
@@ -61,6 +62,20 @@ def test_probe_verdict_needs_every_request_ok_no_underrun_and_p99_first_audio():
     assert not Probe(4, failed, window_s=60).summary(SLO)["meets_slo"]
     assert not Probe(4, [], window_s=60).summary(SLO)["meets_slo"]  # nothing measured is no capacity
     assert not Probe(4, fine, window_s=60, aborted="underrun").summary(SLO)["meets_slo"]
+
+
+def test_probe_summary_and_report_give_first_audio_by_stage():
+    traces = [_trace(chunks=((0.1, 1.0),)) for _ in range(101)]
+    for i, t in enumerate(traces):
+        t.stages_ms = {"frontend": float(i), "handoff": 2.0 * i}
+    traces[0].stages_ms = {"frontend": 0.0}  # a stage a request lacks is left out of its percentiles
+    row = Probe(4, traces, window_s=60).summary(SLO)
+    assert row["stages_ms"] == {"frontend": [50.0, 99.0], "handoff": [101.0, 198.02]}  # 2, 4, ..., 200
+    assert Probe(4, [_trace(chunks=((0.1, 1.0),))], window_s=60).summary(SLO)["stages_ms"] == {}
+    table = "\n".join(_stage_table([{**row, "load": 4}, {"load": 2, "stages_ms": {"frontend": [1.0, 3.0]}}]))
+    assert "| load | frontend | handoff |" in table
+    assert "| 2 | 1 / 3 | - |" in table and "| 4 | 50 / 99 | 101 / 198 |" in table
+    assert _stage_table([{"load": 1, "stages_ms": {}}]) == []
 
 
 def _threshold_probe(limit, seen):
@@ -191,7 +206,8 @@ def _pcm_app(status=200, pieces=(b"\x01\x00\x02", b"\x00", b"")):
         async def gen():
             for p in pieces:
                 yield p
-        return StreamingResponse(gen(), media_type="audio/pcm")
+        return StreamingResponse(gen(), media_type="audio/pcm",
+                                 headers={"Server-Timing": "frontend;dur=2.50, token2wav;dur=40"})
     return Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"])])
 
 
@@ -202,6 +218,7 @@ def test_http_target_counts_samples_across_split_chunks_and_reports_errors():
 
     tr = asyncio.run(run(_pcm_app()))
     assert tr.error is None and sum(tr.chunk_samples) == 2  # 4 bytes of 16-bit PCM, split 3 + 1
+    assert tr.stages_ms == {"frontend": 2.5, "token2wav": 40.0}
     assert "429" in asyncio.run(run(_pcm_app(status=429))).error
     assert asyncio.run(run(_pcm_app(pieces=(b"",)))).error == "empty body"
 
