@@ -111,11 +111,14 @@ class Probe:
 
 
 def stage_summary(traces: list[RequestTrace]) -> dict[str, list[float]]:
-    """[p50, p99] ms of every first-audio stage the server reported (Server-Timing), by stage."""
-    names = dict.fromkeys(name for t in traces for name in t.stages_ms)
+    """[p50, p99] ms of every first-audio stage the server reported (Server-Timing), by stage,
+    and ``proxy``: the client's time to first audio less the ingress's (``first-audio``), i.e.
+    Serve's HTTP proxy hops and the connection."""
+    per_trace = [{**t.stages_ms, "proxy": t.ttfa_s * 1e3 - t.stages_ms["first-audio"]}
+                 if "first-audio" in t.stages_ms else t.stages_ms for t in traces]
     out = {}
-    for name in names:
-        values = [t.stages_ms[name] for t in traces if name in t.stages_ms]
+    for name in dict.fromkeys(name for stages in per_trace for name in stages):
+        values = [stages[name] for stages in per_trace if name in stages]
         out[name] = [round(percentile(values, 50), 2), round(percentile(values, 99), 2)]
     return out
 

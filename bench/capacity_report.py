@@ -55,7 +55,8 @@ def _stage_table(probes: list[dict]) -> list[str]:
     names = list(dict.fromkeys(name for p in probes for name in p.get("stages_ms") or {}))
     if not names:
         return []
-    lines = ["", "First audio by stage as the service reported it (Server-Timing; p50 / p99 ms):", "",
+    lines = ["", ("First audio by stage as the service reported it (Server-Timing; proxy: the client's time to first "
+             "audio less the ingress's, Serve's HTTP proxy and the connection; p50 / p99 ms):"), "",
              "| load | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
     for p in sorted(probes, key=lambda p: p["load"]):
         cells = [" / ".join(f"{v:.0f}" for v in p["stages_ms"][n]) if n in p.get("stages_ms", {}) else "-"

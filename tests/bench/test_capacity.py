@@ -71,6 +71,9 @@ def test_probe_summary_and_report_give_first_audio_by_stage():
     traces[0].stages_ms = {"frontend": 0.0}  # a stage a request lacks is left out of its percentiles
     row = Probe(4, traces, window_s=60).summary(SLO)
     assert row["stages_ms"] == {"frontend": [50.0, 99.0], "handoff": [101.0, 198.02]}  # 2, 4, ..., 200
+    traces[1].stages_ms["first-audio"] = 60.0  # the client saw its first audio at 100 ms
+    proxy = Probe(4, traces, window_s=60).summary(SLO)["stages_ms"]
+    assert proxy["first-audio"] == [60.0, 60.0] and proxy["proxy"] == [40.0, 40.0]
     assert Probe(4, [_trace(chunks=((0.1, 1.0),))], window_s=60).summary(SLO)["stages_ms"] == {}
     table = "\n".join(_stage_table([{**row, "load": 4}, {"load": 2, "stages_ms": {"frontend": [1.0, 3.0]}}]))
     assert "| load | frontend | handoff |" in table
