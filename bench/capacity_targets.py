@@ -21,7 +21,7 @@ import torch
 
 from bench.metrics import RequestTrace, percentile
 from bench.replica_sim import ReplicaSim
-from cosyvoice_runtime.pipeline import VoicePrompt
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 from serve_app.stage_timing import parse_server_timing
 
 PCM_RATE = 24000

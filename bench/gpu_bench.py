@@ -28,9 +28,9 @@ from bench.replica_sim import EXPRESS_BATCH, PROMPT_SPEECH, PROMPT_TEXT, TEXT, R
 from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
 from cosyvoice_runtime.model import CosyVoiceModel, build_modules
 from cosyvoice_runtime.modes import compile_model
-from cosyvoice_runtime.pipeline import Pipeline, VoicePrompt
+from cosyvoice_runtime.pipeline import Pipeline
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
-from cosyvoice_runtime.token2wav import FlowPrompt
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 from deployments.deadlines import DEFAULT_SLACK_S
 
 logger = logging.getLogger("bench")
@@ -62,18 +62,17 @@ def cast(model: CosyVoiceModel, dtype: torch.dtype) -> CosyVoiceModel:
 
 
 def make_voice(model: CosyVoiceModel, seed: int = 1) -> tuple[VoicePrompt, torch.Tensor]:
+    """A random voice (zero-shot: the LLM and the flow read its speech tokens) and text ids on the device."""
     g = torch.Generator().manual_seed(seed)
     dev = model.device
-    dtype = next(model.flow.parameters()).dtype
     s = model.spec
     voice = VoicePrompt(
-        prompt_text_ids=torch.randint(0, 150000, (PROMPT_TEXT,), generator=g).to(dev),
-        llm_prompt_speech_ids=torch.randint(0, s.llm.speech_token_size, (PROMPT_SPEECH,), generator=g).to(dev),
-        flow=FlowPrompt(
-            tokens=torch.randint(0, s.llm.speech_token_size, (1, PROMPT_SPEECH), generator=g, dtype=torch.int32).to(dev),
-            feat=torch.randn(1, 2 * PROMPT_SPEECH, s.flow.output_size, generator=g).to(dev, dtype),
-            embedding=torch.randn(1, s.flow.spk_embed_dim, generator=g).to(dev, dtype),
-        ),
+        family=s.family,
+        text_tokens=torch.randint(0, 150000, (PROMPT_TEXT,), generator=g, dtype=torch.int32).numpy(),
+        speech_tokens=torch.randint(0, s.llm.speech_token_size, (PROMPT_SPEECH,), generator=g,
+                                    dtype=torch.int32).numpy(),
+        mel=torch.randn(2 * PROMPT_SPEECH, s.flow.output_size, generator=g).numpy(),
+        embedding=torch.randn(s.flow.spk_embed_dim, generator=g).numpy(),
     )
     text = torch.randint(0, 150000, (TEXT,), generator=g).to(dev)
     if s.family == "cosyvoice3":

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cosyvoice_runtime.voice_prompt import VoicePrompt
+
 BATCH = 16
 PROMPT_FRAMES = 150  # LLM prompt length of every measured request
 
@@ -61,7 +63,7 @@ def _build(setup: Setup):
     from cosyvoice_runtime.llm.engine import LLMEngine
     from cosyvoice_runtime.model import build_modules
     from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
-    from cosyvoice_runtime.token2wav import FlowPrompt, Token2Wav
+    from cosyvoice_runtime.token2wav import Token2Wav
 
     dims = _TINY["cosyvoice2"] if setup.size == "tiny" else None
     spec = write_config_dir(tempfile.mkdtemp(), "cosyvoice2", dims)
@@ -87,9 +89,10 @@ def _build(setup: Setup):
         engine.add_request(f"r{i}", emb, min_len=n_tokens, max_len=n_tokens)
     t2w = Token2Wav(spec, flow, hift)
     lp = 75
-    prompt = FlowPrompt(tokens=torch.randint(0, spec.llm.speech_token_size, (1, lp), dtype=torch.int32, device=dev),
-                        feat=torch.randn(1, 2 * lp, spec.flow.output_size, device=dev, dtype=dtype),
-                        embedding=torch.randn(1, spec.flow.spk_embed_dim, device=dev, dtype=dtype))
+    prompt = VoicePrompt(family=spec.family, text_tokens=torch.zeros(0, dtype=torch.int32).numpy(),
+                         speech_tokens=torch.randint(0, spec.llm.speech_token_size, (lp,), dtype=torch.int32).numpy(),
+                         mel=torch.randn(2 * lp, spec.flow.output_size).numpy(),
+                         embedding=torch.randn(spec.flow.spk_embed_dim).numpy())
     tokens = torch.randint(0, spec.llm.speech_token_size, (200,)).tolist()
 
     def flow_job():

@@ -56,7 +56,7 @@ def llm_stages(model, voice, text, graphs: bool) -> dict:
         eng = LLMEngine(model.llm, max_batch_size=batch, max_seq_len=400, use_cuda_graphs=graphs)
         if graphs:
             eng.capture_graphs()
-        lm = build_lm_input(model.llm, text, voice.prompt_text_ids, voice.llm_prompt_speech_ids)
+        lm = build_lm_input(model.llm, text, voice.text_tokens, voice.speech_tokens)
         params = SamplingParams.from_spec(model.spec.llm, seed=1)
         for i in range(batch):
             eng.add_request(f"r{i}", lm.embeds, 200, 200, params)
@@ -85,7 +85,7 @@ def flow_stages(model, voice, reps: int) -> dict:
     g = torch.Generator().manual_seed(3)
 
     def jobs(n_tokens: int, batch: int):
-        states = [t2w.new_stream(voice.flow, stream=True) for _ in range(batch)]
+        states = [t2w.new_stream(voice, stream=True) for _ in range(batch)]
         toks = torch.randint(0, spec.llm.speech_token_size, (n_tokens,), generator=g).tolist()
         return [t2w.next_job(s, toks, llm_done=False) for s in states], states
 
@@ -121,7 +121,7 @@ def flow_stages(model, voice, reps: int) -> dict:
     mel = t2w.flow_mels(js)[0]
 
     def vocode_first():
-        st = t2w.new_stream(voice.flow, stream=True)
+        st = t2w.new_stream(voice, stream=True)
         job = t2w.next_job(st, js[0].tokens[0].tolist(), llm_done=False)
         t2w.vocode(job, mel)
 
@@ -246,9 +246,9 @@ def profile_table(model, voice, rows: int = 25) -> str:
     t2w = Token2Wav(model.spec, model.flow, model.hift)
     first = 41
     toks = list(range(first))
-    st = t2w.new_stream(voice.flow, stream=True)
+    st = t2w.new_stream(voice, stream=True)
     job = t2w.next_job(st, toks, llm_done=False)
-    t2w.run(t2w.next_job(t2w.new_stream(voice.flow, stream=True), toks, llm_done=False))
+    t2w.run(t2w.next_job(t2w.new_stream(voice, stream=True), toks, llm_done=False))
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 

@@ -32,9 +32,9 @@ from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.inputs import build_lm_input
 from cosyvoice_runtime.llm.sampling import SamplingParams
 from cosyvoice_runtime.model import CosyVoiceModel
-from cosyvoice_runtime.pipeline import VoicePrompt
 from cosyvoice_runtime.stream_schedule import pick_rows
 from cosyvoice_runtime.token2wav import StreamState, Token2Wav
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 logger = logging.getLogger("bench")
 
@@ -134,8 +134,8 @@ class ReplicaSim:
         n = n_tokens or self.n_tokens
         if n > self.n_tokens:
             raise ValueError(f"{n} tokens: this sim holds at most {self.n_tokens} per request")
-        lm = build_lm_input(self.model.llm, text, voice.prompt_text_ids, voice.llm_prompt_speech_ids)
-        state = self.t2w.new_stream(voice.flow, stream=True)
+        lm = build_lm_input(self.model.llm, text, voice.text_tokens, voice.speech_tokens)
+        state = self.t2w.new_stream(voice, stream=True)
         with self.lock:
             st = _Stream(RequestTrace(submitted_s=t_s), state, on_finish=on_finish)
             self.streams[rid] = self.open[rid] = st

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
+from numpy.typing import ArrayLike
 
 from cosyvoice_runtime.llm.generate import DecodeState, SampleFn, decode, default_sample_fn
 from cosyvoice_runtime.llm.inputs import build_lm_input
@@ -20,26 +20,10 @@ from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.sampling import SamplingParams
 from cosyvoice_runtime.llm.silent_tokens import SilentTokenFilter
 from cosyvoice_runtime.model import CosyVoiceModel
-from cosyvoice_runtime.token2wav import FlowPrompt, Token2Wav
+from cosyvoice_runtime.token2wav import Token2Wav
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class VoicePrompt:
-    """Everything a voice contributes to one utterance (spec §1.2, zero-shot family).
-
-    Attributes:
-        prompt_text_ids: (Lpt,) text ids placed before the target text (transcript of the prompt
-            audio, the instruct text for instruct2, or empty for cross-lingual).
-        llm_prompt_speech_ids: (L,) prompt speech tokens fed to the LLM (empty for
-            cross-lingual / instruct2).
-        flow: the flow conditioning (prompt tokens, prompt mel, speaker embedding).
-    """
-
-    prompt_text_ids: torch.Tensor
-    llm_prompt_speech_ids: torch.Tensor
-    flow: FlowPrompt
 
 
 class Pipeline:
@@ -57,10 +41,22 @@ class Pipeline:
         self.official_quirks = official_quirks
         self.token2wav = Token2Wav(model.spec, model.flow, model.hift, official_final_full_attention=official_quirks)
 
-    def speech_tokens(self, text_ids: torch.Tensor, voice: VoicePrompt, sampling: SamplingParams | None = None,
+    def speech_tokens(self, text_ids: ArrayLike, prompt: VoicePrompt, llm_prompt_text_ids: ArrayLike | None = None,
+                      llm_use_prompt_speech: bool = True, sampling: SamplingParams | None = None,
                       seed: int | None = None, sample_fn: SampleFn = default_sample_fn) -> Iterator[int]:
-        """Speech tokens for one text piece, after the silent-token filter."""
-        lm = build_lm_input(self.model.llm, text_ids, voice.prompt_text_ids, voice.llm_prompt_speech_ids)
+        """Speech tokens for one text piece, after the silent-token filter.
+
+        Args:
+            text_ids: (Lt,) text ids of the piece.
+            prompt: the voice.
+            llm_prompt_text_ids / llm_use_prompt_speech: what the LLM reads of the prompt in this
+                mode (spec §1.2, as ``PreparedRequest`` carries it): the text ids before the piece
+                (None: the prompt's transcript, zero-shot) and whether the prompt speech tokens
+                follow them (cross-lingual and instruct: no).
+        """
+        text_prompt = prompt.text_tokens if llm_prompt_text_ids is None else llm_prompt_text_ids
+        speech_prompt = prompt.speech_tokens if llm_use_prompt_speech else None
+        lm = build_lm_input(self.model.llm, text_ids, text_prompt, speech_prompt)
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(seed)
@@ -73,13 +69,16 @@ class Pipeline:
             if keep.keep(token):
                 yield token
 
-    def tts(self, text_ids: torch.Tensor, voice: VoicePrompt, stream: bool = False, speed: float = 1.0,
+    def tts(self, text_ids: ArrayLike, prompt: VoicePrompt, llm_prompt_text_ids: ArrayLike | None = None,
+            llm_use_prompt_speech: bool = True, stream: bool = False, speed: float = 1.0,
             sampling: SamplingParams | None = None, seed: int | None = None,
             sample_fn: SampleFn = default_sample_fn) -> Iterator[torch.Tensor]:
-        """Audio chunks (each (samples,) float32 at ``spec.sample_rate``) for one text piece."""
-        state = self.token2wav.new_stream(voice.flow, stream=stream, speed=speed)
+        """Audio chunks (each (samples,) float32 at ``spec.sample_rate``) for one text piece; the
+        LLM arguments are :meth:`speech_tokens`'s, the flow always gets the whole prompt."""
+        state = self.token2wav.new_stream(prompt, stream=stream, speed=speed)
         tokens: list[int] = []
-        for token in self.speech_tokens(text_ids, voice, sampling, seed, sample_fn):
+        for token in self.speech_tokens(text_ids, prompt, llm_prompt_text_ids, llm_use_prompt_speech, sampling, seed,
+                                        sample_fn):
             tokens.append(token)
             if stream and (job := self.token2wav.next_job(state, tokens, llm_done=False)) is not None:
                 yield self.token2wav.run(job)

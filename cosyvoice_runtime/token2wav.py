@@ -29,32 +29,22 @@ from cosyvoice_runtime.flow.stepper import SolveRow
 from cosyvoice_runtime.hift.batch import vocode_batch
 from cosyvoice_runtime.hift.streaming import VocoderStream, vocode_chunk
 from cosyvoice_runtime.stream_schedule import first_hop
-
-
-@dataclass
-class FlowPrompt:
-    """Prompt conditioning of the flow for one voice.
-
-    Attributes:
-        tokens: (1, Lp) int32 prompt speech tokens (aligned to ``feat``: 2 frames per token).
-        feat: (1, 2 * Lp, n_mels) float32 prompt mel, frames-major.
-        embedding: (1, spk_dim) float32 raw speaker embedding.
-    """
-
-    tokens: torch.Tensor
-    feat: torch.Tensor
-    embedding: torch.Tensor
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.tokens.shape[1])
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 
 @dataclass
 class StreamState:
-    """Per-request token2wav state, owned by the caller and passed in on every call."""
+    """Per-request token2wav state, owned by the caller and passed in on every call.
 
-    prompt: FlowPrompt
+    ``prompt_tokens`` / ``prompt_feat`` / ``prompt_embedding`` are the voice prompt as the flow
+    takes it, on the flow's device: (1, Lp) int32, (1, 2 * Lp, n_mels) and (1, spk_dim) in the
+    flow's dtype (made once per stream by :meth:`Token2Wav.new_stream`).
+    """
+
+    prompt: VoicePrompt
+    prompt_tokens: torch.Tensor = field(repr=False)
+    prompt_feat: torch.Tensor = field(repr=False)
+    prompt_embedding: torch.Tensor = field(repr=False)
     stream: bool
     speed: float
     hop_len: int
@@ -120,14 +110,21 @@ class Token2Wav:
         self.lookahead = spec.flow.pre_lookahead_len
         self.ratio = spec.flow.token_mel_ratio
 
-    def new_stream(self, prompt: FlowPrompt, stream: bool, speed: float = 1.0,
+    def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float = 1.0,
                    generator: torch.Generator | None = None) -> StreamState:
+        """A request's state; its prompt is copied to the flow's device and dtype here, once."""
         if not (0.5 <= speed <= 2.0) or not math.isfinite(speed):
             raise InvalidInputError(f"speed must be within [0.5, 2.0], got {speed}")
         if stream and speed != 1.0:
             raise InvalidInputError("speed != 1 is only supported without streaming")
+        weight = next(self.flow.parameters())
+        # torch.tensor copies: arrays unpickled from a handle call are read-only.
         return StreamState(
-            prompt=prompt, stream=stream, speed=speed, hop_len=self.spec.stream.token_hop_len,
+            prompt=prompt,
+            prompt_tokens=torch.tensor(prompt.speech_tokens, dtype=torch.int32, device=weight.device).reshape(1, -1),
+            prompt_feat=torch.tensor(prompt.mel, dtype=weight.dtype, device=weight.device)[None],
+            prompt_embedding=torch.tensor(prompt.embedding, dtype=weight.dtype, device=weight.device).reshape(1, -1),
+            stream=stream, speed=speed, hop_len=self.spec.stream.token_hop_len,
             vocoder=VocoderStream.create(self.spec, strategy=self.cv3_vocoder), generator=generator,
         )
 
@@ -160,10 +157,9 @@ class Token2Wav:
 
     def _flow_item(self, job: Token2WavJob) -> FlowItem:
         state = job.state
-        p = state.prompt
         streaming_masks = state.stream and not (job.finalize and self.official_final_full_attention)
-        return FlowItem(token=job.tokens, prompt_token=p.tokens, prompt_feat=p.feat, embedding=p.embedding,
-                        streaming=streaming_masks, finalize=job.finalize)
+        return FlowItem(token=job.tokens, prompt_token=state.prompt_tokens, prompt_feat=state.prompt_feat,
+                        embedding=state.prompt_embedding, streaming=streaming_masks, finalize=job.finalize)
 
     @torch.inference_mode()
     def flow_mels(self, jobs: list[Token2WavJob]) -> list[torch.Tensor]:
@@ -180,7 +176,7 @@ class Token2Wav:
             mels = self.flow.inference_batch([items[i] for i in batch])
             for i, mel in zip(batch, mels):
                 state = jobs[i].state
-                state.flow_frames += state.prompt.feat.shape[1] + mel.shape[-1]
+                state.flow_frames += state.prompt_feat.shape[1] + mel.shape[-1]
                 out[i] = mel[:, :, state.token_offset * self.ratio:]
         for i, inc in enumerate(incremental):
             if inc:
@@ -194,7 +190,7 @@ class Token2Wav:
         start = state.flow_cache.frames
         mel = incremental_mel(self.flow, item, state.flow_cache)  # frames [start, T), prompt included
         state.flow_frames += mel.shape[-1]
-        first = state.prompt.feat.shape[1] + state.token_offset * self.ratio - start
+        first = state.prompt_feat.shape[1] + state.token_offset * self.ratio - start
         if first < 0:
             raise RuntimeError(f"flow cache of {start} frames is past the job's first new frame")
         return mel[:, :, first:]
@@ -275,7 +271,7 @@ class Token2Wav:
         if any(r.step < self.n_steps for r in rows):
             raise ValueError("finish() takes rows whose solve is done")
         jobs = [row.tag for row in rows]
-        mels = [self.flow.row_mel(row, job.state.prompt.feat.shape[1])[:, :, job.state.token_offset * self.ratio:]
+        mels = [self.flow.row_mel(row, job.state.prompt_feat.shape[1])[:, :, job.state.token_offset * self.ratio:]
                 for row, job in zip(rows, jobs)]
         with _all_or_nothing([job.state for job in jobs]):
             for row, job in zip(rows, jobs):
@@ -301,7 +297,7 @@ class Token2Wav:
                 out += self._vocode_many(group, self.flow_mels(group))
         return out
 
-    def synthesize(self, prompt: FlowPrompt, tokens: Sequence[int] | torch.Tensor, stream: bool = False,
+    def synthesize(self, prompt: VoicePrompt, tokens: Sequence[int] | torch.Tensor, stream: bool = False,
                    speed: float = 1.0, generator: torch.Generator | None = None) -> list[torch.Tensor]:
         """All chunks of an utterance whose tokens are already known (VC path, tests)."""
         state = self.new_stream(prompt, stream=stream, speed=speed, generator=generator)

@@ -192,7 +192,7 @@ class TextFrontend:
             raise InvalidInputError("instruct synthesis needs instruct_text")
         prompt = self._resolve_prompt(req, need_transcript=rule.transcript)
         if rule.transcript:
-            llm_text_ids = prompt.prompt_text_ids
+            llm_text_ids = prompt.text_tokens
         elif mode == SynthesisMode.INSTRUCT:
             llm_text_ids = self.rt.tokenize(instruct_prompt(req.instruct_text))  # verbatim, not normalised
         else:  # cross-lingual: no transcript, and CosyVoice3's prefix goes before the text itself
@@ -218,7 +218,7 @@ class TextFrontend:
         prompt = self._resolve_prompt(req, need_transcript=True)
         if prompt.family != self.rt.family:
             raise InvalidInputError(f"voice was made for {prompt.family}, this model is {self.rt.family}")
-        ids = np.asarray(prompt.prompt_text_ids, dtype=np.int32)
+        ids = np.asarray(prompt.text_tokens, dtype=np.int32)
         if self.rt.family == "cosyvoice3" and ENDOFPROMPT_TOKEN_ID not in ids:
             # CV3 bistream feeds the prompt up to <|endofprompt|> first (a voice stored without it)
             ids = np.concatenate([self.rt.tokenize(self._with_cv3_prefix("")), ids]).astype(np.int32)
@@ -227,5 +227,5 @@ class TextFrontend:
 
 
 def _info(voice_id: str, prompt: VoicePrompt) -> VoiceInfo:
-    return VoiceInfo(voice_id=voice_id, prompt_text=prompt.prompt_text, family=prompt.family,
+    return VoiceInfo(voice_id=voice_id, prompt_text=prompt.text, family=prompt.family,
                      num_prompt_tokens=len(prompt.speech_tokens))

@@ -2,8 +2,9 @@
 
 A thin adapter over ``cosyvoice_runtime.frontend``: :class:`Frontend` (wetext normaliser +
 splitter with the English piece length measured in Qwen2 tokens, tokenizer, ONNX prompt encoder)
-and :class:`VoiceRegistry` (one record + safetensors blob per voice, written atomically). It only
-converts between the runtime's ``PromptFeatures`` and the handle message ``VoicePrompt``.
+and :class:`VoiceRegistry` (one record + safetensors blob per voice, written atomically). Prompts
+are the runtime's ``VoicePrompt`` end to end; this adapter maps the store's errors to the serving
+ones.
 """
 from __future__ import annotations
 
@@ -16,11 +17,6 @@ from deployments import constants
 from deployments.protocol import PayloadTooLargeError, VoiceExistsError, VoiceNotFoundError, VoicePrompt
 
 logger = logging.getLogger(__name__)
-
-
-def _to_message(features) -> VoicePrompt:
-    return VoicePrompt(family=features.family, prompt_text=features.text, prompt_text_ids=features.text_tokens,
-                       speech_tokens=features.speech_tokens, mel=features.mel, embedding=features.embedding)
 
 
 class RuntimeFrontend:
@@ -62,23 +58,20 @@ class RuntimeFrontend:
         return self.frontend.tokens(text)
 
     def prompt_from_audio(self, audio: np.ndarray, sample_rate: int, prompt_text: str) -> VoicePrompt:
-        return _to_message(self.frontend.prompt_from_samples(audio, sample_rate, prompt_text))
+        return self.frontend.prompt_from_samples(audio, sample_rate, prompt_text)
 
     def save_voice(self, voice_id: str, prompt: VoicePrompt, overwrite: bool = True) -> None:
         from cosyvoice_runtime.frontend import errors
-        from cosyvoice_runtime.frontend.prompt import PromptFeatures
 
         try:
-            self.registry.put(voice_id, PromptFeatures(
-                family=prompt.family, text=prompt.prompt_text, text_tokens=prompt.prompt_text_ids,
-                speech_tokens=prompt.speech_tokens, mel=prompt.mel, embedding=prompt.embedding), overwrite=overwrite)
+            self.registry.put(voice_id, prompt, overwrite=overwrite)
         except errors.VoiceExistsError as exc:
             raise VoiceExistsError(str(exc)) from None
         except errors.VoiceStoreFullError as exc:
             raise PayloadTooLargeError(str(exc)) from None
 
     def load_voice(self, voice_id: str) -> VoicePrompt:
-        return _to_message(self.registry.get(voice_id, family=self.family))
+        return self.registry.get(voice_id, family=self.family)
 
     def list_voices(self) -> list[str]:
         return self.registry.list()

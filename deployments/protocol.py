@@ -5,6 +5,9 @@ Deployments never see HTTP objects: the ingress turns a request into a
 synthesizer streams :class:`AudioChunk` objects back. Audio is float32 mono numpy at the
 model's sample rate; only ``serve_app`` knows containers (WAV, FLAC...) and status codes.
 
+The voice prompt inside a :class:`PreparedRequest` is the runtime's own
+:class:`~cosyvoice_runtime.voice_prompt.VoicePrompt` (numpy only), re-exported here.
+
 Errors: the runtime's own exceptions are re-exported so callers import one module; the
 serving-level ones are added here. Every class keeps the single-message constructor of
 ``Exception`` so that it survives pickling through Ray (a replica's exception is re-raised in
@@ -24,6 +27,7 @@ from cosyvoice_runtime.errors import (
     ModelLoadError,
     VoiceNotFoundError,
 )
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 __all__ = [
     "AudioChunk",
@@ -107,26 +111,6 @@ class SynthesisRequest:
     speed: float = 1.0
     stream: bool = False
     seed: int | None = None
-
-
-@dataclass
-class VoicePrompt:
-    """A speaker's prompt features, computed once per voice (spec §6.2 F).
-
-    Attributes:
-        family: model family the features belong to (tokens are not interchangeable).
-        prompt_text_ids: (Lpt,) int32 text ids of the transcript.
-        speech_tokens: (Ls,) int32 prompt speech tokens, aligned with ``mel`` (2 frames per token).
-        mel: (2 * Ls, n_mels) float32 prompt mel, frames-major.
-        embedding: (spk_dim,) float32 raw speaker embedding.
-    """
-
-    family: str
-    prompt_text_ids: np.ndarray
-    speech_tokens: np.ndarray
-    mel: np.ndarray
-    embedding: np.ndarray
-    prompt_text: str = ""
 
 
 @dataclass

@@ -171,18 +171,10 @@ class RuntimeToken2Wav:
     def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> Any:
         import torch
 
-        from cosyvoice_runtime.token2wav import FlowPrompt
-
-        # torch.tensor copies: arrays unpickled from a handle call are read-only.
-        flow_prompt = FlowPrompt(
-            tokens=torch.tensor(prompt.speech_tokens, dtype=torch.int32, device=self.device).reshape(1, -1),
-            feat=torch.tensor(prompt.mel, dtype=self.dtype, device=self.device)[None],
-            embedding=torch.tensor(prompt.embedding, dtype=self.dtype, device=self.device).reshape(1, -1),
-        )
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(int(seed))
-        return self.t2w.new_stream(flow_prompt, stream=stream, speed=speed, generator=generator)
+        return self.t2w.new_stream(prompt, stream=stream, speed=speed, generator=generator)
 
     def next_job(self, state: Any, tokens: Sequence[int], llm_done: bool) -> Any | None:
         return self.t2w.next_job(state, tokens, llm_done)

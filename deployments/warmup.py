@@ -18,7 +18,7 @@ def warm_up(runtime: SynthesisRuntime) -> None:
     """Drive one tiny request through the engine and token2wav synchronously (before serving)."""
     t2w = runtime.token2wav
     n_prompt = 2 * constants.WARMUP_TEXT_TOKENS
-    prompt = VoicePrompt(family="warmup", prompt_text_ids=np.zeros(0, np.int32),
+    prompt = VoicePrompt(family="warmup", text_tokens=np.zeros(0, np.int32),
                          speech_tokens=np.zeros(n_prompt, np.int32),
                          mel=np.zeros((2 * n_prompt, t2w.n_mels), np.float32),
                          embedding=np.zeros(t2w.embedding_dim, np.float32))

@@ -279,25 +279,6 @@ def _local_session(args: argparse.Namespace):
     return frontend, Pipeline(load_model(resolved, device=device)), device
 
 
-def _pipeline_voice(prepared, device: str):
-    """deployments ``PreparedRequest`` prompt -> the pipeline's ``VoicePrompt`` (torch tensors)."""
-    import torch
-
-    from cosyvoice_runtime.pipeline import VoicePrompt
-    from cosyvoice_runtime.token2wav import FlowPrompt
-
-    p = prepared.prompt
-    speech = torch.as_tensor(np.asarray(p.speech_tokens, dtype=np.int64), device=device)
-    flow = FlowPrompt(tokens=speech.to(torch.int32).reshape(1, -1),
-                      feat=torch.as_tensor(np.asarray(p.mel, dtype=np.float32), device=device).unsqueeze(0),
-                      embedding=torch.as_tensor(np.asarray(p.embedding, dtype=np.float32),
-                                                device=device).reshape(1, -1))
-    llm_speech = speech if prepared.llm_use_prompt_speech else speech[:0]
-    return VoicePrompt(prompt_text_ids=torch.as_tensor(np.asarray(prepared.llm_prompt_text_ids, dtype=np.int64),
-                                                       device=device),
-                       llm_prompt_speech_ids=llm_speech, flow=flow)
-
-
 def synth_local(args: argparse.Namespace, segments: list[str], sink: WavSink, progress) -> None:
     import torch
 
@@ -318,10 +299,11 @@ def synth_local(args: argparse.Namespace, segments: list[str], sink: WavSink, pr
                                voice_id=args.voice, prompt_text=args.prompt_text, prompt_audio=audio,
                                prompt_sample_rate=sr, instruct_text=args.instruct, speed=args.speed, seed=args.seed)
         prepared = asyncio.run(frontend.prepare(req))
-        voice = _pipeline_voice(prepared, device)
         for piece in prepared.pieces:
             ids = torch.as_tensor(np.asarray(piece.text_ids, dtype=np.int64), device=device)
-            for chunk in pipeline.tts(ids, voice, stream=False, speed=args.speed, seed=args.seed):
+            for chunk in pipeline.tts(ids, prepared.prompt, llm_prompt_text_ids=prepared.llm_prompt_text_ids,
+                                      llm_use_prompt_speech=prepared.llm_use_prompt_speech, stream=False,
+                                      speed=args.speed, seed=args.seed):
                 from serve_app.audio_codec import to_int16
 
                 sink.write(to_int16(chunk.detach().float().cpu().numpy()), pipeline.spec.sample_rate)

@@ -10,8 +10,8 @@ _EXPORTS = {
     "Frontend": "frontend", "FrontendLimits": "frontend", "TextSegment": "frontend", "check_text": "frontend",
     "TextNormalizer": "normalize", "ParagraphSplitter": "split", "SplitParams": "split",
     "split_paragraph": "split", "TextTokenizer": "tokenizer", "Waveform": "audio", "decode_audio": "audio",
-    "to_waveform": "audio", "resample": "audio", "PromptEncoder": "prompt", "PromptFeatures": "prompt",
-    "PromptLimits": "prompt", "align_prompt": "prompt", "VoiceRegistry": "voices",
+    "to_waveform": "audio", "resample": "audio", "PromptEncoder": "prompt", "PromptLimits": "prompt",
+    "align_prompt": "prompt", "VoiceRegistry": "voices",
     "import_spk2info": "voices", "content_voice_id": "voices", "check_voice_id": "voices",
 }
 

@@ -16,9 +16,10 @@ from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.frontend.audio import Waveform, decode_audio, to_waveform
 from cosyvoice_runtime.frontend.errors import EmptyTextError, InvalidInputError, TextTooLongError
 from cosyvoice_runtime.frontend.normalize import TextNormalizer
-from cosyvoice_runtime.frontend.prompt import PromptEncoder, PromptFeatures, PromptLimits
+from cosyvoice_runtime.frontend.prompt import PromptEncoder, PromptLimits
 from cosyvoice_runtime.frontend.tokenizer import TextTokenizer
 from cosyvoice_runtime.frontend.voices import VoiceRegistry, check_voice_id, content_voice_id
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 from cosyvoice_runtime.yaml_config import read_model_spec
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class Frontend:
             raise InvalidInputError("this frontend was built without prompt models")
         return self.encoder
 
-    def prompt(self, audio: bytes | Waveform, prompt_text: str = "") -> PromptFeatures:
+    def prompt(self, audio: bytes | Waveform, prompt_text: str = "") -> VoicePrompt:
         """Prompt audio (file bytes or a :class:`Waveform`) + transcript -> aligned features."""
         if isinstance(audio, (bytes, bytearray, memoryview)):
             audio = decode_audio(audio, self.limits.prompt.audio_limits())  # header checked before decoding
@@ -114,10 +115,10 @@ class Frontend:
             raise InvalidInputError("prompt audio must be file bytes or a Waveform")
         text, text_tokens = self.prompt_text_tokens(prompt_text) if prompt_text.strip() else ("", np.zeros(0, np.int32))
         speech_tokens, mel, embedding = self._encoder().encode(wav)
-        return PromptFeatures(family=self.family, text=text, text_tokens=text_tokens, speech_tokens=speech_tokens,
-                              mel=mel, embedding=embedding)
+        return VoicePrompt(family=self.family, text=text, text_tokens=text_tokens, speech_tokens=speech_tokens,
+                           mel=mel, embedding=embedding)
 
-    def prompt_from_samples(self, samples, sample_rate: int, prompt_text: str = "") -> PromptFeatures:
+    def prompt_from_samples(self, samples, sample_rate: int, prompt_text: str = "") -> VoicePrompt:
         return self.prompt(to_waveform(samples, sample_rate), prompt_text)
 
     # -- voices -----------------------------------------------------------------------------
@@ -146,6 +147,6 @@ class Frontend:
         features.meta = {"content_id": content_id}
         return vid, registry.put(vid, features)
 
-    def voice(self, voice_id: str) -> PromptFeatures:
+    def voice(self, voice_id: str) -> VoicePrompt:
         """A registered voice of this model family (:class:`VoiceNotFoundError` if unknown)."""
         return self._registry().get(check_voice_id(voice_id), family=self.family)

@@ -1,12 +1,14 @@
 """Prompt processing: audio -> (speech tokens, speaker embedding, prompt mel), spec §2.4-2.8.
 
+The frontend puts them in a :class:`~cosyvoice_runtime.voice_prompt.VoicePrompt`.
+
 ``onnxruntime`` is imported lazily (only when a :class:`PromptEncoder` is built), so text-only
 replicas never load it.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,34 +38,6 @@ class PromptLimits:
         """The same bounds for decoding a prompt file (checked on its header, before decoding)."""
         return AudioLimits(max_seconds=self.max_seconds, min_rate_hz=self.min_source_rate,
                            max_rate_hz=self.max_source_rate, max_channels=self.max_channels)
-
-
-@dataclass(slots=True)
-class PromptFeatures:
-    """Everything a zero-shot request needs from its prompt (spec §6.2 F), already aligned.
-
-    Arrays (numpy, CPU): ``text_tokens`` int32 ``(Lp,)``; ``speech_tokens`` int32 ``(L,)``;
-    ``mel`` float32 ``(ratio * L, 80)`` time-major; ``embedding`` float32 ``(192,)`` raw CAM++ output.
-    ``kind == "sft"`` entries (imported SFT speakers) carry only the embedding.
-    """
-
-    family: Family
-    text: str
-    text_tokens: np.ndarray
-    speech_tokens: np.ndarray
-    mel: np.ndarray
-    embedding: np.ndarray
-    kind: str = "zero_shot"
-    meta: dict = field(default_factory=dict)
-
-    def torch(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """Batch-of-one tensors in the shapes the LLM/flow take: ``(1, Lp)``, ``(1, L)``, ``(1, 2L, 80)``, ``(1, 192)``."""
-        return {
-            "prompt_text": torch.from_numpy(self.text_tokens).to(device)[None],
-            "prompt_speech_token": torch.from_numpy(self.speech_tokens).to(device)[None],
-            "prompt_feat": torch.from_numpy(self.mel).to(device)[None],
-            "embedding": torch.from_numpy(self.embedding).to(device)[None],
-        }
 
 
 def align_prompt(mel: np.ndarray, tokens: np.ndarray, ratio: int) -> tuple[np.ndarray, np.ndarray]:

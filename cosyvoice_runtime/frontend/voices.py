@@ -56,8 +56,8 @@ from cosyvoice_runtime.frontend.errors import (
     VoiceNotFoundError,
     VoiceStoreFullError,
 )
-from cosyvoice_runtime.frontend.prompt import PromptFeatures
 from cosyvoice_runtime.frontend.voice_id import check_voice_id
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def atomic_write(path: Path, data: bytes, exclusive: bool = False) -> None:
     _fsync_dir(path.parent)
 
 
-def _serialize(voice: PromptFeatures) -> bytes:
+def _serialize(voice: VoicePrompt) -> bytes:
     from safetensors.numpy import save
 
     arrays = {
@@ -125,7 +125,7 @@ def _serialize(voice: PromptFeatures) -> bytes:
     return save(arrays)
 
 
-def _nbytes(voice: PromptFeatures) -> int:
+def _nbytes(voice: VoicePrompt) -> int:
     return sum(np.asarray(getattr(voice, k)).nbytes for k in _TENSORS)
 
 
@@ -144,7 +144,7 @@ class VoiceRegistry:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_voices, self.max_bytes, self.cache_max_bytes = max_voices, max_bytes, cache_max_bytes
-        self._cache: OrderedDict[str, tuple[str, PromptFeatures, int]] = OrderedDict()  # id -> (sha, voice, bytes)
+        self._cache: OrderedDict[str, tuple[str, VoicePrompt, int]] = OrderedDict()  # id -> (sha, voice, bytes)
         self._cache_bytes = 0
         self._lock = threading.Lock()  # the cache is shared by the frontend's executor threads
         self._problems: dict[str, str] = {}  # id -> why its record is unusable (last scan or lookup)
@@ -199,7 +199,7 @@ class VoiceRegistry:
         return dict(self._problems)
 
     # -- cache ------------------------------------------------------------------------------
-    def _cached(self, voice_id: str, sha: str) -> PromptFeatures | None:
+    def _cached(self, voice_id: str, sha: str) -> VoicePrompt | None:
         with self._lock:
             hit = self._cache.get(voice_id)
             if hit is None or hit[0] != sha:
@@ -207,7 +207,7 @@ class VoiceRegistry:
             self._cache.move_to_end(voice_id)
             return hit[1]
 
-    def _remember(self, voice_id: str, sha: str, voice: PromptFeatures) -> None:
+    def _remember(self, voice_id: str, sha: str, voice: VoicePrompt) -> None:
         size = _nbytes(voice)
         with self._lock:
             self._forget_locked(voice_id)
@@ -272,7 +272,7 @@ class VoiceRegistry:
     def exists(self, voice_id: str) -> bool:
         return self._record_path(voice_id).exists()
 
-    def put(self, voice_id: str, voice: PromptFeatures, overwrite: bool = True) -> bool:
+    def put(self, voice_id: str, voice: VoicePrompt, overwrite: bool = True) -> bool:
         """Store ``voice`` under ``voice_id``. Returns False when the identical voice is already there.
 
         Re-registering an id with different content replaces it atomically (last write wins);
@@ -321,7 +321,7 @@ class VoiceRegistry:
         logger.info("registered voice %s (%s, %s)", voice_id, voice.family, voice.kind)
         return True
 
-    def get(self, voice_id: str, family: str | None = None) -> PromptFeatures:
+    def get(self, voice_id: str, family: str | None = None) -> VoicePrompt:
         """The stored voice; :class:`VoiceNotFoundError` if absent, a family mismatch is an error too."""
         from safetensors.numpy import load
 
@@ -338,9 +338,9 @@ class VoiceRegistry:
             if hashlib.sha256(blob).hexdigest() != record["sha256"]:
                 raise ValueError("checksum mismatch")
             arrays = load(blob)
-            voice = PromptFeatures(family=record["family"], text=str(record.get("text", "")),
-                                   kind=str(record.get("kind", "zero_shot")), meta=dict(record.get("meta") or {}),
-                                   **{k: arrays[k] for k in _TENSORS})
+            voice = VoicePrompt(family=record["family"], text=str(record.get("text", "")),
+                                kind=str(record.get("kind", "zero_shot")), meta=dict(record.get("meta") or {}),
+                                **{k: arrays[k] for k in _TENSORS})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             logger.error("voice %s: tensor file %s unreadable: %s", voice_id, record.get("tensors"), exc)
             raise VoiceNotFoundError(f"voice '{voice_id}' is stored but unreadable") from None
@@ -450,14 +450,14 @@ def import_spk2info(path: str | Path, family: str, registry: VoiceRegistry) -> l
 
         if "flow_prompt_speech_token" in entry:
             mel = entry["prompt_speech_feat"].detach().cpu().numpy().astype(np.float32).reshape(-1, MEL_BINS)
-            voice = PromptFeatures(family=family, text="", kind="zero_shot",
-                                   text_tokens=array(entry, "prompt_text", np.int32),
-                                   speech_tokens=array(entry, "flow_prompt_speech_token", np.int32), mel=mel,
-                                   embedding=array(entry, "flow_embedding", np.float32), meta={"source": "spk2info"})
+            voice = VoicePrompt(family=family, text="", kind="zero_shot",
+                                text_tokens=array(entry, "prompt_text", np.int32),
+                                speech_tokens=array(entry, "flow_prompt_speech_token", np.int32), mel=mel,
+                                embedding=array(entry, "flow_embedding", np.float32), meta={"source": "spk2info"})
         elif "embedding" in entry:
-            voice = PromptFeatures(family=family, text="", kind="sft", text_tokens=np.zeros(0, np.int32),
-                                   speech_tokens=np.zeros(0, np.int32), mel=np.zeros((0, MEL_BINS), np.float32),
-                                   embedding=array(entry, "embedding", np.float32), meta={"source": "spk2info"})
+            voice = VoicePrompt(family=family, text="", kind="sft", text_tokens=np.zeros(0, np.int32),
+                                speech_tokens=np.zeros(0, np.int32), mel=np.zeros((0, MEL_BINS), np.float32),
+                                embedding=array(entry, "embedding", np.float32), meta={"source": "spk2info"})
         else:
             logger.warning("spk2info entry %r has neither shape of spec §2.9; skipped", key)
             continue

@@ -269,10 +269,10 @@ class FakeFrontendRuntime:
 
     def prompt_from_audio(self, audio: np.ndarray, sample_rate: int, prompt_text: str) -> VoicePrompt:
         n = max(1, int(len(audio) / sample_rate * 25))
-        return VoicePrompt(family=self.family, prompt_text_ids=self.tokenize(prompt_text),
+        return VoicePrompt(family=self.family, text_tokens=self.tokenize(prompt_text),
                            speech_tokens=np.arange(n, dtype=np.int32) % 6561,
                            mel=np.zeros((2 * n, 80), np.float32), embedding=np.ones(192, np.float32),
-                           prompt_text=prompt_text)
+                           text=prompt_text)
 
     def save_voice(self, voice_id: str, prompt: VoicePrompt, overwrite: bool = True) -> None:
         if not overwrite and voice_id in self.voices:

@@ -12,7 +12,7 @@ from tests.deployments import fakes
 
 
 def _req(rid: str) -> PreparedRequest:
-    prompt = VoicePrompt(family="cosyvoice2", prompt_text_ids=np.arange(3, dtype=np.int32),
+    prompt = VoicePrompt(family="cosyvoice2", text_tokens=np.arange(3, dtype=np.int32),
                          speech_tokens=np.arange(10, dtype=np.int32), mel=np.zeros((20, 80), np.float32),
                          embedding=np.ones(192, np.float32))
     return PreparedRequest(request_id=rid, pieces=[TextPiece("x", np.arange(200, dtype=np.int32))], prompt=prompt,

@@ -20,7 +20,7 @@ def model_dir(tmp_path_factory):
 
 def _voice(rt, n_tokens: int = 30) -> VoicePrompt:
     g = np.random.default_rng(0)
-    return VoicePrompt(family="cosyvoice2", prompt_text_ids=np.arange(5, dtype=np.int32),
+    return VoicePrompt(family="cosyvoice2", text_tokens=np.arange(5, dtype=np.int32),
                        speech_tokens=g.integers(0, 100, n_tokens).astype(np.int32),
                        mel=g.standard_normal((2 * n_tokens, rt.token2wav.n_mels)).astype(np.float32),
                        embedding=g.standard_normal(rt.token2wav.embedding_dim).astype(np.float32))

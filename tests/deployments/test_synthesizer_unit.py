@@ -29,7 +29,7 @@ from tests.deployments import fakes
 
 
 def _prompt() -> VoicePrompt:
-    return VoicePrompt(family="cosyvoice2", prompt_text_ids=np.arange(3, dtype=np.int32),
+    return VoicePrompt(family="cosyvoice2", text_tokens=np.arange(3, dtype=np.int32),
                        speech_tokens=np.arange(10, dtype=np.int32), mel=np.zeros((20, 80), np.float32),
                        embedding=np.ones(192, np.float32))
 

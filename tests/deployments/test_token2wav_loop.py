@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory):
 
 def _req(rid: str, n_text: int, seed: int) -> PreparedRequest:
     g = np.random.default_rng(seed)
-    prompt = VoicePrompt(family="cosyvoice2", prompt_text_ids=np.arange(5, dtype=np.int32),
+    prompt = VoicePrompt(family="cosyvoice2", text_tokens=np.arange(5, dtype=np.int32),
                          speech_tokens=g.integers(0, 100, 30).astype(np.int32),
                          mel=g.standard_normal((60, 80)).astype(np.float32),
                          embedding=g.standard_normal(192).astype(np.float32))

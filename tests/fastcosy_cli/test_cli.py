@@ -257,16 +257,14 @@ class FakePipeline:
         self.calls = []
         self.spec = argparse.Namespace(sample_rate=24000)
 
-    def tts(self, text_ids, voice, stream, speed, seed):
+    def tts(self, text_ids, prompt, llm_prompt_text_ids, llm_use_prompt_speech, stream, speed, seed):
         import torch
 
-        self.calls.append((text_ids, voice, stream, speed, seed))
+        self.calls.append((text_ids, prompt, llm_prompt_text_ids, llm_use_prompt_speech, seed))
         yield torch.full((2400 * int(text_ids.numel()),), 0.1)
 
 
 def test_synth_local_prepares_with_the_frontend_and_runs_the_pipeline(tmp_path, monkeypatch):
-    import torch
-
     from deployments.frontend import FrontendConfig, TextFrontend
     from tests.deployments import fakes
 
@@ -281,10 +279,9 @@ def test_synth_local_prepares_with_the_frontend_and_runs_the_pipeline(tmp_path, 
     assert synth.run(args) == 0
     # The fake frontend splits "Ab. Cd." into two pieces of 3 byte-ids each.
     assert [c[0].tolist() for c in pipeline.calls] == [list(b"Ab."), list(b"Cd.")]
-    voice = pipeline.calls[0][1]
-    assert voice.prompt_text_ids.tolist() == list(b"hi")  # zero-shot: the transcript goes to the LLM
-    assert voice.llm_prompt_speech_ids.numel() == 50 and voice.flow.tokens.shape == (1, 50)
-    assert voice.flow.feat.shape == (1, 100, 80) and voice.flow.embedding.shape == (1, 192)
-    assert voice.flow.tokens.dtype == torch.int32 and pipeline.calls[0][4] == 3
+    _, voice, llm_text_ids, llm_speech, seed = pipeline.calls[0]
+    assert llm_text_ids.tolist() == list(b"hi") and llm_speech  # zero-shot: transcript and speech go to the LLM
+    assert voice.speech_tokens.shape == (50,) and voice.mel.shape == (100, 80) and voice.embedding.shape == (192,)
+    assert seed == 3
     audio, sr = sf.read(tmp_path / "local.wav", dtype="float32")
     assert sr == 24000 and audio.size == 2400 * 6 and abs(audio.mean() - 0.1) < 1e-3

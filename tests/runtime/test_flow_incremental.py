@@ -12,14 +12,17 @@ from __future__ import annotations
 import copy
 import functools
 
+import numpy as np
 import pytest
 import torch
 
 from cosyvoice_runtime.flow.flow import FlowItem
 from cosyvoice_runtime.flow.incremental import FlowCache, incremental_mel
 from cosyvoice_runtime.model import load_model
-from cosyvoice_runtime.token2wav import FlowPrompt, Token2Wav
+from cosyvoice_runtime.token2wav import Token2Wav
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 from tests.runtime.parity.common import assert_matches, load_cases, parity_dir
+from tests.runtime.parity.token2wav_cases import flow_prompt
 
 
 @functools.lru_cache(maxsize=2)
@@ -38,17 +41,24 @@ def flow64(cv2):
     return copy.deepcopy(cv2.flow).double()
 
 
-def _prompt(n_prompt: int, seed: int) -> FlowPrompt:
+def _prompt(n_prompt: int, seed: int) -> VoicePrompt:
     g = torch.Generator().manual_seed(seed)
-    return FlowPrompt(tokens=torch.randint(0, 6561, (1, n_prompt), generator=g, dtype=torch.int32),
-                      feat=torch.randn(1, 2 * n_prompt, 80, generator=g), embedding=torch.randn(1, 192, generator=g))
+    return VoicePrompt(family="cosyvoice2", text_tokens=np.zeros(0, np.int32),
+                       speech_tokens=torch.randint(0, 6561, (n_prompt,), generator=g, dtype=torch.int32).numpy(),
+                       mel=torch.randn(2 * n_prompt, 80, generator=g).numpy(), embedding=torch.randn(192, generator=g).numpy())
+
+
+def _item(prompt: VoicePrompt, tokens: torch.Tensor, finalize: bool) -> FlowItem:
+    """A streamed flow call of ``tokens`` (1, n) with the prompt as batch-of-one tensors."""
+    return FlowItem(tokens, torch.from_numpy(prompt.speech_tokens)[None], torch.from_numpy(prompt.mel)[None],
+                    torch.from_numpy(prompt.embedding)[None], streaming=True, finalize=finalize)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(100 + seed)).tolist()
 
 
-def _stream(t2w: Token2Wav, prompt: FlowPrompt, tokens: list[int]):
+def _stream(t2w: Token2Wav, prompt: VoicePrompt, tokens: list[int]):
     """Every chunk of a streamed utterance (vocoder randomness seeded per request) and its state."""
     state = t2w.new_stream(prompt, stream=True, generator=torch.Generator().manual_seed(7))
     chunks = []
@@ -142,7 +152,7 @@ def test_cache_stores_agree_and_kv_holds_more(cv2):
     caches = {store: FlowCache(store=store) for store in ("input", "kv")}
     for end, final in ((30, False), (80, False), (120, True)):
         n = end if final else end + cv2.spec.flow.pre_lookahead_len
-        item = FlowItem(tokens[:, :n], prompt.tokens, prompt.feat, prompt.embedding, streaming=True, finalize=final)
+        item = _item(prompt, tokens[:, :n], final)
         mels = {store: incremental_mel(cv2.flow, item, cache) for store, cache in caches.items()}
         assert torch.allclose(mels["input"], mels["kv"], atol=1e-5)
         if not final:
@@ -157,10 +167,10 @@ def test_unaligned_end_caches_only_up_to_the_chunk_boundary(cv2):
     prompt, tokens = _prompt(20, 3), torch.tensor([_tokens(80, 3)], dtype=torch.int32)
     cache = FlowCache()
     la = cv2.spec.flow.pre_lookahead_len
-    first = FlowItem(tokens[:, :18 + la], prompt.tokens, prompt.feat, prompt.embedding, streaming=True, finalize=False)
+    first = _item(prompt, tokens[:, :18 + la], finalize=False)
     incremental_mel(cv2.flow, first, cache)
     assert cache.frames == 50  # 2 * (20 + 18) = 76 frames solved, one whole 50-frame chunk kept
-    final = FlowItem(tokens, prompt.tokens, prompt.feat, prompt.embedding, streaming=True, finalize=True)
+    final = _item(prompt, tokens, finalize=True)
     inc = incremental_mel(cv2.flow, final, cache)
     ref = cv2.flow.inference_batch([final])[0]  # frames from the prompt end (40) on; inc from 50 on
     assert inc.shape[-1] == 2 * (20 + 80) - 50 and torch.allclose(inc, ref[:, :, 10:], atol=1e-5)
@@ -185,7 +195,7 @@ def test_official_streamed_mel_reproduced_incrementally():
     case = cases[0]
     model = _model("cosyvoice2")
     t2w = Token2Wav(model.spec, model.flow, model.hift, official_final_full_attention=True, cv2_flow="incremental")
-    prompt = FlowPrompt(tokens=case.t("flow_prompt_token"), feat=case.t("prompt_feat"), embedding=case.t("flow_embedding"))
+    prompt = flow_prompt(case)
     state = t2w.new_stream(prompt, stream=True)
     tokens = case.t("source_speech_token")[0].tolist()
     calls = 0
@@ -194,7 +204,7 @@ def test_official_streamed_mel_reproduced_incrementally():
         ref = case.t(f"flow{calls}_mel")[:, :, state.token_offset * model.spec.flow.token_mel_ratio:]
         assert_matches(case, f"flow{calls}_mel", mel, expected=ref, tol_key="flow*_mel")
         if not job.finalize:
-            assert state.flow_cache.frames == prompt.feat.shape[1] + 2 * (state.token_offset + job.hop)
+            assert state.flow_cache.frames == prompt.mel.shape[0] + 2 * (state.token_offset + job.hop)
         t2w.vocode(job, mel)
         calls += 1
     assert calls == len(case.params["flow_calls"]) == 3

@@ -164,7 +164,7 @@ def test_memory_limits_from_the_runtime_bound_the_prompt_at_admission(monkeypatc
     s = Synthesizer(SynthesizerConfig(warmup=False, max_running=2, max_ongoing_requests=2,
                                       token2wav={"max_batch_size": 2}), runtime_factory=factory)
     assert s.health().detail["max_flow_batch"] == 1
-    prompt = VoicePrompt(family="cosyvoice2", prompt_text_ids=np.zeros(0, np.int32),
+    prompt = VoicePrompt(family="cosyvoice2", text_tokens=np.zeros(0, np.int32),
                          speech_tokens=np.arange(10, dtype=np.int32), mel=np.zeros((20, 80), np.float32),
                          embedding=np.ones(192, np.float32))
     req = PreparedRequest(request_id="r", pieces=[TextPiece("x", np.arange(3, dtype=np.int32))], prompt=prompt,

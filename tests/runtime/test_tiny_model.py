@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from cosyvoice_runtime.model import load_model
-from cosyvoice_runtime.pipeline import Pipeline, VoicePrompt
+from cosyvoice_runtime.pipeline import Pipeline
 from cosyvoice_runtime.tiny_model import sha256_file, write_tiny_model
-from cosyvoice_runtime.token2wav import FlowPrompt
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 OFFICIAL_FILES = {
     "cosyvoice2": ["cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx",
@@ -51,10 +52,9 @@ def test_synthesises_audio_of_the_right_length(tiny):
     g = torch.Generator().manual_seed(0)
     n_prompt = 20
     voice = VoicePrompt(
-        prompt_text_ids=torch.tensor([151646] if family == "cosyvoice3" else [100, 200]),
-        llm_prompt_speech_ids=torch.randint(0, spec.llm.speech_token_size, (n_prompt,), generator=g),
-        flow=FlowPrompt(tokens=torch.randint(0, spec.llm.speech_token_size, (1, n_prompt), generator=g, dtype=torch.int32),
-                        feat=torch.randn(1, 2 * n_prompt, 80, generator=g), embedding=torch.randn(1, 192, generator=g)),
+        family=family, text_tokens=np.array([151646] if family == "cosyvoice3" else [100, 200], np.int32),
+        speech_tokens=torch.randint(0, spec.llm.speech_token_size, (n_prompt,), generator=g, dtype=torch.int32).numpy(),
+        mel=torch.randn(2 * n_prompt, 80, generator=g).numpy(), embedding=torch.randn(192, generator=g).numpy(),
     )
     n_tokens = 40
 

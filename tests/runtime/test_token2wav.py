@@ -1,6 +1,7 @@
 """Token2Wav: per-request schedule, and batched == unbatched audio (parity tiny models)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,8 @@ from cosyvoice_runtime.stream_schedule import (
     prompt_token_pad,
     streaming_lengths,
 )
-from cosyvoice_runtime.token2wav import FlowPrompt, Token2Wav
+from cosyvoice_runtime.token2wav import Token2Wav
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 from tests.runtime.parity.common import parity_dir
 
 
@@ -22,11 +24,12 @@ def model(request):
     return load_model(parity_dir() / request.param / "model")
 
 
-def _prompt(model, n_prompt: int, seed: int) -> FlowPrompt:
+def _prompt(model, n_prompt: int, seed: int) -> VoicePrompt:
     g = torch.Generator().manual_seed(seed)
-    return FlowPrompt(tokens=torch.randint(0, 6561, (1, n_prompt), generator=g, dtype=torch.int32),
-                      feat=torch.randn(1, 2 * n_prompt, 80, generator=g),
-                      embedding=torch.randn(1, 192, generator=g))
+    return VoicePrompt(family=model.spec.family, text_tokens=np.zeros(0, np.int32),
+                       speech_tokens=torch.randint(0, 6561, (n_prompt,), generator=g, dtype=torch.int32).numpy(),
+                       mel=torch.randn(2 * n_prompt, 80, generator=g).numpy(),
+                       embedding=torch.randn(192, generator=g).numpy())
 
 
 def test_prompt_pad_aligns_first_chunk():

@@ -39,8 +39,7 @@ def test_prompt_features_shapes_and_determinism(frontends, family):
     assert np.array_equal(p.speech_tokens, q.speech_tokens) and np.array_equal(p.embedding, q.embedding)
     other = fe.prompt(encode(tone(3.0, 44100, freqs=(150.0, 900.0)), 44100, "FLAC"), "")
     assert not np.allclose(other.embedding, p.embedding)
-    t = p.torch()
-    assert t["prompt_feat"].shape == (1, 150, 80) and t["prompt_speech_token"].shape == (1, 75)
+    assert p.n_tokens == 75 and p.text == fe.prompt_text_tokens("希望你以后能够做的比我还好呦。")[0]
 
 
 def test_prompt_mel_uses_the_family_fmax(frontends):

@@ -13,16 +13,16 @@ import pytest
 from cosyvoice_runtime.errors import VoiceNotFoundError
 from cosyvoice_runtime.frontend import voices as voices_mod
 from cosyvoice_runtime.frontend.errors import VoiceExistsError, VoiceStoreFullError
-from cosyvoice_runtime.frontend.prompt import PromptFeatures
 from cosyvoice_runtime.frontend.voices import VoiceRegistry
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 
 def _voice(seed=0, n=10):
     rng = np.random.default_rng(seed)
-    return PromptFeatures(family="cosyvoice2", text="t", text_tokens=np.arange(5, dtype=np.int32),
-                          speech_tokens=rng.integers(0, 6561, n).astype(np.int32),
-                          mel=rng.standard_normal((2 * n, 80)).astype(np.float32),
-                          embedding=rng.standard_normal(192).astype(np.float32))
+    return VoicePrompt(family="cosyvoice2", text="t", text_tokens=np.arange(5, dtype=np.int32),
+                       speech_tokens=rng.integers(0, 6561, n).astype(np.int32),
+                       mel=rng.standard_normal((2 * n, 80)).astype(np.float32),
+                       embedding=rng.standard_normal(192).astype(np.float32))
 
 
 VOICE_BYTES = voices_mod._nbytes(_voice())

@@ -13,8 +13,8 @@ import torch
 from cosyvoice_runtime.errors import VoiceNotFoundError
 from cosyvoice_runtime.frontend import voices as voices_mod
 from cosyvoice_runtime.frontend.errors import InvalidVoiceIdError, VoiceFamilyMismatchError
-from cosyvoice_runtime.frontend.prompt import PromptFeatures
 from cosyvoice_runtime.frontend.voices import VoiceRegistry, check_voice_id, import_spk2info
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 from tests.runtime.frontend.conftest import encode, tone
 
 PROMPT_TEXT = "希望你以后能够做的比我还好呦。"
@@ -22,10 +22,10 @@ PROMPT_TEXT = "希望你以后能够做的比我还好呦。"
 
 def _voice(seed=0, family="cosyvoice2", n=10):
     rng = np.random.default_rng(seed)
-    return PromptFeatures(family=family, text="t", text_tokens=np.arange(5, dtype=np.int32),
-                          speech_tokens=rng.integers(0, 6561, n).astype(np.int32),
-                          mel=rng.standard_normal((2 * n, 80)).astype(np.float32),
-                          embedding=rng.standard_normal(192).astype(np.float32))
+    return VoicePrompt(family=family, text="t", text_tokens=np.arange(5, dtype=np.int32),
+                       speech_tokens=rng.integers(0, 6561, n).astype(np.int32),
+                       mel=rng.standard_normal((2 * n, 80)).astype(np.float32),
+                       embedding=rng.standard_normal(192).astype(np.float32))
 
 
 def test_register_twice_is_idempotent_and_shared(frontends, model_dirs, tmp_path):
@@ -110,14 +110,14 @@ _WRITER = """
 import sys, numpy as np
 sys.path.insert(0, {root!r})
 from cosyvoice_runtime.frontend.voices import VoiceRegistry
-from cosyvoice_runtime.frontend.prompt import PromptFeatures
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 reg = VoiceRegistry({store!r})
 i = 0
 print("ready", flush=True)
 while True:
     rng = np.random.default_rng(i)
-    v = PromptFeatures("cosyvoice2", "t", np.arange(3, dtype=np.int32), np.full(400, i % 6561, np.int32),
-                       np.full((800, 80), float(i), np.float32), np.full(192, float(i), np.float32))
+    v = VoicePrompt("cosyvoice2", np.arange(3, dtype=np.int32), np.full(400, i % 6561, np.int32),
+                    np.full((800, 80), float(i), np.float32), np.full(192, float(i), np.float32), text="t")
     reg.put(f"v{{i % 7}}", v)
     print("put", flush=True)
     i += 1

@@ -8,14 +8,17 @@ recorded random source ``hift{i}_source``), against ``out{i}``.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
+import numpy as np
 import torch
 
 from cosyvoice_runtime.llm.generate import DecodeState
 from cosyvoice_runtime.model import CosyVoiceModel, load_model
-from cosyvoice_runtime.pipeline import Pipeline, VoicePrompt
-from cosyvoice_runtime.token2wav import FlowPrompt, Token2Wav
+from cosyvoice_runtime.pipeline import Pipeline
+from cosyvoice_runtime.token2wav import Token2Wav
+from cosyvoice_runtime.voice_prompt import VoicePrompt
 from tests.runtime.parity.common import ParityCase, assert_matches, checker
 
 
@@ -24,14 +27,18 @@ def _model(model_dir: str) -> CosyVoiceModel:
     return load_model(model_dir)
 
 
-def _prompt(case: ParityCase) -> FlowPrompt:
-    return FlowPrompt(tokens=case.t("flow_prompt_token"), feat=case.t("prompt_feat"), embedding=case.t("flow_embedding"))
+def flow_prompt(case: ParityCase) -> VoicePrompt:
+    """The case's voice as the flow sees it (prompt text ids where the case has them)."""
+    ts = case.tensors
+    text = ts["prompt_text"][0] if "prompt_text" in ts else np.zeros(0, np.int32)
+    return VoicePrompt(family=case.family, text_tokens=text, speech_tokens=ts["flow_prompt_token"][0],
+                       mel=ts["prompt_feat"][0], embedding=ts["flow_embedding"][0])
 
 
 def _check_schedule_and_chunks(case: ParityCase, model: CosyVoiceModel, tokens: torch.Tensor) -> None:
     params = case.params
     t2w = Token2Wav(model.spec, model.flow, model.hift, official_final_full_attention=True)
-    state = t2w.new_stream(_prompt(case), stream=bool(params["stream"]), speed=float(params["speed"]))
+    state = t2w.new_stream(flow_prompt(case), stream=bool(params["stream"]), speed=float(params["speed"]))
     flow_calls, hift_calls = params["flow_calls"], params["hift_calls"]
     seed_base = params.get("hift_seed_base")
     produced = []
@@ -77,7 +84,7 @@ def check_token2wav_speed(case: ParityCase) -> None:
     model = _model(str(case.model_dir))
     params = case.params
     t2w = Token2Wav(model.spec, model.flow, model.hift, official_final_full_attention=True)
-    state = t2w.new_stream(_prompt(case), stream=False, speed=float(params["speed"]))
+    state = t2w.new_stream(flow_prompt(case), stream=False, speed=float(params["speed"]))
     job = t2w.next_job(state, case.t("source_speech_token")[0].tolist(), llm_done=True)
     assert job is not None and job.finalize and job.tokens.shape[1] == params["flow_calls"][0]["n_tokens"]
     mel = t2w.flow_mel(job)
@@ -92,7 +99,7 @@ def check_token2wav_speed(case: ParityCase) -> None:
         speech, _ = model.hift.inference(case.t("hift0_mel"), generator=generator)
     assert_matches(case, "out0", speech, tol_key="out*")
     # and the real glue produces a chunk of the official length
-    state2 = t2w.new_stream(_prompt(case), stream=False, speed=float(params["speed"]))
+    state2 = t2w.new_stream(flow_prompt(case), stream=False, speed=float(params["speed"]))
     chunks = t2w.synthesize(state2.prompt, case.t("source_speech_token")[0].tolist(), speed=state2.speed,
                             generator=torch.Generator().manual_seed(0))
     assert [c.numel() for c in chunks] == params["chunk_lens"]
@@ -112,9 +119,10 @@ def check_tts_llm_nonstream(case: ParityCase) -> None:
         return int(torch.argmax(logp[: spec.speech_token_size]))
 
     pipe = Pipeline(model, official_quirks=True)
-    voice = VoicePrompt(prompt_text_ids=case.t("prompt_text")[0], llm_prompt_speech_ids=case.t("llm_prompt_speech_token")[0],
-                        flow=_prompt(case))
-    tokens = list(pipe.speech_tokens(case.t("text")[0], voice, sample_fn=test_sampler))
+    # The case draws the LLM's prompt speech tokens apart from the flow's: the LLM stage gets a
+    # voice of its own (zero-shot: it reads the transcript and these tokens).
+    llm_voice = dataclasses.replace(flow_prompt(case), speech_tokens=case.tensors["llm_prompt_speech_token"][0])
+    tokens = list(pipe.speech_tokens(case.t("text")[0], llm_voice, sample_fn=test_sampler))
     ref = case.tensors["tokens"].tolist()
     assert tokens == ref, f"{case.id}: LLM tokens {tokens} != reference {ref}"
     _check_schedule_and_chunks(case, model, torch.tensor([tokens], dtype=torch.int32))
