@@ -106,8 +106,7 @@ def check_equal(model, dtype_name: str, batch: int = 4, n: int = 24) -> dict:
         while engine.has_unfinished():
             for ev in engine.step():
                 logits[ev.request_id].append(ev.logits.float())
-                if ev.token is not None:
-                    toks[ev.request_id].append(ev.token)
+                toks[ev.request_id].extend(ev.tokens)
         out.append((toks, {k: torch.stack(v) for k, v in logits.items()}))
     (te, le), (tg, lg) = out
     agree = sum(a == b for r in te for a, b in zip(te[r], tg[r])) / sum(len(v) for v in te.values())

@@ -179,8 +179,8 @@ class ReplicaSim:
                 with self.lock:
                     for ev in events:
                         st = self.streams[ev.request_id]
-                        if ev.token is not None:
-                            st.tokens.append(ev.token)
+                        if ev.tokens:
+                            st.tokens.extend(ev.tokens)
                             st.first_token_s = st.first_token_s or now
                         st.llm_done = st.llm_done or ev.finished
                     self.lock.notify_all()

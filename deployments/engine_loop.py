@@ -100,10 +100,10 @@ class _Mailbox:
         if event.error is not None:
             self.fail(RequestFailedError(event.error))
             return
-        if event.new_tokens and self.total == 0 and self.on_first_token is not None:
+        if event.tokens and self.total == 0 and self.on_first_token is not None:
             self.on_first_token()
-        self.tokens.extend(event.new_tokens)
-        self.total += len(event.new_tokens)
+        self.tokens.extend(event.tokens)
+        self.total += len(event.tokens)
         if event.finished:
             self.finished, self.reason = True, event.finish_reason
         self._wake()
@@ -361,7 +361,7 @@ class EngineLoop:
         self.steps += 1
         self._record(len(events))  # sequences advanced by this step (decode batch + prefills)
         for event in events:
-            self.tokens += len(event.new_tokens)
+            self.tokens += len(event.tokens)
             if event.error is not None:
                 self.failed += 1
             elif event.finished:

@@ -129,7 +129,7 @@ class RuntimeTokenEngine:
             events = self.engine.step()
         for ev in events:
             keep = self._filters.get(ev.request_id)
-            tokens = [ev.token] if ev.token is not None and (keep is None or keep.keep(ev.token)) else []
+            tokens = [t for t in ev.tokens if keep is None or keep.keep(t)]
             out.append(TokenEvent(ev.request_id, tokens, ev.finished, ev.finish_reason,
                                   self._errors.get(ev.finish_reason)))
             if ev.finished:

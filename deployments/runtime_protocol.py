@@ -14,18 +14,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cosyvoice_runtime.token_event import TokenEvent
 from deployments.protocol import VoicePrompt
-
-
-@dataclass
-class TokenEvent:
-    """What one engine step produced for one request."""
-
-    request_id: str
-    new_tokens: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None  # this request failed (it is finished); the engine goes on
 
 
 @dataclass

@@ -307,7 +307,7 @@ class Synthesizer:
         async for event in self.loop.generate(f"{req.request_id}/{p}", lm, need=lambda: self.t2w.tokens_needed(state),
                                               text=text,
                                               on_first_token=lambda: marks.setdefault("first_token", self.clock())):
-            tokens.extend(event.new_tokens)
+            tokens.extend(event.tokens)
             while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
                 marks.setdefault("first_chunk_tokens", self.clock())
                 if self.stepped is not None:

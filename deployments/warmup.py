@@ -32,7 +32,7 @@ def warm_up(runtime: SynthesisRuntime) -> None:
     tokens, done = [], False
     while not done and engine.has_unfinished():
         for event in engine.step():
-            tokens.extend(event.new_tokens)
+            tokens.extend(event.tokens)
             done = done or event.finished
     state = t2w.new_stream(prompt, stream=False, speed=1.0, seed=0)
     if tokens:

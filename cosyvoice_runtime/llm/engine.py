@@ -53,6 +53,7 @@ from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.prefill_graph import PrefillRunner
 from cosyvoice_runtime.llm.sampling import SamplingParams, make_generator, min_len_mask_ids
 from cosyvoice_runtime.llm.scheduler import Scheduler
+from cosyvoice_runtime.token_event import TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -70,22 +71,6 @@ def _nonfinite_rows(logits: torch.Tensor) -> set[int]:
     """Rows of (B, V) logits holding NaN or Inf (one reduction and one small device sync per step)."""
     bad = ~torch.isfinite(logits).all(dim=-1)
     return set(bad.nonzero().flatten().tolist()) if bool(bad.any()) else set()
-
-
-@dataclass
-class LLMEvent:
-    """What one step produced for one request.
-
-    ``token`` is the emitted speech id, or None when the step ended the request with a stop id
-    (which is never emitted). ``logits`` (V,) is filled only by an engine built with
-    ``return_logits=True`` (tests, debugging).
-    """
-
-    request_id: str
-    token: int | None
-    finished: bool = False
-    finish_reason: str | None = None
-    logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -263,11 +248,11 @@ class LLMEngine:
         return None if seq is None else seq.state
 
     # -- stepping --------------------------------------------------------------------------
-    def step(self) -> list[LLMEvent]:
+    def step(self) -> list[TokenEvent]:
         """One decode step of the running batch, then the prefill of admitted requests (with the
         multi-position inputs of bistream requests)."""
         plan = self.scheduler.schedule()
-        events: list[LLMEvent] = []
+        events: list[TokenEvent] = []
         with torch.inference_mode():
             admitted = [s for s in plan.prefill if s.request_id in self._bistream]
             for s in admitted:  # a bistream prompt is fed once its text allows (_route_bistream)
@@ -284,7 +269,7 @@ class LLMEngine:
                 events += self._prefill(prefill, extends)
         return events
 
-    def _route_bistream(self, scheduled: list, events: list[LLMEvent]) -> tuple[list, list]:
+    def _route_bistream(self, scheduled: list, events: list[TokenEvent]) -> tuple[list, list]:
         """Bistream rows of this step: (one speech id to feed, several positions to feed);
         those waiting for text are parked, those that end now add their event."""
         feeds, extends = [], []
@@ -303,7 +288,7 @@ class LLMEngine:
                 (feeds if seq.single_speech_feed() is not None else extends).append(s)
         return feeds, extends
 
-    def _decode(self, decode: list, feeds: list) -> list[LLMEvent]:
+    def _decode(self, decode: list, feeds: list) -> list[TokenEvent]:
         """One forward for every row that feeds one speech id: running requests, then bistream rows."""
         reqs = [self._requests[s.request_id] for s in decode]
         seqs = [self._bistream[s.request_id] for s in feeds]
@@ -320,7 +305,7 @@ class LLMEngine:
                   for i, (r, tok) in enumerate(zip(reqs, tokens))]
         return events + self._choose_bistream(feeds, seqs, logits[n:])
 
-    def _prefill(self, prefill: list, extends: list) -> list[LLMEvent]:
+    def _prefill(self, prefill: list, extends: list) -> list[TokenEvent]:
         """The admitted requests' prompts and the bistream rows' multi-position inputs as padded
         batched forwards of at most ``PREFILL_TOKEN_BUDGET`` padded positions each; each row
         yields a token (a bistream row: per its state machine)."""
@@ -367,7 +352,7 @@ class LLMEngine:
             groups[-1].append(i)
         return groups
 
-    def _choose_bistream(self, scheduled: list, seqs: list[BistreamSequence], logits: torch.Tensor) -> list[LLMEvent]:
+    def _choose_bistream(self, scheduled: list, seqs: list[BistreamSequence], logits: torch.Tensor) -> list[TokenEvent]:
         """Each bistream row's next id from its logits rows (bistream_decode's log-softmax and masks)."""
         if not seqs:
             return []
@@ -385,14 +370,14 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 events.append(self._end_bistream(s.request_id, token, kept))
             elif token is not None:
-                events.append(LLMEvent(s.request_id, token, logits=kept))
+                events.append(TokenEvent(s.request_id, [token], logits=kept))
         return events
 
-    def _end_bistream(self, request_id: str, token: int | None, logits: torch.Tensor | None = None) -> LLMEvent:
+    def _end_bistream(self, request_id: str, token: int | None, logits: torch.Tensor | None = None) -> TokenEvent:
         seq = self._bistream.pop(request_id)
         seq.state.finished = True
         self.scheduler.finish(request_id)
-        return LLMEvent(request_id, token, True, seq.finish_reason, logits)
+        return TokenEvent(request_id, [] if token is None else [token], True, seq.finish_reason, logits=logits)
 
     def _select(self, reqs: list[_Request], logits: torch.Tensor) -> list[int | None]:
         """Sampled tokens of the rows with finite logits; None for a row with NaN/Inf (that request
@@ -406,13 +391,13 @@ class LLMEngine:
             tokens[i] = tok
         return tokens
 
-    def _fail(self, req: _Request) -> LLMEvent:
+    def _fail(self, req: _Request) -> TokenEvent:
         """End a request whose logits were not finite; its slot is freed, the batch goes on."""
         logger.warning("request %s: non-finite logits (NaN/Inf); failing it alone", req.request_id)
         req.state.finished, req.state.finish_reason = True, NONFINITE_LOGITS
         self._requests.pop(req.request_id, None)
         self.scheduler.finish(req.request_id)
-        return LLMEvent(req.request_id, None, True, NONFINITE_LOGITS)
+        return TokenEvent(req.request_id, [], True, NONFINITE_LOGITS)
 
     def _static_decode(self, reqs: list[_Request], slots: list[int], fed: list[int],
                        n_bistream: int) -> tuple[list[int | None], torch.Tensor]:
@@ -435,11 +420,11 @@ class LLMEngine:
                 tokens[i] = tok
         return tokens, logits
 
-    def _commit(self, req: _Request, token: int, logits: torch.Tensor) -> LLMEvent:
+    def _commit(self, req: _Request, token: int, logits: torch.Tensor) -> TokenEvent:
         state = req.state
         emitted = commit_token(self.spec, state, token)
-        event = LLMEvent(req.request_id, token if emitted else None, state.finished, state.finish_reason,
-                         logits if self.return_logits else None)
+        event = TokenEvent(req.request_id, [token] if emitted else [], state.finished, state.finish_reason,
+                           logits=logits if self.return_logits else None)
         if state.finished:
             self._requests.pop(req.request_id, None)
             self.scheduler.finish(req.request_id)

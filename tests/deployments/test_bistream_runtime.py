@@ -58,7 +58,7 @@ def test_bistream_through_the_engine_loop_matches_the_reference(family, tmp_path
         async def bistream():
             got = []
             async for ev in loop.generate("b", BistreamLMRequest(prompt_text, prompt_speech, SEED), text=text()):
-                got += ev.new_tokens
+                got += ev.tokens
                 if got and not spoke.is_set():
                     spoke.set()
                     before_end = len(got)
@@ -67,7 +67,7 @@ def test_bistream_through_the_engine_loop_matches_the_reference(family, tmp_path
         async def plain():
             req = LMRequest(text_ids=np.arange(1, 9, dtype=np.int32), prompt_text_ids=prompt_text,
                             prompt_speech_ids=prompt_speech, seed=1)
-            return [t async for ev in loop.generate("p", req) for t in ev.new_tokens]
+            return [t async for ev in loop.generate("p", req) for t in ev.tokens]
 
         try:
             return await asyncio.gather(bistream(), plain())

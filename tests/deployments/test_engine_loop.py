@@ -39,8 +39,8 @@ def test_without_need_every_token_arrives_once_in_order():
     events = asyncio.run(main())
     compute.shutdown()
     # The step thread may run several steps before the consumer wakes: events carry one or more.
-    tokens = [t for e in events for t in e.new_tokens]
-    assert tokens == [0, 1, 2, 3, 4] * 2 and all(e.new_tokens for e in events)  # the fake cycles its text ids
+    tokens = [t for e in events for t in e.tokens]
+    assert tokens == [0, 1, 2, 3, 4] * 2 and all(e.tokens for e in events)  # the fake cycles its text ids
     assert [e.finished for e in events] == [False] * (len(events) - 1) + [True] and loop.steps == 10
 
 
@@ -65,7 +65,7 @@ def test_need_coalesces_tokens_up_to_what_the_consumer_can_use():
     async def consume():
         async for e in loop.generate("a", _lm(10), need=lambda: current["want"]):
             got.append(e)
-            total = sum(len(x.new_tokens) for x in got)
+            total = sum(len(x.tokens) for x in got)
             if current["want"] is not None and total >= current["want"]:
                 current["want"] = next(wants)
 
@@ -85,7 +85,7 @@ def test_need_coalesces_tokens_up_to_what_the_consumer_can_use():
     wakes = asyncio.run(main())
     compute.shutdown()
     assert wakes == [0] * 3 + [1] * 6 + [2] * 10 + [3]  # woken 3 times for 20 steps
-    assert [len(e.new_tokens) for e in got] == [4, 6, 10] and got[-1].finished
+    assert [len(e.tokens) for e in got] == [4, 6, 10] and got[-1].finished
 
 
 def test_a_consumer_cancelled_while_waiting_frees_its_slot():
@@ -131,7 +131,7 @@ def test_steps_go_on_while_the_event_loop_is_busy():
     events, finished_while_blocked = asyncio.run(main())
     compute.shutdown()
     assert finished_while_blocked and engine.steps == 400
-    assert sum(len(e.new_tokens) for e in events) == 400 and events[-1].finished
+    assert sum(len(e.tokens) for e in events) == 400 and events[-1].finished
 
 
 def test_an_idle_step_thread_ends_and_the_next_request_starts_one(monkeypatch):
@@ -209,7 +209,7 @@ def test_a_step_that_raises_for_one_request_fails_that_request_only():
     loop = EngineLoop(engine, compute)
 
     async def consume(rid, request):
-        return [t async for e in loop.generate(rid, request) for t in e.new_tokens]
+        return [t async for e in loop.generate(rid, request) for t in e.tokens]
 
     async def main():
         healthy = [asyncio.create_task(consume(rid, _lm(100))) for rid in ("a", "b")]
@@ -243,7 +243,7 @@ def test_a_transient_step_failure_is_retried_and_fails_nobody():
     loop = EngineLoop(engine, compute)
 
     async def consume(rid):
-        return [t async for e in loop.generate(rid, _lm(20)) for t in e.new_tokens]
+        return [t async for e in loop.generate(rid, _lm(20)) for t in e.tokens]
 
     async def main():
         return await asyncio.gather(consume("a"), consume("b"))
@@ -270,7 +270,7 @@ def test_an_error_event_fails_its_request_and_the_others_go_on():
     loop = EngineLoop(engine, compute)
 
     async def consume(rid):
-        return [t async for e in loop.generate(rid, _lm(10)) for t in e.new_tokens]
+        return [t async for e in loop.generate(rid, _lm(10)) for t in e.tokens]
 
     async def main():
         return await asyncio.gather(consume("ok"), consume("nan"), return_exceptions=True)

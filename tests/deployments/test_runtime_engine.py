@@ -55,7 +55,7 @@ def test_engine_loop_over_real_llm_engine():
     async def collect(rid, seed):
         tokens, last = [], None
         async for ev in loop.generate(rid, request(seed)):
-            tokens.extend(ev.new_tokens)
+            tokens.extend(ev.tokens)
             last = ev
         return tokens, last
 
@@ -84,7 +84,7 @@ def test_engine_loop_over_real_llm_engine():
     async def alone():
         tokens = []
         async for ev in loop2.generate("a", request(1)):
-            tokens.extend(ev.new_tokens)
+            tokens.extend(ev.tokens)
         return tokens
 
     assert asyncio.run(alone()) == ta
@@ -104,7 +104,7 @@ def test_length_bound_is_capped_to_the_slot_and_tiny_slots_refuse():
     tokens = []
     while engine.has_unfinished():
         for ev in engine.step():
-            tokens.extend(ev.new_tokens)
+            tokens.extend(ev.tokens)
     assert 0 < len(tokens) <= 20
     with pytest.raises(InvalidInputError, match="too long for a decode slot"):
         RuntimeTokenEngine(model, max_running=1, max_model_len=prefill + 2).add("b", req)  # min_len is 8

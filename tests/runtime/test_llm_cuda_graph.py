@@ -136,8 +136,7 @@ def test_static_engine_hands_official_rng_and_custom_samplers_to_the_eager_path(
     got = {"o": [], "w": [], "c": []}
     while engine.has_unfinished():
         for ev in engine.step():
-            if ev.token is not None:
-                got[ev.request_id].append(ev.token)
+            got[ev.request_id].extend(ev.tokens)
     assert got["c"] == [3] * 5 and calls == list(range(5))
     assert got["o"] == reference(model, xs[0], 8, 8, official)[0]
     assert got["w"] == reference(model, xs[1], 8, 8, wide)[0]

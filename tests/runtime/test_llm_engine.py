@@ -49,8 +49,7 @@ def run_engine(engine, schedule, max_steps=500):
             break
         for ev in engine.step():
             logits[ev.request_id].append(ev.logits)
-            if ev.token is not None:
-                tokens[ev.request_id].append(ev.token)
+            tokens[ev.request_id].extend(ev.tokens)
             if ev.finished:
                 reasons[ev.request_id] = ev.finish_reason
     stacked = {k: torch.stack(v) for k, v in logits.items() if v and v[0] is not None}
@@ -120,7 +119,7 @@ def test_abort_frees_the_slot_for_a_waiting_request():
     while engine.has_unfinished():
         events = engine.step()
         assert all(ev.request_id == "b" for ev in events)
-        got += [ev.token for ev in events if ev.token is not None]
+        got += [t for ev in events for t in ev.tokens]
     assert got == reference(model, xb, 8, 8, greedy)[0]
     assert engine.scheduler.num_free_slots == 1
 
@@ -148,7 +147,7 @@ def test_stop_token_finishes_without_emitting():
     engine = LLMEngine(model, max_batch_size=2, max_seq_len=32)
     engine.add_request("x", prompts([5])[0], 0, 10, SamplingParams(method="greedy"))
     events = engine.step()
-    assert [(e.token, e.finished, e.finish_reason) for e in events] == [(None, True, "stop")]
+    assert [(e.tokens, e.finished, e.finish_reason) for e in events] == [([], True, "stop")]
     assert not engine.has_unfinished() and engine.scheduler.num_free_slots == 2
 
 

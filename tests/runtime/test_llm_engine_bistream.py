@@ -88,8 +88,7 @@ def run_engine(engine, feeds, rid="b", normal=None, sample_fn=None, params=None,
         if len(finished) == len(tokens):
             break
         for ev in engine.step():
-            if ev.token is not None:
-                tokens[ev.request_id].append(ev.token)
+            tokens[ev.request_id].extend(ev.tokens)
             if ev.finished:
                 finished.add(ev.request_id)
     assert finished == set(tokens), "did not finish"
@@ -186,7 +185,7 @@ def test_quirk_mode_fails_the_request_on_a_forbidden_control_id(model):
     engine.add_bistream_request("b", prompt_text(model), [], sample_fn=lambda logp, st: bad)
     engine.feed_text("b", [[t] for t in TEXT], end=True)
     events = engine.step()
-    assert [(e.token, e.finished, e.finish_reason) for e in events] == [(None, True, FINISH_PROTOCOL)]
+    assert [(e.tokens, e.finished, e.finish_reason) for e in events] == [([], True, FINISH_PROTOCOL)]
     assert not engine.has_unfinished() and engine.scheduler.num_free_slots == 1
 
 
