@@ -22,7 +22,6 @@ cancels the handle generator, which aborts the sequence in the synthesizer repli
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,8 +29,6 @@ from typing import Any
 
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator
 from starlette.applications import Starlette
-from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartParser
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -57,6 +54,7 @@ from serve_app.handles import admitted as _admitted
 from serve_app.handles import cancel_stream as _cancel
 from serve_app.metrics import CONTENT_TYPE, IngressMetrics
 from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
+from serve_app.request_body import read_form, read_json
 from serve_app.running_replicas import RunningReplicas
 from serve_app.schemas import NativeSynthesisFields, SpeechRequest, VoiceFields, VoiceOut
 from serve_app.speech import (
@@ -81,7 +79,6 @@ HEALTH_MEMORY_S = 60.0  # how long /health keeps a replica's last answer when pr
 HEALTH_PROBE_ROUNDS = 4  # idle misses compound to (1/8)^4 for 2 replicas
 MAX_LOGGED_FIELDS = 20  # unknown request fields named in the log, at most
 EMPTY_STREAM_RATE = 24000  # rate named in the header of a stream that has no audio at all
-JSON_INLINE_BYTES = 64 * 1024  # JSON bodies above this are parsed in a worker thread (10 MiB: ~1 s)
 
 
 class IngressConfig(DeploymentKnobs):
@@ -155,7 +152,7 @@ class TTSIngress:
 
     # ---------------------------------------------------------------- synthesis routes
     async def openai_speech(self, request: Request) -> Response:
-        body = SpeechRequest.model_validate(await _json(request, self.cfg.max_upload_bytes))
+        body = SpeechRequest.model_validate(await read_json(request, self.cfg.max_upload_bytes))
         rid = request_id_of(request)
         if body.unknown_fields:  # OpenAI ignores fields it does not know; so do we, visibly
             names = [name[:64] for name in body.unknown_fields[:MAX_LOGGED_FIELDS]]
@@ -191,12 +188,12 @@ class TTSIngress:
     async def native_tts(self, request: Request) -> Response:
         audio = sr = None
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
-            fields, files = await self._form(request, file_fields=("prompt_audio",))
+            fields, files = await read_form(request, self.cfg.max_upload_bytes, file_fields=("prompt_audio",))
             body = NativeSynthesisFields.model_validate(fields)
             if "prompt_audio" in files:
                 audio, sr = await asyncio.to_thread(decode_upload, files["prompt_audio"], self.cfg.max_prompt_audio_s)
         else:
-            body = NativeSynthesisFields.model_validate(await _json(request, self.cfg.max_upload_bytes))
+            body = NativeSynthesisFields.model_validate(await read_json(request, self.cfg.max_upload_bytes))
         self._check_text(body.text)
         check_format(body.response_format)
         native_speed, tempo = split_speed(body.speed)
@@ -285,7 +282,7 @@ class TTSIngress:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise ApiError(415, "voice registration needs multipart/form-data with an 'audio' file",
                            code="unsupported_media_type")
-        fields, files = await self._form(request, file_fields=("audio",))
+        fields, files = await read_form(request, self.cfg.max_upload_bytes, file_fields=("audio",))
         body = VoiceFields.model_validate(fields)
         if "audio" not in files:
             raise ApiError(400, "missing the 'audio' file field", code="invalid_input")
@@ -403,54 +400,6 @@ class TTSIngress:
         opts = cfg.serve_options("TTSIngress")
         opts["max_ongoing_requests"] = SERVE_HEADROOM * (cfg.max_ongoing_requests + cfg.max_queued_requests)
         return opts
-
-    # ---------------------------------------------------------------- parsing helpers
-    async def _form(self, request: Request, file_fields: tuple[str, ...]) -> tuple[dict, dict[str, bytes]]:
-        body = _body_chunks(request, self.cfg.max_upload_bytes)
-        parser = MultiPartParser(request.headers, body, max_files=len(file_fields), max_fields=32)
-        try:
-            form = await parser.parse()
-        except PayloadTooLargeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - malformed multipart
-            raise ApiError(400, f"malformed multipart body: {exc}", code="invalid_input") from None
-        try:
-            fields: dict[str, Any] = {}
-            files: dict[str, bytes] = {}
-            for key, value in form.multi_items():
-                if isinstance(value, UploadFile):
-                    if key not in file_fields:
-                        raise ApiError(400, f"unexpected file field '{key}'", code="invalid_input")
-                    files[key] = await value.read()
-                else:
-                    fields[key] = value
-            return fields, files
-        finally:
-            await form.close()  # spooled temporary files
-
-
-async def _body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
-    """The request body as it arrives, refused with a 413 past ``limit`` bytes: at once from a
-    declared ``Content-Length``, or as soon as a chunked body passes it (nothing past the limit is
-    read)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"body is {declared} bytes; the limit is {limit}")
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"body exceeds {limit} bytes")
-        yield chunk
-
-
-async def _json(request: Request, limit: int) -> Any:
-    """The JSON body, size-limited as :func:`_body_chunks`; a large one is parsed off the event loop."""
-    data = b"".join([chunk async for chunk in _body_chunks(request, limit)])
-    try:
-        return json.loads(data) if len(data) <= JSON_INLINE_BYTES else await asyncio.to_thread(json.loads, data)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly nested arrays
-        raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
 
 
 def _health_entry(res: ReplicaHealth) -> dict:

@@ -21,8 +21,7 @@ import httpx
 from ray import serve
 from starlette.testclient import TestClient
 
-import serve_app.ingress as ingress_mod
-from serve_app import speech
+from serve_app import request_body, speech
 from serve_app.ingress import IngressConfig
 from serve_app.running_replicas import STATUS_MAX_AGE_S, RunningReplicas
 from tests.deployments import fakes
@@ -213,7 +212,7 @@ def test_a_large_json_body_is_parsed_off_the_event_loop(monkeypatch):
         where.append(_on_event_loop())
         return json.loads(data)
 
-    monkeypatch.setattr(ingress_mod, "json", SimpleNamespace(loads=loads))
+    monkeypatch.setattr(request_body, "json", SimpleNamespace(loads=loads))
     app = _ingress(IngressConfig(max_input_chars=1000)).__serve_build_asgi_app__()
 
     async def main():
