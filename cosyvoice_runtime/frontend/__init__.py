@@ -12,7 +12,7 @@ _EXPORTS = {
     "split_paragraph": "split", "TextTokenizer": "tokenizer", "Waveform": "audio", "decode_audio": "audio",
     "to_waveform": "audio", "resample": "audio", "PromptEncoder": "prompt", "PromptLimits": "prompt",
     "align_prompt": "prompt", "VoiceRegistry": "voices",
-    "import_spk2info": "voices", "content_voice_id": "voices", "check_voice_id": "voices",
+    "import_spk2info": "spk2info", "content_voice_id": "voices", "check_voice_id": "voices",
 }
 
 __all__ = sorted(_EXPORTS)  # noqa: PLE0605 - lazy exports (PEP 562 __getattr__): the keys of _EXPORTS

@@ -40,15 +40,14 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
+from cosyvoice_runtime.frontend.atomic_files import TMP_SUFFIX, atomic_write, fsync_dir
 from cosyvoice_runtime.frontend.errors import (
     InvalidVoiceIdError,
     VoiceExistsError,
@@ -64,7 +63,6 @@ logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 QUOTA_LOCK = ".quota.lock"  # flock target of quota-checked writes (a dot file: never listed nor collected)
 _TENSORS = ("text_tokens", "speech_tokens", "mel", "embedding")
-_TMP_SUFFIX = ".tmp"
 _RECORD_FIELDS = {"family": str, "tensors": str, "sha256": str}
 MEL_BINS = 80
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
@@ -77,40 +75,6 @@ def content_voice_id(family: str, prompt_text: str, audio: bytes) -> str:
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return "v" + h.hexdigest()[:24]
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms/file systems cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes, exclusive: bool = False) -> None:
-    """Write ``data`` to ``path`` so that readers see the old content or all of the new one.
-
-    ``exclusive``: fail with ``FileExistsError`` if ``path`` exists (the temp file is hard-linked,
-    which is atomic and refuses an existing name, instead of renamed over it).
-    """
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if exclusive:
-            os.link(tmp, path)
-        else:
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # after link: the second name; after replace: already gone
-    _fsync_dir(path.parent)
 
 
 def _serialize(voice: VoicePrompt) -> bytes:
@@ -357,7 +321,7 @@ class VoiceRegistry:
         if record is None and not path.exists():
             return False
         path.unlink(missing_ok=True)  # the commit: the voice is gone
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         if record is not None:
             (self.root / record["tensors"]).unlink(missing_ok=True)
         with self._lock:
@@ -414,7 +378,7 @@ class VoiceRegistry:
                 referenced.add(rec["tensors"])
         now, removed = time.time(), 0
         for p in self.root.iterdir():
-            orphan = p.name.endswith(_TMP_SUFFIX) or (
+            orphan = p.name.endswith(TMP_SUFFIX) or (
                 p.suffix == ".safetensors" and p.name not in referenced and not p.name.startswith(tuple(keep_prefixes)))
             try:
                 if orphan and now - p.stat().st_mtime >= min_age_s:
@@ -425,42 +389,3 @@ class VoiceRegistry:
         if removed:
             logger.info("voice store %s: removed %d orphaned files", self.root, removed)
         return removed
-
-
-def import_spk2info(path: str | Path, family: str, registry: VoiceRegistry) -> list[str]:
-    """Import an official ``spk2info.pt`` (both entry shapes of spec §2.9). Returns the ids.
-
-    * SFT entries ``{'embedding': (1, 192)}`` become ``kind="sft"`` voices (embedding only).
-    * zero-shot entries (``add_zero_shot_spk``) keep their aligned flow prompt tokens, prompt
-      feature, prompt text ids and the raw flow embedding.
-    Every key is validated before anything is written.
-    """
-    import torch
-
-    table = torch.load(str(path), map_location="cpu", weights_only=True)
-    if not isinstance(table, dict):
-        raise VoiceNotFoundError(f"{path}: not a speaker table")
-    for key in table:
-        check_voice_id(str(key))
-    ids = []
-    def array(entry: dict, name: str, dtype) -> np.ndarray | None:
-        return entry[name].detach().cpu().numpy().astype(dtype).reshape(-1) if name in entry else None
-
-    for key, entry in table.items():
-
-        if "flow_prompt_speech_token" in entry:
-            mel = entry["prompt_speech_feat"].detach().cpu().numpy().astype(np.float32).reshape(-1, MEL_BINS)
-            voice = VoicePrompt(family=family, text="", kind="zero_shot",
-                                text_tokens=array(entry, "prompt_text", np.int32),
-                                speech_tokens=array(entry, "flow_prompt_speech_token", np.int32), mel=mel,
-                                embedding=array(entry, "flow_embedding", np.float32), meta={"source": "spk2info"})
-        elif "embedding" in entry:
-            voice = VoicePrompt(family=family, text="", kind="sft", text_tokens=np.zeros(0, np.int32),
-                                speech_tokens=np.zeros(0, np.int32), mel=np.zeros((0, MEL_BINS), np.float32),
-                                embedding=array(entry, "embedding", np.float32), meta={"source": "spk2info"})
-        else:
-            logger.warning("spk2info entry %r has neither shape of spec §2.9; skipped", key)
-            continue
-        registry.put(str(key), voice)
-        ids.append(str(key))
-    return ids

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from cosyvoice_runtime.errors import VoiceNotFoundError
-from cosyvoice_runtime.frontend import voices as voices_mod
+from cosyvoice_runtime.frontend import atomic_files
 from cosyvoice_runtime.frontend.errors import InvalidVoiceIdError, VoiceFamilyMismatchError
-from cosyvoice_runtime.frontend.voices import VoiceRegistry, check_voice_id, import_spk2info
+from cosyvoice_runtime.frontend.spk2info import import_spk2info
+from cosyvoice_runtime.frontend.voices import VoiceRegistry, check_voice_id
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 from tests.runtime.frontend.conftest import encode, tone
 
@@ -92,7 +93,7 @@ def test_crash_between_tensor_write_and_commit_keeps_old_voice(tmp_path, monkeyp
             raise OSError("simulated crash before the commit rename")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(voices_mod.os, "replace", crash_on_commit)
+    monkeypatch.setattr(atomic_files.os, "replace", crash_on_commit)
     with pytest.raises(OSError):
         reg.put("bob", _voice(2))
     with pytest.raises(OSError):
