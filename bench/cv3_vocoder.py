@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from cosyvoice_runtime.hift.batch import vocode_batch
 from cosyvoice_runtime.hift.generator import build_hift
-from cosyvoice_runtime.hift.streaming import VocoderStream
+from cosyvoice_runtime.hift.streaming import VocoderCall, VocoderStream, vocode_batch
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 
 STRATEGIES = ("recompute", "incremental")
@@ -53,7 +52,7 @@ def stream_batch(hift, spec, strategy: str, mels: torch.Tensor, sizes: list[int]
         chunks = [mels[i:i + 1, :, start:start + n] for i in range(mels.shape[0])]
         sync(mels.device)
         t0 = time.perf_counter()
-        outs = vocode_batch(hift, states, chunks, [k == len(sizes) - 1] * len(states))
+        outs = vocode_batch(hift, [VocoderCall(st, ch, k == len(sizes) - 1) for st, ch in zip(states, chunks)])
         sync(mels.device)
         ms.append(1e3 * (time.perf_counter() - t0))
         for a, o in zip(audio, outs):

@@ -10,6 +10,11 @@ attention chunks counted from the prompt start; every flow call recomputes all t
 ``offset + hop + lookahead`` and keeps the mel from ``2 * offset``; the hop then grows by
 ``stream_scale_factor`` up to ``token_max_hop_len``. The official code keeps the hop on the
 shared model object (so later requests start at the maximum hop); here it is per request.
+
+Where things live: the schedule's arithmetic (prompt pad, first hop, the vocoder lengths it
+produces, the order of flow passes) in :mod:`cosyvoice_runtime.stream_schedule`, which this
+module follows per request; the vocoder's streaming strategies (CV2 overlap caches, CV3
+recompute / incremental) and their per-request state in :mod:`cosyvoice_runtime.hift.streaming`.
 """
 from __future__ import annotations
 
@@ -26,8 +31,7 @@ from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.flow import FlowItem
 from cosyvoice_runtime.flow.incremental import FlowCache, incremental_mel, supports_incremental
 from cosyvoice_runtime.flow.stepper import SolveRow
-from cosyvoice_runtime.hift.batch import vocode_batch
-from cosyvoice_runtime.hift.streaming import VocoderStream, vocode_chunk
+from cosyvoice_runtime.hift.streaming import VocoderCall, VocoderStream, vocode_batch
 from cosyvoice_runtime.stream_schedule import first_hop
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 
@@ -198,13 +202,10 @@ class Token2Wav:
     def flow_mel(self, job: Token2WavJob) -> torch.Tensor:
         return self.flow_mels([job])[0]
 
-    @torch.inference_mode()
     def vocode(self, job: Token2WavJob, mel: torch.Tensor) -> torch.Tensor:
-        """Vocode a job's new mel frames and advance its state. Returns (samples,) float32."""
-        state = job.state
-        audio = vocode_chunk(self.hift, state.vocoder, mel, finalize=job.finalize, generator=state.generator,
-                             source_override=job.source_override, speed=state.speed)
-        return self._advance(job, audio)
+        """Vocode a job's new mel frames and advance its state (:meth:`vocode_many` of one job).
+        Returns (samples,) float32."""
+        return self.vocode_many([job], [mel])[0]
 
     def _advance(self, job: Token2WavJob, audio: torch.Tensor) -> torch.Tensor:
         state = job.state
@@ -224,27 +225,16 @@ class Token2Wav:
 
     @torch.inference_mode()
     def vocode_many(self, jobs: list[Token2WavJob], mels: list[torch.Tensor]) -> list[torch.Tensor]:
-        """:meth:`vocode` of jobs of distinct requests; one vocoder batch per equal input length.
-
-        Jobs with a speed change keep the single-request path (speed only exists unstreamed).
-        All or nothing (:func:`_all_or_nothing`).
-        """
+        """:meth:`vocode` of jobs of distinct requests in one vocoder batch
+        (:func:`~cosyvoice_runtime.hift.streaming.vocode_batch`). All or nothing (:func:`_all_or_nothing`)."""
         with _all_or_nothing([job.state for job in jobs]):
             return self._vocode_many(jobs, mels)
 
     def _vocode_many(self, jobs: list[Token2WavJob], mels: list[torch.Tensor]) -> list[torch.Tensor]:
-        batched = [i for i, job in enumerate(jobs) if job.state.speed == 1.0]
-        out: list[torch.Tensor | None] = [None] * len(jobs)
-        if batched:
-            audios = vocode_batch(self.hift, [jobs[i].state.vocoder for i in batched], [mels[i] for i in batched],
-                                  [jobs[i].finalize for i in batched], [jobs[i].state.generator for i in batched],
-                                  [jobs[i].source_override for i in batched])
-            for i, audio in zip(batched, audios):
-                out[i] = self._advance(jobs[i], audio)
-        for i, job in enumerate(jobs):
-            if out[i] is None:
-                out[i] = self.vocode(job, mels[i])
-        return out
+        calls = [VocoderCall(job.state.vocoder, mel, job.finalize, generator=job.state.generator,
+                             source_override=job.source_override, speed=job.state.speed)
+                 for job, mel in zip(jobs, mels)]
+        return [self._advance(job, audio) for job, audio in zip(jobs, vocode_batch(self.hift, calls))]
 
     # -- step by step (flow.stepper): the caller runs the passes, so urgent jobs can overtake -----
     def start_solves(self, jobs: list[Token2WavJob]) -> list[SolveRow]:
@@ -285,8 +275,8 @@ class Token2Wav:
     def run_batch(self, jobs: list[Token2WavJob], max_batch: int = 16) -> list[torch.Tensor]:
         """Run jobs of different requests (at most one per request); the audio of each, in order.
 
-        The flow runs as one batched solve per group of ``max_batch`` jobs; the vocoder runs one
-        batch per equal input length (:meth:`vocode_many`); each request keeps its own caches.
+        The flow runs as one batched solve per group of ``max_batch`` jobs, the vocoder as one
+        batch per group (:meth:`vocode_many`); each request keeps its own caches.
         """
         if len({id(job.state) for job in jobs}) != len(jobs):
             raise ValueError("a batch may hold at most one job per request (jobs of a request are sequential)")
@@ -326,17 +316,15 @@ def _checkpoint(state: StreamState) -> tuple:
     """What a token2wav call changes in a stream. The vocoder state and the flow cache have their
     fields reassigned, never written in place, so shallow copies keep the old values; the random
     generators are saved by position."""
-    vocoder = copy.copy(state.vocoder)
     gens = {id(g): g for g in (state.generator, state.vocoder.generator) if g is not None}
-    return (copy.copy(state), vocoder, copy.copy(vocoder.incremental), copy.copy(state.flow_cache),
+    return (copy.copy(state), copy.copy(state.vocoder), copy.copy(state.flow_cache),
             [(g, g.get_state()) for g in gens.values()])
 
 
 def _rollback(state: StreamState, cp: tuple) -> None:
-    before, vocoder, incremental, flow_cache, gens = cp
+    before, vocoder, flow_cache, gens = cp
     for f in fields(StreamState):
         setattr(state, f.name, getattr(before, f.name))
-    vocoder.incremental = incremental
     state.vocoder = vocoder
     state.flow_cache = flow_cache
     for g, position in gens:

@@ -15,8 +15,9 @@ modulo 25), and a last chunk one of ~200 (the tokens left after the last hop), s
 captured at start (``deployments.runtime_adapter.capture_graphs``); other lengths (unstreamed
 calls) are captured once seen ``capture_after`` times, up to ``max_graphs``; the rest run eagerly.
 
-The random source stays outside the graph (each request's own generator and cache overwrite,
-:func:`~cosyvoice_runtime.hift.streaming.cv2_source`); the graph takes mel and source as inputs.
+The random source stays outside the graph (each request's own generator and cache overwrite, the
+``cv2_overlap`` strategy of :mod:`cosyvoice_runtime.hift.streaming`); the graph takes mel and
+source as inputs.
 Graphs share one memory pool: replays run one at a time (lock) and the output is copied out.
 """
 from __future__ import annotations

@@ -14,6 +14,9 @@ sum over all frames. So per chunk we
 
 Everything the window start perturbs (source STFT reflect padding, zero left padding of the causal
 convs, the left reflection pad, iSTFT start) lies inside the discarded left context.
+
+The window arithmetic and the phase state live here; the strategy that runs them over a batch of
+streams is ``cv3_incremental`` in :mod:`cosyvoice_runtime.hift.streaming`.
 """
 from __future__ import annotations
 
@@ -61,7 +64,9 @@ def left_context_frames(spec: HiftSpec) -> int:
 
 @dataclass
 class IncrementalState:
-    """Cumulative frame phase (1, n_final_frames, H) float64 of the frames with final f0."""
+    """What an incremental CV3 stream keeps between calls beyond its mel: the cumulative frame
+    phase (1, n_final_frames, H) float64 of the frames whose f0 is final. Replaced, never written
+    in place, so a shallow copy of the stream is a checkpoint."""
 
     cum: torch.Tensor
 
@@ -77,61 +82,37 @@ class Window:
     total: int  # accumulated frames
 
 
-def plan_window(hift, state, finalize: bool) -> Window | None:
-    """The window of this call, or None when there is nothing to emit yet."""
-    total = int(state.mel.shape[2])
-    start = state.speech_offset // state.samples_per_frame
+def plan_window(hift, total: int, emitted: int, finalize: bool) -> Window | None:
+    """The window of a call over ``total`` accumulated frames of which ``emitted`` frames' samples
+    are out, or None when there is nothing to emit yet."""
     end = total if finalize else total - hift.lag_frames
-    if end <= start:
+    if end <= emitted:
         return None
-    a = max(0, start - left_context_frames(hift.spec))
-    return Window(start=start, end=end, a=a, fa=max(0, a - hift.f0_predictor.left_context), total=total)
+    a = max(0, emitted - left_context_frames(hift.spec))
+    return Window(start=emitted, end=end, a=a, fa=max(0, a - hift.f0_predictor.left_context), total=total)
 
 
-def window_source(hift, state, win: Window, f0: torch.Tensor, finalize: bool) -> torch.Tensor:
+def window_source(hift, phase: IncrementalState | None, win: Window, f0: torch.Tensor,
+                  finalize: bool) -> tuple[torch.Tensor, IncrementalState]:
     """The window's excitation (1, 1, 480·(total - a)) from its f0 (1, total - a), continuing the
-    saved phase; commits the phase of the frames whose f0 is now final."""
+    saved ``phase`` (None on the first call); and the phase with the frames whose f0 is now final."""
     src = hift.m_source
     rad = src.frame_rad(f0)
-    inc: IncrementalState | None = state.incremental
-    if inc is None:
-        inc = state.incremental = IncrementalState(cum=rad.new_zeros(1, 0, rad.shape[2], dtype=torch.float64))
+    cum_before = rad.new_zeros(1, 0, rad.shape[2], dtype=torch.float64) if phase is None else phase.cum
     a = win.a
-    offset = inc.cum[:, a - 1] if a > 0 else rad.new_zeros(1, rad.shape[2], dtype=torch.float64)
+    offset = cum_before[:, a - 1] if a > 0 else rad.new_zeros(1, rad.shape[2], dtype=torch.float64)
     cum = torch.cumsum(rad.double(), dim=1) + offset.unsqueeze(1)
-    committed = inc.cum.shape[1]
+    committed = cum_before.shape[1]
     final_f0 = win.total if finalize else win.total - hift.f0_look_right
     if final_f0 > committed:
-        inc.cum = torch.cat([inc.cum, cum[:, committed - a: final_f0 - a]], dim=1)
+        cum_before = torch.cat([cum_before, cum[:, committed - a: final_f0 - a]], dim=1)
     hift.ensure_noise()
-    spf = state.samples_per_frame
+    spf = hift.samples_per_frame
     noise = src.buffer_noise(spf * a, spf * (win.total - a))
-    return src.merge(f0, src.upsample_phase(cum.to(rad.dtype)), noise)
+    return src.merge(f0, src.upsample_phase(cum.to(rad.dtype)), noise), IncrementalState(cum=cum_before)
 
 
-def emit(state, win: Window, speech: torch.Tensor) -> torch.Tensor:
+def window_samples(hift, win: Window, speech: torch.Tensor) -> torch.Tensor:
     """The samples of frames [start, end) out of the window's (1, 480·(total - a)) speech."""
-    spf = state.samples_per_frame
-    out = speech[:, spf * (win.start - win.a): spf * (win.end - win.a)]
-    state.speech_offset += out.shape[1]
-    return out
-
-
-def incremental_vocode(hift, state, finalize: bool) -> torch.Tensor:
-    """Emit the new samples of ``state.mel`` (already accumulated) for a CV3 stream.
-
-    Args:
-        hift: a ``CausalHiFTGenerator``.
-        state: the request's ``VocoderStream`` (strategy "incremental").
-        finalize: last call.
-
-    Returns:
-        (1, n) float32 samples, equal within float noise to the full-recompute strategy.
-    """
-    win = plan_window(hift, state, finalize)
-    if win is None:
-        return state.mel.new_zeros(1, 0)
-    mel = state.mel
-    f0 = hift.f0(mel[:, :, win.fa:], finalize=True)[:, win.a - win.fa:].float()
-    source = window_source(hift, state, win, f0, finalize)
-    return emit(state, win, hift.decode(mel[:, :, win.a:], source, finalize=True))
+    spf = hift.samples_per_frame
+    return speech[:, spf * (win.start - win.a): spf * (win.end - win.a)]

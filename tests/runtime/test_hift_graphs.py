@@ -12,14 +12,13 @@ import copy
 import pytest
 import torch
 
-from cosyvoice_runtime.hift.batch import vocode_batch
 from cosyvoice_runtime.hift.generator import build_hift, overlap_add_istft
 from cosyvoice_runtime.hift.graphs import enable_graphs
 from cosyvoice_runtime.hift.streaming import VocoderStream
 from cosyvoice_runtime.stream_schedule import streaming_lengths
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from tests.runtime.parity.hift_cases import load_hift
-from tests.runtime.test_hift_batch import _mels, _split
+from tests.runtime.test_hift_batch import _mels, _split, batch
 
 TOL = 1e-5  # fp32 CPU: a padded batch changes only the convolution's summation blocking
 
@@ -83,7 +82,7 @@ def test_padded_buckets_equal_eager_decode_and_capture_policy():
 
 
 def test_graphed_streams_equal_plain_streams():
-    """Three requests streamed through vocode_batch: same audio with and without the graphs."""
+    """Three requests streamed through one vocoder batch per call: same audio with and without the graphs."""
     spec, hift, mels = _cv2()
     graphed = copy.deepcopy(hift)
     g = enable_graphs(graphed, max_batch=4, max_frames=256, capture_frames=[60, 58, 68], use_graphs=False)
@@ -94,8 +93,8 @@ def test_graphed_streams_equal_plain_streams():
     for c in range(len(schedules[0])):
         final = c == len(schedules[0]) - 1
         chunks = [s[c] for s in schedules]
-        want = vocode_batch(hift, plain_states, chunks, [final] * 3)
-        got = vocode_batch(graphed, graph_states, chunks, [final] * 3)
+        want = batch(hift, plain_states, chunks, [final] * 3)
+        got = batch(graphed, graph_states, chunks, [final] * 3)
         for w, x in zip(want, got):
             assert x.shape == w.shape
             torch.testing.assert_close(x, w, atol=TOL, rtol=TOL)
