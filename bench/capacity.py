@@ -24,6 +24,7 @@ import math
 import time
 from pathlib import Path
 
+import httpx
 import torch
 
 from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
@@ -50,6 +51,10 @@ class Run:
         self.out = Path(args.out)
         self.stem = stem
 
+        # what served the probes (the serve level reads it from the service's /health)
+        self.model = f"{args.family}, {args.size}-size architecture, random weights"
+        self.random_weights = True
+
     def search(self, mode: str, kind: str) -> dict:
         entry = {"mode": mode, "kind": kind, "capacity": None, "probes": []}
         self.searches.append(entry)
@@ -65,7 +70,8 @@ class Run:
     def workload(self) -> dict:
         return {"mix": self.work.mix.describe(), "seed": self.work.seed, "window_s": self.work.window_s,
                 "ramp_s": self.work.ramp_s, "prompt_s": PROMPT_SPEECH / TOKENS_PER_S, "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
-                "slo_underruns": self.slo.max_underruns, "family": self.args.family, "level": self.args.level}
+                "slo_underruns": self.slo.max_underruns, "family": self.args.family, "level": self.args.level,
+                "model": self.model, "random_weights": self.random_weights}
 
     def write(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -107,12 +113,29 @@ def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) 
 def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
     url = start_local(Path(args.config), num_cpus=args.num_cpus)
     voice = register_voices(url, 1, prefix="capacity", prompt_seconds=(PROMPT_SPEECH / TOKENS_PER_S,))[0]
+    run.model, run.random_weights = served_model(url)
 
     def settle() -> None:  # the next probe starts on an idle service
         if not wait_idle(url, timeout_s=120):
             logger.warning("service not idle 120 s after a probe")
 
     _searches(args, run, Path(args.config).stem, HttpTarget(url, voice), sampler, settle=settle)
+
+
+def served_model(url: str) -> tuple[str, bool]:
+    """What the service's synthesizer loaded, from its /health: a description, random weights."""
+    replicas = httpx.get(f"{url}/health", timeout=30).json().get("synthesizer_replicas") or {}
+    info = next(iter(replicas.values()), {})
+    rt = info.get("runtime") or {}
+    random = bool(rt.get("random_weights"))
+    parts = [str(rt.get("family", "family not reported"))]
+    if rt.get("llm_params_m"):
+        parts.append(f"{rt['llm_params_m']}M-parameter LLM")
+    parts.append(("random weights" if random else "trained weights") if "random_weights" in rt
+                 else "weights not reported")
+    parts += [f"mode {info['mode']}"] if info.get("mode") else []
+    parts += [f"token2wav scheduler {rt['t2w_scheduler']}"] if rt.get("t2w_scheduler") else []
+    return ", ".join(parts), random
 
 
 def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -> None:

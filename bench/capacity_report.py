@@ -30,8 +30,9 @@ def markdown(doc: dict, plots: list[str]) -> str:
              f"Utterance mix: {w['mix']} of audio; registered-voice prompt of {w['prompt_s']:.2f} s; seed "
              f"{w['seed']}; each probe judges the requests submitted in {w['window_s']:.0f} s of steady load "
              f"(sessions start over ~{w['ramp_s']:.0f} s, exponential gaps) and stops at the first failed or "
-             "underrun request. Random-weight model (full-size architecture): the work per token is a real "
-             "model's, the audio is noise.")
+             f"underrun request. Model: {w.get('model', 'not recorded')}."
+             + (" Random weights: the audio is noise; a full-size architecture does a real model's work per token."
+                if w.get("random_weights", True) else ""))
     lines = [f"# Streaming capacity at the SLO: {w['level']} level, {w['family']}, {doc['device']}, {doc['date']}", "",
              intro, "", "| mode | search | capacity |", "|---|---|---|"]
     for s in doc["searches"]:

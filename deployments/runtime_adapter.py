@@ -339,7 +339,8 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                  "compiled": report["compiled"], "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),
-                 "random_weights": is_random_weight_model(model_dir)},  # the tiny test model: noise, not speech
+                 "random_weights": is_random_weight_model(model_dir),  # the tiny test model: noise, not speech
+                 "llm_params_m": round(sum(p.numel() for p in model.llm.parameters()) / 1e6, 1)},  # which size
     )
 
 

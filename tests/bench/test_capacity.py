@@ -17,6 +17,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from bench import capacity as capacity_mod
 from bench.capacity import Run, _searches, main, parse_args
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import _stage_table
@@ -226,6 +227,20 @@ def test_http_target_counts_samples_across_split_chunks_and_reports_errors():
     assert asyncio.run(run(_pcm_app(pieces=(b"",)))).error == "empty body"
 
 
+def test_served_model_describes_what_the_health_endpoint_reports(monkeypatch):
+    bodies = iter([
+        {"synthesizer_replicas": {"r1": {"mode": "pytorch", "runtime": {
+            "family": "cosyvoice2", "llm_params_m": 505.2, "random_weights": True, "t2w_scheduler": "steps"}}}},
+        {"synthesizer_replicas": {"r1": {"runtime": {"family": "cosyvoice3", "random_weights": False}}}},
+        {"synthesizer_replicas": {}},
+    ])
+    monkeypatch.setattr(capacity_mod.httpx, "get", lambda url, timeout: SimpleNamespace(json=lambda: next(bodies)))
+    assert capacity_mod.served_model("http://x") == (
+        "cosyvoice2, 505.2M-parameter LLM, random weights, mode pytorch, token2wav scheduler steps", True)
+    assert capacity_mod.served_model("http://x") == ("cosyvoice3, trained weights", False)
+    assert capacity_mod.served_model("http://x") == ("family not reported, weights not reported", False)
+
+
 def test_text_for_asks_the_random_model_for_about_the_drawn_length():
     rng = random.Random(0)
     assert len(text_for(8.0, rng)) == 10 and len(text_for(0.1, rng)) == 2
@@ -239,6 +254,9 @@ def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
                    "--c1-window-s", "1", "--no-open-loop", "--mix", "1:1-2", "--out", str(tmp_path), "--trace"])
     doc = json.loads(next(tmp_path.glob("capacity-replica-cpu-*.json")).read_text())
     assert doc["workload"]["mix"] == "100 % 1-2 s" and doc["workload"]["window_s"] == 2
+    assert doc["workload"]["model"] == "cosyvoice2, tiny-size architecture, random weights"
+    assert "Model: cosyvoice2, tiny-size architecture, random weights. Random weights: the audio is noise" in \
+        next(tmp_path.glob("capacity-replica-cpu-*.md")).read_text()
     sessions = [s for s in doc["searches"] if s["kind"] == "sessions"]
     assert sessions and sessions[0]["probes"][0]["load"] == 1 and sessions[0]["probes"][0]["requests"] >= 1
     assert sessions[0]["probes"][0]["decode_step_ms_p50"] > 0  # the lane stats came from the sim

@@ -48,6 +48,9 @@ def test_early_first_chunk_is_the_default_and_can_be_turned_off(model_dir):
     assert _first_job_tokens(short, _voice(short, n_tokens=49)) == 1 + 3
     for rt in (early, official):  # CPU: never graphed
         assert rt.details["flow_graphs"] == 0 and rt.details["vocoder_graphs"] == 0
+    # /health says which size of LLM was loaded (the tiny model's, far below the 0.5B release)
+    params = sum(p.numel() for p in early.engine.engine.model.parameters())
+    assert early.details["llm_params_m"] == round(params / 1e6, 1) and 0 < params < 50e6
 
 
 def test_cosyvoice3_replicas_vocode_incrementally_with_the_same_audio(tmp_path):
