@@ -31,7 +31,7 @@ def markdown(doc: dict, plots: list[str]) -> str:
              f"{w['seed']}; each probe judges the requests submitted in {w['window_s']:.0f} s of steady load "
              f"(sessions start over ~{w['ramp_s']:.0f} s, exponential gaps) and stops at the first failed or "
              f"underrun request. Model: {w.get('model', 'not recorded')}."
-             + (" Random weights: the audio is noise; a full-size architecture does a real model's work per token."
+             + (" Random weights: the audio is noise; the work per token is the architecture's."
                 if w.get("random_weights", True) else ""))
     lines = [f"# Streaming capacity at the SLO: {w['level']} level, {w['family']}, {doc['device']}, {doc['date']}", "",
              intro, "", "| mode | search | capacity |", "|---|---|---|"]

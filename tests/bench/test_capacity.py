@@ -255,7 +255,7 @@ def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
     doc = json.loads(next(tmp_path.glob("capacity-replica-cpu-*.json")).read_text())
     assert doc["workload"]["mix"] == "100 % 1-2 s" and doc["workload"]["window_s"] == 2
     assert doc["workload"]["model"] == "cosyvoice2, tiny-size architecture, random weights"
-    assert "Model: cosyvoice2, tiny-size architecture, random weights. Random weights: the audio is noise" in \
+    assert "Model: cosyvoice2, tiny-size architecture, random weights. Random weights: the audio is noise;" in \
         next(tmp_path.glob("capacity-replica-cpu-*.md")).read_text()
     sessions = [s for s in doc["searches"] if s["kind"] == "sessions"]
     assert sessions and sessions[0]["probes"][0]["load"] == 1 and sessions[0]["probes"][0]["requests"] >= 1
