@@ -1,7 +1,8 @@
-"""One CUDA-graph capture recipe shared by the LLM decode graphs and the flow-solve graphs.
+"""One CUDA-graph capture recipe shared by the LLM's graphs and token2wav's.
 
-Each owner (a :class:`~cosyvoice_runtime.llm.cuda_graph.StaticDecodeRunner`, a
-:class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`) captures on a capture stream of its
+Each owner (:class:`~cosyvoice_runtime.llm.cuda_graph.DecodeRunner`,
+:class:`~cosyvoice_runtime.llm.prefill_graph.PrefillRunner`, the flow's and the vocoder's
+graph wrappers) captures on a capture stream of its
 own. PyTorch keys cuBLAS workspaces by (handle, stream) and a captured GEMM keeps the
 workspace address of its capture stream; ``torch.cuda.graph`` defaults to one process-wide
 capture stream, so without this the LLM graphs and the flow graphs would share one workspace
@@ -47,9 +48,11 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class GraphOwner:
-    """What every token2wav graph owner keeps: graphs by shape key (``_buckets``), its capture
-    stream, the one memory pool its graphs share, the lock its replays and captures take (the
-    static buffers are shared), and counters of replays and eager calls."""
+    """What every graph owner keeps (the LLM's decode and prefill runners, the token2wav
+    owners): graphs by shape key (``_buckets``), its capture stream, the one memory pool its
+    graphs share, the lock its replays and captures take where several threads replay (the
+    token2wav owners; the LLM runners run on the engine thread only), and counters of replays
+    and eager calls."""
 
     def __init__(self) -> None:
         self._buckets: dict = {}

@@ -59,7 +59,7 @@ def _bucket(buckets: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-class DecodeRunner:
+class DecodeRunner(graph_capture.GraphOwner):
     """One engine decode step from static buffers; CUDA-graph replay on CUDA.
 
     Args:
@@ -75,6 +75,7 @@ class DecodeRunner:
                  history_width: int = DEFAULT_HISTORY_WIDTH, batch_buckets: Sequence[int] | None = None,
                  key_buckets: Sequence[int] | None = None, use_graphs: bool | None = None,
                  compile_backend: str | None = None) -> None:
+        super().__init__()  # graphs by bucket, their capture stream and memory pool
         if not 0 <= pad_slot < cache.num_slots:
             raise ValueError(f"pad_slot {pad_slot} is not a slot of a {cache.num_slots}-slot cache")
         self.model, self.cache, self.pad_slot = model, cache, pad_slot
@@ -104,9 +105,6 @@ class DecodeRunner:
         # Padding row: scratch slot, position 0 (key 0 is visible, so its softmax is finite), greedy.
         pad = bs.pack_rows([_PAD_PARAMS], [[]], [0], [0], [False], history_width)[0]
         self._pad_row = torch.tensor([0, pad_slot, 0] + pad.tolist(), dtype=torch.long)
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._pool = None
-        self._capture_stream: torch.cuda.Stream | None = None
 
     # -- the step --------------------------------------------------------------------------
     def can_sample(self, params) -> bool:
@@ -162,20 +160,16 @@ class DecodeRunner:
             for b in batch_sizes or self.batch_buckets:
                 for w in windows or self.key_buckets:
                     self._graph(_bucket(self.batch_buckets, b), _bucket(self.key_buckets, w))
-        return len(self._graphs)
+        return self.num_graphs
 
     def _graph(self, b: int, window: int) -> torch.cuda.CUDAGraph:
-        graph = self._graphs.get((b, window))
+        graph = self._buckets.get((b, window))
         if graph is not None:
             return graph
         # Every row points at the scratch slot, so the warm-up run writes nothing that matters.
         self._rows[:b].copy_(self._pad_row.to(self._rows.device).expand(b, -1))
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream()  # own cuBLAS workspace: see graph_capture
-        graph, _ = graph_capture.capture(lambda: self._body(b, window), self._capture_stream, self._pool)
-        if self._pool is None:
-            self._pool = graph.pool()
-        self._graphs[(b, window)] = graph
+        graph, _ = self._capture(lambda: self._body(b, window), self.cache.device)
+        self._buckets[(b, window)] = graph
         logger.debug("captured decode graph batch=%d window=%d", b, window)
         return graph
 

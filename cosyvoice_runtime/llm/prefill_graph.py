@@ -47,7 +47,7 @@ def _bucket(buckets: Sequence[int], n: int) -> int:
     return next(b for b in buckets if b >= n)
 
 
-class PrefillRunner:
+class PrefillRunner(graph_capture.GraphOwner):
     """Prefill of empty KV slots from static buffers; CUDA-graph replay on CUDA.
 
     Args:
@@ -61,6 +61,7 @@ class PrefillRunner:
 
     def __init__(self, model, cache: KVCache, pad_slot: int, *, max_batch: int = DEFAULT_MAX_BATCH,
                  length_buckets: Sequence[int] | None = None, use_graphs: bool | None = None) -> None:
+        super().__init__()  # graphs by bucket, their capture stream and memory pool
         if not 0 <= pad_slot < cache.num_slots:
             raise ValueError(f"pad_slot {pad_slot} is not a slot of a {cache.num_slots}-slot cache")
         self.model, self.cache, self.pad_slot = model, cache, pad_slot
@@ -75,9 +76,6 @@ class PrefillRunner:
         self._slots = torch.full((max_batch,), pad_slot, dtype=torch.long, device=dev)
         self._last = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self._logits = torch.zeros(max_batch, model.llm_decoder.out_features, dtype=cache.dtype, device=dev)
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._pool = None
-        self._capture_stream: torch.cuda.Stream | None = None
         self.forwards = 0  # groups run (replayed or eager)
 
     @property
@@ -131,20 +129,16 @@ class PrefillRunner:
             for b in self.batch_buckets:
                 for t in self.length_buckets:
                     self._graph(b, t)
-        return len(self._graphs)
+        return self.num_graphs
 
     def _graph(self, b: int, t: int) -> torch.cuda.CUDAGraph:
-        graph = self._graphs.get((b, t))
+        graph = self._buckets.get((b, t))
         if graph is not None:
             return graph
         # Every row points at the scratch slot, so the warm-up run writes nothing that matters.
         self._slots.fill_(self.pad_slot)
         self._last.zero_()
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.cache.device)  # own cuBLAS workspace: see graph_capture
-        graph, _ = graph_capture.capture(lambda: self._body(b, t), self._capture_stream, self._pool)
-        if self._pool is None:
-            self._pool = graph.pool()
-        self._graphs[(b, t)] = graph
+        graph, _ = self._capture(lambda: self._body(b, t), self.cache.device)
+        self._buckets[(b, t)] = graph
         logger.debug("captured prefill graph batch=%d length=%d", b, t)
         return graph
