@@ -55,9 +55,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from cosyvoice_runtime.lm_messages import BistreamLMRequest, LMRequest, TokenEvent
 from deployments.compute import MAIN, ComputeExecutor
 from deployments.protocol import EngineDeadError, EngineStats, RequestFailedError
-from deployments.runtime_protocol import BistreamLMRequest, LMRequest, TokenEngine, TokenEvent
+from deployments.runtime_protocol import TokenEngine
 
 logger = logging.getLogger(__name__)
 

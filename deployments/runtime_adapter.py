@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from cosyvoice_runtime.lm_messages import BistreamLMRequest, LMRequest, TokenEvent
 from deployments.model_source import replica_mode, resolve_device
 from deployments.protocol import InvalidInputError, VoicePrompt
-from deployments.runtime_protocol import BistreamLMRequest, FrontendRuntime, LMRequest, SynthesisRuntime, TokenEvent
+from deployments.runtime_protocol import FrontendRuntime, SynthesisRuntime
 
 logger = logging.getLogger(__name__)
 

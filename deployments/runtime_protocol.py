@@ -14,28 +14,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cosyvoice_runtime.token_event import TokenEvent
+from cosyvoice_runtime.lm_messages import LMRequest, TokenEvent
 from deployments.protocol import VoicePrompt
-
-
-@dataclass
-class LMRequest:
-    """Inputs of one LLM sequence (one sentence piece)."""
-
-    text_ids: np.ndarray
-    prompt_text_ids: np.ndarray
-    prompt_speech_ids: np.ndarray
-    seed: int | None = None
-
-
-@dataclass
-class BistreamLMRequest:
-    """The prompt of one bistream sequence (text-in streaming, spec §3.8); its text ids are fed
-    while it runs (``EngineLoop.generate(..., text=...)``, ``add_bistream`` / ``feed_text``)."""
-
-    prompt_text_ids: np.ndarray
-    prompt_speech_ids: np.ndarray
-    seed: int | None = None
 
 
 class TokenEngine(Protocol):

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 from ray import serve
 
+from cosyvoice_runtime.lm_messages import BistreamLMRequest, LMRequest
 from cosyvoice_runtime.modes import preflight
 from deployments.compute import MAIN as MAIN_LANE
 from deployments.compute import ComputeExecutor
@@ -61,7 +62,7 @@ from deployments.protocol import (
     portable_error,
 )
 from deployments.runtime_adapter import call_with_timeout, load_synthesis_runtime
-from deployments.runtime_protocol import BistreamLMRequest, LMRequest, SynthesisRuntime
+from deployments.runtime_protocol import SynthesisRuntime
 from deployments.synthesizer_config import SynthesizerConfig
 from deployments.text_inbox import ActorInbox, BistreamTicket, InboxClient, LocalInbox
 from deployments.token2wav_loop import SteppedToken2Wav

@@ -7,9 +7,10 @@ import time
 import numpy as np
 
 from cosyvoice_runtime.config import ENDOFPROMPT_TOKEN_ID
+from cosyvoice_runtime.lm_messages import LMRequest
 from deployments import constants
 from deployments.protocol import VoicePrompt
-from deployments.runtime_protocol import LMRequest, SynthesisRuntime
+from deployments.runtime_protocol import SynthesisRuntime
 
 logger = logging.getLogger(__name__)
 

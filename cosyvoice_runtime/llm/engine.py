@@ -53,7 +53,7 @@ from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.prefill_graph import PrefillRunner
 from cosyvoice_runtime.llm.sampling import SamplingParams, make_generator, min_len_mask_ids
 from cosyvoice_runtime.llm.scheduler import Scheduler
-from cosyvoice_runtime.token_event import TokenEvent
+from cosyvoice_runtime.lm_messages import TokenEvent
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cosyvoice_runtime.lm_messages import LMRequest, TokenEvent
 from deployments.protocol import VoiceExistsError, VoiceNotFoundError, VoicePrompt
-from deployments.runtime_protocol import LMRequest, SynthesisRuntime, TokenEvent
+from deployments.runtime_protocol import SynthesisRuntime
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_TOKEN = 960  # 25 tokens/s at 24 kHz

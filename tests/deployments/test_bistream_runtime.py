@@ -18,11 +18,11 @@ from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.model import build_llm
 from cosyvoice_runtime.llm.sampling import SamplingParams
 from cosyvoice_runtime.llm.silent_tokens import SilentTokenFilter
+from cosyvoice_runtime.lm_messages import BistreamLMRequest, LMRequest
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
 from deployments.runtime_adapter import RuntimeTokenEngine
-from deployments.runtime_protocol import BistreamLMRequest, LMRequest
 
 TEXT = [300 + 11 * i for i in range(14)]
 SEED = 77

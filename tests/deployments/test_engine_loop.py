@@ -11,11 +11,11 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
+from cosyvoice_runtime.lm_messages import LMRequest, TokenEvent
 from deployments import engine_loop
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
 from deployments.protocol import EngineDeadError, RequestFailedError
-from deployments.runtime_protocol import LMRequest, TokenEvent
 from tests.deployments import fakes
 
 

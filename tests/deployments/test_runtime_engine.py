@@ -31,10 +31,10 @@ def _model(family: str):
 
 def test_engine_loop_over_real_llm_engine():
     # CosyVoice2 only: the CV3 parity fixture's text vocabulary is too small for <|endofprompt|>.
+    from cosyvoice_runtime.lm_messages import LMRequest
     from deployments.compute import ComputeExecutor
     from deployments.engine_loop import EngineLoop
     from deployments.runtime_adapter import RuntimeTokenEngine
-    from deployments.runtime_protocol import LMRequest
 
     model = _model("cosyvoice2")
     engine = RuntimeTokenEngine(model, max_running=2, max_model_len=256)
@@ -92,8 +92,8 @@ def test_engine_loop_over_real_llm_engine():
 
 def test_length_bound_is_capped_to_the_slot_and_tiny_slots_refuse():
     from cosyvoice_runtime.errors import InvalidInputError
+    from cosyvoice_runtime.lm_messages import LMRequest
     from deployments.runtime_adapter import RuntimeTokenEngine
-    from deployments.runtime_protocol import LMRequest
 
     model = _model("cosyvoice2")
     req = LMRequest(text_ids=np.array([100, 200, 300, 400], np.int32), prompt_text_ids=np.zeros(0, np.int32),

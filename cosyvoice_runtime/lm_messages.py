@@ -1,18 +1,44 @@
-"""The one token-event type, from the engine's step to the serving layer's consumer.
+"""The speech-token engine's messages: what a caller asks for and what comes back.
 
+An :class:`LMRequest` (ids of one sentence piece and the voice's prompt) or a
+:class:`BistreamLMRequest` (the prompt only; text arrives while it runs) goes in; the runtime
+turns a request into its prefill input (``cosyvoice_runtime.llm.inputs.LMInput``, embeddings and
+length limits: the request prepared, not another request type). :class:`TokenEvent`s come out:
 :meth:`LLMEngine.step <cosyvoice_runtime.llm.engine.LLMEngine.step>` returns one per request it
 advanced (at most one token each); the serving adapter passes them on with its silent-token
 filter applied and a failure turned into ``error``; the replica's engine loop hands a consumer
-every token since it last looked, as one event. Torch-free (``logits`` is only annotated), so the
-serving layer's protocol module imports it without torch.
+every token since it last looked, as one event. Numpy only (``logits`` is only annotated), so
+the serving layer imports these without torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass
+class LMRequest:
+    """Inputs of one LLM sequence (one sentence piece)."""
+
+    text_ids: np.ndarray
+    prompt_text_ids: np.ndarray
+    prompt_speech_ids: np.ndarray
+    seed: int | None = None
+
+
+@dataclass
+class BistreamLMRequest:
+    """The prompt of one bistream sequence (text-in streaming, spec §3.8); its text ids are fed
+    while it runs (``EngineLoop.generate(..., text=...)``, ``add_bistream`` / ``feed_text``)."""
+
+    prompt_text_ids: np.ndarray
+    prompt_speech_ids: np.ndarray
+    seed: int | None = None
 
 
 @dataclass
