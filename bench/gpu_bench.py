@@ -25,6 +25,7 @@ import torch
 
 from bench.metrics import RequestTrace, summarize
 from bench.replica_sim import EXPRESS_BATCH, PROMPT_SPEECH, PROMPT_TEXT, TEXT, ReplicaSim, sync
+from cosyvoice_runtime.flow.graph_setup import capture_flow_graphs, enable_flow_graphs
 from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
 from cosyvoice_runtime.model import CosyVoiceModel, build_modules
 from cosyvoice_runtime.modes import compile_model
@@ -247,8 +248,8 @@ def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, fl
 def _capture(model: CosyVoiceModel, graphs: str, max_batch: int, max_frames: int, min_first_hop: int | None,
              stepper: bool = False) -> None:
     t0 = time.perf_counter()
-    model.flow.enable_graphs(max_batch=max_batch, max_frames=max_frames, encoder=graphs == "all", stepper=stepper)
-    n = model.flow.capture_graphs()
+    enable_flow_graphs(model.flow, max_batch=max_batch, max_frames=max_frames, encoder=graphs == "all", stepper=stepper)
+    n = capture_flow_graphs(model.flow)
     n_voc = 0
     if graphs == "all" and not model.spec.hift.causal:  # the CV2 vocoder
         n_voc = graph_streaming_vocoder(model.hift, model.spec, max_batch, min_first_hop=min_first_hop).num_graphs

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 BATCH = 16
@@ -82,7 +83,7 @@ def _build(setup: Setup):
                        use_cuda_graphs=setup.graphs)
     if setup.graphs and dev == "cuda":  # captured before any other thread or process works, as at replica start
         engine.capture_graphs()
-        flow.enable_graphs(max_batch=1, max_frames=512, capture=True)
+        enable_flow_graphs(flow, max_batch=1, max_frames=512, capture=True)
         graph_streaming_vocoder(hift, spec, max_batch=1)
     for i in range(BATCH):
         emb = torch.randn(PROMPT_FRAMES, spec.llm.llm_input_size, device=dev, dtype=dtype) * 0.02

@@ -15,6 +15,7 @@ import torch
 
 from bench.gpu_bench import DTYPES, cast, make_model
 from cosyvoice_runtime.flow.flow import FlowItem
+from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
 
 
 def _items(model, n: int, seed: int) -> list[FlowItem]:
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     model = cast(make_model(args.family, args.size, args.device), DTYPES[args.dtype])
     flow = model.flow
-    flow.enable_graphs(max_batch=16, max_frames=1024, stepper=True)
+    enable_flow_graphs(flow, max_batch=16, max_frames=1024, stepper=True)
     items = _items(model, 8, seed=3)
     whole = flow.inference_batch(items)
     rng = random.Random(1)

@@ -277,14 +277,15 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     """
     if not cfg.cuda_graphs or mode not in ("pytorch", "torchscript") or model.device.type != "cuda":
         return {"flow_graphs": 0, "vocoder_graphs": 0}
+    from cosyvoice_runtime.flow.graph_setup import capture_flow_graphs, enable_flow_graphs
     from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
 
     spec = model.spec
     rate, ratio = spec.token_frame_rate, spec.flow.token_mel_ratio
     max_s = min(cfg.flow_graph_max_s, limits.max_total_s)
     started = time.perf_counter()
-    model.flow.enable_graphs(max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio, stepper=stepper)
-    n_flow = model.flow.capture_graphs()
+    enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio, stepper=stepper)
+    n_flow = capture_flow_graphs(model.flow)
     n_vocoder = 0
     if not spec.hift.causal:  # the CV2 vocoder (the CV3 one has no graphs)
         n_vocoder = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +18,12 @@ from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.cfm import CFMSolver
 from cosyvoice_runtime.flow.dit import DiT
 from cosyvoice_runtime.flow.encoder import PreLookaheadLayer, UpsampleConformerEncoder
-from cosyvoice_runtime.flow.encoder_graphs import GraphedEncoder
-from cosyvoice_runtime.flow.graphs import GraphedSolver
 from cosyvoice_runtime.flow.stepper import FlowStepper, SolveRow
 from cosyvoice_runtime.flow.unet import CausalUNet
+
+if TYPE_CHECKING:  # the wrappers are attached by cosyvoice_runtime.flow.graph_setup; never imported here
+    from cosyvoice_runtime.flow.encoder_graphs import GraphedEncoder
+    from cosyvoice_runtime.flow.graphs import GraphedSolver
 
 
 class Flow(nn.Module):
@@ -46,7 +49,8 @@ class Flow(nn.Module):
                                                          spec.pre_lookahead_len)
             estimator = DiT(spec.dit)
         self.decoder = CFMSolver(spec, estimator)
-        # Set by enable_graphs: plain attributes (not submodules), so checkpoint keys are unchanged.
+        # Attached by flow.graph_setup.enable_flow_graphs: plain attributes (not submodules), so checkpoint
+        # keys are unchanged.
         self.graphed_solver: GraphedSolver | None = None
         self.graphed_encoder: GraphedEncoder | None = None
         self.stepper: FlowStepper | None = None  # solves run step by step (start_rows); eager until enabled
@@ -54,37 +58,6 @@ class Flow(nn.Module):
     @property
     def estimator(self) -> nn.Module:
         return self.decoder.estimator
-
-    def enable_graphs(self, max_batch: int = 16, max_frames: int = 1024, capture: bool = False,
-                      use_graphs: bool = True, encoder: bool = True, stepper: bool = False) -> GraphedSolver:
-        """Solve (and, for CosyVoice2 with ``encoder``, encode) through CUDA graphs per padded
-        bucket from now on; with ``stepper``, the step-by-step solve too (one graph per pass).
-
-        ``capture`` captures every bucket now (replica start-up) instead of on first use;
-        ``use_graphs=False`` runs the padded buckets eagerly (CPU tests).
-        """
-        self.graphed_solver = GraphedSolver(self.decoder, max_batch=max_batch, max_frames=max_frames,
-                                            use_graphs=use_graphs)
-        self.stepper = (FlowStepper(self.decoder, max_batch=max_batch, max_frames=max_frames, use_graphs=use_graphs)
-                        if stepper else None)
-        self.graphed_encoder = None
-        if encoder and self.spec.family == "cosyvoice2":
-            ratio = self.spec.token_mel_ratio
-            self.graphed_encoder = GraphedEncoder(self, max_batch=max_batch, max_tokens=max_frames // ratio,
-                                                  token_step=self.graphed_solver.frame_step // ratio,
-                                                  use_graphs=use_graphs)
-        if capture:
-            self.capture_graphs()
-        return self.graphed_solver
-
-    def capture_graphs(self) -> int:
-        """Capture every bucket of the enabled graphs now; how many graphs exist."""
-        # with the stepper on, the whole-solve graphs serve only the odd run_batch (warm-up): on first use
-        if self.stepper is not None:
-            n = self.stepper.capture()
-        else:
-            n = self.graphed_solver.capture() if self.graphed_solver else 0
-        return n + (self.graphed_encoder.capture() if self.graphed_encoder else 0)
 
     def encode(self, items: list[FlowItem]) -> tuple[torch.Tensor, torch.Tensor]:
         """mu (B, 80, T_max) and frame lengths (B,) for a batch of token sequences.

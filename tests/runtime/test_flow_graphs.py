@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cosyvoice_runtime.flow.flow import build_flow
+from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
 from cosyvoice_runtime.flow.graphs import GraphedSolver
 from cosyvoice_runtime.graph_capture import batch_buckets
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
@@ -41,7 +42,7 @@ def test_buckets():
 def test_padded_buckets_equal_plain_solve(family):
     plain = _flow(family)
     flow = copy.deepcopy(plain)
-    solver = flow.enable_graphs(max_batch=8, max_frames=512, use_graphs=False)
+    solver = enable_flow_graphs(flow, max_batch=8, max_frames=512, use_graphs=False)
     gen = torch.Generator().manual_seed(11)
     items = [_item(gen, flow, *job) for job in JOBS]
     want = _mels(plain, items)
@@ -61,7 +62,7 @@ def test_encoder_buckets_equal_plain_encoder():
     length lands in the solve bucket the plain length would use."""
     plain = _flow("cosyvoice2")
     flow = copy.deepcopy(plain)
-    flow.enable_graphs(max_batch=8, max_frames=512, use_graphs=False)
+    enable_flow_graphs(flow, max_batch=8, max_frames=512, use_graphs=False)
     enc = flow.graphed_encoder
     assert enc.token_step == 32 and enc.max_tokens == 256
     assert enc.bucket_of(3, 33) == (4, 64) and enc.bucket_of(9, 10) is None and enc.bucket_of(1, 257) is None
@@ -76,14 +77,14 @@ def test_encoder_buckets_equal_plain_encoder():
             torch.testing.assert_close(got[i, :, :n], want[i, :, :n], atol=PAD_TOL, rtol=PAD_TOL)
     assert enc.replays == 3 and enc.eager_calls == 0 and enc.num_graphs == 3  # (8, 64), (1, 32), (4, 64)
     cv3 = copy.deepcopy(_flow("cosyvoice3"))
-    cv3.enable_graphs(use_graphs=False)
+    enable_flow_graphs(cv3, use_graphs=False)
     assert cv3.graphed_encoder is None  # CV3 has no conformer encoder
 
 
 def test_too_long_or_traced_runs_eagerly():
     plain = _flow("cosyvoice2")
     flow = copy.deepcopy(plain)
-    solver = flow.enable_graphs(max_batch=2, max_frames=64, use_graphs=False)
+    solver = enable_flow_graphs(flow, max_batch=2, max_frames=64, use_graphs=False)
     gen = torch.Generator().manual_seed(5)
     item = _item(gen, flow, 20, 40, True, False)  # 2 * (20 + 37) = 114 frames > 64
     torch.testing.assert_close(_mels(flow, [item])[0], _mels(plain, [item])[0])
@@ -100,7 +101,7 @@ def test_cuda_graphs_equal_eager(family, tmp_path):
     torch.manual_seed(0)
     plain = build_flow(dataclasses.replace(spec.flow, n_timesteps=3)).eval().cuda()
     flow = copy.deepcopy(plain)
-    solver = flow.enable_graphs(max_batch=8, max_frames=512)
+    solver = enable_flow_graphs(flow, max_batch=8, max_frames=512)
     gen = torch.Generator().manual_seed(11)
     items = [_item(gen, flow, *job) for job in JOBS]
     items = [type(it)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(it).items()})

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cosyvoice_runtime.flow.flow import FlowItem
+from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
 from cosyvoice_runtime.flow.incremental import FlowCache, incremental_mel
 from cosyvoice_runtime.model import load_model
 from cosyvoice_runtime.token2wav import Token2Wav
@@ -214,7 +215,7 @@ def test_incremental_jobs_next_to_the_graphed_recompute(cv2):
     """With the flow's graphs enabled (padded buckets; run eagerly on the CPU) the incremental jobs
     still solve eagerly (the encoder goes through its graphed buckets) and match the graphed recompute."""
     flow = copy.deepcopy(cv2.flow)
-    flow.enable_graphs(max_batch=2, max_frames=512, use_graphs=False)
+    enable_flow_graphs(flow, max_batch=2, max_frames=512, use_graphs=False)
     prompt, tokens = _prompt(20, 6), _tokens(120, 6)
     ref, _ = _stream(Token2Wav(cv2.spec, flow, cv2.hift, min_first_hop=10), prompt, tokens)
     inc, state = _stream(Token2Wav(cv2.spec, flow, cv2.hift, min_first_hop=10, cv2_flow="incremental"), prompt, tokens)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cosyvoice_runtime.flow.flow import build_flow
+from cosyvoice_runtime.flow.graph_setup import capture_flow_graphs, enable_flow_graphs
 from cosyvoice_runtime.hift.generator import build_hift
 from cosyvoice_runtime.hift.graphs import enable_graphs
 from cosyvoice_runtime.llm.engine import LLMEngine
@@ -34,8 +35,8 @@ def test_owners_capture_on_own_streams_and_replay_together(tmp_path):
     spec = write_config_dir(tmp_path, "cosyvoice2", _TINY["cosyvoice2"])
     torch.manual_seed(0)
     flow = build_flow(spec.flow).eval().cuda()
-    solver = flow.enable_graphs(max_batch=8, max_frames=512)
-    assert flow.capture_graphs() == len(solver._buckets) + flow.graphed_encoder.num_graphs
+    solver = enable_flow_graphs(flow, max_batch=8, max_frames=512)
+    assert capture_flow_graphs(flow) == len(solver._buckets) + flow.graphed_encoder.num_graphs
     llm = tiny_model().cuda()
     engine = LLMEngine(llm, max_batch_size=4, max_seq_len=256, use_cuda_graphs=True)
     engine.capture_graphs()

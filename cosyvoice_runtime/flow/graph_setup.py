@@ -1,0 +1,46 @@
+"""The runtime attaches the flow's CUDA-graph wrappers: the whole solve per padded bucket
+(:class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`), the step-by-step solve
+(:class:`~cosyvoice_runtime.flow.stepper.FlowStepper`) and CosyVoice2's encoder
+(:class:`~cosyvoice_runtime.flow.encoder_graphs.GraphedEncoder`). The :class:`Flow` module only
+holds them (plain attributes) and calls them when present; it never imports them, as the vocoder
+does not import its own (:func:`cosyvoice_runtime.hift.graphs.enable_graphs`).
+"""
+from __future__ import annotations
+
+from cosyvoice_runtime.flow.encoder_graphs import GraphedEncoder
+from cosyvoice_runtime.flow.flow import Flow
+from cosyvoice_runtime.flow.graphs import GraphedSolver
+from cosyvoice_runtime.flow.stepper import FlowStepper
+
+
+def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, capture: bool = False,
+                  use_graphs: bool = True, encoder: bool = True, stepper: bool = False) -> GraphedSolver:
+    """Solve (and, for CosyVoice2 with ``encoder``, encode) through CUDA graphs per padded
+    bucket from now on; with ``stepper``, the step-by-step solve too (one graph per pass).
+
+    ``capture`` captures every bucket now (replica start-up) instead of on first use;
+    ``use_graphs=False`` runs the padded buckets eagerly (CPU tests).
+    """
+    flow.graphed_solver = GraphedSolver(flow.decoder, max_batch=max_batch, max_frames=max_frames,
+                                        use_graphs=use_graphs)
+    flow.stepper = (FlowStepper(flow.decoder, max_batch=max_batch, max_frames=max_frames, use_graphs=use_graphs)
+                    if stepper else None)
+    flow.graphed_encoder = None
+    if encoder and flow.spec.family == "cosyvoice2":
+        ratio = flow.spec.token_mel_ratio
+        flow.graphed_encoder = GraphedEncoder(flow, max_batch=max_batch, max_tokens=max_frames // ratio,
+                                              token_step=flow.graphed_solver.frame_step // ratio,
+                                              use_graphs=use_graphs)
+    if capture:
+        capture_flow_graphs(flow)
+    return flow.graphed_solver
+
+
+def capture_flow_graphs(flow: Flow) -> int:
+    """Capture every bucket of the enabled graphs now; how many graphs exist."""
+    # with the stepper on, the whole-solve graphs serve only the odd run_batch (warm-up): on first use
+    if flow.stepper is not None:
+        n = flow.stepper.capture()
+    else:
+        n = flow.graphed_solver.capture() if flow.graphed_solver else 0
+    return n + (flow.graphed_encoder.capture() if flow.graphed_encoder else 0)
