@@ -306,9 +306,10 @@ class LLMEngine:
         return events + self._choose_bistream(feeds, seqs, logits[n:])
 
     def _prefill(self, prefill: list, extends: list) -> list[TokenEvent]:
-        """The admitted requests' prompts and the bistream rows' multi-position inputs as padded
-        batched forwards of at most ``PREFILL_TOKEN_BUDGET`` padded positions each; each row
-        yields a token (a bistream row: per its state machine)."""
+        """The admitted requests' prompts (through the prefill graphs when they fit) and the
+        bistream rows' multi-position inputs (eager, as padded batched forwards of at most
+        ``PREFILL_TOKEN_BUDGET`` padded positions each); each row yields a token (a bistream
+        row: per its state machine)."""
         reqs = [self._requests[s.request_id] for s in prefill]
         for req, s in zip(reqs, prefill):
             req.state.slot = s.slot
