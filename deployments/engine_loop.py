@@ -16,7 +16,7 @@ event loop got round to the task again, after whatever else was ready (every str
 work, ``@serve.batch``, response chunks), so the serving layer's own cost was added to every
 decode step. The thread submits the next step at once; the token hand-over runs on the event
 loop meanwhile. With GPU-like fakes (a 5 ms decode step that sleeps, token2wav on its own lane;
-500 tokens per stream, 2-core VM, 2026-12-03, ``tests/integration/measure_loop.py --step-ms 5``,
+500 tokens per stream, 2-core VM, 2026-12-03, ``bench/measure_loop.py --step-ms 5`` (then in tests/integration, over the test fakes),
 4 interleaved runs each, medians) the serving layer added 0.92 ms to every step at 64 streams
 with a task, 0.53 ms with the thread (16 streams: 0.65 -> 0.38 ms). What remains is mostly the
 GIL: the step's own Python work waits while the event loop thread holds it.
@@ -24,10 +24,10 @@ GIL: the step's own Python work waits while the event loop thread holds it.
 A mailbox wakes its consumer only once the request has the tokens the consumer asked for
 (``need``: the next streamed chunk's token count) or has finished, so a step costs one
 coroutine switch per chunk, not one per stream. Measured with zero-cost fakes (64 streams x 250
-tokens, 12-token hops, 2-core VM, 2026-12-03, ``tests/integration/measure_loop.py``, median of
+tokens, 12-token hops, 2-core VM, 2026-12-03, ``bench/measure_loop.py`` (then in tests/integration), median of
 9 runs): the serving layer's cost per decode step fell from 2.17 to 1.58 ms.
 
-Bistream requests (:class:`~deployments.runtime_protocol.BistreamLMRequest`) come with their text as
+Bistream requests (:class:`~cosyvoice_runtime.lm_messages.BistreamLMRequest`) come with their text as
 an async iterator (``generate(..., text=...)``): a feeder task per request queues each arrival
 like an add, the step thread hands it to the engine (``feed_text``) before its next step. A
 bistream request waiting for text is parked in the engine and is no work, so an idle step

@@ -1,8 +1,8 @@
 """Measure the serving layer's own cost per decode step: the Synthesizer's engine loop, the
-per-request coroutines, chunk scheduling and the deadline gate, with a zero-cost fake engine
-and token2wav, at several numbers of concurrent streams.
+per-request coroutines, chunk scheduling and the deadline gate, with a zero-cost engine and
+token2wav (:mod:`bench.null_runtime`), at several numbers of concurrent streams.
 
-Run: .venv/bin/python -m tests.integration.measure_loop [--streams 1,16,64] [--tokens 250]
+Run: .venv/bin/python -m bench.measure_loop [--streams 1,16,64] [--tokens 250]
 
 ``--step-ms 5 --t2w-ms 20`` gives the fakes a GPU-like cost instead: a decode step and a
 token2wav batch that sleep (the GIL is free meanwhile, as while a replica waits on CUDA) on two
@@ -24,11 +24,10 @@ import time
 
 import numpy as np
 
+from bench.null_runtime import TOKENS_PER_ID, null_runtime
 from deployments.protocol import PreparedRequest, TextPiece, VoicePrompt
-from deployments.runtime_protocol import SynthesisRuntime
 from deployments.synthesizer import Synthesizer
 from deployments.synthesizer_config import SynthesizerConfig
-from tests.deployments import fakes
 
 
 def _prompt() -> VoicePrompt:
@@ -39,21 +38,17 @@ def _prompt() -> VoicePrompt:
 
 def measure(streams: int, tokens: int, deadline_slack_s: float | None, step_s: float = 0.0,
             t2w_s: float = 0.0) -> dict:
-    def runtime(cfg, source):
-        return SynthesisRuntime(engine=fakes.FakeEngine(max_running=cfg.max_running, step_s=step_s),
-                                token2wav=fakes.FakeToken2Wav(batch_s=t2w_s), device="cpu")
-
     gpu_like = step_s > 0 or t2w_s > 0
     cfg = SynthesizerConfig(max_running=streams, max_ongoing_requests=streams, warmup=False, overlap_stages=gpu_like,
                             token2wav={"max_batch_size": min(16, streams), "deadline_slack_s": deadline_slack_s})
-    s = Synthesizer(cfg, runtime_factory=runtime)
+    s = Synthesizer(cfg, runtime_factory=null_runtime(step_s, t2w_s))
 
     async def direct(job):
         s.t2w_batch_sizes[1] += 1
         return (await s.compute.run(s.t2w.run_batch, [job], lane=s._t2w_lane))[0]
 
     s._token2wav = direct
-    n_ids = tokens // fakes.TOKENS_PER_TEXT_ID
+    n_ids = tokens // TOKENS_PER_ID
 
     async def one(i: int) -> int:
         req = PreparedRequest(request_id=f"r{i}", pieces=[TextPiece("x", np.arange(n_ids, dtype=np.int32))],
@@ -61,15 +56,16 @@ def measure(streams: int, tokens: int, deadline_slack_s: float | None, step_s: f
                               llm_use_prompt_speech=True, stream=True)
         return sum([len(c.samples) async for c in s.synthesize(req)])
 
-    async def main() -> float:
+    async def main() -> tuple[float, list[int]]:
         started = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(streams)))
-        return time.perf_counter() - started
+        samples = await asyncio.gather(*(one(i) for i in range(streams)))
+        return time.perf_counter() - started, samples
 
-    wall = asyncio.run(main())
+    wall, samples = asyncio.run(main())
     steps = s.loop.steps
     s.compute.shutdown()
-    return {"streams": streams, "tokens_per_stream": tokens, "deadline_slack_s": deadline_slack_s, "steps": steps,
+    return {"streams": streams, "tokens_per_stream": tokens, "samples_per_stream": sorted(set(samples)),
+            "deadline_slack_s": deadline_slack_s, "steps": steps,
             "step_ms": 1e3 * step_s, "t2w_ms": 1e3 * t2w_s, "wall_s": wall, "ms_per_step": 1e3 * wall / steps,
             "overhead_ms_per_step": 1e3 * (wall / steps - step_s), "us_per_token": 1e6 * wall / (steps * streams)}
 
