@@ -7,6 +7,7 @@
 #   REPLICA_S=500 MODES=pytorch-bf16-allgraphs-early-edf,pytorch-bf16-allgraphs-early-edf-prio bash bench/device_capacity.sh
 #   REPLICA_S=0 SERVE_S=520 bash bench/device_capacity.sh
 #   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call
+#   FAMILY=cosyvoice3 measures CosyVoice3 at both levels (default cosyvoice2)
 #   SERVE_PROXY=haproxy: the serve level behind HAProxy with direct ingress (RAY_SERVE_ENABLE_HA_PROXY=1)
 #   instead of Serve's HTTP proxy actor (docs/tuning.md, "The HTTP path")
 set -u
@@ -36,9 +37,11 @@ if [ "${REPLICA_S:-0}" -gt 0 ]; then
   pack
 fi
 if [ "${SERVE_S:-0}" -gt 0 ]; then
-  python3 -m cosyvoice_runtime.tiny_model --size full --out /tmp/cv2-full > /dev/null 2>&1 || echo "full-size model: failed"
+  F=${FAMILY:-cosyvoice2}
+  python3 -m cosyvoice_runtime.tiny_model --size full --family "$F" --out "/tmp/$F-full" > /dev/null 2>&1 \
+    || echo "full-size $F model: failed"
   [ "${SERVE_PROXY:-}" = haproxy ] && export RAY_SERVE_ENABLE_HA_PROXY=1
-  FAST_COSY_MODEL_DIR=/tmp/cv2-full timeout "$SERVE_S" python3 -m bench.capacity --level serve \
+  FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$SERVE_S" python3 -m bench.capacity --level serve --family "$F" \
     --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" ${TAG:+--tag "$TAG"} ${CAP_ARGS:-} 2>&1 \
     | grep -v Warning > "$W/serve.log"
   grep -E '"kind"|done in|Error|error' "$W/serve.log" | cut -c1-900 | tail -20
