@@ -14,7 +14,7 @@ decision and its measurements are in ``docs/serving.md``):
 Text-in streaming (:meth:`Synthesizer.synthesize_bistream`, spec §3.8): one LLM sequence whose
 text arrives while it speaks. Its first streamed item is a
 :class:`~deployments.text_inbox.BistreamTicket`: the caller pushes the text to this replica's
-text inbox actor (started at the first such call), and the request reads it from there.
+text inbox actor (started with the replica), and the request reads it from there.
 
 A request that is abandoned (client disconnect, handle ``cancel()``) raises ``CancelledError``
 inside :meth:`synthesize`; the ``finally`` of the engine loop's generator aborts its sequence.
@@ -94,8 +94,8 @@ class Synthesizer:
         runtime_factory: builds the runtime; defaults to the real one (or ``cfg.runtime_factory``).
         metrics: exporter; a no-op one is used outside a replica.
         clock: seconds for playback deadlines, underruns and latencies (tests inject a fake clock).
-        inbox: where bistream text arrives; default: a text inbox actor in a replica (started at
-            the first bistream call: no idle process per replica), one in this process outside.
+        inbox: where bistream text arrives; default: a text inbox actor in a replica (started
+            with it: one small idle process per replica), one in this process outside.
     """
 
     def __init__(self, cfg: SynthesizerConfig, source: ModelSource | None = None,
@@ -104,7 +104,10 @@ class Synthesizer:
                  inbox: InboxClient | None = None) -> None:
         self.cfg = cfg
         self.clock = clock
-        self._inbox = inbox
+        # Started with the replica, in the background while the model loads: a Ray actor's worker
+        # process took 1.1 s to come up on the 2-core VM (2026-12-04), which the first bistream
+        # session of a replica otherwise waited for before its first audio.
+        self._inbox = inbox or _default_inbox()
         if runtime_factory is None:
             runtime_factory = _import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
         started = time.perf_counter()
@@ -157,8 +160,6 @@ class Synthesizer:
         makes them, the first before the text has ended. ``req.pieces`` is not used."""
         if not hasattr(self.runtime.engine, "add_bistream"):
             raise InvalidInputError("this replica's engine does not take bistream requests")
-        if self._inbox is None:
-            self._inbox = _default_inbox()
         inbox, session = self._inbox, req.request_id
         await inbox.open(session)
         try:

@@ -10,7 +10,9 @@ request takes them from it (:meth:`InboxClient.text`). Closing the call closes t
 text pushed after that is refused.
 
 Measured on local Ray (2-core VM, 2026-12-04, 200 one-id fragments): a push plus the replica's
-take of it 2.2 ms median, 2.5 ms p95; starting the actor and opening the first session 0.11 s.
+take of it 2.2 ms median, 2.5 ms p95. Starting the actor is a worker process (1.1 s on that VM
+the first time a replica did it), so a replica starts its inbox with itself, not at the first
+bistream call.
 
 Bounded: sessions per inbox, ids queued per session (a caller that outruns the replica is
 refused, not buffered without end), and a replica-side wait for text (a caller that vanished
@@ -161,6 +163,9 @@ class ActorInbox(InboxClient):
         node = ray.get_runtime_context().get_node_id()
         actor = ray.remote(TextInbox).options(
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        # A first call, unawaited: the replica's connection to the actor is made now, in the
+        # background, not by the first session's open (a read, changes nothing).
+        actor.num_sessions.remote()
         return cls(actor)
 
     async def open(self, session: str) -> None:

@@ -23,13 +23,15 @@ def _bistream_req(rid: str) -> PreparedRequest:
 
 def test_audio_starts_before_the_text_ends_and_covers_all_of_it():
     s = _synth()
+    inbox = s._inbox
+    assert isinstance(inbox, LocalInbox)  # made with the replica (in Ray: its actor starts then)
     engine = s.runtime.engine
     rid = "bs/0"
 
     async def main():
         gen = s.synthesize_bistream(_bistream_req("bs"))
         ticket = await gen.__anext__()
-        assert isinstance(ticket, BistreamTicket) and ticket.session == "bs"
+        assert isinstance(ticket, BistreamTicket) and ticket.session == "bs" and ticket.inbox is inbox
         await ticket.push(list(range(1, 8)))  # 7 ids -> 14 tokens: one streamed hop of 12
         first = await gen.__anext__()
         assert first.index == 0 and len(first.samples) == fakes.HOP * fakes.SAMPLES_PER_TOKEN
