@@ -14,7 +14,7 @@ see also pytorch/pytorch#193402 on graphs of one capture stream sharing workspac
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,6 +45,14 @@ def batch_buckets(max_batch: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + [max_batch]
+
+
+def bucket_for(buckets: Sequence[int], n: int) -> int:
+    """The smallest of the ascending ``buckets`` that holds ``n`` (a shape padded up to it)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 class GraphOwner:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from cosyvoice_runtime import graph_capture
-from cosyvoice_runtime.graph_capture import batch_buckets
+from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class GraphedEncoder(graph_capture.GraphOwner):
     def bucket_of(self, batch: int, n_keep: int) -> tuple[int, int] | None:
         if batch > self.batch_buckets[-1] or n_keep > self.max_tokens:
             return None
-        return next(b for b in self.batch_buckets if b >= batch), math.ceil(n_keep / self.token_step) * self.token_step
+        return bucket_for(self.batch_buckets, batch), math.ceil(n_keep / self.token_step) * self.token_step
 
     def capture(self, batch_sizes: Sequence[int] | None = None, tokens: Sequence[int] | None = None) -> int:
         """Capture these buckets now (default: all); returns how many graphs exist."""

@@ -31,7 +31,7 @@ import torch
 
 from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.flow.cfm import CFMSolver
-from cosyvoice_runtime.graph_capture import batch_buckets
+from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,7 @@ class SolverBuckets(graph_capture.GraphOwner):
         """The (batch, frames) bucket serving a call, or None when it is too large for any."""
         if batch > self.batch_buckets[-1] or frames > self.max_frames:
             return None
-        b = next(x for x in self.batch_buckets if x >= batch)
-        return b, math.ceil(frames / self.frame_step) * self.frame_step
+        return bucket_for(self.batch_buckets, batch), math.ceil(frames / self.frame_step) * self.frame_step
 
     def frame_buckets(self) -> list[int]:
         return list(range(self.frame_step, self.max_frames + 1, self.frame_step))

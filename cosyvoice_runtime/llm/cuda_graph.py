@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from cosyvoice_runtime import graph_capture
+from cosyvoice_runtime.graph_capture import bucket_for
 from cosyvoice_runtime.llm import batch_sampling as bs
 from cosyvoice_runtime.llm.generate import DecodeState, pack_states
 from cosyvoice_runtime.llm.kv_cache import KVCache
@@ -50,13 +51,6 @@ def default_key_buckets(max_len: int) -> list[int]:
         out.append(w)
         w *= 2
     return out + [max_len]
-
-
-def _bucket(buckets: Sequence[int], n: int) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 class DecodeRunner(graph_capture.GraphOwner):
@@ -127,8 +121,8 @@ class DecodeRunner(graph_capture.GraphOwner):
         n = len(slots)
         positions = [self.cache.lengths[s] for s in slots]
         self.cache.check_room(list(slots), 1)
-        b = _bucket(self.batch_buckets, n)
-        window = _bucket(self.key_buckets, max(positions) + 1)
+        b = bucket_for(self.batch_buckets, n)
+        window = bucket_for(self.key_buckets, max(positions) + 1)
         graph = self._graph(b, window) if self.use_graphs else None
         host = self._host_np
         host[n:b] = self._pad_row.numpy()
@@ -159,7 +153,7 @@ class DecodeRunner(graph_capture.GraphOwner):
         if self.use_graphs:
             for b in batch_sizes or self.batch_buckets:
                 for w in windows or self.key_buckets:
-                    self._graph(_bucket(self.batch_buckets, b), _bucket(self.key_buckets, w))
+                    self._graph(bucket_for(self.batch_buckets, b), bucket_for(self.key_buckets, w))
         return self.num_graphs
 
     def _graph(self, b: int, window: int) -> torch.cuda.CUDAGraph:

@@ -315,12 +315,11 @@ class LLMEngine:
             req.state.slot = s.slot
             self.cache.reset(s.slot)
         seqs = [self._bistream[s.request_id] for s in extends]
-        fresh = [r.lm_input for r in reqs]
         parts = []
-        if reqs and self.prefill_runner is not None and self.prefill_runner.fits([len(x) for x in fresh]):
-            parts.append(self.prefill_runner.run(fresh, [s.slot for s in prefill]))
-        elif reqs:
-            parts.append(self._forward_padded(fresh, [s.slot for s in prefill]))
+        if reqs:
+            fresh, slots = [r.lm_input for r in reqs], [s.slot for s in prefill]
+            graphed = self.prefill_runner is not None and self.prefill_runner.fits([len(x) for x in fresh])
+            parts.append(self.prefill_runner.run(fresh, slots) if graphed else self._forward_padded(fresh, slots))
         if seqs:
             parts.append(self._forward_padded([embed_segments(self.model, seq.take_input(), self.device)
                                                for seq in seqs], [s.slot for s in extends]))

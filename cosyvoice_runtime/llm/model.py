@@ -214,15 +214,18 @@ class Qwen2Model(nn.Module):
             mask = (torch.arange(total, device=device)[None, None, :] <= positions[:, :, None])[:, None]
             slot_index = torch.tensor(slots, device=device) if b > 1 else None
             attn = _AttnContext(cache, list(slots), positions, mask, slot_index, total)
-        cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
-        x = inputs_embeds
+        hidden = self._layers(inputs_embeds, attn)
+        if cache is not None:
+            cache.advance(slots, t)
+        return hidden
+
+    def _layers(self, x: torch.Tensor, attn: _AttnContext) -> torch.Tensor:
+        """(B, T, H) embeddings through every decoder layer at ``attn.positions``, then the final norm."""
+        cos, sin = self.rotary_emb(attn.positions, x.dtype)
         for i, layer in enumerate(self.layers):
             attn.layer = i
             x = layer(x, cos, sin, attn)
-        if cache is not None:
-            cache.advance(slots, t)
         return self.norm(x)
-
 
     def decode_static(self, inputs_embeds: torch.Tensor, cache: KVCache, slot_index: torch.Tensor,
                       positions: torch.Tensor, window: int) -> torch.Tensor:
@@ -242,13 +245,7 @@ class Qwen2Model(nn.Module):
         keys = torch.arange(window, device=inputs_embeds.device)
         mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, 1, window)
         attn = _AttnContext(cache, None, pos, mask, slot_index, window)
-        cos, sin = self.rotary_emb(pos, inputs_embeds.dtype)
-        x = inputs_embeds[:, None]
-        for i, layer in enumerate(self.layers):
-            attn.layer = i
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)[:, 0]
-
+        return self._layers(inputs_embeds[:, None], attn)[:, 0]
 
     def prefill_static(self, inputs_embeds: torch.Tensor, cache: KVCache, slot_index: torch.Tensor) -> torch.Tensor:
         """The prompts of empty slots from tensors only (what a prefill CUDA graph captures).
@@ -264,13 +261,7 @@ class Qwen2Model(nn.Module):
         """
         b, t, _ = inputs_embeds.shape
         pos = torch.arange(t, device=inputs_embeds.device).expand(b, t)
-        attn = _AttnContext(cache, None, pos, None, slot_index, t, fresh=True)
-        cos, sin = self.rotary_emb(pos, inputs_embeds.dtype)
-        x = inputs_embeds
-        for i, layer in enumerate(self.layers):
-            attn.layer = i
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+        return self._layers(inputs_embeds, _AttnContext(cache, None, pos, None, slot_index, t, fresh=True))
 
 
 class Qwen2ForCausalLM(nn.Module):

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from cosyvoice_runtime import graph_capture
+from cosyvoice_runtime.graph_capture import bucket_for
 from cosyvoice_runtime.llm.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,6 @@ def default_length_buckets(max_len: int, largest: int = LARGEST_LENGTH) -> list[
         out.append(n)
         n += LENGTH_STEP if n < 512 else 2 * LENGTH_STEP
     return out or [max_len]
-
-
-def _bucket(buckets: Sequence[int], n: int) -> int:
-    return next(b for b in buckets if b >= n)
 
 
 class PrefillRunner(graph_capture.GraphOwner):
@@ -98,7 +95,7 @@ class PrefillRunner(graph_capture.GraphOwner):
     def _run_group(self, inputs: Sequence[torch.Tensor], slots: Sequence[int]) -> torch.Tensor:
         n = len(inputs)
         lengths = [int(x.shape[0]) for x in inputs]
-        b, t = _bucket(self.batch_buckets, n), _bucket(self.length_buckets, max(lengths))
+        b, t = bucket_for(self.batch_buckets, n), bucket_for(self.length_buckets, max(lengths))
         graph = self._graph(b, t) if self.use_graphs else None  # a first capture writes the inputs
         for i, x in enumerate(inputs):
             self._x[i, :lengths[i]].copy_(x)
