@@ -11,7 +11,7 @@ from cosyvoice_runtime.llm.cuda_graph import DecodeRunner, default_key_buckets
 from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.sampling import SamplingParams, min_len_mask_ids
-from tests.runtime.test_llm_engine import S, prompts, reference, run_engine, tiny_model
+from tests.runtime.test_llm_engine import S, assert_matches_reference, prompts, reference, run_engine, tiny_model
 
 
 def test_buckets():
@@ -90,13 +90,7 @@ def test_static_engine_equals_reference_for_joining_requests(family):
     }
     engine = LLMEngine(model, max_batch_size=3, max_seq_len=48, return_logits=True, static_decode=True)
     assert engine.runner is not None and engine.cache.num_slots == 4
-    tokens, logits, reasons = run_engine(engine, schedule)
-    for reqs in schedule.values():
-        for rid, x, lo, hi, params in reqs:
-            ref_tokens, ref_logits, ref_reason = reference(model, x, lo, hi, params)
-            assert tokens[rid] == ref_tokens, rid
-            assert reasons[rid] == ref_reason, rid
-            assert (logits[rid] - ref_logits).abs().max() < 1e-4, rid
+    assert_matches_reference(model, schedule, *run_engine(engine, schedule))
 
 
 def test_compiled_static_step_equals_reference():
@@ -110,12 +104,7 @@ def test_compiled_static_step_equals_reference():
     engine = LLMEngine(model, max_batch_size=3, max_seq_len=48, return_logits=True, static_decode=True,
                        compile_backend="eager")
     assert type(engine.runner._decode).__name__ != "method"  # the compiled wrapper, not the bound method
-    tokens, logits, _ = run_engine(engine, schedule)
-    for reqs in schedule.values():
-        for rid, x, lo, hi, params in reqs:
-            ref_tokens, ref_logits, _ = reference(model, x, lo, hi, params)
-            assert tokens[rid] == ref_tokens, rid
-            assert (logits[rid] - ref_logits).abs().max() < 1e-4, rid
+    assert_matches_reference(model, schedule, *run_engine(engine, schedule))
 
 
 def test_static_engine_hands_official_rng_and_custom_samplers_to_the_eager_path():

@@ -56,6 +56,17 @@ def run_engine(engine, schedule, max_steps=500):
     return tokens, stacked, reasons
 
 
+def assert_matches_reference(model, schedule, tokens, logits, reasons):
+    """Every scheduled request's tokens and finish reason equal the single-request reference, its
+    logits within 1e-4."""
+    for reqs in schedule.values():
+        for rid, x, lo, hi, params in reqs:
+            ref_tokens, ref_logits, ref_reason = reference(model, x, lo, hi, params)
+            assert tokens[rid] == ref_tokens, rid
+            assert reasons[rid] == ref_reason, rid
+            assert (logits[rid] - ref_logits).abs().max() < 1e-4, rid
+
+
 @pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
 def test_batched_greedy_matches_single_request(family):
     model = tiny_model(family)
@@ -84,13 +95,7 @@ def test_requests_joining_mid_run_and_waiting_for_a_slot():
         7: [("e", xs[4], 0, 20, greedy)],  # stop ids allowed at once: may end early
     }
     engine = LLMEngine(model, max_batch_size=2, max_seq_len=48, return_logits=True)
-    tokens, logits, reasons = run_engine(engine, schedule)
-    for reqs in schedule.values():
-        for rid, x, lo, hi, params in reqs:
-            ref_tokens, ref_logits, ref_reason = reference(model, x, lo, hi, params)
-            assert tokens[rid] == ref_tokens, rid
-            assert reasons[rid] == ref_reason, rid
-            assert (logits[rid] - ref_logits).abs().max() < 1e-4, rid
+    assert_matches_reference(model, schedule, *run_engine(engine, schedule))
 
 
 def test_seeded_ras_is_per_request_and_batch_independent():

@@ -8,7 +8,7 @@ from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.prefill_graph import PrefillRunner, default_length_buckets
 from cosyvoice_runtime.llm.sampling import SamplingParams
-from tests.runtime.test_llm_engine import prompts, reference, run_engine, tiny_model
+from tests.runtime.test_llm_engine import assert_matches_reference, prompts, run_engine, tiny_model
 
 
 def test_length_buckets():
@@ -63,13 +63,9 @@ def test_static_engine_prefills_through_the_runner_and_falls_back_for_long_promp
     engine = LLMEngine(model, max_batch_size=3, max_seq_len=64, return_logits=True, static_decode=True)
     # Prompt "b" (40 positions) is longer than the largest bucket: its step prefills eagerly.
     engine.prefill_runner = PrefillRunner(model, engine.cache, pad_slot=3, length_buckets=[16, 32])
-    tokens, logits, _ = run_engine(engine, schedule)
+    result = run_engine(engine, schedule)
     assert engine.prefill_runner.forwards == 1  # "c" alone: "a" shared its step with "b"
-    for reqs in schedule.values():
-        for rid, x, lo, hi, params in reqs:
-            ref_tokens, ref_logits, _ = reference(model, x, lo, hi, params)
-            assert tokens[rid] == ref_tokens, rid
-            assert (logits[rid] - ref_logits).abs().max() < 1e-4, rid
+    assert_matches_reference(model, schedule, *result)
 
 
 @pytest.mark.gpu
