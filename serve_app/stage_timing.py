@@ -20,7 +20,7 @@ within one process are taken.
 """
 from __future__ import annotations
 
-from deployments.protocol import AudioChunk
+from deployments.protocol import FIRST_AUDIO_STAGES, AudioChunk
 
 STAGES = ("frontend", "llm-first-token", "llm-first-chunk", "token2wav", "handoff", "first-audio")
 
@@ -36,7 +36,7 @@ def first_audio_stages(started: float, prepared: float, first_at: float, first: 
     out = {"frontend": (prepared - started) * 1e3}
     timing = first.timing if first is not None else None
     if timing and "first_audio" in timing:
-        at = [0.0] + [timing.get(k) for k in ("first_token", "first_chunk_tokens", "first_audio")]
+        at = [0.0] + [timing.get(k) for k in FIRST_AUDIO_STAGES]
         for name, lo, hi in zip(("llm-first-token", "llm-first-chunk", "token2wav"), at, at[1:]):
             if lo is not None and hi is not None:
                 out[name] = hi - lo
