@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import sys
 
 os.environ.update({"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
@@ -21,15 +20,13 @@ from websockets.sync.client import connect
 
 from serve_app.app import build_app
 from serve_app.args import AppArgs
-from tests.integration.conftest import TEST_ARGS
+from tests.integration.conftest import TEST_ARGS, _free_port
 from tests.integration.test_serve_ray import _prompt_wav
 from tests.integration.waiting import wait_for
 
 
 def main() -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2,
              namespace="haproxy-test")
     try:
