@@ -127,8 +127,8 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     lane (own flow + vocoder copies and graphs, higher-priority CUDA stream) takes every stream's
     first two chunks (:mod:`bench.replica_sim`); implies prio; ``cvinc`` = CosyVoice2's streamed flow
     calls incremental (Token2Wav ``cv2_flow="incremental"``: each stream's estimator state of the
-    emitted frames kept, only new frames solved, one stream at a time and eagerly; without it the
-    official full recompute), ``steps`` = the flow solved one Euler pass at a time over rows picked
+    emitted frames kept, only new frames solved, batched, graphed per (batch, new, cached frames)
+    bucket with the graphs; without it the official full recompute), ``steps`` = the flow solved one Euler pass at a time over rows picked
     earliest deadline first (:mod:`cosyvoice_runtime.flow.stepper`), so a first chunk joins at the next
     pass instead of waiting for a whole batch; with ``edf``'s slack; ``eagerprefill`` = new
     requests' prompts prefilled eagerly, not through the prefill CUDA graphs (the baseline of
@@ -174,7 +174,8 @@ def mode_setup(base: CosyVoiceModel, mode: str, flow_batch: int, n_tokens: int,
                 "prefill_graphs": "eagerprefill" not in extra}
     graphs = "all" if "allgraphs" in extra else "solve" if "graphs" in extra else None
     model, sim_args["express"] = _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop,
-                                           compile_backend, express="express" in extra, stepper="steps" in extra)
+                                           compile_backend, express="express" in extra, stepper="steps" in extra,
+                                           incremental="cvinc" in extra)
     return model, sim_args
 
 
@@ -214,7 +215,8 @@ _PREPARED: dict[tuple, CosyVoiceModel] = {}
 
 def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, flow_batch: int,
               n_tokens: int, min_first_hop: int | None, compile_backend: str = "inductor",
-              express: bool = False, stepper: bool = False) -> tuple[CosyVoiceModel, CosyVoiceModel | None]:
+              express: bool = False, stepper: bool = False,
+              incremental: bool = False) -> tuple[CosyVoiceModel, CosyVoiceModel | None]:
     """The cast (compiled / graphed) copy of ``base`` for a mode, and the express lane's model
     (own flow and vocoder copies and graphs) when asked; modes that differ only in scheduling
     (fastswitch) share it, so graphs are captured once per run.
@@ -222,7 +224,7 @@ def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, fl
     ``graphs``: None, "solve" (the flow solve) or "all" (the solve, the CV2 encoder and the CV2
     vocoder on a copy of the vocoder, captured as a replica does it)."""
     key = (id(base), kind, prec, graphs, flow_batch, n_tokens, min_first_hop if graphs == "all" else None, express,
-           stepper)
+           stepper, incremental)
     if key not in _PREPARED:
         _PREPARED.clear()  # one prepared copy at a time: GPU memory
         model = cast(base, DTYPES[prec])
@@ -237,7 +239,7 @@ def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, fl
             ex = CosyVoiceModel(spec=model.spec, llm=model.llm, flow=copy.deepcopy(model.flow),
                                 hift=copy.deepcopy(model.hift))
         if graphs and model.device.type == "cuda":
-            _capture(model, graphs, flow_batch, 2 * (PROMPT_SPEECH + n_tokens), min_first_hop, stepper)
+            _capture(model, graphs, flow_batch, 2 * (PROMPT_SPEECH + n_tokens), min_first_hop, stepper, incremental)
             if ex is not None:  # first and second chunks only: short solves, small batches
                 _capture(ex, graphs, EXPRESS_BATCH, 2 * (PROMPT_SPEECH + 3 * model.spec.stream.token_hop_len),
                          min_first_hop)
@@ -246,9 +248,10 @@ def _prepared(base: CosyVoiceModel, kind: str, prec: str, graphs: str | None, fl
 
 
 def _capture(model: CosyVoiceModel, graphs: str, max_batch: int, max_frames: int, min_first_hop: int | None,
-             stepper: bool = False) -> None:
+             stepper: bool = False, incremental: bool = False) -> None:
     t0 = time.perf_counter()
-    enable_flow_graphs(model.flow, max_batch=max_batch, max_frames=max_frames, encoder=graphs == "all", stepper=stepper)
+    enable_flow_graphs(model.flow, max_batch=max_batch, max_frames=max_frames, encoder=graphs == "all", stepper=stepper,
+                       incremental=incremental)
     n = capture_flow_graphs(model.flow)
     n_voc = 0
     if graphs == "all" and not model.spec.hift.causal:  # the CV2 vocoder

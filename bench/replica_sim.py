@@ -90,8 +90,8 @@ class ReplicaSim:
         self.length_ratio = length_ratio
         # extra "steps": the bulk lane solves the flow one Euler pass at a time over rows picked by
         # deadline (cosyvoice_runtime.flow.stepper); a new stream's first chunk joins at the next pass
-        if stepped and (express is not None or cv2_flow != "recompute"):
-            raise ValueError("steps: one lane and the recomputed flow only")
+        if stepped and express is not None:
+            raise ValueError("steps: one lane only")
         self.stepped = stepped
         self.engine = LLMEngine(model.llm, max_batch_size=max_batch,
                                 max_seq_len=PROMPT_SPEECH + PROMPT_TEXT + max_text + n_tokens + 8,

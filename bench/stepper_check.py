@@ -2,7 +2,12 @@
 run leans on it: graphed stepper vs graphed whole solve on the full-size model (max error per
 job), and the time of one pass per (batch, frames) bucket against one whole solve.
 
-    python -m bench.stepper_check --family cosyvoice2 --device cuda --out /tmp/stepper.json
+With ``--incremental`` (CosyVoice2) also the incremental pass (cosyvoice_runtime.flow.incremental):
+a graphed two-job stream against the whole solve of the same tokens (max error), and the time of
+one pass of ``--new`` frames over each cached length against the recomputed pass over
+cached + new frames (what each replaces).
+
+    python -m bench.stepper_check --family cosyvoice2 --device cuda --incremental --out /tmp/stepper.json
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 from bench.gpu_bench import DTYPES, cast, make_model
 from cosyvoice_runtime.flow.flow import FlowItem
 from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
+from cosyvoice_runtime.flow.incremental import FlowCache
 
 
 def _items(model, n: int, seed: int) -> list[FlowItem]:
@@ -56,11 +62,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--size", default="full", choices=["full", "tiny"])
     ap.add_argument("--frames", default="256,640,1024", help="timed frame lengths")
+    ap.add_argument("--incremental", action="store_true", help="CosyVoice2: check and time the incremental pass too")
+    ap.add_argument("--cached", default="0,512,1024", help="timed cached lengths of the incremental pass")
+    ap.add_argument("--new", type=int, default=128, help="new frames of the timed incremental pass")
+    ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     model = cast(make_model(args.family, args.size, args.device), DTYPES[args.dtype])
     flow = model.flow
-    enable_flow_graphs(flow, max_batch=16, max_frames=1024, stepper=True)
+    cached = [int(c) for c in args.cached.split(",")]
+    # the recomputed passes the incremental ones are timed against (cached + new frames) are graphed too
+    max_frames = max(1024, max(cached) + args.new) if args.incremental else 1024
+    enable_flow_graphs(flow, max_batch=16, max_frames=max_frames, stepper=True, incremental=args.incremental)
     items = _items(model, 8, seed=3)
     whole = flow.inference_batch(items)
     rng = random.Random(1)
@@ -78,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     errors = [float((done[i] - w).abs().max()) for i, w in enumerate(whole)]
     scale = max(float(w.abs().max()) for w in whole)
     timing = []
-    for b in (1, 4, 16):
+    batches = [int(b) for b in args.batches.split(",")]
+    for b in batches:
         for frames in [int(f) for f in args.frames.split(",")]:
             base = _items(model, b, seed=frames + b)
             for it in base:  # force the length: prompt + tokens = frames / 2
@@ -96,11 +110,70 @@ def main(argv: list[str] | None = None) -> dict:
     doc = {"family": args.family, "dtype": args.dtype, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "max_err_per_job": errors, "output_scale": scale, "replays": flow.stepper.replays,
            "eager_passes": flow.stepper.eager_calls, "timing": timing}
+    if args.incremental:
+        doc["incremental"] = _incremental(model, batches, cached, args.new)
     print(json.dumps(doc))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     return doc
+
+
+def _incremental(model, batches: list[int], cached_lengths: list[int], new: int) -> dict:
+    """Exactness of a graphed incremental stream (a first job, then the final one) against the
+    whole solve of the final job's tokens, and the pass timing table."""
+    flow = model.flow
+    la = flow.spec.pre_lookahead_len
+    errors = []
+    for seed in range(4):
+        item = _items(model, 1, seed=100 + seed)[0]
+        n_tok = item.token.shape[1]
+        first = FlowItem(item.token[:, :n_tok // 2 + la], item.prompt_token, item.prompt_feat, item.embedding,
+                         streaming=True, finalize=False)
+        final = FlowItem(item.token, item.prompt_token, item.prompt_feat, item.embedding, streaming=True, finalize=True)
+        cache, mels = FlowCache(), []
+        for job in (first, final):
+            row = flow.start_incremental_rows([job], [cache], [None])[0]
+            flow.incremental.solve([row])
+            mels.append(row.x[None].float()[:, :, :row.keep or row.frames])
+            row.commit()
+        whole = flow.inference_batch([final])[0]
+        got = torch.cat(mels, dim=-1)[:, :, item.prompt_feat.shape[1]:]
+        errors.append(float((got - whole).abs().max()))
+    dev, dtype = model.device, next(flow.parameters()).dtype
+    n_mels, stepper = flow.spec.output_size, flow.incremental
+    timing = []
+    for b in batches:
+        for cached in cached_lengths:
+            rows = []
+            for _ in range(b):
+                cache = FlowCache()
+                cache.reserve(cached + new, stepper.n_steps, stepper.layout, torch.zeros(1, device=dev, dtype=dtype))
+                cache.frames = cached
+                cache.convs = [torch.zeros(2, stepper.layout.conv_channels, 2, device=dev, dtype=dtype)
+                               for _ in range(stepper.n_steps)]
+                rows.append(stepper.new_row(torch.randn(n_mels, new, device=dev, dtype=dtype),
+                                            torch.zeros(n_mels, new, device=dev, dtype=dtype),
+                                            torch.randn(n_mels, device=dev, dtype=dtype), cache, keep=new))
+            recompute = flow.start_rows(_items(model, b, seed=cached + b), list(range(b)))
+            for r in recompute:  # the recomputed row this pass replaces: cached + new frames
+                r.mu = r.mu[:, :1].repeat(1, cached + new)
+                r.cond, r.x = r.cond[:, :1].repeat(1, cached + new), r.x[:, :1].repeat(1, cached + new)
+
+            def inc_pass(rows=rows):
+                for r in rows:
+                    r.step, r.new_convs = 0, []
+                stepper.advance(rows)
+
+            def full_pass(rows=recompute):
+                for r in rows:
+                    r.step = 0
+                flow.stepper.advance(rows)
+
+            timing.append({"batch": b, "cached": cached, "new": new, "incremental_pass_ms": round(_timed(inc_pass), 2),
+                           "recomputed_pass_ms": round(_timed(full_pass), 2)})
+    return {"max_err_per_stream": errors, "replays": stepper.replays, "eager_passes": stepper.eager_calls,
+            "graphs": stepper.num_graphs, "timing": timing}
 
 
 if __name__ == "__main__":

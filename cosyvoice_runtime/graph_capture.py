@@ -74,6 +74,17 @@ class GraphOwner:
     def num_graphs(self) -> int:
         return len(self._buckets)
 
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy`` of a model with graphs enabled) captures its own graphs: the
+        captured ones replay into the original's buffers."""
+        state = self.__dict__.copy()
+        state.update(_buckets={}, _pool=None, _capture_stream=None, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def _capture(self, fn: Callable[[], object], device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
         """:func:`capture` on this owner's stream (created on first use) into its pool."""
         if self._capture_stream is None:

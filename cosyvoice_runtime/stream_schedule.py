@@ -62,17 +62,20 @@ def final_chunk_frames(mel_cache_len: int, token_max_hop_len: int, lookahead: in
 
 def pick_rows(rows: Sequence, deadline_s: dict, now_s: float, slack_s: float, max_batch: int,
               length_ratio: float = 2.0) -> list:
-    """The rows of the next flow pass (:mod:`cosyvoice_runtime.flow.stepper`; anything with ``frames``):
-    earliest deadline first (``deadline_s[id(row)]``).
+    """The rows of the next flow pass (:mod:`cosyvoice_runtime.flow.stepper`,
+    :mod:`cosyvoice_runtime.flow.incremental`; anything with ``frames`` and ``kind``): earliest
+    deadline first (``deadline_s[id(row)]``).
 
-    While some row is due within ``slack_s``, the pass is for those rows (a first chunk is due at
-    once), plus rows no longer than the longest of them (they ride in the same padded bucket for
-    almost nothing); otherwise the earliest rows. At most ``max_batch``, and at most
-    ``length_ratio`` times the frames of the most urgent row, which the pass pads to.
+    A pass runs rows of one kind (recomputed or incremental: one graph each), the most urgent
+    row's. While some row of it is due within ``slack_s``, the pass is for those rows (a first
+    chunk is due at once), plus rows no longer than the longest of them (they ride in the same
+    padded bucket for almost nothing); otherwise the earliest rows. At most ``max_batch``, and at
+    most ``length_ratio`` times the frames of the most urgent row, which the pass pads to.
     """
     order = sorted(rows, key=lambda r: deadline_s[id(r)])
     if not order:
         return []
+    order = [r for r in order if r.kind == order[0].kind]
     urgent = [r for r in order if deadline_s[id(r)] - now_s < slack_s]
     limit = length_ratio * order[0].frames
     if urgent:

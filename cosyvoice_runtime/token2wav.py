@@ -29,7 +29,7 @@ import torch
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.flow import FlowItem
-from cosyvoice_runtime.flow.incremental import FlowCache, incremental_mel, supports_incremental
+from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalRow
 from cosyvoice_runtime.flow.stepper import SolveRow
 from cosyvoice_runtime.hift.streaming import VocoderCall, VocoderStream, vocode_batch
 from cosyvoice_runtime.stream_schedule import first_hop
@@ -94,9 +94,8 @@ class Token2Wav:
         cv2_flow: CosyVoice2 streamed flow calls: "recompute" (official: every call solves the
             prompt and all earlier tokens again) or "incremental" (each request keeps the
             estimator state of the frames already emitted in its :class:`StreamState` and solves
-            only the new frames; same mel within float noise, :mod:`cosyvoice_runtime.flow.incremental`).
-            Incremental jobs run one request at a time and eagerly (no CUDA graphs; the graphed
-            solver stays for recomputed jobs). CosyVoice3 ignores it.
+            only the new frames; same mel within float noise, :mod:`cosyvoice_runtime.flow.incremental`),
+            batched and stepped as the recomputed jobs are. CosyVoice3 ignores it.
     """
 
     def __init__(self, spec: ModelSpec, flow: torch.nn.Module, hift: torch.nn.Module,
@@ -165,15 +164,17 @@ class Token2Wav:
         return FlowItem(token=job.tokens, prompt_token=state.prompt_tokens, prompt_feat=state.prompt_feat,
                         embedding=state.prompt_embedding, streaming=streaming_masks, finalize=job.finalize)
 
+    def _incremental(self, job: Token2WavJob, item: FlowItem) -> bool:
+        return self.cv2_flow == "incremental" and job.state.stream and self.flow.can_solve_incrementally(item)
+
     @torch.inference_mode()
     def flow_mels(self, jobs: list[Token2WavJob]) -> list[torch.Tensor]:
         """New mel frames of each job, (1, n_mels, frames) from its token offset on.
 
-        Recomputed jobs share one CFM solve; incremental ones (``cv2_flow``) run one at a time.
+        Recomputed jobs share one CFM solve, incremental ones (``cv2_flow``) one incremental solve.
         """
         items = [self._flow_item(job) for job in jobs]
-        incremental = [self.cv2_flow == "incremental" and job.state.stream and supports_incremental(self.flow, item)
-                       for job, item in zip(jobs, items)]
+        incremental = [self._incremental(job, item) for job, item in zip(jobs, items)]
         out: list[torch.Tensor | None] = [None] * len(jobs)
         batch = [i for i, inc in enumerate(incremental) if not inc]
         if batch:
@@ -182,22 +183,31 @@ class Token2Wav:
                 state = jobs[i].state
                 state.flow_frames += state.prompt_feat.shape[1] + mel.shape[-1]
                 out[i] = mel[:, :, state.token_offset * self.ratio:]
-        for i, inc in enumerate(incremental):
-            if inc:
-                out[i] = self._incremental_mel(jobs[i], items[i])
+        inc = [i for i, flag in enumerate(incremental) if flag]
+        if inc:
+            rows = self._incremental_rows([jobs[i] for i in inc], [items[i] for i in inc])
+            self.flow.incremental.solve(rows)
+            for i, row in zip(inc, rows):
+                out[i] = self._incremental_mel(row)
         return out
 
-    def _incremental_mel(self, job: Token2WavJob, item: FlowItem) -> torch.Tensor:
-        state = job.state
-        if state.flow_cache is None:
-            state.flow_cache = FlowCache()
-        start = state.flow_cache.frames
-        mel = incremental_mel(self.flow, item, state.flow_cache)  # frames [start, T), prompt included
-        state.flow_frames += mel.shape[-1]
+    def _incremental_rows(self, jobs: list[Token2WavJob], items: list[FlowItem]) -> list[IncrementalRow]:
+        for job in jobs:
+            if job.state.flow_cache is None:
+                job.state.flow_cache = FlowCache()
+        return self.flow.start_incremental_rows(items, [job.state.flow_cache for job in jobs], list(jobs))
+
+    def _incremental_mel(self, row: IncrementalRow) -> torch.Tensor:
+        """A finished incremental row's mel from its job's token offset on; its cache advances
+        (inside the caller's :func:`_all_or_nothing`, which puts the cache back if the job fails)."""
+        state = row.tag.state
+        start = row.start
         first = state.prompt_feat.shape[1] + state.token_offset * self.ratio - start
         if first < 0:
             raise RuntimeError(f"flow cache of {start} frames is past the job's first new frame")
-        return mel[:, :, first:]
+        state.flow_frames += row.frames
+        row.commit()
+        return row.x[None, :, first:].float()
 
     def flow_mel(self, job: Token2WavJob) -> torch.Tensor:
         return self.flow_mels([job])[0]
@@ -236,36 +246,57 @@ class Token2Wav:
                  for job, mel in zip(jobs, mels)]
         return [self._advance(job, audio) for job, audio in zip(jobs, vocode_batch(self.hift, calls))]
 
-    # -- step by step (flow.stepper): the caller runs the passes, so urgent jobs can overtake -----
-    def start_solves(self, jobs: list[Token2WavJob]) -> list[SolveRow]:
-        """Encode jobs of distinct requests into flow rows at step 0 (``row.tag`` is the job).
-
-        Then :meth:`advance` picked rows until ``row.step == n_steps`` and :meth:`finish` them.
-        CosyVoice2's incremental flow (``cv2_flow``) is not stepped: such jobs use :meth:`run_batch`.
+    # -- step by step (flow.stepper, flow.incremental): the caller runs the passes, so urgent jobs can overtake --
+    def start_solves(self, jobs: list[Token2WavJob]) -> list[SolveRow | IncrementalRow]:
+        """Encode jobs of distinct requests into flow rows at step 0 (``row.tag`` is the job):
+        CosyVoice2's incremental jobs (``cv2_flow``) as :class:`IncrementalRow`, the others as
+        :class:`SolveRow`. Then :meth:`advance` picked rows until ``row.step == n_steps`` and
+        :meth:`finish` them.
         """
         if len({id(job.state) for job in jobs}) != len(jobs):
             raise ValueError("jobs of a request are sequential: at most one row per request")
-        return self.flow.start_rows([self._flow_item(job) for job in jobs], list(jobs))
+        items = [self._flow_item(job) for job in jobs]
+        incremental = [self._incremental(job, item) for job, item in zip(jobs, items)]
+        rows: list = [None] * len(jobs)
+        for flag in (False, True):
+            idx = [i for i, inc in enumerate(incremental) if inc == flag]
+            if not idx:
+                continue
+            part_jobs, part_items = [jobs[i] for i in idx], [items[i] for i in idx]
+            made = (self._incremental_rows(part_jobs, part_items) if flag
+                    else self.flow.start_rows(part_items, part_jobs))
+            for i, row in zip(idx, made):
+                rows[i] = row
+        return rows
 
     @property
     def n_steps(self) -> int:
         return self.spec.flow.n_timesteps
 
-    def advance(self, rows: list[SolveRow]) -> None:
-        """One flow pass over these rows."""
-        self.flow.stepper.advance(rows)
+    def advance(self, rows: list[SolveRow | IncrementalRow]) -> None:
+        """One flow pass over these rows, all of one ``kind`` (a pass is one graph)."""
+        kinds = {row.kind for row in rows}
+        if len(kinds) > 1:
+            raise ValueError("a pass runs rows of one kind: recomputed or incremental")
+        if kinds == {"incremental"}:
+            self.flow.incremental.advance(rows)
+        elif rows:
+            self.flow.stepper.advance(rows)
 
     @torch.inference_mode()
-    def finish(self, rows: list[SolveRow]) -> list[torch.Tensor]:
+    def finish(self, rows: list[SolveRow | IncrementalRow]) -> list[torch.Tensor]:
         """Vocode finished rows (their jobs advance); the audio of each, in order."""
         if any(r.step < self.n_steps for r in rows):
             raise ValueError("finish() takes rows whose solve is done")
         jobs = [row.tag for row in rows]
-        mels = [self.flow.row_mel(row, job.state.prompt_feat.shape[1])[:, :, job.state.token_offset * self.ratio:]
-                for row, job in zip(rows, jobs)]
         with _all_or_nothing([job.state for job in jobs]):
+            mels = []
             for row, job in zip(rows, jobs):
-                job.state.flow_frames += row.frames
+                if isinstance(row, IncrementalRow):
+                    mels.append(self._incremental_mel(row))
+                else:
+                    job.state.flow_frames += row.frames
+                    mels.append(self.flow.row_mel(row, job.state.prompt_feat.shape[1])[:, :, job.state.token_offset * self.ratio:])
             return self._vocode_many(jobs, mels)
 
     def run(self, job: Token2WavJob) -> torch.Tensor:
@@ -314,8 +345,8 @@ def _all_or_nothing(states: list[StreamState]) -> Iterator[None]:
 
 def _checkpoint(state: StreamState) -> tuple:
     """What a token2wav call changes in a stream. The vocoder state and the flow cache have their
-    fields reassigned, never written in place, so shallow copies keep the old values; the random
-    generators are saved by position."""
+    fields reassigned, never written in place (the flow cache's tensors only past its frames), so
+    shallow copies keep the old values; the random generators are saved by position."""
     gens = {id(g): g for g in (state.generator, state.vocoder.generator) if g is not None}
     return (copy.copy(state), copy.copy(state.vocoder), copy.copy(state.flow_cache),
             [(g, g.get_state()) for g in gens.values()])
@@ -326,6 +357,8 @@ def _rollback(state: StreamState, cp: tuple) -> None:
     for f in fields(StreamState):
         setattr(state, f.name, getattr(before, f.name))
     state.vocoder = vocoder
-    state.flow_cache = flow_cache
+    if state.flow_cache is not None:  # the same object the job's flow row holds: restored in place
+        for f in fields(FlowCache):
+            setattr(state.flow_cache, f.name, getattr(flow_cache, f.name))
     for g, position in gens:
         g.set_state(position)

@@ -248,22 +248,23 @@ def replica_limits(cfg, model, dtype_bytes: int):
 VOCODER_GRAPH_MAX_FRAMES = 512  # ~10 s of audio; whole-utterance (unstreamed) calls beyond it run eagerly
 
 
-def token2wav_scheduler(configured: str, cv2_flow: str, device) -> str:
-    """``token2wav.scheduler`` resolved once per replica: "auto" is "steps" on CUDA, else "batch";
-    CosyVoice2's incremental flow is not stepped (the config refuses "steps" with it), so "auto" keeps "batch"."""
+def token2wav_scheduler(configured: str, device) -> str:
+    """``token2wav.scheduler`` resolved once per replica: "auto" is "steps" on CUDA, else "batch"."""
     if configured != "auto":
         return configured
-    return "steps" if str(device).startswith("cuda") and cv2_flow == "recompute" else "batch"
+    return "steps" if str(device).startswith("cuda") else "batch"
 
 
 def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | None,
-                   stepper: bool = False) -> dict[str, int]:
+                   stepper: bool = False, incremental: bool = False) -> dict[str, int]:
     """Capture the token2wav CUDA graphs of a CUDA replica (pytorch, torchscript): how many of each.
 
     Flow (``flow_graphs``): the whole CFM solve (``stepper``: one Euler pass of it, for the
     "steps" scheduler) and, for CosyVoice2, the token encoder, per padded (batch, length)
     bucket, batches up to the replica's largest and calls up to ``flow_graph_max_s`` of audio
-    (prompt included). Vocoder (``vocoder_graphs``, CosyVoice2): the lengths of every streamed
+    (prompt included); with ``incremental`` (``cv2_flow``), CosyVoice2's incremental pass per
+    (batch, new frames, cached frames) bucket, cached frames up to the same length. Vocoder
+    (``vocoder_graphs``, CosyVoice2): the lengths of every streamed
     call after the first, for every batch bucket, every first-chunk length for batches of 1 and
     2, and every last-chunk length for a batch of 1; other lengths are captured when they recur (:mod:`cosyvoice_runtime.hift.graphs`).
 
@@ -284,7 +285,8 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     rate, ratio = spec.token_frame_rate, spec.flow.token_mel_ratio
     max_s = min(cfg.flow_graph_max_s, limits.max_total_s)
     started = time.perf_counter()
-    enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio, stepper=stepper)
+    enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio, stepper=stepper,
+                       incremental=incremental)
     n_flow = capture_flow_graphs(model.flow)
     n_vocoder = 0
     if not spec.hift.causal:  # the CV2 vocoder (the CV3 one has no graphs)
@@ -325,8 +327,9 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                                            flow_checkpoint=Path(model_dir) / model.spec.files["flow"])
     report = apply_mode(model, mode, dtype, trt_estimator=trt_estimator)
     min_first = cfg.token2wav.first_chunk_min_tokens if cfg.token2wav.early_first_chunk else None
-    scheduler = token2wav_scheduler(cfg.token2wav.scheduler, cfg.token2wav.cv2_flow, device)
-    graphs = capture_graphs(model, cfg, mode, limits, min_first, stepper=scheduler == "steps")
+    scheduler = token2wav_scheduler(cfg.token2wav.scheduler, device)
+    graphs = capture_graphs(model, cfg, mode, limits, min_first, stepper=scheduler == "steps",
+                            incremental=cfg.token2wav.cv2_flow == "incremental")
     rate = model.spec.token_frame_rate
     return SynthesisRuntime(
         # Mode torchscript compiles the decode step too (CUDA only: its graphs are what it pays for).

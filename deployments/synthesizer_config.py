@@ -32,19 +32,14 @@ class Token2WavBatchConfig(StrictModel):
     # CosyVoice2's streamed flow calls: "recompute" solves the prompt and every earlier token again on
     # each call, as the official implementation does; "incremental" keeps each stream's estimator state
     # of the frames already emitted and solves only the new ones (same mel within float noise,
-    # tests/runtime/test_flow_incremental.py; one stream at a time, no CUDA graphs; not yet timed on a GPU).
+    # tests/runtime/test_flow_incremental*.py; batched and stepped as the recompute, one CUDA graph per
+    # (batch, new frames, cached frames) bucket; not yet timed on a GPU).
     cv2_flow: Literal["recompute", "incremental"] = "recompute"
     # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
     # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole
     # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (5-6 ->
     # 21 sessions at the SLO, H200 replica simulation 2026-12-04), batch on the CPU (not measured there).
     scheduler: Literal["auto", "batch", "steps"] = "auto"
-
-    @model_validator(mode="after")
-    def _stepped_flow(self) -> Token2WavBatchConfig:
-        if self.scheduler == "steps" and self.cv2_flow == "incremental":
-            raise ValueError("token2wav.scheduler 'steps' needs cv2_flow 'recompute' (the incremental flow is not stepped)")
-        return self
 
 
 class SynthesizerConfig(DeploymentKnobs):

@@ -18,6 +18,7 @@ from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.cfm import CFMSolver
 from cosyvoice_runtime.flow.dit import DiT
 from cosyvoice_runtime.flow.encoder import PreLookaheadLayer, UpsampleConformerEncoder
+from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalRow, IncrementalStepper
 from cosyvoice_runtime.flow.stepper import FlowStepper, SolveRow
 from cosyvoice_runtime.flow.unet import CausalUNet
 
@@ -54,6 +55,8 @@ class Flow(nn.Module):
         self.graphed_solver: GraphedSolver | None = None
         self.graphed_encoder: GraphedEncoder | None = None
         self.stepper: FlowStepper | None = None  # solves run step by step (start_rows); eager until enabled
+        # CosyVoice2's incremental streamed solves (start_incremental_rows); exact-size and eager until enabled
+        self.incremental: IncrementalStepper | None = None
 
     @property
     def estimator(self) -> nn.Module:
@@ -151,6 +154,34 @@ class Flow(nn.Module):
         mu, _, cond, spks, n_frames = self._condition(items)
         return [self.stepper.new_row(mu[i, :, :n], cond[i, :, :n], spks[i], bool(it.streaming), tag)
                 for i, (it, n, tag) in enumerate(zip(items, n_frames, tags))]
+
+    def can_solve_incrementally(self, item: FlowItem) -> bool:
+        """Whether ``item`` can be solved incrementally (:mod:`cosyvoice_runtime.flow.incremental`):
+        a streamed CosyVoice2 job with chunk masks, on the PyTorch U-Net (not a TensorRT engine)."""
+        return (self.spec.family == "cosyvoice2" and isinstance(self.estimator, CausalUNet)
+                and self.spec.unet.static_chunk_size > 0 and bool(item.streaming))
+
+    @torch.inference_mode()
+    def start_incremental_rows(self, items: list[FlowItem], caches: list[FlowCache], tags: list) -> list[IncrementalRow]:
+        """Encode streamed jobs (one batch) into rows at step 0 of :attr:`incremental`, each over
+        its request's cache: the encoder runs over the whole sequence, the estimator will solve the
+        frames past the cache. A non-final row keeps its frames up to the last attention-chunk
+        boundary at or before its end."""
+        if not all(self.can_solve_incrementally(it) for it in items):
+            raise InvalidInputError("the incremental flow needs streamed CosyVoice2 jobs with chunk masks")
+        if self.incremental is None:
+            self.incremental = IncrementalStepper(self.decoder)
+        mu, _, cond, spks, n_frames = self._condition(items)
+        chunk = self.spec.unet.static_chunk_size
+        rows = []
+        for i, (it, cache, total, tag) in enumerate(zip(items, caches, n_frames, tags)):
+            start = cache.frames
+            if start >= total:
+                raise InvalidInputError(f"flow cache holds {start} frames, the job has {total}")
+            keep = 0 if it.finalize else max(0, total // chunk * chunk - start)
+            rows.append(self.incremental.new_row(mu[i, :, start:total], cond[i, :, start:total], spks[i], cache,
+                                                 keep, tag))
+        return rows
 
     @staticmethod
     def row_mel(row: SolveRow, prompt_frames: int) -> torch.Tensor:

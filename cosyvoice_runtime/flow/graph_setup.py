@@ -1,7 +1,8 @@
 """The runtime attaches the flow's CUDA-graph wrappers: the whole solve per padded bucket
 (:class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`), the step-by-step solve
-(:class:`~cosyvoice_runtime.flow.stepper.FlowStepper`) and CosyVoice2's encoder
-(:class:`~cosyvoice_runtime.flow.encoder_graphs.GraphedEncoder`). The :class:`Flow` module only
+(:class:`~cosyvoice_runtime.flow.stepper.FlowStepper`), CosyVoice2's encoder
+(:class:`~cosyvoice_runtime.flow.encoder_graphs.GraphedEncoder`) and its incremental streamed
+solve (:class:`~cosyvoice_runtime.flow.incremental.IncrementalStepper`). The :class:`Flow` module only
 holds them (plain attributes) and calls them when present; it never imports them, as the vocoder
 does not import its own (:func:`cosyvoice_runtime.hift.graphs.enable_graphs`).
 """
@@ -10,13 +11,17 @@ from __future__ import annotations
 from cosyvoice_runtime.flow.encoder_graphs import GraphedEncoder
 from cosyvoice_runtime.flow.flow import Flow
 from cosyvoice_runtime.flow.graphs import GraphedSolver
+from cosyvoice_runtime.flow.incremental import IncrementalStepper
 from cosyvoice_runtime.flow.stepper import FlowStepper
 
 
 def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, capture: bool = False,
-                  use_graphs: bool = True, encoder: bool = True, stepper: bool = False) -> GraphedSolver:
+                       use_graphs: bool = True, encoder: bool = True, stepper: bool = False,
+                       incremental: bool = False) -> GraphedSolver:
     """Solve (and, for CosyVoice2 with ``encoder``, encode) through CUDA graphs per padded
-    bucket from now on; with ``stepper``, the step-by-step solve too (one graph per pass).
+    bucket from now on; with ``stepper``, the step-by-step solve too (one graph per pass); with
+    ``incremental`` (CosyVoice2), the incremental streamed solve (one graph per pass and
+    (batch, new frames, cached frames) bucket, cached frames up to ``max_frames``).
 
     ``capture`` captures every bucket now (replica start-up) instead of on first use;
     ``use_graphs=False`` runs the padded buckets eagerly (CPU tests).
@@ -25,6 +30,10 @@ def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, 
                                         use_graphs=use_graphs)
     flow.stepper = (FlowStepper(flow.decoder, max_batch=max_batch, max_frames=max_frames, use_graphs=use_graphs)
                     if stepper else None)
+    flow.incremental = None
+    if incremental and flow.spec.family == "cosyvoice2":
+        flow.incremental = IncrementalStepper(flow.decoder, max_batch=max_batch, max_cached=max_frames, padded=True,
+                                              use_graphs=use_graphs)
     flow.graphed_encoder = None
     if encoder and flow.spec.family == "cosyvoice2":
         ratio = flow.spec.token_mel_ratio
@@ -43,4 +52,5 @@ def capture_flow_graphs(flow: Flow) -> int:
         n = flow.stepper.capture()
     else:
         n = flow.graphed_solver.capture() if flow.graphed_solver else 0
+    n += flow.incremental.capture() if flow.incremental else 0
     return n + (flow.graphed_encoder.capture() if flow.graphed_encoder else 0)

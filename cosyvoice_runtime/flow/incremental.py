@@ -1,4 +1,5 @@
-"""Incremental CosyVoice2 flow for streaming: solve only the frames past a cached boundary.
+"""Incremental CosyVoice2 flow for streaming: solve only the frames past a cached boundary,
+batched over requests and one Euler pass at a time (issue 14).
 
 The official streaming schedule (spec §6.1) recomputes the prompt and every earlier token on each
 flow call, so a late chunk of a long utterance costs a solve over the whole sequence. With chunk
@@ -14,42 +15,39 @@ everything else in the estimator is per frame or causal:
   when tokens are appended (chunk masks; its look-ahead tokens are real tokens in later calls).
 
 So every estimator activation of a frame before the boundary, at every ODE step and in both CFG
-rows, is the same in the next call. :class:`FlowCache` keeps what later frames read of them: for
-each k=3 convolution its last two input frames, for each transformer block the normed block input
-(``store="input"``, keys/values recomputed from it each call) or the keys and values themselves
-(``store="kv"``, 4x the memory); one set per ODE step, both CFG rows as a batch of two. A call
-solves frames ``[P, T)`` against the cache of frames ``[0, P)`` and, for a non-final call, advances
-the cache to the last attention-chunk boundary at or before ``T`` (frames past it are computed
-again next call, as they may see frames that do not exist yet).
+rows, is the same in the next call. :class:`FlowCache` keeps what later frames read of them, per
+ODE step: the normed input of every transformer block (keys and values are recomputed from it,
+one GEMM per block: a quarter of the memory of keeping them) and the last two input frames of
+every k=3 convolution. A job is an :class:`IncrementalRow` that solves frames ``[P, T)`` against
+the cache of ``[0, P)``; when it finishes, a non-final job's cache advances to the last
+attention-chunk boundary at or before ``T`` (frames past it are computed again next call, as they
+may see frames that do not exist yet).
 
-Why ``"input"`` is the default: memory decides capacity. In bf16 the normed inputs are 560 KiB per
-cached frame per stream (56 blocks x 256 channels x 2 rows x 10 steps x 2 bytes), keys and values
-2.2 MiB: 48 streams of 20 s answers after a 3.5 s prompt (~1180 frames each) hold ~31 GiB against
-~121 GiB, which does not fit next to the model on one H200. Recomputing keys/values costs one
-256 -> 1024 GEMM over the cached frames per block and step: on the 2-core VM (full-size U-Net,
-fp32, one thread, one pass of 100 new frames over 400 cached; a loaded machine, two runs of three)
-1.5-2.7 s against 0.9-3.4 s with cached keys/values, within the noise of each other, and 9-11 s
-for the full recompute of the 500 frames.
+Batched and stepped like the recomputed flow (:mod:`cosyvoice_runtime.flow.stepper`): one pass
+runs rows of several requests, each at its own ODE step, with its own cached length ``P`` and
+new length ``n``, padded to a (batch, new frames, cached frames) bucket. Padding changes no valid
+frame: new frames are right-padded (the convolutions are causal), padded and foreign keys are
+masked per row (:func:`pass_bias`), a padded query sees only its row's first new frame (finite,
+never read). On CUDA each bucket is one graph; the row caches are copied into one staging buffer
+shared by all buckets (one copy per row and pass) and the kept frames copied back out.
 
-One request per call (no batch, no padding): every frame is valid, so the padding-mask products of
-the full path (multiplications by exactly 1) are left out. Runs eagerly (no CUDA graphs: the cached
-length changes every call). On a GPU the eager estimator is launch-bound at small shapes (docs/tuning.md:
-20 ms eager against 3.7 ms graphed for 2 x 256 frames), so this path is to be timed against the graphed
-recompute before it is turned on; graphs per (new frames, cached-length bucket) with masked padding
-keys would be the next step.
+Memory decides the cached layout: in bf16 the normed inputs are 560 KiB per cached frame per
+stream (56 blocks x 256 channels x 2 rows x 10 steps x 2 bytes): 48 streams of 20 s answers after a
+3.5 s prompt (~1180 frames each) hold ~31 GiB.
 """
 from __future__ import annotations
 
+import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_runtime.errors import InvalidInputError
+from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update, step_schedule
-from cosyvoice_runtime.flow.flow import Flow, FlowItem
 from cosyvoice_runtime.flow.masks import to_bias
 from cosyvoice_runtime.flow.unet import (
     CausalBlock1D,
@@ -59,100 +57,177 @@ from cosyvoice_runtime.flow.unet import (
     sinusoidal_embedding,
 )
 from cosyvoice_runtime.fused import fused_linear
+from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 
-CACHE_STORES = ("input", "kv")
+CACHE_GROWTH = 256  # cached frames are allocated in steps of this many (one copy per growth)
+NEW_FRAME_STEP = 64  # padding granularity of a pass's new frames
+CACHED_FRAME_STEP = 256  # of its cached frames (they cost one K/V GEMM and attention columns only)
+MAX_NEW_FRAMES = 512  # largest new-frame bucket: a first job with a prompt of up to ~9 s
 # to_k and to_v of each attention module as one weight (fused_linear's cache, per module; the
 # module's own q/k/v cache serves the full path)
 _KV_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-@dataclass
-class StepCache:
-    """Estimator state of frames ``[0, P)`` at one ODE step, both CFG rows (batch dim 2).
+@dataclass(frozen=True)
+class _Layout:
+    """Where each layer's cached state sits: k=3 convolutions by channel offset in one
+    (rows, channels, 2) tensor, transformer blocks by index in one (blocks, rows, frames, C) tensor."""
 
-    Attributes:
-        convs: per k=3 causal convolution, in call order: its last ``k - 1`` input frames (2, C, 2).
-        attn: per transformer block, in call order: the normed block input (2, P, C) for
-            ``store="input"``, or the (keys, values) pair, each (2, heads, P, head_dim), for ``"kv"``.
-    """
+    conv_offset: dict  # id(conv) -> first channel
+    conv_channels: int
+    block_index: dict  # id(block) -> index
+    dim: int
 
-    convs: list[torch.Tensor] = field(default_factory=list)
-    attn: list = field(default_factory=list)
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_index)
+
+
+def _layout(unet: CausalUNet) -> _Layout:
+    convs: list[nn.Conv1d] = []
+    blocks: list[TransformerBlock] = []
+
+    def stage(resnet: CausalResnetBlock1D, tblocks: nn.ModuleList) -> None:
+        convs.extend([resnet.block1.block[0], resnet.block2.block[0]])
+        blocks.extend(tblocks)
+
+    resnet, tblocks, down = unet.down_blocks[0]
+    stage(resnet, tblocks)
+    convs.append(down)
+    for resnet, tblocks in unet.mid_blocks:
+        stage(resnet, tblocks)
+    resnet, tblocks, up = unet.up_blocks[0]
+    stage(resnet, tblocks)
+    convs += [up, unet.final_block.block[0]]
+    if any(c.kernel_size[0] != 3 for c in convs):
+        raise ValueError("the incremental flow expects the U-Net's k=3 causal convolutions")
+    offsets, total = {}, 0
+    for conv in convs:
+        offsets[id(conv)] = total
+        total += conv.in_channels
+    return _Layout(offsets, total, {id(b): i for i, b in enumerate(blocks)}, unet.spec.channels[0])
 
 
 @dataclass
 class FlowCache:
-    """Per-request incremental flow state: ``frames`` cached frames, one :class:`StepCache` per step."""
+    """Per-request incremental flow state: the estimator state of frames ``[0, frames)``.
 
-    store: str = "input"
+    Attributes:
+        attn: per ODE step, the normed input of every transformer block, (blocks, 2, capacity, C):
+            both CFG rows; frames past ``frames`` are scratch (the running job writes its kept frames there).
+        convs: per ODE step, the last two input frames of every k=3 convolution, (2, channels, 2).
+
+    A running job never changes what frames ``[0, frames)`` read, and :meth:`commit` reassigns
+    the fields, so a shallow copy taken before a job is a complete checkpoint of it.
+    """
+
     frames: int = 0
-    steps: list[StepCache] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.store not in CACHE_STORES:
-            raise ValueError(f"flow cache store must be one of {CACHE_STORES}, got {self.store!r}")
+    attn: list[torch.Tensor] = field(default_factory=list)
+    convs: list[torch.Tensor] = field(default_factory=list)
 
     def nbytes(self) -> int:
-        """Bytes the cached tensors hold."""
-        total = 0
-        for step in self.steps:
-            tensors = list(step.convs)
-            for entry in step.attn:
-                tensors += list(entry) if isinstance(entry, tuple) else [entry]
-            total += sum(t.numel() * t.element_size() for t in tensors)
-        return total
+        """Bytes the cached tensors hold (capacity included)."""
+        return sum(t.numel() * t.element_size() for t in (*self.attn, *self.convs))
+
+    def reserve(self, frames: int, n_steps: int, layout: _Layout, like: torch.Tensor) -> None:
+        """Room for ``frames`` cached frames at each of ``n_steps`` steps (new tensors, old frames copied)."""
+        have = self.attn[0].shape[2] if self.attn else 0
+        if frames <= have:
+            return
+        cap = math.ceil(frames / CACHE_GROWTH) * CACHE_GROWTH
+        grown = []
+        for step in range(n_steps):
+            t = like.new_zeros(layout.n_blocks, 2, cap, layout.dim)
+            if self.attn:
+                t[:, :, :self.frames] = self.attn[step][:, :, :self.frames]
+            grown.append(t)
+        self.attn = grown
+
+
+@dataclass(eq=False)
+class IncrementalRow:
+    """One job's incremental solve in progress: new frames ``[P, P + n)`` over ``cache`` (P = its frames).
+    ``tag`` is the caller's (the job)."""
+
+    kind = "incremental"  # what a pass may mix (stream_schedule.pick_rows)
+    mu: torch.Tensor  # (80, n) encoder output of the new frames, compute dtype
+    cond: torch.Tensor  # (80, n)
+    spks: torch.Tensor  # (80,)
+    x: torch.Tensor  # (80, n) the ODE state
+    cache: FlowCache
+    keep: int  # new frames the cache takes when the job is done (0 for a final job)
+    tag: object = None
+    step: int = 0
+    new_convs: list[torch.Tensor] = field(default_factory=list)  # per step done: the convs' next history
+
+    @property
+    def frames(self) -> int:
+        return int(self.x.shape[-1])
+
+    @property
+    def start(self) -> int:
+        return self.cache.frames
+
+    def commit(self) -> None:
+        """After the last pass: the cache now holds ``P + keep`` frames."""
+        self.cache.convs = list(self.new_convs)
+        self.cache.frames += self.keep
+
+
+def pass_bias(p_len: torch.Tensor, n_len: torch.Tensor, cached: int, new: int, chunk: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """(2B, new, cached + new) additive attention bias of a pass (both CFG halves).
+
+    Keys are laid out as the row's cached frames (the first ``p_len`` of ``cached`` valid) then its
+    new frames (the first ``n_len`` of ``new`` valid). A valid query at absolute frame ``P + q``
+    sees every cached frame and the new frames before the end of its 50-frame chunk; a padded
+    query sees only its row's first new frame.
+    """
+    dev = p_len.device
+    q = torch.arange(new, device=dev)
+    pos = p_len[:, None] + q[None, :]  # (B, new) absolute frame of query / new key j
+    limit = (pos // chunk + 1) * chunk
+    new_ok = (q[None, None, :] < n_len[:, None, None]) & (pos[:, None, :] < limit[:, :, None])
+    cached_ok = (torch.arange(cached, device=dev)[None, :] < p_len[:, None])[:, None, :].expand(-1, new, -1)
+    allowed = torch.cat([cached_ok, new_ok], dim=-1)
+    padded_query = (q[None, :] >= n_len[:, None])[:, :, None]
+    first_new = torch.zeros(cached + new, dtype=torch.bool, device=dev)
+    first_new[cached] = True
+    allowed = torch.where(padded_query, first_new, allowed)
+    return to_bias(allowed, dtype).repeat(2, 1, 1)
 
 
 class _Pass:
-    """One estimator pass over new frames ``[P, P + n)``: reads the old step cache (None: no frames
-    cached yet), builds the new one, keeping the first ``keep`` new frames."""
+    """The cached state one pass reads and writes (all static buffers of a bucket)."""
 
-    def __init__(self, old: StepCache | None, keep: int, store: str) -> None:
-        self.old, self.keep, self.store = old, keep, store
-        self.new = StepCache()
-        self._conv = self._attn = 0
+    def __init__(self, layout: _Layout, hist_in: torch.Tensor, hist_out: torch.Tensor, keep_idx: torch.Tensor,
+                 attn_in: torch.Tensor | None, attn_out: torch.Tensor) -> None:
+        self.layout, self.hist_in, self.hist_out, self.keep_idx = layout, hist_in, hist_out, keep_idx
+        self.attn_in, self.attn_out = attn_in, attn_out
 
     def conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-        """A causal convolution (``CausalConv1d``) of new frames (B, C, n), left context cached."""
-        k = conv.kernel_size[0] - 1
-        if self.old is None:
-            hist = x.new_zeros(x.shape[0], x.shape[1], k)  # the causal zero padding at frame 0
-        else:
-            hist = self.old.convs[self._conv]
-        self._conv += 1
-        full = torch.cat([hist, x], dim=-1)
-        self.new.convs.append(full[:, :, self.keep: self.keep + k].clone())
+        """A causal k=3 convolution of new frames (2B, C, n) after each row's cached two frames;
+        records the two input frames before each row's kept end as its next history."""
+        c = x.shape[1]
+        off = self.layout.conv_offset[id(conv)]
+        full = torch.cat([self.hist_in[:, off:off + c], x], dim=-1)
+        self.hist_out[:, off:off + c] = full.gather(2, self.keep_idx.expand(-1, c, -1))
         return nn.Conv1d.forward(conv, full)
 
     def attention(self, block: TransformerBlock, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """A transformer block over new frames h (B, n, C); bias (1, n, P + n) additive."""
+        """A transformer block over new frames h (2B, n, C), keys over cached then new frames."""
         attn = block.attn1
         normed = block.norm1(h)
         b, n, _ = normed.shape
-        old = self.old.attn[self._attn] if self.old is not None else None
-        self._attn += 1
-        if self.store == "kv":
-            qkv = fused_linear(normed, (attn.to_q, attn.to_k, attn.to_v), attn._fused)
-            q, k, v = qkv.view(b, n, 3, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-            if old is not None:
-                k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
-            cut = k.shape[2] - n + self.keep
-            self.new.attn.append((k[:, :, :cut].contiguous(), v[:, :, :cut].contiguous()))
-        else:
-            # keys/values of cached and new frames in one GEMM, queries of the new frames only
-            normed_all = normed if old is None else torch.cat([old, normed], dim=1)
-            q = attn.to_q(normed).view(b, n, attn.heads, attn.head_dim).transpose(1, 2)
-            kv = fused_linear(normed_all, (attn.to_k, attn.to_v), _KV_FUSED.setdefault(attn, {}))
-            k, v = kv.view(b, -1, 2, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-            cut = normed_all.shape[1] - n + self.keep
-            self.new.attn.append(normed_all if cut == normed_all.shape[1] else normed_all[:, :cut].contiguous())
+        i = self.layout.block_index[id(block)]
+        self.attn_out[i] = normed
+        normed_all = normed if self.attn_in is None else torch.cat([self.attn_in[i], normed], dim=1)
+        q = attn.to_q(normed).view(b, n, attn.heads, attn.head_dim).transpose(1, 2)
+        kv = fused_linear(normed_all, (attn.to_k, attn.to_v), _KV_FUSED.setdefault(attn, {}))
+        k, v = kv.view(b, -1, 2, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None])
         h = h + attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
         return h + block.ff(block.norm3(h))
-
-    def check_consumed(self) -> None:
-        if self.old is not None and (self._conv, self._attn) != (len(self.old.convs), len(self.old.attn)):
-            raise RuntimeError("incremental flow cache does not match the estimator's layers")
 
 
 def _block(block: CausalBlock1D, x: torch.Tensor, p: _Pass) -> torch.Tensor:
@@ -173,7 +248,7 @@ def _attend(x: torch.Tensor, blocks: nn.ModuleList, bias: torch.Tensor, p: _Pass
 
 def estimator_step(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
                    cond: torch.Tensor, bias: torch.Tensor, p: _Pass) -> torch.Tensor:
-    """:meth:`CausalUNet.forward` (streaming) of new frames x, mu, cond (B, 80, n) -> (B, 80, n)."""
+    """:meth:`CausalUNet.forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n)."""
     temb = unet.time_mlp(sinusoidal_embedding(t, unet.spec.in_channels).to(t.dtype))
     h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)
     resnet, blocks, down = unet.down_blocks[0]
@@ -186,87 +261,216 @@ def estimator_step(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, t: torch
     h = torch.cat([h, skip], dim=1)
     h = p.conv(up, _attend(_resnet(resnet, h, temb, p), blocks, bias, p))
     h = _block(unet.final_block, h, p)
-    p.check_consumed()
     return unet.final_proj(h)
 
 
-def chunk_bias(start: int, end: int, chunk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(1, end - start, end) additive bias: rows ``[start, end)`` of the block-causal chunk mask."""
-    keys = torch.arange(end, device=device)
-    limit = (torch.arange(start, end, device=device) // chunk + 1) * chunk
-    return to_bias((keys[None, :] < limit[:, None])[None], dtype)
+@dataclass
+class _Bucket:
+    """Static buffers of one (batch, new frames, cached frames) pass."""
+
+    graph: torch.cuda.CUDAGraph | None
+    x: torch.Tensor  # (B, 80, N)
+    mu: torch.Tensor
+    cond: torch.Tensor
+    spks: torch.Tensor  # (B, 80)
+    t: torch.Tensor  # (B,)
+    dt: torch.Tensor  # (B,)
+    p_len: torch.Tensor  # (B,) long
+    n_len: torch.Tensor  # (B,) long
+    keep_idx: torch.Tensor  # (2B, 1, 2) long: where each row's next convolution history starts in its input
+    hist_in: torch.Tensor  # (2B, channels, 2)
+    hist_out: torch.Tensor
+    attn_in: torch.Tensor | None  # (blocks, 2B, P, C); None for P = 0
+    attn_out: torch.Tensor  # (blocks, 2B, N, C)
+    out: torch.Tensor | None = None  # (B, 80, N): x after the pass
 
 
-def solve_incremental(solver: CFMSolver, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
-                      cache: FlowCache, keep: int) -> torch.Tensor:
-    """:meth:`CFMSolver.forward` (streaming) of frames ``[P, P + n)`` given the cache of ``[0, P)``.
+class IncrementalStepper(graph_capture.GraphOwner):
+    """Passes of the incremental solve over :class:`IncrementalRow` batches.
 
     Args:
-        mu, cond: (1, 80, n) of the new frames; spks: (1, 80).
-        keep: how many of the new frames to add to the cache (a chunk boundary; 0 for a final call).
-
-    Returns:
-        (1, 80, n) float32; the cache then holds ``P + keep`` frames.
+        solver: the CosyVoice2 flow's CFM solver (a :class:`CausalUNet` estimator).
+        max_batch, max_cached: largest batch and cached length served by a padded bucket (and a
+            graph); larger passes run eagerly at their exact size.
+        padded: pad to buckets (what graphs need); False runs every pass at its exact size (CPU).
+        use_graphs: capture each bucket as a CUDA graph (CUDA only).
     """
-    unet = solver.estimator
-    b, c, n = mu.shape
-    dtype = spks.dtype
-    start = cache.frames
-    x = solver.noise(n, spks, offset=start).expand(b, -1, -1).clone()
-    t_steps, dts = step_schedule(solver.spec.n_timesteps, solver.spec.t_scheduler, dtype, mu.device)
-    mu_in = torch.zeros(2 * b, c, n, device=mu.device, dtype=dtype)
-    cond_in = torch.zeros_like(mu_in)
-    spks_in = torch.zeros(2 * b, spks.shape[1], device=mu.device, dtype=dtype)
-    t_in = torch.zeros(2 * b, device=mu.device, dtype=dtype)
-    mu_in[:b], spks_in[:b], cond_in[:b] = mu, spks, cond
-    bias = chunk_bias(start, start + n, unet.spec.static_chunk_size, dtype, mu.device)
-    rate = solver.spec.inference_cfg_rate
-    steps = len(t_steps)
-    if cache.steps and len(cache.steps) != steps:
-        raise RuntimeError(f"flow cache has {len(cache.steps)} steps, the solver {steps}")
-    new_steps = []
-    for step in range(steps):
-        t_in[:] = t_steps[step]
-        p = _Pass(cache.steps[step] if cache.steps else None, keep, cache.store)
-        v = estimator_step(unet, torch.cat([x, x]), mu_in, t_in, spks_in, cond_in, bias, p)
-        new_steps.append(p.new)
-        x = euler_update(x, v, dts[step], 1.0, rate)
-    cache.steps, cache.frames = new_steps, start + keep
-    return x.float()
 
+    def __init__(self, solver: CFMSolver, max_batch: int = 16, max_cached: int = 1024,
+                 max_new: int = MAX_NEW_FRAMES, padded: bool = False, use_graphs: bool = False) -> None:
+        super().__init__()
+        if not isinstance(solver.estimator, CausalUNet):
+            raise TypeError("the incremental flow needs CosyVoice2's U-Net estimator")
+        self.solver = solver
+        self.layout = _layout(solver.estimator)
+        self.padded = padded or use_graphs
+        self.use_graphs = use_graphs
+        self.batch_buckets = batch_buckets(max_batch)
+        self.max_cached = math.ceil(max_cached / CACHED_FRAME_STEP) * CACHED_FRAME_STEP
+        self.max_new = math.ceil(max_new / NEW_FRAME_STEP) * NEW_FRAME_STEP
+        self.passes = 0
+        self._schedule: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None  # flat attn_in / attn_out of all buckets
 
-def supports_incremental(flow: Flow, item: FlowItem) -> bool:
-    """Whether ``item`` can be solved incrementally: a CosyVoice2 U-Net with chunk masks in use."""
-    return (flow.spec.family == "cosyvoice2" and isinstance(flow.estimator, CausalUNet)
-            and flow.spec.unet.static_chunk_size > 0 and bool(item.streaming))
+    @property
+    def device(self) -> torch.device:
+        return next(self.solver.estimator.parameters()).device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.solver.estimator.parameters()).dtype
 
-@torch.inference_mode()
-def incremental_mel(flow: Flow, item: FlowItem, cache: FlowCache) -> torch.Tensor:
-    """Mel of frames ``[cache.frames, T)`` (absolute, prompt included) of one streamed job.
+    @property
+    def n_steps(self) -> int:
+        return self.solver.spec.n_timesteps
 
-    The encoder still runs over the whole sequence (one pass; the estimator's 2 x n_timesteps
-    passes are what the cache saves). A non-final job advances the cache to the last
-    attention-chunk boundary at or before its end.
+    def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._schedule is None:
+            self._schedule = step_schedule(self.n_steps, self.solver.spec.t_scheduler, self.dtype, self.device)
+        return self._schedule
 
-    Returns:
-        (1, 80, T - P) float32, P = ``cache.frames`` before the call.
-    """
-    if not supports_incremental(flow, item):
-        raise InvalidInputError("the incremental flow needs a CosyVoice2 job with streaming chunk masks")
-    dtype = flow.spk_embed_affine_layer.weight.dtype
-    dev = flow.spk_embed_affine_layer.weight.device
-    spks = flow.spk_embed_affine_layer(F.normalize(item.embedding.reshape(1, -1).to(dev, dtype), dim=1))
-    mu, frames = flow.encode([item])
-    total = int(frames[0])
-    start = cache.frames
-    if start > total:
-        raise InvalidInputError(f"flow cache holds {start} frames, the job has {total}")
-    n_prompt = item.prompt_feat.shape[1]
-    if n_prompt > total:
-        raise InvalidInputError(f"prompt mel of {n_prompt} frames is longer than the {total} flow frames")
-    cond = torch.zeros(1, flow.spec.output_size, total, device=dev, dtype=mu.dtype)
-    cond[0, :, :n_prompt] = item.prompt_feat[0].transpose(0, 1).to(mu)
-    chunk = flow.spec.unet.static_chunk_size
-    keep = 0 if item.finalize else max(0, total // chunk * chunk - start)
-    return solve_incremental(flow.decoder, mu[:, :, start:total], spks, cond[:, :, start:], cache, keep)
+    def new_row(self, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor, cache: FlowCache, keep: int,
+                tag: object = None) -> IncrementalRow:
+        """A row at step 0 for new frames mu, cond (80, n) after the cache's frames; ``x`` is the
+        fixed noise at those absolute frames. Reserves the cache's room for the kept frames."""
+        n = mu.shape[-1]
+        if not 0 <= keep <= n:
+            raise ValueError(f"a job keeps 0..{n} of its new frames, not {keep}")
+        if n < 1:
+            raise ValueError("an incremental job needs at least one new frame")
+        cache.reserve(cache.frames + keep, self.n_steps, self.layout, mu)
+        x = self.solver.noise(n, spks, offset=cache.frames)[0].clone()
+        return IncrementalRow(mu=mu, cond=cond, spks=spks, x=x, cache=cache, keep=keep, tag=tag)
+
+    def solve(self, rows: Sequence[IncrementalRow]) -> None:
+        """Every remaining pass of these rows, together."""
+        while rows := [r for r in rows if r.step < self.n_steps]:
+            self.advance(rows)
+
+    def bucket_of(self, batch: int, new: int, cached: int) -> tuple[int, int, int] | None:
+        """The (batch, new, cached) bucket serving a pass, or None for an exact-size one."""
+        if not self.padded or batch > self.batch_buckets[-1] or new > self.max_new or cached > self.max_cached:
+            return None
+        return (bucket_for(self.batch_buckets, batch), math.ceil(new / NEW_FRAME_STEP) * NEW_FRAME_STEP,
+                math.ceil(cached / CACHED_FRAME_STEP) * CACHED_FRAME_STEP)
+
+    def capture(self) -> int:
+        """Capture every bucket now (replica start-up); how many graphs exist."""
+        for b in self.batch_buckets:
+            for new in range(NEW_FRAME_STEP, self.max_new + 1, NEW_FRAME_STEP):
+                for cached in range(0, self.max_cached + 1, CACHED_FRAME_STEP):
+                    with self._lock:
+                        self._get((b, new, cached))
+        return len(self._buckets)
+
+    @torch.inference_mode()
+    def advance(self, rows: Sequence[IncrementalRow]) -> None:
+        """One Euler pass over ``rows`` (distinct, none finished): each row's ``x``, ``step`` and
+        next convolution history advance, its kept frames' block inputs go into its cache."""
+        if not rows:
+            return
+        if any(r.step >= self.n_steps for r in rows):
+            raise ValueError("a finished row cannot take another pass")
+        if len({id(r.cache) for r in rows}) != len(rows):
+            raise ValueError("a request's jobs are sequential: one row per cache in a pass")
+        shape = (len(rows), max(r.frames for r in rows), max(r.start for r in rows))
+        key = self.bucket_of(*shape)
+        with self._lock:
+            bucket = self._new_bucket(*shape) if key is None else self._get(key)
+            self._load(bucket, rows)
+            if bucket.graph is None:
+                bucket.out = self._run(bucket)
+                self.eager_calls += 1
+            else:
+                bucket.graph.replay()
+                self.replays += 1
+            self._store(bucket, rows)
+            self.passes += 1
+
+    # -- internals -------------------------------------------------------------------------
+    def _load(self, bucket: _Bucket, rows: Sequence[IncrementalRow]) -> None:
+        t_steps, dts = self.schedule()
+        b = bucket.x.shape[0]
+        bucket.p_len.zero_()
+        bucket.n_len.zero_()
+        bucket.keep_idx.zero_()
+        # padded frames and rows keep what earlier passes left there: finite, and masked or causal-after
+        for i, r in enumerate(rows):
+            n, p, s = r.frames, r.start, r.step
+            bucket.x[i, :, :n] = r.x
+            bucket.mu[i, :, :n] = r.mu
+            bucket.cond[i, :, :n] = r.cond
+            bucket.spks[i] = r.spks
+            bucket.t[i:i + 1] = t_steps[s:s + 1]
+            bucket.dt[i:i + 1] = dts[s:s + 1]
+            bucket.p_len[i], bucket.n_len[i] = p, n
+            bucket.keep_idx[i::b, 0, 0] = r.keep  # fills, not host copies: a pageable copy would wait for the GPU
+            bucket.keep_idx[i::b, 0, 1] = r.keep + 1
+            if p == 0:
+                bucket.hist_in[i::b] = 0  # the causal zero padding at frame 0
+            else:
+                bucket.hist_in[i::b] = r.cache.convs[s]
+                bucket.attn_in[:, i::b, :p] = r.cache.attn[s][:, :, :p]
+
+    def _store(self, bucket: _Bucket, rows: Sequence[IncrementalRow]) -> None:
+        b = bucket.x.shape[0]
+        for i, r in enumerate(rows):
+            p = r.start
+            r.x = bucket.out[i, :, :r.frames].clone()
+            r.new_convs.append(bucket.hist_out[i::b].clone())
+            if r.keep:
+                r.cache.attn[r.step][:, :, p:p + r.keep] = bucket.attn_out[:, i::b, :r.keep]
+            r.step += 1
+
+    def _run(self, bucket: _Bucket) -> torch.Tensor:
+        b, _, new = bucket.x.shape
+        cached = 0 if bucket.attn_in is None else bucket.attn_in.shape[2]
+        zeros = torch.zeros_like(bucket.mu)
+        bias = pass_bias(bucket.p_len, bucket.n_len, cached, new, self.solver.estimator.spec.static_chunk_size,
+                         bucket.x.dtype)
+        p = _Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.keep_idx, bucket.attn_in, bucket.attn_out)
+        x_in = torch.cat([bucket.x, bucket.x])
+        v = estimator_step(self.solver.estimator, x_in, torch.cat([bucket.mu, zeros]), bucket.t.repeat(2),
+                           torch.cat([bucket.spks, torch.zeros_like(bucket.spks)]), torch.cat([bucket.cond, zeros]),
+                           bias, p)
+        return euler_update(bucket.x, v, bucket.dt.view(b, 1, 1), 1.0, self.solver.spec.inference_cfg_rate)
+
+    def _staged(self, b: int, new: int, cached: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """attn_in / attn_out of a bucket: views of one staging pair shared by every bucket (passes
+        run one at a time under the lock), sized for the largest bucket on first use."""
+        nb, dim = self.layout.n_blocks, self.layout.dim
+        if self._staging is None:
+            rows = 2 * self.batch_buckets[-1] * nb * dim
+            self._staging = (torch.zeros(rows * self.max_cached, device=self.device, dtype=self.dtype),
+                             torch.zeros(rows * self.max_new, device=self.device, dtype=self.dtype))
+        flat_in, flat_out = self._staging
+        attn_in = flat_in[:nb * 2 * b * cached * dim].view(nb, 2 * b, cached, dim) if cached else None
+        return attn_in, flat_out[:nb * 2 * b * new * dim].view(nb, 2 * b, new, dim)
+
+    def _new_bucket(self, b: int, new: int, cached: int, staged: bool = False) -> _Bucket:
+        dev, dtype = self.device, self.dtype
+        n_mels, nb, dim = self.solver.spec.output_size, self.layout.n_blocks, self.layout.dim
+        if staged:
+            attn_in, attn_out = self._staged(b, new, cached)
+        else:
+            attn_in = torch.zeros(nb, 2 * b, cached, dim, device=dev, dtype=dtype) if cached else None
+            attn_out = torch.zeros(nb, 2 * b, new, dim, device=dev, dtype=dtype)
+
+        def z(*shape, dt=dtype):
+            return torch.zeros(*shape, device=dev, dtype=dt)
+
+        return _Bucket(graph=None, x=z(b, n_mels, new), mu=z(b, n_mels, new), cond=z(b, n_mels, new),
+                       spks=z(b, n_mels), t=z(b), dt=z(b), p_len=z(b, dt=torch.long), n_len=z(b, dt=torch.long),
+                       keep_idx=z(2 * b, 1, 2, dt=torch.long), hist_in=z(2 * b, self.layout.conv_channels, 2),
+                       hist_out=z(2 * b, self.layout.conv_channels, 2), attn_in=attn_in, attn_out=attn_out)
+
+    def _get(self, key: tuple[int, int, int]) -> _Bucket:
+        bucket = self._buckets.get(key)
+        if bucket is not None:
+            return bucket
+        bucket = self._new_bucket(*key, staged=True)
+        if self.use_graphs and bucket.x.device.type == "cuda":
+            bucket.n_len.fill_(1)  # a non-empty warm-up input
+            bucket.graph, bucket.out = self._capture(lambda: self._run(bucket), bucket.x.device)
+        self._buckets[key] = bucket
+        return bucket

@@ -33,6 +33,7 @@ from cosyvoice_runtime.flow.graphs import DEFAULT_FRAME_STEP, SolverBuckets
 class SolveRow:
     """One job's solve in progress. ``tag`` is the caller's (the job)."""
 
+    kind = "recompute"  # what a pass may mix (stream_schedule.pick_rows)
     mu: torch.Tensor  # (80, T) encoder output, compute dtype
     cond: torch.Tensor  # (80, T) prompt mel then zeros
     spks: torch.Tensor  # (80,) projected speaker vector

@@ -1,5 +1,5 @@
 """gpu_bench extra ``cvinc``: CosyVoice2's incremental streamed flow reaches every token2wav lane of
-the replica simulation, and a tiny closed-loop run with it completes every request."""
+the replica simulation, and a tiny closed-loop run with it (whole solves or stepped) completes every request."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ def test_cvinc_reaches_every_token2wav_lane():
 
 
 def test_tiny_benchmark_runs_with_the_incremental_flow(tmp_path):
-    modes = ["pytorch-fp32-early-edf-cvinc", "pytorch-fp32-early-edf"]
+    modes = ["pytorch-fp32-early-edf-cvinc", "pytorch-fp32-early-edf", "pytorch-fp32-early-edf-steps-cvinc"]
     main(["--size", "tiny", "--device", "cpu", "--modes", ",".join(modes), "--concurrency", "2",
           "--tokens", "60", "--min-requests", "2", "--baseline-requests", "1", "--out", str(tmp_path)])
     latest = json.loads((tmp_path / "latest.json").read_text())

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from pydantic import ValidationError
 
 from deployments.compute import ComputeExecutor
 from deployments.model_source import ModelSource
@@ -50,34 +49,37 @@ def _speak(synth: Synthesizer, reqs: list[PreparedRequest]) -> list[np.ndarray]:
 
 def test_steps_stream_the_batch_schedulers_audio(model_dir):
     """Three concurrent streams of different lengths through the real tiny model: the stepped
-    scheduler (passes over rows at different steps) gives each the batch path's samples."""
+    scheduler (passes over rows at different steps) gives each the batch path's samples, with
+    CosyVoice2's flow recomputed or incremental (token2wav.cv2_flow)."""
     reqs = [_req(f"r{i}", n, seed=i) for i, n in enumerate((6, 11, 3))]
     out = {}
-    for scheduler in ("batch", "steps"):
-        cfg = SynthesizerConfig(device="cpu", warmup=False, max_model_len=512, token2wav={"scheduler": scheduler})
-        synth = Synthesizer(cfg, ModelSource(model_dir))
-        if scheduler == "batch":  # outside a replica: the @serve.batch method run one job at a time
-            async def direct(job, s=synth):
-                return (await s._run_jobs([job]))[0]
-            synth._token2wav = direct
-        out[scheduler] = _speak(synth, reqs)
-        stats = synth.stats()
-        assert stats["token2wav_scheduler"] == scheduler
-        if scheduler == "steps":
-            assert synth.gate is None and stats["flow_passes_total"] > 0
-            assert stats["flow_rows_in_passes_total"] > stats["flow_passes_total"]  # passes were shared
-    for a, b in zip(out["batch"], out["steps"]):
-        assert a.size == b.size > 0
-        assert float(np.abs(a - b).max()) < 1e-4
+    for cv2_flow in ("recompute", "incremental"):
+        for scheduler in ("batch", "steps"):
+            cfg = SynthesizerConfig(device="cpu", warmup=False, max_model_len=512,
+                                    token2wav={"scheduler": scheduler, "cv2_flow": cv2_flow})
+            synth = Synthesizer(cfg, ModelSource(model_dir))
+            if scheduler == "batch":  # outside a replica: the @serve.batch method run one job at a time
+                async def direct(job, s=synth):
+                    return (await s._run_jobs([job]))[0]
+                synth._token2wav = direct
+            out[scheduler, cv2_flow] = _speak(synth, reqs)
+            stats = synth.stats()
+            assert stats["token2wav_scheduler"] == scheduler
+            if scheduler == "steps":
+                assert synth.gate is None and stats["flow_passes_total"] > 0
+                assert stats["flow_rows_in_passes_total"] > stats["flow_passes_total"]  # passes were shared
+    reference = out["batch", "recompute"]
+    for key in (("steps", "recompute"), ("batch", "incremental"), ("steps", "incremental")):
+        for a, b in zip(reference, out[key]):
+            assert a.size == b.size > 0, key
+            assert float(np.abs(a - b).max()) < 1e-4, key
 
 
-def test_auto_scheduler_is_steps_on_cuda_with_the_recomputed_flow():
-    assert token2wav_scheduler("auto", "recompute", "cuda:0") == "steps"
-    assert token2wav_scheduler("auto", "recompute", "cpu") == "batch"
-    assert token2wav_scheduler("auto", "incremental", "cuda") == "batch"
-    assert token2wav_scheduler("steps", "recompute", "cpu") == "steps"
-    with pytest.raises(ValidationError, match="needs cv2_flow 'recompute'"):
-        SynthesizerConfig(token2wav={"scheduler": "steps", "cv2_flow": "incremental"})
+def test_auto_scheduler_is_steps_on_cuda():
+    assert token2wav_scheduler("auto", "cuda:0") == "steps"
+    assert token2wav_scheduler("auto", "cpu") == "batch"
+    assert token2wav_scheduler("steps", "cpu") == "steps"
+    assert token2wav_scheduler("batch", "cuda") == "batch"
 
 
 class _FakeT2W:
@@ -90,7 +92,7 @@ class _FakeT2W:
         self.fatal = fatal
 
     def start_solves(self, jobs):
-        return [SimpleNamespace(step=0, frames=j.frames, job=j) for j in jobs]
+        return [SimpleNamespace(step=0, frames=j.frames, kind="recompute", job=j) for j in jobs]
 
     def advance(self, rows):
         if any(r.job.poison == "advance" for r in rows):

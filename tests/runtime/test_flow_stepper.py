@@ -96,6 +96,16 @@ def test_pick_rows_urgent_first_with_short_riders():
     assert [r.tag for r in pick_rows(rows, deadline, now, 0.5, 2, 2.0)] == [0, 2]
 
 
+def test_pick_rows_runs_one_kind_per_pass():
+    """Recomputed and incremental rows are separate graphs: a pass takes the most urgent row's kind."""
+    rows = _rows([200, 180, 150, 170])
+    rows[1].kind = rows[3].kind = "incremental"  # instance attributes over the class's "recompute"
+    deadline = {id(r): 10.0 + 0.1 * i for i, r in enumerate(rows)}
+    assert [r.tag for r in pick_rows(rows, deadline, 10.0, 0.5, 16, 2.0)] == [0, 2]
+    deadline[id(rows[3])] = 9.0
+    assert [r.tag for r in pick_rows(rows, deadline, 10.0, 0.5, 16, 2.0)] == [3, 1]
+
+
 def test_pick_rows_without_urgency_batches_by_deadline_and_length():
     rows = _rows([300, 1200, 500, 700])
     deadline = {id(r): 20.0 + i for i, r in enumerate(rows)}

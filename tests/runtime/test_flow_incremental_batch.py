@@ -1,0 +1,245 @@
+"""The incremental CosyVoice2 flow batched and stepped (:class:`IncrementalStepper`): rows of several
+requests, each at its own ODE step with its own cached and new lengths, padded to a bucket, give
+each row what it gets alone; Token2Wav's step-by-step API runs incremental and recomputed rows
+(one kind per pass) to the recompute's audio; a failed finish leaves the cache as it was.
+
+Tolerances: float32 on the CPU; a row in a batch differs from the row alone by GEMM rounding only
+(measured <= ~2e-6 on the mel), 1e-5 here; audio 5e-4, the bound batched jobs have against
+unbatched ones (tests/runtime/test_token2wav.py), as the random-weight vocoder amplifies the mel's.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice_runtime.flow.flow import FlowItem
+from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
+from cosyvoice_runtime.flow.incremental import FlowCache, pass_bias
+from cosyvoice_runtime.model import load_model
+from cosyvoice_runtime.stream_schedule import pick_rows
+from cosyvoice_runtime.token2wav import Token2Wav
+from cosyvoice_runtime.voice_prompt import VoicePrompt
+from tests.runtime.parity.common import parity_dir
+
+
+@functools.lru_cache(maxsize=1)
+def _cv2():
+    return load_model(parity_dir() / "cosyvoice2" / "model")
+
+
+def _prompt(n_prompt: int, seed: int) -> VoicePrompt:
+    g = torch.Generator().manual_seed(seed)
+    return VoicePrompt(family="cosyvoice2", text_tokens=np.zeros(0, np.int32),
+                       speech_tokens=torch.randint(0, 6561, (n_prompt,), generator=g, dtype=torch.int32).numpy(),
+                       mel=torch.randn(2 * n_prompt, 80, generator=g).numpy(), embedding=torch.randn(192, generator=g).numpy())
+
+
+def _item(prompt: VoicePrompt, tokens: list[int], finalize: bool) -> FlowItem:
+    return FlowItem(torch.tensor([tokens], dtype=torch.int32), torch.from_numpy(prompt.speech_tokens)[None],
+                    torch.from_numpy(prompt.mel)[None], torch.from_numpy(prompt.embedding)[None], streaming=True,
+                    finalize=finalize)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(100 + seed)).tolist()
+
+
+def _padded_flow(max_batch: int = 4, max_frames: int = 512):
+    """A copy of the tiny flow with the graphs' padded buckets, run eagerly (CPU)."""
+    flow = copy.deepcopy(_cv2().flow)
+    enable_flow_graphs(flow, max_batch=max_batch, max_frames=max_frames, use_graphs=False, incremental=True)
+    return flow
+
+
+def test_pass_bias_masks_padding_and_later_chunks():
+    """Row 0: 50 cached frames (of 64 slots), 60 new (of 64): a query sees every cached frame and the
+    new ones before its 50-frame chunk ends; padded keys never; a padded query its first new frame only.
+    Row 1: nothing cached, 3 new."""
+    bias = pass_bias(torch.tensor([50, 0]), torch.tensor([60, 3]), cached=64, new=64, chunk=50, dtype=torch.float32)
+    allowed = bias == 0
+    assert allowed.shape == (4, 64, 128) and torch.equal(allowed[:2], allowed[2:])  # both CFG halves
+    row = allowed[0]
+    assert row[:60, :50].all() and not row[:60, 50:64].any()  # cached valid / cached padding
+    # query 0 (frame 50) is in chunk [50, 100): new keys 0..49; query 50 (frame 100) sees new 0..59 (all valid)
+    assert row[0, 64:].tolist() == [True] * 50 + [False] * 14
+    assert row[50, 64:].tolist() == [True] * 60 + [False] * 4
+    assert not row[60:, :64].any() and row[60:, 64].all() and not row[60:, 65:].any()  # padded queries
+    row1 = allowed[1]
+    assert not row1[:, :64].any() and row1[:3, 64:67].all() and not row1[:3, 67:].any()
+    assert row1[3:, 64].all() and not row1[3:, 65:].any()
+
+
+def _caches_after(flow, jobs: list[tuple[VoicePrompt, list[int], int]]) -> list[FlowCache]:
+    """A cache per request, advanced by one non-final job each (its tokens up to ``end`` + look-ahead)."""
+    la = _cv2().spec.flow.pre_lookahead_len
+    caches = [FlowCache() for _ in jobs]
+    for (prompt, tokens, end), cache in zip(jobs, caches):
+        if end:
+            row = flow.start_incremental_rows([_item(prompt, tokens[:end + la], False)], [cache], [None])[0]
+            flow.incremental.solve([row])
+            row.commit()
+    return caches
+
+
+def test_rows_at_different_steps_and_lengths_share_padded_passes():
+    """Three requests (cached 0 / 100 / 150 frames; a first, a middle and a final job) solved alone
+    at their exact sizes, and together in padded buckets with staggered starts: same mel, same
+    caches afterwards."""
+    cv2 = _cv2()
+    la = cv2.spec.flow.pre_lookahead_len
+    reqs = [(_prompt(20, 1), _tokens(120, 1), 0), (_prompt(25, 2), _tokens(150, 2), 25),
+            (_prompt(30, 3), _tokens(90, 3), 45)]
+    nxt = [(_item(p, t[:60 + la], False)) for p, t, _ in reqs[:2]] + [_item(reqs[2][0], reqs[2][1], True)]
+    exact, padded = copy.deepcopy(cv2.flow), _padded_flow()
+    caches_a = _caches_after(exact, reqs)
+    caches_b = _caches_after(exact, reqs)  # the same states for the padded run (built the same way)
+    assert [c.frames for c in caches_a] == [0, 100, 150]
+
+    alone = [exact.start_incremental_rows([it], [c], [None])[0] for it, c in zip(nxt, caches_a)]
+    for row in alone:
+        exact.incremental.solve([row])
+    rows = padded.start_incremental_rows(nxt, caches_b, [0, 1, 2])
+    assert [r.keep for r in rows] == [150, 50, 0] and [r.start for r in rows] == [0, 100, 150]
+    steps = cv2.spec.flow.n_timesteps
+    padded.incremental.advance([rows[2]])
+    padded.incremental.advance([rows[2], rows[1]])
+    while live := [r for r in rows if r.step < steps]:
+        padded.incremental.advance(live)
+    assert padded.incremental.eager_calls == padded.incremental.passes and padded.incremental.num_graphs >= 2
+    for a, b, ca, cb in zip(alone, rows, caches_a, caches_b):
+        assert a.frames == b.frames and torch.allclose(a.x, b.x, atol=1e-5), float((a.x - b.x).abs().max())
+        a.commit()
+        b.commit()
+        assert ca.frames == cb.frames
+        for s in range(steps):
+            assert torch.allclose(ca.convs[s], cb.convs[s], atol=1e-5)
+            assert torch.allclose(ca.attn[s][:, :, :ca.frames], cb.attn[s][:, :, :cb.frames], atol=1e-5)
+
+
+def _reference_audio(t2w: Token2Wav, prompt, tokens, seed):
+    state = t2w.new_stream(prompt, stream=True, generator=torch.Generator().manual_seed(seed))
+    out = []
+    while (job := t2w.next_job(state, tokens, llm_done=True)) is not None:
+        out.append(t2w.run(job))
+    return torch.cat(out)
+
+
+def test_stepped_token2wav_mixes_incremental_and_recomputed_rows():
+    """Four streams and one unstreamed request through start_solves / advance / finish, passes
+    picked by random deadlines (one kind per pass): every request's audio equals the recompute's
+    run alone, and the incremental streams solved each frame once."""
+    cv2 = _cv2()
+    flow = _padded_flow()
+    t2w = Token2Wav(cv2.spec, flow, cv2.hift, min_first_hop=10, cv2_flow="incremental")
+    ref_t2w = Token2Wav(cv2.spec, copy.deepcopy(cv2.flow), cv2.hift, min_first_hop=10)
+    specs = [(20, 130, True), (25, 60, True), (33, 170, True), (15, 40, False), (22, 95, True)]
+    prompts = [_prompt(p, 10 + i) for i, (p, _, _) in enumerate(specs)]
+    toks = [_tokens(n, 10 + i) for i, (_, n, _) in enumerate(specs)]
+    states = [t2w.new_stream(p, stream=s, generator=torch.Generator().manual_seed(i))
+              for i, (p, (_, _, s)) in enumerate(zip(prompts, specs))]
+    audio: list[list[torch.Tensor]] = [[] for _ in specs]
+    index = {id(st): i for i, st in enumerate(states)}
+    rng = random.Random(5)
+    rows, kinds_seen = [], set()
+    while True:
+        busy = {id(r.tag.state) for r in rows}
+        jobs = [j for st, tk in zip(states, toks)
+                if id(st) not in busy and (j := t2w.next_job(st, tk, llm_done=True)) is not None]
+        rows += t2w.start_solves(jobs)
+        if not rows:
+            break
+        deadline = {id(r): rng.random() for r in rows}
+        batch = pick_rows(rows, deadline, 0.0, 0.3, 3, 4.0)
+        kinds_seen.add(tuple(sorted({r.kind for r in batch})))
+        t2w.advance(batch)
+        done = [r for r in rows if r.step == t2w.n_steps]
+        rows = [r for r in rows if r.step < t2w.n_steps]
+        for row, a in zip(done, t2w.finish(done)):
+            audio[index[id(row.tag.state)]].append(a)
+    assert kinds_seen >= {("incremental",), ("recompute",)} and all(len(k) == 1 for k in kinds_seen)
+    for i, (p, tk, (_, n, streamed)) in enumerate(zip(prompts, toks, specs)):
+        if streamed:
+            ref = _reference_audio(ref_t2w, p, tk, i)
+            assert states[i].flow_frames == 2 * (specs[i][0] + n)  # every frame solved once
+        else:
+            ref_state = ref_t2w.new_stream(p, stream=False, generator=torch.Generator().manual_seed(i))
+            ref = ref_t2w.run(ref_t2w.next_job(ref_state, tk, llm_done=True))
+        got = torch.cat(audio[i])
+        assert got.shape == ref.shape and torch.allclose(got, ref, atol=5e-4), (i, float((got - ref).abs().max()))
+        assert states[i].flow_cache is None and states[i].finished
+
+
+def test_a_pass_refuses_mixed_kinds_and_two_rows_of_one_request():
+    cv2 = _cv2()
+    t2w = Token2Wav(cv2.spec, _padded_flow(), cv2.hift, cv2_flow="incremental")
+    streamed = t2w.new_stream(_prompt(20, 1), stream=True)
+    whole = t2w.new_stream(_prompt(20, 2), stream=False)
+    tokens = _tokens(80, 1)
+    rows = t2w.start_solves([t2w.next_job(streamed, tokens, llm_done=False), t2w.next_job(whole, tokens, True)])
+    assert [r.kind for r in rows] == ["incremental", "recompute"]
+    with pytest.raises(ValueError, match="one kind"):
+        t2w.advance(rows)
+    with pytest.raises(ValueError, match="one row per cache"):
+        t2w.flow.incremental.advance([rows[0], rows[0]])
+    with pytest.raises(ValueError, match="at most one row per request"):
+        t2w.start_solves([t2w.next_job(streamed, tokens, False)] * 2)
+
+
+def test_a_failed_finish_leaves_the_cache_and_a_retry_gives_the_same_audio(monkeypatch):
+    """The vocoder fails once while a stream's second chunk finishes: its cache is put back (frames,
+    convolution history), and finishing the same rows again gives the audio of a run without failure."""
+    cv2 = _cv2()
+    prompt, tokens = _prompt(20, 4), _tokens(120, 4)
+
+    def chunks(fail_on_call: int | None):
+        t2w = Token2Wav(cv2.spec, _padded_flow(), cv2.hift, cv2_flow="incremental")
+        state = t2w.new_stream(prompt, stream=True, generator=torch.Generator().manual_seed(3))
+        out = []
+        while (job := t2w.next_job(state, tokens, llm_done=True)) is not None:
+            rows = t2w.start_solves([job])
+            t2w.flow.incremental.solve(rows)
+            if state.calls == fail_on_call:
+                before = (state.flow_cache.frames, list(state.flow_cache.convs), state.token_offset)
+                with monkeypatch.context() as m:
+                    m.setattr(t2w, "_vocode_many", lambda *a: (_ for _ in ()).throw(RuntimeError("vocoder fault")))
+                    with pytest.raises(RuntimeError, match="vocoder fault"):
+                        t2w.finish(rows)
+                after = (state.flow_cache.frames, state.flow_cache.convs, state.token_offset)
+                assert after[0] == before[0] and after[2] == before[2]
+                assert all(a is b for a, b in zip(after[1], before[1])) and len(after[1]) == len(before[1])
+            out += t2w.finish(rows)
+        return out
+
+    clean, retried = chunks(None), chunks(1)
+    assert len(clean) == len(retried) >= 3
+    for a, b in zip(clean, retried):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_passes_equal_the_eager_padded_ones(dtype):
+    """CUDA: each bucket's graph replay gives the eager padded pass's x, history and cached inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cv2 = _cv2()
+    reqs = [(_prompt(20, 1), _tokens(120, 1), 0), (_prompt(25, 2), _tokens(150, 2), 25)]
+    la = cv2.spec.flow.pre_lookahead_len
+    out = {}
+    for graphs in (False, True):
+        flow = copy.deepcopy(cv2.flow).to("cuda", dtype)
+        enable_flow_graphs(flow, max_batch=4, max_frames=512, use_graphs=graphs, incremental=True)
+        caches = _caches_after(flow, reqs)
+        rows = flow.start_incremental_rows([_item(p, t[:70 + la], False) for p, t, _ in reqs], caches, [0, 1])
+        flow.incremental.advance([rows[1]])
+        flow.incremental.solve(rows)
+        assert (flow.incremental.replays > 0) == graphs
+        out[graphs] = [(r.x.float().cpu(), r.new_convs[-1].float().cpu()) for r in rows]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for (xa, ha), (xb, hb) in zip(out[False], out[True]):
+        assert torch.allclose(xa, xb, atol=tol) and torch.allclose(ha, hb, atol=tol)
