@@ -128,7 +128,8 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     first two chunks (:mod:`bench.replica_sim`); implies prio; ``cvinc`` = CosyVoice2's streamed flow
     calls incremental (Token2Wav ``cv2_flow="incremental"``: each stream's estimator state of the
     emitted frames kept, only new frames solved, batched, graphed per (batch, new, cached frames)
-    bucket with the graphs; without it the official full recompute), ``steps`` = the flow solved one Euler pass at a time over rows picked
+    bucket with the graphs; the voice's prompt prefix kept across requests unless ``noprefix``;
+    without it the official full recompute), ``steps`` = the flow solved one Euler pass at a time over rows picked
     earliest deadline first (:mod:`cosyvoice_runtime.flow.stepper`), so a first chunk joins at the next
     pass instead of waiting for a whole batch; with ``edf``'s slack; ``eagerprefill`` = new
     requests' prompts prefilled eagerly, not through the prefill CUDA graphs (the baseline of
@@ -145,7 +146,8 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
 
 
 KNOWN_EXTRAS = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile", "vinc", "prio",
-                "lenbatch", "express", "cvinc", "steps", "eagerprefill"}
+                "lenbatch", "express", "cvinc", "steps", "eagerprefill", "noprefix"}
+PROMPT_CACHE_BYTES = 1024**3  # the replica's default token2wav.cv2_prompt_cache_bytes
 LENGTH_RATIO = 1.5  # extra "lenbatch"
 
 
@@ -171,7 +173,8 @@ def mode_setup(base: CosyVoiceModel, mode: str, flow_batch: int, n_tokens: int,
                 "cv3_vocoder": "incremental" if "vinc" in extra else "recompute", "stream_priority": "prio" in extra,
                 "cv2_flow": "incremental" if "cvinc" in extra else "recompute",
                 "length_ratio": LENGTH_RATIO if "lenbatch" in extra else None, "stepped": "steps" in extra,
-                "prefill_graphs": "eagerprefill" not in extra}
+                "prefill_graphs": "eagerprefill" not in extra,
+                "prompt_cache_bytes": 0 if "noprefix" in extra else PROMPT_CACHE_BYTES}
     graphs = "all" if "allgraphs" in extra else "solve" if "graphs" in extra else None
     model, sim_args["express"] = _prepared(base, kind, prec, graphs, flow_batch, n_tokens, min_first_hop,
                                            compile_backend, express="express" in extra, stepper="steps" in extra,

@@ -77,7 +77,8 @@ class ReplicaSim:
                  flow_batch: int = 16, min_first_hop: int | None = None, edf_slack_s: float | None = None,
                  llm_compile: str | None = None, cv3_vocoder: str = "recompute", cv2_flow: str = "recompute",
                  stream_priority: bool = False, max_text: int = TEXT, length_ratio: float | None = None,
-                 express: CosyVoiceModel | None = None, stepped: bool = False, prefill_graphs: bool = True):
+                 express: CosyVoiceModel | None = None, stepped: bool = False, prefill_graphs: bool = True,
+                 prompt_cache_bytes: int = 0):
         self.model = model
         self.edf_slack_s = edf_slack_s  # None: first chunks first (see _pick)
         self.n_tokens = n_tokens  # per request unless submit() says otherwise (then the most it may say)
@@ -104,7 +105,7 @@ class ReplicaSim:
             self.engine.capture_graphs()
             sync(model.device)
         self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=min_first_hop, cv3_vocoder=cv3_vocoder,
-                             cv2_flow=cv2_flow)
+                             cv2_flow=cv2_flow, prompt_cache_bytes=prompt_cache_bytes)
         self.lanes = [_Lane("bulk", self.t2w, self.priorities[1],
                             (lambda st: st.calls >= EXPRESS_CALLS) if express else (lambda st: True), flow_batch)]
         if express is not None:

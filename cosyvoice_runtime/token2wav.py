@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -29,7 +30,7 @@ import torch
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.flow import FlowItem
-from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalRow
+from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalRow, PromptPrefixes
 from cosyvoice_runtime.flow.stepper import SolveRow
 from cosyvoice_runtime.hift.streaming import VocoderCall, VocoderStream, vocode_batch
 from cosyvoice_runtime.stream_schedule import first_hop
@@ -96,15 +97,20 @@ class Token2Wav:
             estimator state of the frames already emitted in its :class:`StreamState` and solves
             only the new frames; same mel within float noise, :mod:`cosyvoice_runtime.flow.incremental`),
             batched and stepped as the recomputed jobs are. CosyVoice3 ignores it.
+        prompt_cache_bytes: with the incremental flow, keep the flow state of each voice prompt's
+            whole attention chunks for later requests with that prompt, up to this many bytes
+            (:class:`~cosyvoice_runtime.flow.incremental.PromptPrefixes`); 0: off.
     """
 
     def __init__(self, spec: ModelSpec, flow: torch.nn.Module, hift: torch.nn.Module,
                  official_final_full_attention: bool = False, min_first_hop: int | None = None,
-                 cv3_vocoder: str = "recompute", cv2_flow: str = "recompute") -> None:
+                 cv3_vocoder: str = "recompute", cv2_flow: str = "recompute", prompt_cache_bytes: int = 0) -> None:
         if cv2_flow not in ("recompute", "incremental"):
             raise ValueError(f"cv2_flow must be 'recompute' or 'incremental', got {cv2_flow!r}")
         self.spec = spec
         self.cv2_flow = cv2_flow
+        self.prompt_prefixes = (PromptPrefixes(prompt_cache_bytes)
+                                if prompt_cache_bytes > 0 and cv2_flow == "incremental" else None)
         self.cv3_vocoder = cv3_vocoder  # VocoderStream strategy of CV3 streams (CV2 ignores it)
         self.flow = flow
         self.hift = hift
@@ -192,10 +198,19 @@ class Token2Wav:
         return out
 
     def _incremental_rows(self, jobs: list[Token2WavJob], items: list[FlowItem]) -> list[IncrementalRow]:
+        """Rows over each request's cache; a request's first job starts from its voice's prompt
+        prefix when one is kept, or marks where that prefix ends so that it is kept afterwards."""
+        marks = []
         for job in jobs:
-            if job.state.flow_cache is None:
-                job.state.flow_cache = FlowCache()
-        return self.flow.start_incremental_rows(items, [job.state.flow_cache for job in jobs], list(jobs))
+            state, mark = job.state, 0
+            if state.flow_cache is None:
+                prefixes = self.prompt_prefixes
+                prefix = prefixes.get(_prompt_key(state)) if prefixes is not None else None
+                state.flow_cache = FlowCache() if prefix is None else prefix.shared()
+                if prefix is None and prefixes is not None:
+                    mark = self.flow.prompt_prefix_frames(state.prompt_tokens.shape[1])
+            marks.append(mark)
+        return self.flow.start_incremental_rows(items, [job.state.flow_cache for job in jobs], list(jobs), marks)
 
     def _incremental_mel(self, row: IncrementalRow) -> torch.Tensor:
         """A finished incremental row's mel from its job's token offset on; its cache advances
@@ -206,6 +221,8 @@ class Token2Wav:
         if first < 0:
             raise RuntimeError(f"flow cache of {start} frames is past the job's first new frame")
         state.flow_frames += row.frames
+        if row.mark and self.prompt_prefixes is not None:
+            self.prompt_prefixes.put(_prompt_key(state), row.cache.prefix(start + row.mark, row.mark_convs))
         row.commit()
         return row.x[None, :, first:].float()
 
@@ -326,6 +343,15 @@ class Token2Wav:
         while (job := self.next_job(state, tokens, llm_done=True)) is not None:
             chunks.append(self.run(job))
         return chunks
+
+
+def _prompt_key(state: StreamState) -> bytes:
+    """What identifies a voice prompt to the flow: its speech tokens, mel and speaker embedding."""
+    h = hashlib.blake2b(digest_size=16)
+    for arr in (state.prompt.speech_tokens, state.prompt.mel, state.prompt.embedding):
+        h.update(str(arr.dtype).encode() + str(arr.shape).encode())
+        h.update(arr.tobytes())
+    return h.digest()
 
 
 @contextlib.contextmanager

@@ -35,6 +35,11 @@ class Token2WavBatchConfig(StrictModel):
     # tests/runtime/test_flow_incremental*.py; batched and stepped as the recompute, one CUDA graph per
     # (batch, new frames, cached frames) bucket; not yet timed on a GPU).
     cv2_flow: Literal["recompute", "incremental"] = "recompute"
+    # With the incremental flow: the flow state of each voice prompt's whole attention chunks (the
+    # same in every request with that voice) kept for later requests, which then solve ~150 fewer
+    # frames each after a 3.5 s prompt (cosyvoice_runtime.flow.incremental.PromptPrefixes; bit-identical
+    # audio, tests/runtime/test_flow_incremental_batch.py). ~84 MiB per 3.5 s voice in bf16; 0: off.
+    cv2_prompt_cache_bytes: int = Field(1024**3, ge=0)
     # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
     # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole
     # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (5-6 ->

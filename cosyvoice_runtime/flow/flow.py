@@ -161,12 +161,23 @@ class Flow(nn.Module):
         return (self.spec.family == "cosyvoice2" and isinstance(self.estimator, CausalUNet)
                 and self.spec.unet.static_chunk_size > 0 and bool(item.streaming))
 
+    def prompt_prefix_frames(self, n_prompt_tokens: int) -> int:
+        """Frames of a voice's prompt that every request with it shares in the incremental flow
+        (:class:`~cosyvoice_runtime.flow.incremental.PromptPrefixes`): the last attention-chunk
+        boundary at or before the prompt taken as a non-final job (its last look-ahead tokens as context)."""
+        chunk = self.spec.unet.static_chunk_size
+        frames = self.spec.token_mel_ratio * (n_prompt_tokens - self.spec.pre_lookahead_len)
+        return max(0, frames) // chunk * chunk
+
     @torch.inference_mode()
-    def start_incremental_rows(self, items: list[FlowItem], caches: list[FlowCache], tags: list) -> list[IncrementalRow]:
+    def start_incremental_rows(self, items: list[FlowItem], caches: list[FlowCache], tags: list,
+                               marks: list[int] | None = None) -> list[IncrementalRow]:
         """Encode streamed jobs (one batch) into rows at step 0 of :attr:`incremental`, each over
         its request's cache: the encoder runs over the whole sequence, the estimator will solve the
         frames past the cache. A non-final row keeps its frames up to the last attention-chunk
-        boundary at or before its end."""
+        boundary at or before its end; ``marks`` (absolute frames, 0 = none) also record the state
+        at that frame (a voice's prompt prefix).
+        """
         if not all(self.can_solve_incrementally(it) for it in items):
             raise InvalidInputError("the incremental flow needs streamed CosyVoice2 jobs with chunk masks")
         if self.incremental is None:
@@ -179,8 +190,9 @@ class Flow(nn.Module):
             if start >= total:
                 raise InvalidInputError(f"flow cache holds {start} frames, the job has {total}")
             keep = 0 if it.finalize else max(0, total // chunk * chunk - start)
+            mark = max(0, marks[i] - start) if marks else 0
             rows.append(self.incremental.new_row(mu[i, :, start:total], cond[i, :, start:total], spks[i], cache,
-                                                 keep, tag))
+                                                 keep, tag, mark=mark))
         return rows
 
     @staticmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import torch
 
 from cosyvoice_runtime.flow.flow import FlowItem
 from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
-from cosyvoice_runtime.flow.incremental import FlowCache, pass_bias
+from cosyvoice_runtime.flow.incremental import FlowCache, PromptPrefixes, pass_bias
 from cosyvoice_runtime.model import load_model
 from cosyvoice_runtime.stream_schedule import pick_rows
 from cosyvoice_runtime.token2wav import Token2Wav
@@ -243,3 +244,52 @@ def test_graphed_passes_equal_the_eager_padded_ones(dtype):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for (xa, ha), (xb, hb) in zip(out[False], out[True]):
         assert torch.allclose(xa, xb, atol=tol) and torch.allclose(ha, hb, atol=tol)
+
+
+def test_a_voices_prompt_prefix_is_solved_once_for_all_its_requests():
+    """float64 flow: the first request of a voice records its prompt prefix (the whole attention
+    chunks of the prompt taken as a non-final job); later requests with that voice start their first
+    job after it, solve fewer frames, and stream the recompute's samples bit for bit; a short
+    answer whose first job is its last, and another voice, too."""
+    cv2 = _cv2()
+    flow64 = copy.deepcopy(cv2.flow).double()
+    inc = Token2Wav(cv2.spec, flow64, cv2.hift, min_first_hop=10, cv2_flow="incremental", prompt_cache_bytes=1 << 30)
+    ref = Token2Wav(cv2.spec, copy.deepcopy(flow64), cv2.hift, min_first_hop=10)
+    voice, other = _prompt(43, 20), _prompt(31, 21)
+    prefix = flow64.prompt_prefix_frames(43)
+    assert prefix == 50  # 2 x (43 - 3) = 80 frames: one whole 50-frame chunk
+    runs = [(voice, 120, 0), (voice, 90, prefix), (voice, 9, prefix), (other, 60, 0), (other, 12, 50)]
+    for i, (prompt, n, first_start) in enumerate(runs):
+        tokens = _tokens(n, 30 + i)
+        state = inc.new_stream(prompt, stream=True, generator=torch.Generator().manual_seed(i))
+        chunks, starts = [], []
+        while (job := inc.next_job(state, tokens, llm_done=True)) is not None:
+            rows = inc.start_solves([job])
+            starts.append(rows[0].start)
+            inc.flow.incremental.solve(rows)
+            chunks += inc.finish(rows)
+        assert starts[0] == first_start, i
+        total = 2 * (prompt.n_tokens + n)
+        assert state.flow_frames == total - first_start, i  # every frame past the prefix solved once
+        want = _reference_audio(ref, prompt, tokens, i)
+        got = torch.cat(chunks)
+        assert got.shape == want.shape and torch.equal(got, want), (i, float((got - want).abs().max()))
+    assert len(inc.prompt_prefixes) == 2 and inc.prompt_prefixes.hits == 3 and inc.prompt_prefixes.misses == 2
+
+
+def test_prompt_prefixes_keep_the_recently_used_within_their_bytes():
+    def cache(frames: int) -> FlowCache:
+        return FlowCache(frames=frames, attn=[torch.zeros(1, 2, frames, 4)], convs=[torch.zeros(2, 3, 2)])
+
+    size = cache(10).nbytes()
+    prefixes = PromptPrefixes(max_bytes=2 * size)
+    prefixes.put(b"a", cache(10))
+    prefixes.put(b"b", cache(10))
+    assert prefixes.get(b"a") is not None  # a is now the most recent: b goes first
+    prefixes.put(b"c", cache(10))
+    assert prefixes.get(b"b") is None and prefixes.get(b"a") is not None and prefixes.get(b"c") is not None
+    prefixes.put(b"big", cache(100))  # larger than the whole budget: not kept, nothing evicted for it
+    assert prefixes.get(b"big") is None and len(prefixes) == 2 and prefixes.nbytes() <= 2 * size
+    shared = prefixes.get(b"a").shared()
+    shared.reserve(15, 1, SimpleNamespace(n_blocks=1, dim=4), torch.zeros(1))
+    assert shared.attn[0] is not prefixes.get(b"a").attn[0]  # growing a request's cache copies the prefix
