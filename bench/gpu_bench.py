@@ -125,8 +125,8 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     token2wav on a low-priority one, ``lenbatch`` = (with edf) a token2wav batch holds only jobs at
     most 1.5x as long (prompt + tokens) as its most urgent one, ``express`` = a second token2wav
     lane (own flow + vocoder copies and graphs, higher-priority CUDA stream) takes every stream's
-    first two chunks (:mod:`bench.replica_sim`); implies prio; ``cvinc`` = CosyVoice2's streamed flow
-    calls incremental (Token2Wav ``cv2_flow="incremental"``: each stream's estimator state of the
+    first two chunks (:mod:`bench.replica_sim`); implies prio; ``cvinc`` = the streamed flow
+    calls incremental, either family (Token2Wav ``cv2_flow`` / ``cv3_flow`` "incremental": each stream's estimator state of the
     emitted frames kept, only new frames solved, batched, graphed per (batch, new, cached frames)
     bucket with the graphs; the voice's prompt prefix kept across requests unless ``noprefix``;
     without it the official full recompute), ``steps`` = the flow solved one Euler pass at a time over rows picked
@@ -171,7 +171,7 @@ def mode_setup(base: CosyVoiceModel, mode: str, flow_batch: int, n_tokens: int,
     sim_args = {"cuda_graphs": llm_graphs, "flow_batch": flow_batch, "min_first_hop": min_first_hop, "edf_slack_s": edf,
                 "llm_compile": compile_backend if "llmcompile" in extra else None,
                 "cv3_vocoder": "incremental" if "vinc" in extra else "recompute", "stream_priority": "prio" in extra,
-                "cv2_flow": "incremental" if "cvinc" in extra else "recompute",
+                "streamed_flow": "incremental" if "cvinc" in extra else "recompute",
                 "length_ratio": LENGTH_RATIO if "lenbatch" in extra else None, "stepped": "steps" in extra,
                 "prefill_graphs": "eagerprefill" not in extra,
                 "prompt_cache_bytes": 0 if "noprefix" in extra else PROMPT_CACHE_BYTES}

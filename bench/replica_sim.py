@@ -75,7 +75,7 @@ class ReplicaSim:
 
     def __init__(self, model: CosyVoiceModel, max_batch: int, n_tokens: int, cuda_graphs: bool = False,
                  flow_batch: int = 16, min_first_hop: int | None = None, edf_slack_s: float | None = None,
-                 llm_compile: str | None = None, cv3_vocoder: str = "recompute", cv2_flow: str = "recompute",
+                 llm_compile: str | None = None, cv3_vocoder: str = "recompute", streamed_flow: str = "recompute",
                  stream_priority: bool = False, max_text: int = TEXT, length_ratio: float | None = None,
                  express: CosyVoiceModel | None = None, stepped: bool = False, prefill_graphs: bool = True,
                  prompt_cache_bytes: int = 0):
@@ -105,12 +105,12 @@ class ReplicaSim:
             self.engine.capture_graphs()
             sync(model.device)
         self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=min_first_hop, cv3_vocoder=cv3_vocoder,
-                             cv2_flow=cv2_flow, prompt_cache_bytes=prompt_cache_bytes)
+                             cv2_flow=streamed_flow, cv3_flow=streamed_flow, prompt_cache_bytes=prompt_cache_bytes)
         self.lanes = [_Lane("bulk", self.t2w, self.priorities[1],
                             (lambda st: st.calls >= EXPRESS_CALLS) if express else (lambda st: True), flow_batch)]
         if express is not None:
             ex = Token2Wav(model.spec, express.flow, express.hift, min_first_hop=min_first_hop, cv3_vocoder=cv3_vocoder,
-                           cv2_flow=cv2_flow)
+                           cv2_flow=streamed_flow, cv3_flow=streamed_flow)
             self.lanes.append(_Lane("express", ex, -1, lambda st: st.calls < EXPRESS_CALLS, EXPRESS_BATCH))
         self.busy: set[str] = set()  # streams with a job running in some lane (a stream's jobs are sequential)
         self.lock = threading.Condition()

@@ -150,7 +150,7 @@ def _incremental(model, batches: list[int], cached_lengths: list[int], new: int)
                 cache = FlowCache()
                 cache.reserve(cached + new, stepper.n_steps, stepper.layout, torch.zeros(1, device=dev, dtype=dtype))
                 cache.frames = cached
-                cache.convs = [torch.zeros(2, stepper.layout.conv_channels, 2, device=dev, dtype=dtype)
+                cache.convs = [torch.zeros(2, stepper.layout.conv_channels, stepper.layout.hist, device=dev, dtype=dtype)
                                for _ in range(stepper.n_steps)]
                 rows.append(stepper.new_row(torch.randn(n_mels, new, device=dev, dtype=dtype),
                                             torch.zeros(n_mels, new, device=dev, dtype=dtype),

@@ -97,20 +97,25 @@ class Token2Wav:
             estimator state of the frames already emitted in its :class:`StreamState` and solves
             only the new frames; same mel within float noise, :mod:`cosyvoice_runtime.flow.incremental`),
             batched and stepped as the recomputed jobs are. CosyVoice3 ignores it.
-        prompt_cache_bytes: with the incremental flow, keep the flow state of each voice prompt's
+        cv3_flow: the same choice for CosyVoice3's streamed flow calls (its DiT); CosyVoice2 ignores it.
+        prompt_cache_bytes: with an incremental flow, keep the flow state of each voice prompt's
             whole attention chunks for later requests with that prompt, up to this many bytes
             (:class:`~cosyvoice_runtime.flow.incremental.PromptPrefixes`); 0: off.
     """
 
     def __init__(self, spec: ModelSpec, flow: torch.nn.Module, hift: torch.nn.Module,
                  official_final_full_attention: bool = False, min_first_hop: int | None = None,
-                 cv3_vocoder: str = "recompute", cv2_flow: str = "recompute", prompt_cache_bytes: int = 0) -> None:
-        if cv2_flow not in ("recompute", "incremental"):
-            raise ValueError(f"cv2_flow must be 'recompute' or 'incremental', got {cv2_flow!r}")
+                 cv3_vocoder: str = "recompute", cv2_flow: str = "recompute", prompt_cache_bytes: int = 0,
+                 cv3_flow: str = "recompute") -> None:
+        for name, value in (("cv2_flow", cv2_flow), ("cv3_flow", cv3_flow)):
+            if value not in ("recompute", "incremental"):
+                raise ValueError(f"{name} must be 'recompute' or 'incremental', got {value!r}")
         self.spec = spec
-        self.cv2_flow = cv2_flow
+        self.cv2_flow, self.cv3_flow = cv2_flow, cv3_flow
+        # what this family's streamed flow calls do
+        self.flow_mode = cv2_flow if spec.family == "cosyvoice2" else cv3_flow
         self.prompt_prefixes = (PromptPrefixes(prompt_cache_bytes)
-                                if prompt_cache_bytes > 0 and cv2_flow == "incremental" else None)
+                                if prompt_cache_bytes > 0 and self.flow_mode == "incremental" else None)
         self.cv3_vocoder = cv3_vocoder  # VocoderStream strategy of CV3 streams (CV2 ignores it)
         self.flow = flow
         self.hift = hift
@@ -171,7 +176,7 @@ class Token2Wav:
                         embedding=state.prompt_embedding, streaming=streaming_masks, finalize=job.finalize)
 
     def _incremental(self, job: Token2WavJob, item: FlowItem) -> bool:
-        return self.cv2_flow == "incremental" and job.state.stream and self.flow.can_solve_incrementally(item)
+        return self.flow_mode == "incremental" and job.state.stream and self.flow.can_solve_incrementally(item)
 
     @torch.inference_mode()
     def flow_mels(self, jobs: list[Token2WavJob]) -> list[torch.Tensor]:

@@ -155,12 +155,13 @@ class RuntimeToken2Wav:
     """:class:`Token2WavRuntime` over ``cosyvoice_runtime.token2wav.Token2Wav``."""
 
     def __init__(self, model, first_chunk_min_tokens: int | None = None, cv3_vocoder: str = "incremental",
-                 cv2_flow: str = "recompute", prompt_cache_bytes: int = 0) -> None:
+                 cv2_flow: str = "recompute", prompt_cache_bytes: int = 0, cv3_flow: str = "recompute") -> None:
         from cosyvoice_runtime.token2wav import Token2Wav
 
         # None: the official first chunk (one hop + alignment pad); else the early one (Token2Wav min_first_hop)
         self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=first_chunk_min_tokens,
-                             cv3_vocoder=cv3_vocoder, cv2_flow=cv2_flow, prompt_cache_bytes=prompt_cache_bytes)
+                             cv3_vocoder=cv3_vocoder, cv2_flow=cv2_flow, prompt_cache_bytes=prompt_cache_bytes,
+                             cv3_flow=cv3_flow)
         self.sample_rate = model.spec.sample_rate
         self.n_mels = model.spec.flow.output_size
         self.embedding_dim = model.spec.flow.spk_embed_dim
@@ -262,7 +263,7 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     Flow (``flow_graphs``): the whole CFM solve (``stepper``: one Euler pass of it, for the
     "steps" scheduler) and, for CosyVoice2, the token encoder, per padded (batch, length)
     bucket, batches up to the replica's largest and calls up to ``flow_graph_max_s`` of audio
-    (prompt included); with ``incremental`` (``cv2_flow``), CosyVoice2's incremental pass per
+    (prompt included); with ``incremental`` (``cv2_flow`` / ``cv3_flow``), the incremental pass per
     (batch, new frames, cached frames) bucket, cached frames up to the same length. Vocoder
     (``vocoder_graphs``, CosyVoice2): the lengths of every streamed
     call after the first, for every batch bucket, every first-chunk length for batches of 1 and
@@ -329,7 +330,7 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     min_first = cfg.token2wav.first_chunk_min_tokens if cfg.token2wav.early_first_chunk else None
     scheduler = token2wav_scheduler(cfg.token2wav.scheduler, device)
     graphs = capture_graphs(model, cfg, mode, limits, min_first, stepper=scheduler == "steps",
-                            incremental=cfg.token2wav.cv2_flow == "incremental")
+                            incremental="incremental" in (cfg.token2wav.cv2_flow, cfg.token2wav.cv3_flow))
     rate = model.spec.token_frame_rate
     return SynthesisRuntime(
         # Mode torchscript compiles the decode step too (CUDA only: its graphs are what it pays for).
@@ -338,7 +339,8 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                                   else None),
         token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first, cv3_vocoder=cfg.token2wav.cv3_vocoder,
                                    cv2_flow=cfg.token2wav.cv2_flow,
-                                   prompt_cache_bytes=cfg.token2wav.cv2_prompt_cache_bytes),
+                                   prompt_cache_bytes=cfg.token2wav.cv2_prompt_cache_bytes,
+                                   cv3_flow=cfg.token2wav.cv3_flow),
         device=str(device),
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
                  "t2w_scheduler": scheduler,

@@ -40,6 +40,10 @@ class Token2WavBatchConfig(StrictModel):
     # frames each after a 3.5 s prompt (cosyvoice_runtime.flow.incremental.PromptPrefixes; bit-identical
     # audio, tests/runtime/test_flow_incremental_batch.py). ~84 MiB per 3.5 s voice in bf16; 0: off.
     cv2_prompt_cache_bytes: int = Field(1024**3, ge=0)
+    # CosyVoice3's streamed flow calls, the same choice over its DiT (same mel within float noise,
+    # tests/runtime/test_flow_incremental_batch.py; 880 KiB per cached frame in bf16; the prompt
+    # cache above serves it too; not yet timed on a GPU).
+    cv3_flow: Literal["recompute", "incremental"] = "recompute"
     # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
     # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole
     # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (5-6 ->

@@ -155,17 +155,25 @@ class Flow(nn.Module):
         return [self.stepper.new_row(mu[i, :, :n], cond[i, :, :n], spks[i], bool(it.streaming), tag)
                 for i, (it, n, tag) in enumerate(zip(items, n_frames, tags))]
 
+    def _attention_chunk(self) -> int:
+        """The estimator's attention chunk in mel frames (0: no chunk masks)."""
+        est = self.spec.unet if self.spec.family == "cosyvoice2" else self.spec.dit
+        return est.static_chunk_size
+
+    @property
+    def incremental_capable(self) -> bool:
+        """Whether streamed jobs can be solved incrementally (:mod:`cosyvoice_runtime.flow.incremental`):
+        chunk masks, and the PyTorch estimator (not a TensorRT engine)."""
+        return isinstance(self.estimator, (CausalUNet, DiT)) and self._attention_chunk() > 0
+
     def can_solve_incrementally(self, item: FlowItem) -> bool:
-        """Whether ``item`` can be solved incrementally (:mod:`cosyvoice_runtime.flow.incremental`):
-        a streamed CosyVoice2 job with chunk masks, on the PyTorch U-Net (not a TensorRT engine)."""
-        return (self.spec.family == "cosyvoice2" and isinstance(self.estimator, CausalUNet)
-                and self.spec.unet.static_chunk_size > 0 and bool(item.streaming))
+        return self.incremental_capable and bool(item.streaming)
 
     def prompt_prefix_frames(self, n_prompt_tokens: int) -> int:
         """Frames of a voice's prompt that every request with it shares in the incremental flow
         (:class:`~cosyvoice_runtime.flow.incremental.PromptPrefixes`): the last attention-chunk
         boundary at or before the prompt taken as a non-final job (its last look-ahead tokens as context)."""
-        chunk = self.spec.unet.static_chunk_size
+        chunk = self._attention_chunk()
         frames = self.spec.token_mel_ratio * (n_prompt_tokens - self.spec.pre_lookahead_len)
         return max(0, frames) // chunk * chunk
 
@@ -179,11 +187,11 @@ class Flow(nn.Module):
         at that frame (a voice's prompt prefix).
         """
         if not all(self.can_solve_incrementally(it) for it in items):
-            raise InvalidInputError("the incremental flow needs streamed CosyVoice2 jobs with chunk masks")
+            raise InvalidInputError("the incremental flow needs streamed jobs with chunk masks")
         if self.incremental is None:
             self.incremental = IncrementalStepper(self.decoder)
         mu, _, cond, spks, n_frames = self._condition(items)
-        chunk = self.spec.unet.static_chunk_size
+        chunk = self._attention_chunk()
         rows = []
         for i, (it, cache, total, tag) in enumerate(zip(items, caches, n_frames, tags)):
             start = cache.frames

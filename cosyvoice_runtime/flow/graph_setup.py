@@ -20,7 +20,7 @@ def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, 
                        incremental: bool = False) -> GraphedSolver:
     """Solve (and, for CosyVoice2 with ``encoder``, encode) through CUDA graphs per padded
     bucket from now on; with ``stepper``, the step-by-step solve too (one graph per pass); with
-    ``incremental`` (CosyVoice2), the incremental streamed solve (one graph per pass and
+    ``incremental``, the incremental streamed solve (one graph per pass and
     (batch, new frames, cached frames) bucket, cached frames up to ``max_frames``).
 
     ``capture`` captures every bucket now (replica start-up) instead of on first use;
@@ -31,7 +31,7 @@ def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, 
     flow.stepper = (FlowStepper(flow.decoder, max_batch=max_batch, max_frames=max_frames, use_graphs=use_graphs)
                     if stepper else None)
     flow.incremental = None
-    if incremental and flow.spec.family == "cosyvoice2":
+    if incremental and flow.incremental_capable:
         flow.incremental = IncrementalStepper(flow.decoder, max_batch=max_batch, max_cached=max_frames, padded=True,
                                               use_graphs=use_graphs)
     flow.graphed_encoder = None

@@ -1,5 +1,6 @@
-"""Incremental CosyVoice2 flow for streaming: solve only the frames past a cached boundary,
-batched over requests and one Euler pass at a time (issue 14).
+"""Incremental flow for streaming: solve only the frames past a cached boundary, batched over
+requests and one Euler pass at a time (issue 14). Both families: CosyVoice2's U-Net and
+CosyVoice3's DiT (the passes themselves: :mod:`cosyvoice_runtime.flow.incremental_walk`).
 
 The official streaming schedule (spec §6.1) recomputes the prompt and every earlier token on each
 flow call, so a late chunk of a long utterance costs a solve over the whole sequence. With chunk
@@ -9,16 +10,19 @@ everything else in the estimator is per frame or causal:
 * the U-Net (:class:`~cosyvoice_runtime.flow.unet.CausalUNet`) has only causal k=3 convolutions,
   per-frame LayerNorm / Mish / 1x1 convolutions / feed-forwards, and self-attention where a query
   sees the keys of its own and earlier 50-frame chunks (:func:`~cosyvoice_runtime.flow.masks.chunk_mask`);
+  the DiT (:class:`~cosyvoice_runtime.flow.dit.DiT`) has per-frame projections, norms and
+  feed-forwards, a causal k=31 convolutional position embedding, rotary angles by absolute
+  position and the same chunk-masked attention;
 * the CFM solver uses the fixed noise indexed by absolute frame, one time grid for all frames,
   per-frame Euler updates and per-frame classifier-free guidance;
-* the streaming encoder's output ``mu`` (and ``cond``) of frames before a boundary does not change
-  when tokens are appended (chunk masks; its look-ahead tokens are real tokens in later calls).
+* the encoder's output ``mu`` (and ``cond``) of frames before a boundary does not change when
+  tokens are appended (chunk masks and a causal look-ahead whose tokens are real tokens in later calls).
 
 So every estimator activation of a frame before the boundary, at every ODE step and in both CFG
 rows, is the same in the next call. :class:`FlowCache` keeps what later frames read of them, per
-ODE step: the normed input of every transformer block (keys and values are recomputed from it,
-one GEMM per block: a quarter of the memory of keeping them) and the last two input frames of
-every k=3 convolution. A job is an :class:`IncrementalRow` that solves frames ``[P, T)`` against
+ODE step: the normed input of every attention block (keys and values are recomputed from it,
+one GEMM per block: a quarter of the memory of keeping them) and the last input frames of every
+causal convolution. A job is an :class:`IncrementalRow` that solves frames ``[P, T)`` against
 the cache of ``[0, P)``; when it finishes, a non-final job's cache advances to the last
 attention-chunk boundary at or before ``T`` (frames past it are computed again next call, as they
 may see frames that do not exist yet).
@@ -27,85 +31,32 @@ Batched and stepped like the recomputed flow (:mod:`cosyvoice_runtime.flow.stepp
 runs rows of several requests, each at its own ODE step, with its own cached length ``P`` and
 new length ``n``, padded to a (batch, new frames, cached frames) bucket. Padding changes no valid
 frame: new frames are right-padded (the convolutions are causal), padded and foreign keys are
-masked per row (:func:`pass_bias`), a padded query sees only its row's first new frame (finite,
-never read). On CUDA each bucket is one graph; the row caches are copied into one staging buffer
-shared by all buckets (one copy per row and pass) and the kept frames copied back out.
+masked per row, a padded query sees only its row's first new frame (finite, never read). On
+CUDA each bucket is one graph; the row caches are copied into one staging buffer shared by all
+buckets (one copy per row and pass) and the kept frames copied back out.
 
-Memory decides the cached layout: in bf16 the normed inputs are 560 KiB per cached frame per
-stream (56 blocks x 256 channels x 2 rows x 10 steps x 2 bytes): 48 streams of 20 s answers after a
-3.5 s prompt (~1180 frames each) hold ~31 GiB.
+Memory decides the cached layout. In bf16 CosyVoice2 holds 560 KiB per cached frame per stream
+(56 blocks x 256 channels x 2 rows x 10 steps x 2 bytes): 48 streams of 20 s answers after a
+3.5 s prompt (~1180 frames each) hold ~31 GiB; CosyVoice3's DiT (22 blocks x 1024 channels)
+880 KiB per frame.
 """
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update, step_schedule
-from cosyvoice_runtime.flow.masks import to_bias
-from cosyvoice_runtime.flow.unet import (
-    CausalBlock1D,
-    CausalResnetBlock1D,
-    CausalUNet,
-    TransformerBlock,
-    sinusoidal_embedding,
-)
-from cosyvoice_runtime.fused import fused_linear
+from cosyvoice_runtime.flow.incremental_walk import Layout, Pass, estimator_pass, layout_of, pass_bias
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 
 CACHE_GROWTH = 256  # cached frames are allocated in steps of this many (one copy per growth)
 NEW_FRAME_STEP = 64  # padding granularity of a pass's new frames
 CACHED_FRAME_STEP = 256  # of its cached frames (they cost one K/V GEMM and attention columns only)
 MAX_NEW_FRAMES = 512  # largest new-frame bucket: a first job with a prompt of up to ~9 s
-# to_k and to_v of each attention module as one weight (fused_linear's cache, per module; the
-# module's own q/k/v cache serves the full path)
-_KV_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where each layer's cached state sits: k=3 convolutions by channel offset in one
-    (rows, channels, 2) tensor, transformer blocks by index in one (blocks, rows, frames, C) tensor."""
-
-    conv_offset: dict  # id(conv) -> first channel
-    conv_channels: int
-    block_index: dict  # id(block) -> index
-    dim: int
-
-    @property
-    def n_blocks(self) -> int:
-        return len(self.block_index)
-
-
-def _layout(unet: CausalUNet) -> _Layout:
-    convs: list[nn.Conv1d] = []
-    blocks: list[TransformerBlock] = []
-
-    def stage(resnet: CausalResnetBlock1D, tblocks: nn.ModuleList) -> None:
-        convs.extend([resnet.block1.block[0], resnet.block2.block[0]])
-        blocks.extend(tblocks)
-
-    resnet, tblocks, down = unet.down_blocks[0]
-    stage(resnet, tblocks)
-    convs.append(down)
-    for resnet, tblocks in unet.mid_blocks:
-        stage(resnet, tblocks)
-    resnet, tblocks, up = unet.up_blocks[0]
-    stage(resnet, tblocks)
-    convs += [up, unet.final_block.block[0]]
-    if any(c.kernel_size[0] != 3 for c in convs):
-        raise ValueError("the incremental flow expects the U-Net's k=3 causal convolutions")
-    offsets, total = {}, 0
-    for conv in convs:
-        offsets[id(conv)] = total
-        total += conv.in_channels
-    return _Layout(offsets, total, {id(b): i for i, b in enumerate(blocks)}, unet.spec.channels[0])
 
 
 @dataclass
@@ -115,7 +66,7 @@ class FlowCache:
     Attributes:
         attn: per ODE step, the normed input of every transformer block, (blocks, 2, capacity, C):
             both CFG rows; frames past ``frames`` are scratch (the running job writes its kept frames there).
-        convs: per ODE step, the last two input frames of every k=3 convolution, (2, channels, 2).
+        convs: per ODE step, the last input frames of every causal convolution, (2, channels, hist).
 
     A running job never changes what frames ``[0, frames)`` read, and :meth:`commit` reassigns
     the fields, so a shallow copy taken before a job is a complete checkpoint of it.
@@ -129,7 +80,7 @@ class FlowCache:
         """Bytes the cached tensors hold (capacity included)."""
         return sum(t.numel() * t.element_size() for t in (*self.attn, *self.convs))
 
-    def reserve(self, frames: int, n_steps: int, layout: _Layout, like: torch.Tensor) -> None:
+    def reserve(self, frames: int, n_steps: int, layout: Layout, like: torch.Tensor) -> None:
         """Room for ``frames`` cached frames at each of ``n_steps`` steps (new tensors, old frames copied)."""
         have = self.attn[0].shape[2] if self.attn else 0
         if frames <= have:
@@ -234,96 +185,6 @@ class IncrementalRow:
         self.cache.frames += self.keep
 
 
-def pass_bias(p_len: torch.Tensor, n_len: torch.Tensor, cached: int, new: int, chunk: int,
-              dtype: torch.dtype) -> torch.Tensor:
-    """(2B, new, cached + new) additive attention bias of a pass (both CFG halves).
-
-    Keys are laid out as the row's cached frames (the first ``p_len`` of ``cached`` valid) then its
-    new frames (the first ``n_len`` of ``new`` valid). A valid query at absolute frame ``P + q``
-    sees every cached frame and the new frames before the end of its 50-frame chunk; a padded
-    query sees only its row's first new frame.
-    """
-    dev = p_len.device
-    q = torch.arange(new, device=dev)
-    pos = p_len[:, None] + q[None, :]  # (B, new) absolute frame of query / new key j
-    limit = (pos // chunk + 1) * chunk
-    new_ok = (q[None, None, :] < n_len[:, None, None]) & (pos[:, None, :] < limit[:, :, None])
-    cached_ok = (torch.arange(cached, device=dev)[None, :] < p_len[:, None])[:, None, :].expand(-1, new, -1)
-    allowed = torch.cat([cached_ok, new_ok], dim=-1)
-    padded_query = (q[None, :] >= n_len[:, None])[:, :, None]
-    first_new = torch.zeros(cached + new, dtype=torch.bool, device=dev)
-    first_new[cached] = True
-    allowed = torch.where(padded_query, first_new, allowed)
-    return to_bias(allowed, dtype).repeat(2, 1, 1)
-
-
-class _Pass:
-    """The cached state one pass reads and writes (all static buffers of a bucket)."""
-
-    def __init__(self, layout: _Layout, hist_in: torch.Tensor, hist_out: torch.Tensor, keep_idx: torch.Tensor,
-                 attn_in: torch.Tensor | None, attn_out: torch.Tensor) -> None:
-        self.layout, self.hist_in, self.hist_out, self.keep_idx = layout, hist_in, hist_out, keep_idx
-        self.attn_in, self.attn_out = attn_in, attn_out
-
-    def conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-        """A causal k=3 convolution of new frames (2B, C, n) after each row's cached two frames;
-        records the two input frames before each row's kept end (its next history) and before its mark."""
-        c = x.shape[1]
-        off = self.layout.conv_offset[id(conv)]
-        full = torch.cat([self.hist_in[:, off:off + c], x], dim=-1)
-        self.hist_out[:, off:off + c] = full.gather(2, self.keep_idx.expand(-1, c, -1))
-        return nn.Conv1d.forward(conv, full)
-
-    def attention(self, block: TransformerBlock, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """A transformer block over new frames h (2B, n, C), keys over cached then new frames."""
-        attn = block.attn1
-        normed = block.norm1(h)
-        b, n, _ = normed.shape
-        i = self.layout.block_index[id(block)]
-        self.attn_out[i] = normed
-        normed_all = normed if self.attn_in is None else torch.cat([self.attn_in[i], normed], dim=1)
-        q = attn.to_q(normed).view(b, n, attn.heads, attn.head_dim).transpose(1, 2)
-        kv = fused_linear(normed_all, (attn.to_k, attn.to_v), _KV_FUSED.setdefault(attn, {}))
-        k, v = kv.view(b, -1, 2, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None])
-        h = h + attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
-        return h + block.ff(block.norm3(h))
-
-
-def _block(block: CausalBlock1D, x: torch.Tensor, p: _Pass) -> torch.Tensor:
-    return block.block[1:](p.conv(block.block[0], x))
-
-
-def _resnet(resnet: CausalResnetBlock1D, x: torch.Tensor, temb: torch.Tensor, p: _Pass) -> torch.Tensor:
-    h = _block(resnet.block1, x, p) + resnet.mlp(temb).unsqueeze(-1)
-    return _block(resnet.block2, h, p) + resnet.res_conv(x)
-
-
-def _attend(x: torch.Tensor, blocks: nn.ModuleList, bias: torch.Tensor, p: _Pass) -> torch.Tensor:
-    h = x.transpose(1, 2)
-    for block in blocks:
-        h = p.attention(block, h, bias)
-    return h.transpose(1, 2)
-
-
-def estimator_step(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
-                   cond: torch.Tensor, bias: torch.Tensor, p: _Pass) -> torch.Tensor:
-    """:meth:`CausalUNet.forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n)."""
-    temb = unet.time_mlp(sinusoidal_embedding(t, unet.spec.in_channels).to(t.dtype))
-    h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)
-    resnet, blocks, down = unet.down_blocks[0]
-    h = _attend(_resnet(resnet, h, temb, p), blocks, bias, p)
-    skip = h
-    h = p.conv(down, h)
-    for resnet, blocks in unet.mid_blocks:
-        h = _attend(_resnet(resnet, h, temb, p), blocks, bias, p)
-    resnet, blocks, up = unet.up_blocks[0]
-    h = torch.cat([h, skip], dim=1)
-    h = p.conv(up, _attend(_resnet(resnet, h, temb, p), blocks, bias, p))
-    h = _block(unet.final_block, h, p)
-    return unet.final_proj(h)
-
-
 @dataclass
 class _Bucket:
     """Static buffers of one (batch, new frames, cached frames) pass."""
@@ -337,9 +198,9 @@ class _Bucket:
     dt: torch.Tensor  # (B,)
     p_len: torch.Tensor  # (B,) long
     n_len: torch.Tensor  # (B,) long
-    keep_idx: torch.Tensor  # (2B, 1, 4) long: where each row's next convolution history and its mark's start
-    hist_in: torch.Tensor  # (2B, channels, 2)
-    hist_out: torch.Tensor
+    hist_idx: torch.Tensor  # (2B, 1, 2 hist) long: which input frames are the history at the kept end and the mark
+    hist_in: torch.Tensor  # (2B, channels, hist)
+    hist_out: torch.Tensor  # (2B, channels, 2 hist)
     attn_in: torch.Tensor | None  # (blocks, 2B, P, C); None for P = 0
     attn_out: torch.Tensor  # (blocks, 2B, N, C)
     out: torch.Tensor | None = None  # (B, 80, N): x after the pass
@@ -349,7 +210,7 @@ class IncrementalStepper(graph_capture.GraphOwner):
     """Passes of the incremental solve over :class:`IncrementalRow` batches.
 
     Args:
-        solver: the CosyVoice2 flow's CFM solver (a :class:`CausalUNet` estimator).
+        solver: the flow's CFM solver (a CosyVoice2 U-Net or CosyVoice3 DiT estimator).
         max_batch, max_cached: largest batch and cached length served by a padded bucket (and a
             graph); larger passes run eagerly at their exact size.
         padded: pad to buckets (what graphs need); False runs every pass at its exact size (CPU).
@@ -359,10 +220,8 @@ class IncrementalStepper(graph_capture.GraphOwner):
     def __init__(self, solver: CFMSolver, max_batch: int = 16, max_cached: int = 1024,
                  max_new: int = MAX_NEW_FRAMES, padded: bool = False, use_graphs: bool = False) -> None:
         super().__init__()
-        if not isinstance(solver.estimator, CausalUNet):
-            raise TypeError("the incremental flow needs CosyVoice2's U-Net estimator")
         self.solver = solver
-        self.layout = _layout(solver.estimator)
+        self.layout = layout_of(solver.estimator)
         self.padded = padded or use_graphs
         self.use_graphs = use_graphs
         self.batch_buckets = batch_buckets(max_batch)
@@ -371,6 +230,7 @@ class IncrementalStepper(graph_capture.GraphOwner):
         self.passes = 0
         self._schedule: tuple[torch.Tensor, torch.Tensor] | None = None
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None  # flat attn_in / attn_out of all buckets
+        self._hist_range = torch.arange(self.layout.hist, device=self.device)
 
     @property
     def device(self) -> torch.device:
@@ -450,10 +310,10 @@ class IncrementalStepper(graph_capture.GraphOwner):
     # -- internals -------------------------------------------------------------------------
     def _load(self, bucket: _Bucket, rows: Sequence[IncrementalRow]) -> None:
         t_steps, dts = self.schedule()
-        b = bucket.x.shape[0]
+        b, hist = bucket.x.shape[0], self.layout.hist
         bucket.p_len.zero_()
         bucket.n_len.zero_()
-        bucket.keep_idx.zero_()
+        bucket.hist_idx.zero_()
         # padded frames and rows keep what earlier passes left there: finite, and masked or causal-after
         for i, r in enumerate(rows):
             n, p, s = r.frames, r.start, r.step
@@ -464,8 +324,9 @@ class IncrementalStepper(graph_capture.GraphOwner):
             bucket.t[i:i + 1] = t_steps[s:s + 1]
             bucket.dt[i:i + 1] = dts[s:s + 1]
             bucket.p_len[i], bucket.n_len[i] = p, n
-            for j, at in enumerate((r.keep, r.keep + 1, r.mark, r.mark + 1)):
-                bucket.keep_idx[i::b, 0, j] = at  # fills, not host copies: a pageable copy would wait for the GPU
+            # device arithmetic, not host tensors: a pageable copy would wait for the GPU
+            bucket.hist_idx[i::b, 0, :hist] = self._hist_range + r.keep
+            bucket.hist_idx[i::b, 0, hist:] = self._hist_range + r.mark
             if p == 0:
                 bucket.hist_in[i::b] = 0  # the causal zero padding at frame 0
             else:
@@ -473,13 +334,13 @@ class IncrementalStepper(graph_capture.GraphOwner):
                 bucket.attn_in[:, i::b, :p] = r.cache.attn[s][:, :, :p]
 
     def _store(self, bucket: _Bucket, rows: Sequence[IncrementalRow]) -> None:
-        b = bucket.x.shape[0]
+        b, hist = bucket.x.shape[0], self.layout.hist
         for i, r in enumerate(rows):
             p = r.start
             r.x = bucket.out[i, :, :r.frames].clone()
-            r.new_convs.append(bucket.hist_out[i::b, :, :2].clone())
+            r.new_convs.append(bucket.hist_out[i::b, :, :hist].clone())
             if r.mark:
-                r.mark_convs.append(bucket.hist_out[i::b, :, 2:].clone())
+                r.mark_convs.append(bucket.hist_out[i::b, :, hist:].clone())
             if r.stored:
                 r.cache.attn[r.step][:, :, p:p + r.stored] = bucket.attn_out[:, i::b, :r.stored]
             r.step += 1
@@ -488,11 +349,11 @@ class IncrementalStepper(graph_capture.GraphOwner):
         b, _, new = bucket.x.shape
         cached = 0 if bucket.attn_in is None else bucket.attn_in.shape[2]
         zeros = torch.zeros_like(bucket.mu)
-        bias = pass_bias(bucket.p_len, bucket.n_len, cached, new, self.solver.estimator.spec.static_chunk_size,
-                         bucket.x.dtype)
-        p = _Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.keep_idx, bucket.attn_in, bucket.attn_out)
+        bias = pass_bias(bucket.p_len, bucket.n_len, cached, new, self.layout.chunk, bucket.x.dtype)
+        p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn_in, bucket.attn_out,
+                 bucket.p_len)
         x_in = torch.cat([bucket.x, bucket.x])
-        v = estimator_step(self.solver.estimator, x_in, torch.cat([bucket.mu, zeros]), bucket.t.repeat(2),
+        v = estimator_pass(self.solver.estimator, x_in, torch.cat([bucket.mu, zeros]), bucket.t.repeat(2),
                            torch.cat([bucket.spks, torch.zeros_like(bucket.spks)]), torch.cat([bucket.cond, zeros]),
                            bias, p)
         return euler_update(bucket.x, v, bucket.dt.view(b, 1, 1), 1.0, self.solver.spec.inference_cfg_rate)
@@ -512,6 +373,7 @@ class IncrementalStepper(graph_capture.GraphOwner):
     def _new_bucket(self, b: int, new: int, cached: int, staged: bool = False) -> _Bucket:
         dev, dtype = self.device, self.dtype
         n_mels, nb, dim = self.solver.spec.output_size, self.layout.n_blocks, self.layout.dim
+        channels, hist = self.layout.conv_channels, self.layout.hist
         if staged:
             attn_in, attn_out = self._staged(b, new, cached)
         else:
@@ -523,8 +385,8 @@ class IncrementalStepper(graph_capture.GraphOwner):
 
         return _Bucket(graph=None, x=z(b, n_mels, new), mu=z(b, n_mels, new), cond=z(b, n_mels, new),
                        spks=z(b, n_mels), t=z(b), dt=z(b), p_len=z(b, dt=torch.long), n_len=z(b, dt=torch.long),
-                       keep_idx=z(2 * b, 1, 4, dt=torch.long), hist_in=z(2 * b, self.layout.conv_channels, 2),
-                       hist_out=z(2 * b, self.layout.conv_channels, 4), attn_in=attn_in, attn_out=attn_out)
+                       hist_idx=z(2 * b, 1, 2 * hist, dt=torch.long), hist_in=z(2 * b, channels, hist),
+                       hist_out=z(2 * b, channels, 2 * hist), attn_in=attn_in, attn_out=attn_out)
 
     def _get(self, key: tuple[int, int, int]) -> _Bucket:
         bucket = self._buckets.get(key)

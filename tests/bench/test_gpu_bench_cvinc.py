@@ -13,7 +13,7 @@ def test_cvinc_reaches_every_token2wav_lane():
     for mode, expected in (("pytorch-fp32-early-edf-cvinc", "incremental"), ("pytorch-fp32-early-edf", "recompute")):
         model, sim_args = mode_setup(base, mode, flow_batch=4, n_tokens=60)
         sim = ReplicaSim(model, max_batch=2, n_tokens=60, **sim_args)
-        assert [lane.t2w.cv2_flow for lane in sim.lanes] == [expected], mode
+        assert [lane.t2w.flow_mode for lane in sim.lanes] == [expected], mode
 
 
 def test_tiny_benchmark_runs_with_the_incremental_flow(tmp_path):

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.stepper_check import main
 
 
-def test_stepper_check_runs_both_passes_on_the_tiny_model(tmp_path):
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_stepper_check_runs_both_passes_on_the_tiny_model(tmp_path, family):
     out = tmp_path / "check.json"
-    doc = main(["--size", "tiny", "--device", "cpu", "--dtype", "fp32", "--frames", "256", "--batches", "1,2",
+    doc = main(["--family", family, "--size", "tiny", "--device", "cpu", "--dtype", "fp32", "--frames", "256",
+                "--batches", "1,2",
                 "--incremental", "--cached", "0,256", "--new", "64", "--out", str(out)])
     assert json.loads(out.read_text()) == doc
     assert max(doc["max_err_per_job"]) < 1e-4 * max(1.0, doc["output_scale"])

@@ -10,6 +10,7 @@ unbatched ones (tests/runtime/test_token2wav.py), as the random-weight vocoder a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import random
 from types import SimpleNamespace
@@ -123,7 +124,8 @@ def test_rows_at_different_steps_and_lengths_share_padded_passes():
 
 
 def _reference_audio(t2w: Token2Wav, prompt, tokens, seed):
-    state = t2w.new_stream(prompt, stream=True, generator=torch.Generator().manual_seed(seed))
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    state = t2w.new_stream(prompt, stream=True, generator=generator)
     out = []
     while (job := t2w.next_job(state, tokens, llm_done=True)) is not None:
         out.append(t2w.run(job))
@@ -223,17 +225,19 @@ def test_a_failed_finish_leaves_the_cache_and_a_retry_gives_the_same_audio(monke
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_passes_equal_the_eager_padded_ones(dtype):
-    """CUDA: each bucket's graph replay gives the eager padded pass's x, history and cached inputs."""
+def test_graphed_passes_equal_the_eager_padded_ones(family, dtype):
+    """CUDA: each bucket's graph replay gives the eager padded pass's x and convolution history."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cv2 = _cv2()
+    model = _cv2() if family == "cosyvoice2" else _cv3()
     reqs = [(_prompt(20, 1), _tokens(120, 1), 0), (_prompt(25, 2), _tokens(150, 2), 25)]
-    la = cv2.spec.flow.pre_lookahead_len
+    reqs = [(dataclasses.replace(p, family=family), t, e) for p, t, e in reqs]
+    la = model.spec.flow.pre_lookahead_len
     out = {}
     for graphs in (False, True):
-        flow = copy.deepcopy(cv2.flow).to("cuda", dtype)
+        flow = copy.deepcopy(model.flow).to("cuda", dtype)
         enable_flow_graphs(flow, max_batch=4, max_frames=512, use_graphs=graphs, incremental=True)
         caches = _caches_after(flow, reqs)
         rows = flow.start_incremental_rows([_item(p, t[:70 + la], False) for p, t, _ in reqs], caches, [0, 1])
@@ -293,3 +297,64 @@ def test_prompt_prefixes_keep_the_recently_used_within_their_bytes():
     shared = prefixes.get(b"a").shared()
     shared.reserve(15, 1, SimpleNamespace(n_blocks=1, dim=4), torch.zeros(1))
     assert shared.attn[0] is not prefixes.get(b"a").attn[0]  # growing a request's cache copies the prefix
+
+
+@functools.lru_cache(maxsize=1)
+def _cv3():
+    return load_model(parity_dir() / "cosyvoice3" / "model")
+
+
+def test_cosyvoice3_dit_streams_the_recomputes_samples_incrementally():
+    """CosyVoice3's DiT (causal k=31 position embedding, rotary angles by absolute frame): with a
+    float64 flow, three streams (two of one voice: the second starts after the voice's prompt
+    prefix) through the padded, stepped incremental passes give the recompute's samples bit for bit."""
+    cv3 = _cv3()
+    flow64 = copy.deepcopy(cv3.flow).double()
+    enable_flow_graphs(flow64, max_batch=4, max_frames=512, use_graphs=False, incremental=True)
+    inc = Token2Wav(cv3.spec, flow64, cv3.hift, min_first_hop=10, cv3_flow="incremental", cv3_vocoder="incremental",
+                    prompt_cache_bytes=1 << 30)
+    ref = Token2Wav(cv3.spec, copy.deepcopy(cv3.flow).double(), cv3.hift, min_first_hop=10, cv3_vocoder="incremental")
+    assert inc.flow_mode == "incremental" and ref.flow_mode == "recompute"
+    vocab = cv3.spec.flow.vocab_size
+
+    def prompt(n: int, seed: int) -> VoicePrompt:
+        g = torch.Generator().manual_seed(seed)
+        return VoicePrompt(family="cosyvoice3", text_tokens=np.zeros(0, np.int32),
+                           speech_tokens=torch.randint(0, vocab, (n,), generator=g, dtype=torch.int32).numpy(),
+                           mel=torch.randn(2 * n, 80, generator=g).numpy(),
+                           embedding=torch.randn(cv3.spec.flow.spk_embed_dim, generator=g).numpy())
+
+    voice, other = prompt(30, 40), prompt(47, 41)
+    runs = [(voice, 150), (other, 110), (voice, 70)]
+    toks = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(50 + i)).tolist()
+            for i, (_, n) in enumerate(runs)]
+    states = [inc.new_stream(p, stream=True) for p, _ in runs[:2]]
+    audio: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
+
+    def drive(streams: dict[int, object]) -> None:
+        """The streams' jobs as rows, passes over all live rows with staggered joins."""
+        rows, rng = [], random.Random(9)
+        while True:
+            busy = {id(r.tag.state) for r in rows}
+            jobs = [(i, j) for i, st in streams.items()
+                    if id(st) not in busy and (j := inc.next_job(st, toks[i], llm_done=True)) is not None]
+            for (i, _), row in zip(jobs, inc.start_solves([j for _, j in jobs])):
+                row.tag_index = i
+                rows.append(row)
+            if not rows:
+                return
+            inc.advance(rng.sample(rows, rng.randint(1, len(rows))))
+            done = [r for r in rows if r.step == inc.n_steps]
+            rows = [r for r in rows if r.step < inc.n_steps]
+            for row in done:  # vocoded one at a time: a vocoder batch would add float32 GEMM rounding
+                audio[row.tag_index] += inc.finish([row])
+
+    drive({0: states[0], 1: states[1]})
+    third = inc.new_stream(voice, stream=True)
+    drive({2: third})
+    assert inc.prompt_prefixes.hits == 1 and inc.prompt_prefixes.misses == 2
+    assert third.flow_frames == 2 * (30 + 70) - flow64.prompt_prefix_frames(30)
+    for i, (p, _) in enumerate(runs):
+        want = _reference_audio(ref, p, toks[i], None)
+        got = torch.cat(audio[i])
+        assert got.shape == want.shape and torch.equal(got, want), (i, float((got - want).abs().max()))

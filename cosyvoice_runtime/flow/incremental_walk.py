@@ -1,0 +1,253 @@
+"""One estimator pass over new frames only, both families (:mod:`cosyvoice_runtime.flow.incremental`).
+
+A pass runs the estimator (CosyVoice2's :class:`~cosyvoice_runtime.flow.unet.CausalUNet` or
+CosyVoice3's :class:`~cosyvoice_runtime.flow.dit.DiT`) over the new frames of several rows at
+once (both CFG halves: rows ``i`` and ``B + i``), reading what earlier frames left:
+
+* each causal convolution reads its row's last ``hist`` input frames before the new ones
+  (U-Net: k=3, 2 frames; DiT position embedding: k=31, 30 frames) and records the ``hist``
+  frames before the row's kept end and before its mark;
+* each attention block reads its row's cached normed inputs (keys and values are recomputed from
+  them, one GEMM) and records its new frames' normed inputs;
+* keys are the row's cached frames then its new ones; :func:`pass_bias` masks padding and later
+  chunks per row. The DiT's rotary angles are taken at each frame's absolute position.
+
+Every estimator activation of a valid new frame is then the full forward's, up to GEMM rounding.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosyvoice_runtime.flow.dit import DiT, DiTBlock, apply_rotary
+from cosyvoice_runtime.flow.masks import to_bias
+from cosyvoice_runtime.flow.unet import (
+    CausalBlock1D,
+    CausalResnetBlock1D,
+    CausalUNet,
+    TransformerBlock,
+    sinusoidal_embedding,
+)
+from cosyvoice_runtime.fused import fused_linear
+
+# to_k and to_v of each attention module as one weight (fused_linear's cache, per module; the
+# module's own q/k/v cache serves the full path)
+_KV_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where an estimator's cached state sits: causal convolutions by channel offset in one
+    (rows, channels, hist) tensor, attention blocks by index in one (blocks, rows, frames, dim) tensor."""
+
+    conv_offset: dict  # id(conv) -> first channel
+    conv_channels: int
+    hist: int  # input frames a convolution reads before the new ones (kernel - 1)
+    block_index: dict  # id(block) -> index
+    dim: int
+    chunk: int  # attention chunk in mel frames
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_index)
+
+
+def _make_layout(convs: list[nn.Conv1d], blocks: list[nn.Module], dim: int, chunk: int) -> Layout:
+    hist = {c.kernel_size[0] - 1 for c in convs}
+    if len(hist) != 1 or any(c.padding != (0,) and c.padding != 0 for c in convs):
+        raise ValueError("the incremental flow expects unpadded causal convolutions of one kernel size")
+    offsets, total = {}, 0
+    for conv in convs:
+        offsets[id(conv)] = total
+        total += conv.in_channels
+    return Layout(offsets, total, hist.pop(), {id(b): i for i, b in enumerate(blocks)}, dim, chunk)
+
+
+def layout_of(estimator: nn.Module) -> Layout:
+    """The cached-state layout of a U-Net or DiT estimator."""
+    if isinstance(estimator, DiT):
+        pos = estimator.input_embed.conv_pos_embed
+        return _make_layout([pos.conv1[0], pos.conv2[0]], list(estimator.transformer_blocks), estimator.spec.dim,
+                            estimator.spec.static_chunk_size)
+    if not isinstance(estimator, CausalUNet):
+        raise TypeError(f"no incremental pass for {type(estimator).__name__}")
+    convs: list[nn.Conv1d] = []
+    blocks: list[TransformerBlock] = []
+
+    def stage(resnet: CausalResnetBlock1D, tblocks: nn.ModuleList) -> None:
+        convs.extend([resnet.block1.block[0], resnet.block2.block[0]])
+        blocks.extend(tblocks)
+
+    resnet, tblocks, down = estimator.down_blocks[0]
+    stage(resnet, tblocks)
+    convs.append(down)
+    for resnet, tblocks in estimator.mid_blocks:
+        stage(resnet, tblocks)
+    resnet, tblocks, up = estimator.up_blocks[0]
+    stage(resnet, tblocks)
+    convs += [up, estimator.final_block.block[0]]
+    return _make_layout(convs, blocks, estimator.spec.channels[0], estimator.spec.static_chunk_size)
+
+
+def pass_bias(p_len: torch.Tensor, n_len: torch.Tensor, cached: int, new: int, chunk: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """(2B, new, cached + new) additive attention bias of a pass (both CFG halves).
+
+    Keys are laid out as the row's cached frames (the first ``p_len`` of ``cached`` valid) then its
+    new frames (the first ``n_len`` of ``new`` valid). A valid query at absolute frame ``P + q``
+    sees every cached frame and the new frames before the end of its attention chunk; a padded
+    query sees only its row's first new frame (finite, never read).
+    """
+    dev = p_len.device
+    q = torch.arange(new, device=dev)
+    pos = p_len[:, None] + q[None, :]  # (B, new) absolute frame of query / new key j
+    limit = (pos // chunk + 1) * chunk
+    new_ok = (q[None, None, :] < n_len[:, None, None]) & (pos[:, None, :] < limit[:, :, None])
+    cached_ok = (torch.arange(cached, device=dev)[None, :] < p_len[:, None])[:, None, :].expand(-1, new, -1)
+    allowed = torch.cat([cached_ok, new_ok], dim=-1)
+    padded_query = (q[None, :] >= n_len[:, None])[:, :, None]
+    first_new = torch.zeros(cached + new, dtype=torch.bool, device=dev)
+    first_new[cached] = True
+    allowed = torch.where(padded_query, first_new, allowed)
+    return to_bias(allowed, dtype).repeat(2, 1, 1)
+
+
+class Pass:
+    """The cached state one pass reads and writes (static buffers of a bucket).
+
+    Args:
+        hist_in: (2B, channels, hist) each row's convolution history; hist_out: (2B, channels,
+            2 hist), filled with the history at the row's kept end, then at its mark.
+        hist_idx: (2B, 1, 2 hist) long: the frames of ``[history, new]`` that history is.
+        attn_in: (blocks, 2B, cached, dim) cached normed block inputs, None with nothing cached;
+        attn_out: (blocks, 2B, new, dim), filled with the new frames' normed block inputs.
+        p_len: (B,) long cached frames per row (the DiT's rotary positions start there).
+    """
+
+    def __init__(self, layout: Layout, hist_in: torch.Tensor, hist_out: torch.Tensor, hist_idx: torch.Tensor,
+                 attn_in: torch.Tensor | None, attn_out: torch.Tensor, p_len: torch.Tensor) -> None:
+        self.layout, self.hist_in, self.hist_out, self.hist_idx = layout, hist_in, hist_out, hist_idx
+        self.attn_in, self.attn_out, self.p_len = attn_in, attn_out, p_len
+
+    def conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+        """A causal convolution of new frames (2B, C, n) after each row's cached history."""
+        c = x.shape[1]
+        off = self.layout.conv_offset[id(conv)]
+        full = torch.cat([self.hist_in[:, off:off + c], x], dim=-1)
+        self.hist_out[:, off:off + c] = full.gather(2, self.hist_idx.expand(-1, c, -1))
+        return nn.Conv1d.forward(conv, full)
+
+    def block_input(self, block: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+        """Record the new frames' normed input (2B, n, D) of an attention block; cached then new."""
+        i = self.layout.block_index[id(block)]
+        self.attn_out[i] = normed
+        return normed if self.attn_in is None else torch.cat([self.attn_in[i], normed], dim=1)
+
+
+def _unet_attention(block: TransformerBlock, h: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
+    attn = block.attn1
+    normed = block.norm1(h)
+    b, n, _ = normed.shape
+    normed_all = p.block_input(block, normed)
+    q = attn.to_q(normed).view(b, n, attn.heads, attn.head_dim).transpose(1, 2)
+    kv = fused_linear(normed_all, (attn.to_k, attn.to_v), _KV_FUSED.setdefault(attn, {}))
+    k, v = kv.view(b, -1, 2, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None])
+    h = h + attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
+    return h + block.ff(block.norm3(h))
+
+
+def _block(block: CausalBlock1D, x: torch.Tensor, p: Pass) -> torch.Tensor:
+    return block.block[1:](p.conv(block.block[0], x))
+
+
+def _resnet(resnet: CausalResnetBlock1D, x: torch.Tensor, temb: torch.Tensor, p: Pass) -> torch.Tensor:
+    h = _block(resnet.block1, x, p) + resnet.mlp(temb).unsqueeze(-1)
+    return _block(resnet.block2, h, p) + resnet.res_conv(x)
+
+
+def _attend(x: torch.Tensor, blocks: nn.ModuleList, bias: torch.Tensor, p: Pass) -> torch.Tensor:
+    h = x.transpose(1, 2)
+    for block in blocks:
+        h = _unet_attention(block, h, bias, p)
+    return h.transpose(1, 2)
+
+
+def unet_pass(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+              cond: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
+    """:meth:`CausalUNet.forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n)."""
+    temb = unet.time_mlp(sinusoidal_embedding(t, unet.spec.in_channels).to(t.dtype))
+    h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)
+    resnet, blocks, down = unet.down_blocks[0]
+    h = _attend(_resnet(resnet, h, temb, p), blocks, bias, p)
+    skip = h
+    h = p.conv(down, h)
+    for resnet, blocks in unet.mid_blocks:
+        h = _attend(_resnet(resnet, h, temb, p), blocks, bias, p)
+    resnet, blocks, up = unet.up_blocks[0]
+    h = torch.cat([h, skip], dim=1)
+    h = p.conv(up, _attend(_resnet(resnet, h, temb, p), blocks, bias, p))
+    h = _block(unet.final_block, h, p)
+    return unet.final_proj(h)
+
+
+def _dit_block(block: DiTBlock, h: torch.Tensor, temb: torch.Tensor, bias: torch.Tensor, freqs_q: torch.Tensor,
+               freqs_k: torch.Tensor, p: Pass) -> torch.Tensor:
+    shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = block.attn_norm.linear(F.silu(temb)).chunk(6, dim=1)
+    normed = block.attn_norm.norm(h) * (1 + scale_a[:, None]) + shift_a[:, None]
+    normed_all = p.block_input(block, normed)
+    attn = block.attn
+    b, n, _ = normed.shape
+    q = apply_rotary(attn.to_q(normed), freqs_q)
+    k, v = fused_linear(normed_all, (attn.to_k, attn.to_v), _KV_FUSED.setdefault(attn, {})).chunk(2, dim=-1)
+    k = apply_rotary(k, freqs_k)
+
+    def heads(y: torch.Tensor) -> torch.Tensor:
+        return y.reshape(b, y.shape[1], attn.heads, -1).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=bias[:, None])
+    h = h + gate_a[:, None] * attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
+    normed = block.ff_norm(h) * (1 + scale_f[:, None]) + shift_f[:, None]
+    return h + gate_f[:, None] * block.ff(normed)
+
+
+def _angles(dit: DiT, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary angles (rows, T, dim_head) at absolute positions (rows, T), as RotaryEmbedding gives them."""
+    inv_freq = dit.rotary_embed.inv_freq
+    freqs = positions.to(inv_freq.dtype)[..., None] * inv_freq
+    return torch.stack((freqs, freqs), dim=-1).flatten(-2)
+
+
+def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+             cond: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
+    """:meth:`DiT.forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n)."""
+    temb = dit.time_embed(t)
+    emb = dit.input_embed
+    h = emb.proj(torch.cat([x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
+                            spks[:, None].expand(-1, x.shape[-1], -1)], dim=-1))
+    pos = emb.conv_pos_embed
+    c = pos.conv1[1](p.conv(pos.conv1[0], h.transpose(1, 2)))
+    c = pos.conv2[1](p.conv(pos.conv2[0], c))
+    h = c.transpose(1, 2) + h
+    n = x.shape[-1]
+    cached = 0 if p.attn_in is None else p.attn_in.shape[2]
+    p_len = p.p_len.repeat(2)
+    q_pos = p_len[:, None] + torch.arange(n, device=x.device)[None, :]
+    k_pos = torch.cat([torch.arange(cached, device=x.device)[None, :].expand(len(p_len), -1), q_pos], dim=1)
+    freqs_q, freqs_k = _angles(dit, q_pos), _angles(dit, k_pos)
+    for block in dit.transformer_blocks:
+        h = _dit_block(block, h, temb, bias, freqs_q, freqs_k, p)
+    scale, shift = dit.norm_out.linear(F.silu(temb)).chunk(2, dim=1)
+    h = dit.norm_out.norm(h) * (1 + scale[:, None]) + shift[:, None]
+    return dit.proj_out(h).transpose(1, 2)
+
+
+def estimator_pass(estimator: nn.Module, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+                   cond: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
+    """The pass of either family's estimator (see :func:`unet_pass`, :func:`dit_pass`)."""
+    walk = dit_pass if isinstance(estimator, DiT) else unet_pass
+    return walk(estimator, x, mu, t, spks, cond, bias, p)
