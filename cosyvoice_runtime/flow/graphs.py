@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from cosyvoice_runtime import graph_capture
-from cosyvoice_runtime.flow.cfm import CFMSolver
+from cosyvoice_runtime.flow.cfm import CFMSolver, step_schedule
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,45 @@ class _Bucket:
     out: torch.Tensor | None = None  # (B, 80, T) float32, written by the replay
 
 
-class SolverBuckets(graph_capture.GraphOwner):
+class SolverGraphs(graph_capture.GraphOwner):
+    """What every owner of a CFM solver's graphs has: the solver, its device and dtype, and the
+    per-step (t, dt) a solve run pass by pass reads (computed once)."""
+
+    def __init__(self, solver: CFMSolver, use_graphs: bool) -> None:
+        super().__init__()
+        self.solver = solver
+        self.use_graphs = use_graphs
+        self._schedule: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.solver.estimator.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.solver.estimator.parameters()).dtype
+
+    @property
+    def n_steps(self) -> int:
+        return self.solver.spec.n_timesteps
+
+    def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t, dt) per step on the solver's device and dtype (computed once)."""
+        if self._schedule is None:
+            self._schedule = step_schedule(self.n_steps, self.solver.spec.t_scheduler, self.dtype, self.device)
+        return self._schedule
+
+    def _execute(self, bucket) -> None:
+        """A loaded bucket's work: its graph replayed, or ``_run`` eagerly where it has none (into ``bucket.out``)."""
+        if bucket.graph is None:
+            bucket.out = self._run(bucket)
+            self.eager_calls += 1
+        else:
+            bucket.graph.replay()
+            self.replays += 1
+
+
+class SolverBuckets(SolverGraphs):
     """Graphs of a CFM solver's work per padded (batch, frames) bucket: the bucket rule and the
     start-up capture loop shared by the whole solve (:class:`GraphedSolver`) and the single pass
     (:class:`~cosyvoice_runtime.flow.stepper.FlowStepper`); subclasses build a bucket in ``_get``.
@@ -67,20 +105,10 @@ class SolverBuckets(graph_capture.GraphOwner):
 
     def __init__(self, solver: CFMSolver, max_batch: int = 16, max_frames: int = 1024,
                  frame_step: int = DEFAULT_FRAME_STEP, use_graphs: bool = True) -> None:
-        super().__init__()
-        self.solver = solver
-        self.use_graphs = use_graphs
+        super().__init__(solver, use_graphs)
         self.batch_buckets = batch_buckets(max_batch)
         self.frame_step = frame_step
         self.max_frames = math.ceil(max_frames / frame_step) * frame_step
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.solver.estimator.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.solver.estimator.parameters()).dtype
 
     def bucket_of(self, batch: int, frames: int) -> tuple[int, int] | None:
         """The (batch, frames) bucket serving a call, or None when it is too large for any."""

@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cosyvoice_runtime import graph_capture
-from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update, step_schedule
+from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update
+from cosyvoice_runtime.flow.graphs import SolverGraphs
 from cosyvoice_runtime.flow.incremental_walk import Layout, Pass, estimator_pass, layout_of, pass_bias
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 
@@ -206,7 +206,7 @@ class _Bucket:
     out: torch.Tensor | None = None  # (B, 80, N): x after the pass
 
 
-class IncrementalStepper(graph_capture.GraphOwner):
+class IncrementalStepper(SolverGraphs):
     """Passes of the incremental solve over :class:`IncrementalRow` batches.
 
     Args:
@@ -219,35 +219,15 @@ class IncrementalStepper(graph_capture.GraphOwner):
 
     def __init__(self, solver: CFMSolver, max_batch: int = 16, max_cached: int = 1024,
                  max_new: int = MAX_NEW_FRAMES, padded: bool = False, use_graphs: bool = False) -> None:
-        super().__init__()
-        self.solver = solver
+        super().__init__(solver, use_graphs)
         self.layout = layout_of(solver.estimator)
         self.padded = padded or use_graphs
-        self.use_graphs = use_graphs
         self.batch_buckets = batch_buckets(max_batch)
         self.max_cached = math.ceil(max_cached / CACHED_FRAME_STEP) * CACHED_FRAME_STEP
         self.max_new = math.ceil(max_new / NEW_FRAME_STEP) * NEW_FRAME_STEP
         self.passes = 0
-        self._schedule: tuple[torch.Tensor, torch.Tensor] | None = None
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None  # flat attn_in / attn_out of all buckets
         self._hist_range = torch.arange(self.layout.hist, device=self.device)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.solver.estimator.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.solver.estimator.parameters()).dtype
-
-    @property
-    def n_steps(self) -> int:
-        return self.solver.spec.n_timesteps
-
-    def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._schedule is None:
-            self._schedule = step_schedule(self.n_steps, self.solver.spec.t_scheduler, self.dtype, self.device)
-        return self._schedule
 
     def new_row(self, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor, cache: FlowCache, keep: int,
                 tag: object = None, mark: int = 0) -> IncrementalRow:
@@ -298,12 +278,7 @@ class IncrementalStepper(graph_capture.GraphOwner):
         with self._lock:
             bucket = self._new_bucket(*shape) if key is None else self._get(key)
             self._load(bucket, rows)
-            if bucket.graph is None:
-                bucket.out = self._run(bucket)
-                self.eager_calls += 1
-            else:
-                bucket.graph.replay()
-                self.replays += 1
+            self._execute(bucket)
             self._store(bucket, rows)
             self.passes += 1
 

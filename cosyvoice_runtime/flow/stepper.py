@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update, step_schedule
+from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update
 from cosyvoice_runtime.flow.graphs import DEFAULT_FRAME_STEP, SolverBuckets
 
 
@@ -73,17 +73,6 @@ class FlowStepper(SolverBuckets):
                  frame_step: int = DEFAULT_FRAME_STEP, use_graphs: bool = True) -> None:
         super().__init__(solver, max_batch, max_frames, frame_step, use_graphs)
         self.passes = 0
-        self._schedule: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def n_steps(self) -> int:
-        return self.solver.spec.n_timesteps
-
-    def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(t, dt) per step on the solver's device and dtype (computed once)."""
-        if self._schedule is None:
-            self._schedule = step_schedule(self.n_steps, self.solver.spec.t_scheduler, self.dtype, self.device)
-        return self._schedule
 
     def new_row(self, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor, streaming: bool,
                 tag: object = None) -> SolveRow:
@@ -108,12 +97,7 @@ class FlowStepper(SolverBuckets):
             else:
                 bucket = self._get(key)
             self._load(bucket, rows)
-            if bucket.graph is None:
-                bucket.out = self._run(bucket)
-                self.eager_calls += 1
-            else:
-                bucket.graph.replay()
-                self.replays += 1
+            self._execute(bucket)
             for i, row in enumerate(rows):
                 row.x = bucket.out[i, :, :row.frames].clone()
                 row.step += 1
