@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import logging
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -30,11 +32,13 @@ import torch
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.flow import FlowItem
-from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalRow, PromptPrefixes
+from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalRow, PromptPrefixes, grown_capacity
 from cosyvoice_runtime.flow.stepper import SolveRow
 from cosyvoice_runtime.hift.streaming import VocoderCall, VocoderStream, vocode_batch
 from cosyvoice_runtime.stream_schedule import first_hop
 from cosyvoice_runtime.voice_prompt import VoicePrompt
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,7 +63,8 @@ class StreamState:
     calls: int = 0
     finished: bool = False
     samples_out: int = 0
-    flow_cache: FlowCache | None = field(default=None, repr=False)  # cv2_flow="incremental" only
+    flow_cache: FlowCache | None = field(default=None, repr=False)  # incremental flow only
+    flow_recompute: bool = False  # the incremental flow's cache budget was full: recomputed from then on
     flow_frames: int = 0  # estimator frames solved for this request so far (each of 2 x n_timesteps passes)
 
 
@@ -98,6 +103,9 @@ class Token2Wav:
             only the new frames; same mel within float noise, :mod:`cosyvoice_runtime.flow.incremental`),
             batched and stepped as the recomputed jobs are. CosyVoice3 ignores it.
         cv3_flow: the same choice for CosyVoice3's streamed flow calls (its DiT); CosyVoice2 ignores it.
+        flow_cache_bytes: with an incremental flow, the most the open streams' flow caches may
+            hold together: a stream whose job would grow them past it drops its cache and is
+            recomputed from then on (same mel), instead of the replica running out of memory.
         prompt_cache_bytes: with an incremental flow, keep the flow state of each voice prompt's
             whole attention chunks for later requests with that prompt, up to this many bytes
             (:class:`~cosyvoice_runtime.flow.incremental.PromptPrefixes`); 0: off.
@@ -106,7 +114,7 @@ class Token2Wav:
     def __init__(self, spec: ModelSpec, flow: torch.nn.Module, hift: torch.nn.Module,
                  official_final_full_attention: bool = False, min_first_hop: int | None = None,
                  cv3_vocoder: str = "recompute", cv2_flow: str = "recompute", prompt_cache_bytes: int = 0,
-                 cv3_flow: str = "recompute") -> None:
+                 cv3_flow: str = "recompute", flow_cache_bytes: int = 1 << 62) -> None:
         for name, value in (("cv2_flow", cv2_flow), ("cv3_flow", cv3_flow)):
             if value not in ("recompute", "incremental"):
                 raise ValueError(f"{name} must be 'recompute' or 'incremental', got {value!r}")
@@ -116,6 +124,9 @@ class Token2Wav:
         self.flow_mode = cv2_flow if spec.family == "cosyvoice2" else cv3_flow
         self.prompt_prefixes = (PromptPrefixes(prompt_cache_bytes)
                                 if prompt_cache_bytes > 0 and self.flow_mode == "incremental" else None)
+        self.flow_cache_bytes = flow_cache_bytes
+        self._live_caches: weakref.WeakSet[FlowCache] = weakref.WeakSet()  # of open streams (gone with them)
+        self.flow_fallbacks = 0  # streams moved to the recompute by the budget
         self.cv3_vocoder = cv3_vocoder  # VocoderStream strategy of CV3 streams (CV2 ignores it)
         self.flow = flow
         self.hift = hift
@@ -175,8 +186,33 @@ class Token2Wav:
         return FlowItem(token=job.tokens, prompt_token=state.prompt_tokens, prompt_feat=state.prompt_feat,
                         embedding=state.prompt_embedding, streaming=streaming_masks, finalize=job.finalize)
 
-    def _incremental(self, job: Token2WavJob, item: FlowItem) -> bool:
-        return self.flow_mode == "incremental" and job.state.stream and self.flow.can_solve_incrementally(item)
+    def _plan(self, jobs: list[Token2WavJob], items: list[FlowItem]) -> list[bool]:
+        """Which jobs are solved incrementally: streamed ones of the incremental flow, while the open
+        streams' caches stay within ``flow_cache_bytes`` (counting each job's growth at most to its
+        end); a stream that would pass it drops its cache and is recomputed from then on."""
+        plan, live = [], None
+        for job, item in zip(jobs, items):
+            state = job.state
+            inc = (self.flow_mode == "incremental" and state.stream and not state.flow_recompute
+                   and self.flow.can_solve_incrementally(item))
+            if inc:
+                if live is None:
+                    live = sum(c.nbytes() for c in self._live_caches)
+                have = state.flow_cache.capacity if state.flow_cache is not None else 0
+                frames = state.prompt_feat.shape[1] + self.ratio * int(job.tokens.shape[1])
+                grow = max(0, grown_capacity(frames) - have) * self.flow.incremental_stepper().frame_bytes
+                if grow and live + grow > self.flow_cache_bytes:
+                    self._drop_cache(state)
+                    state.flow_recompute, inc = True, False
+                    self.flow_fallbacks += 1
+                    if self.flow_fallbacks & (self.flow_fallbacks - 1) == 0:  # 1, 2, 4, ...: bounded log volume
+                        logger.warning("flow cache budget full (%.1f of %.1f GiB): %d streams moved to the recompute "
+                                       "so far; raise token2wav.flow_cache_bytes if memory allows", live / 2**30,
+                                       self.flow_cache_bytes / 2**30, self.flow_fallbacks)
+                else:
+                    live += grow
+            plan.append(inc)
+        return plan
 
     @torch.inference_mode()
     def flow_mels(self, jobs: list[Token2WavJob]) -> list[torch.Tensor]:
@@ -185,7 +221,7 @@ class Token2Wav:
         Recomputed jobs share one CFM solve, incremental ones (``cv2_flow``) one incremental solve.
         """
         items = [self._flow_item(job) for job in jobs]
-        incremental = [self._incremental(job, item) for job, item in zip(jobs, items)]
+        incremental = self._plan(jobs, items)
         out: list[torch.Tensor | None] = [None] * len(jobs)
         batch = [i for i, inc in enumerate(incremental) if not inc]
         if batch:
@@ -212,6 +248,7 @@ class Token2Wav:
                 prefixes = self.prompt_prefixes
                 prefix = prefixes.get(_prompt_key(state)) if prefixes is not None else None
                 state.flow_cache = FlowCache() if prefix is None else prefix.shared()
+                self._live_caches.add(state.flow_cache)
                 if prefix is None and prefixes is not None:
                     mark = self.flow.prompt_prefix_frames(state.prompt_tokens.shape[1])
             marks.append(mark)
@@ -231,6 +268,12 @@ class Token2Wav:
         row.commit()
         return row.x[None, :, first:].float()
 
+    def _drop_cache(self, state: StreamState) -> None:
+        """Free a stream's flow cache (its last job, or the budget); an abandoned stream's goes with it."""
+        if state.flow_cache is not None:
+            self._live_caches.discard(state.flow_cache)
+            state.flow_cache = None
+
     def flow_mel(self, job: Token2WavJob) -> torch.Tensor:
         return self.flow_mels([job])[0]
 
@@ -244,7 +287,7 @@ class Token2Wav:
         state.calls += 1
         if job.finalize:
             state.finished = True
-            state.flow_cache = None
+            self._drop_cache(state)
         else:
             short_first = state.token_offset == 0 and job.hop < state.hop_len
             state.token_offset += job.hop
@@ -278,7 +321,7 @@ class Token2Wav:
         if len({id(job.state) for job in jobs}) != len(jobs):
             raise ValueError("jobs of a request are sequential: at most one row per request")
         items = [self._flow_item(job) for job in jobs]
-        incremental = [self._incremental(job, item) for job, item in zip(jobs, items)]
+        incremental = self._plan(jobs, items)
         rows: list = [None] * len(jobs)
         for flag in (False, True):
             idx = [i for i, inc in enumerate(incremental) if inc == flag]

@@ -155,13 +155,14 @@ class RuntimeToken2Wav:
     """:class:`Token2WavRuntime` over ``cosyvoice_runtime.token2wav.Token2Wav``."""
 
     def __init__(self, model, first_chunk_min_tokens: int | None = None, cv3_vocoder: str = "incremental",
-                 cv2_flow: str = "recompute", prompt_cache_bytes: int = 0, cv3_flow: str = "recompute") -> None:
+                 cv2_flow: str = "recompute", prompt_cache_bytes: int = 0, cv3_flow: str = "recompute",
+                 flow_cache_bytes: int = 16 * 1024**3) -> None:
         from cosyvoice_runtime.token2wav import Token2Wav
 
         # None: the official first chunk (one hop + alignment pad); else the early one (Token2Wav min_first_hop)
         self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=first_chunk_min_tokens,
                              cv3_vocoder=cv3_vocoder, cv2_flow=cv2_flow, prompt_cache_bytes=prompt_cache_bytes,
-                             cv3_flow=cv3_flow)
+                             cv3_flow=cv3_flow, flow_cache_bytes=flow_cache_bytes)
         self.sample_rate = model.spec.sample_rate
         self.n_mels = model.spec.flow.output_size
         self.embedding_dim = model.spec.flow.spk_embed_dim
@@ -340,7 +341,7 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
         token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first, cv3_vocoder=cfg.token2wav.cv3_vocoder,
                                    cv2_flow=cfg.token2wav.cv2_flow,
                                    prompt_cache_bytes=cfg.token2wav.cv2_prompt_cache_bytes,
-                                   cv3_flow=cfg.token2wav.cv3_flow),
+                                   cv3_flow=cfg.token2wav.cv3_flow, flow_cache_bytes=cfg.token2wav.flow_cache_bytes),
         device=str(device),
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
                  "t2w_scheduler": scheduler,

@@ -44,6 +44,11 @@ class Token2WavBatchConfig(StrictModel):
     # tests/runtime/test_flow_incremental_batch.py; 880 KiB per cached frame in bf16; the prompt
     # cache above serves it too; not yet timed on a GPU).
     cv3_flow: Literal["recompute", "incremental"] = "recompute"
+    # With an incremental flow: the most the open streams' flow caches may hold together (~0.4 GiB for
+    # a 10 s CosyVoice2 answer after a 3.5 s prompt in bf16); a stream that would grow them past it
+    # drops its cache and is recomputed from then on (same audio) instead of the replica running out
+    # of GPU memory. Lower it on smaller GPUs (an RTX 5090 has 32 GiB for everything).
+    flow_cache_bytes: int = Field(16 * 1024**3, ge=0)
     # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
     # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole
     # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (5-6 ->

@@ -169,6 +169,12 @@ class Flow(nn.Module):
     def can_solve_incrementally(self, item: FlowItem) -> bool:
         return self.incremental_capable and bool(item.streaming)
 
+    def incremental_stepper(self) -> IncrementalStepper:
+        """:attr:`incremental`, made (exact sizes, eager) on first use when the graphs did not attach one."""
+        if self.incremental is None:
+            self.incremental = IncrementalStepper(self.decoder)
+        return self.incremental
+
     def prompt_prefix_frames(self, n_prompt_tokens: int) -> int:
         """Frames of a voice's prompt that every request with it shares in the incremental flow
         (:class:`~cosyvoice_runtime.flow.incremental.PromptPrefixes`): the last attention-chunk
@@ -188,8 +194,7 @@ class Flow(nn.Module):
         """
         if not all(self.can_solve_incrementally(it) for it in items):
             raise InvalidInputError("the incremental flow needs streamed jobs with chunk masks")
-        if self.incremental is None:
-            self.incremental = IncrementalStepper(self.decoder)
+        stepper = self.incremental_stepper()
         mu, _, cond, spks, n_frames = self._condition(items)
         chunk = self._attention_chunk()
         rows = []
@@ -199,8 +204,8 @@ class Flow(nn.Module):
                 raise InvalidInputError(f"flow cache holds {start} frames, the job has {total}")
             keep = 0 if it.finalize else max(0, total // chunk * chunk - start)
             mark = max(0, marks[i] - start) if marks else 0
-            rows.append(self.incremental.new_row(mu[i, :, start:total], cond[i, :, start:total], spks[i], cache,
-                                                 keep, tag, mark=mark))
+            rows.append(stepper.new_row(mu[i, :, start:total], cond[i, :, start:total], spks[i], cache, keep, tag,
+                                        mark=mark))
         return rows
 
     @staticmethod

@@ -59,7 +59,12 @@ CACHED_FRAME_STEP = 256  # of its cached frames (they cost one K/V GEMM and atte
 MAX_NEW_FRAMES = 512  # largest new-frame bucket: a first job with a prompt of up to ~9 s
 
 
-@dataclass
+def grown_capacity(frames: int) -> int:
+    """The capacity a cache holding ``frames`` frames is allocated with."""
+    return math.ceil(frames / CACHE_GROWTH) * CACHE_GROWTH
+
+
+@dataclass(eq=False)
 class FlowCache:
     """Per-request incremental flow state: the estimator state of frames ``[0, frames)``.
 
@@ -80,12 +85,16 @@ class FlowCache:
         """Bytes the cached tensors hold (capacity included)."""
         return sum(t.numel() * t.element_size() for t in (*self.attn, *self.convs))
 
+    @property
+    def capacity(self) -> int:
+        """Frames the cached tensors have room for."""
+        return self.attn[0].shape[2] if self.attn else 0
+
     def reserve(self, frames: int, n_steps: int, layout: Layout, like: torch.Tensor) -> None:
         """Room for ``frames`` cached frames at each of ``n_steps`` steps (new tensors, old frames copied)."""
-        have = self.attn[0].shape[2] if self.attn else 0
-        if frames <= have:
+        if frames <= self.capacity:
             return
-        cap = math.ceil(frames / CACHE_GROWTH) * CACHE_GROWTH
+        cap = grown_capacity(frames)
         grown = []
         for step in range(n_steps):
             t = like.new_zeros(layout.n_blocks, 2, cap, layout.dim)
@@ -228,6 +237,12 @@ class IncrementalStepper(SolverGraphs):
         self.passes = 0
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None  # flat attn_in / attn_out of all buckets
         self._hist_range = torch.arange(self.layout.hist, device=self.device)
+
+    @property
+    def frame_bytes(self) -> int:
+        """Bytes one cached frame takes in a request's cache (every ODE step, both CFG rows)."""
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        return self.n_steps * self.layout.n_blocks * 2 * self.layout.dim * item
 
     def new_row(self, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor, cache: FlowCache, keep: int,
                 tag: object = None, mark: int = 0) -> IncrementalRow:

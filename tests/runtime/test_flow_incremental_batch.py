@@ -358,3 +358,42 @@ def test_cosyvoice3_dit_streams_the_recomputes_samples_incrementally():
         want = _reference_audio(ref, p, toks[i], None)
         got = torch.cat(audio[i])
         assert got.shape == want.shape and torch.equal(got, want), (i, float((got - want).abs().max()))
+
+
+def test_streams_past_the_flow_cache_budget_are_recomputed_with_the_same_audio():
+    """A budget of 800 cached frames: both streams' first jobs fit (256 frames each), the final job
+    of the first grows its cache to 512, and the second stream's growth would pass the budget: it
+    drops its cache and is recomputed (its rows are SolveRow from then on), both stream the recompute's audio, and once
+    the first stream is done and its cache gone, a new stream is incremental again."""
+    cv2 = _cv2()
+    flow = _padded_flow()
+    ref = Token2Wav(cv2.spec, copy.deepcopy(cv2.flow), cv2.hift, min_first_hop=10)
+    frame_bytes = flow.incremental_stepper().frame_bytes
+    t2w = Token2Wav(cv2.spec, flow, cv2.hift, min_first_hop=10, cv2_flow="incremental",
+                    flow_cache_bytes=800 * frame_bytes)
+    prompts, toks = [_prompt(20, 60), _prompt(24, 61), _prompt(22, 62)], [_tokens(n, 60 + n) for n in (160, 140, 90)]
+
+    def run(indices: list[int]) -> dict[int, tuple[torch.Tensor, list[str]]]:
+        states = {i: t2w.new_stream(prompts[i], stream=True, generator=torch.Generator().manual_seed(i))
+                  for i in indices}
+        out = {i: ([], []) for i in indices}
+        while jobs := [(i, j) for i, st in states.items() if (j := t2w.next_job(st, toks[i], llm_done=True))]:
+            rows = t2w.start_solves([j for _, j in jobs])
+            for kind in ("incremental", "recompute"):
+                part = [r for r in rows if r.kind == kind]
+                while part and part[0].step < t2w.n_steps:
+                    t2w.advance(part)
+            for (i, _), row in zip(jobs, rows):
+                out[i][0].extend(t2w.finish([row]))
+                out[i][1].append(row.kind)
+        return {i: (torch.cat(a), kinds) for i, (a, kinds) in out.items()}
+
+    first = run([0, 1])
+    kinds = [first[i][1] for i in (0, 1)]
+    for k in kinds:  # incremental until the budget is hit, recomputed from then on, never back
+        assert k[0] == "incremental" and k == sorted(k), k
+    assert sorted("recompute" in k for k in kinds) == [False, True] and t2w.flow_fallbacks == 1
+    assert set(run([2])[2][1]) == {"incremental"}  # the earlier caches are gone with their streams
+    for i, (audio, _) in first.items():
+        want = _reference_audio(ref, prompts[i], toks[i], i)
+        assert audio.shape == want.shape and torch.allclose(audio, want, atol=5e-4), i
