@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cosyvoice_runtime.lm_messages import LMRequest, TokenEvent
-from deployments.runtime_protocol import SynthesisRuntime
+from deployments.runtime_protocol import FLOW_STATS, SynthesisRuntime
 
 TOKENS_PER_ID = 2
 HOP = 12  # tokens per streamed chunk
@@ -91,6 +91,9 @@ class NullToken2Wav:
 
     def new_stream(self, prompt, stream: bool, speed: float, seed: int | None) -> _Stream:
         return _Stream(stream=stream)
+
+    def flow_stats(self) -> dict[str, float]:
+        return dict.fromkeys(FLOW_STATS, 0.0)  # no flow at all
 
     def tokens_needed(self, state: _Stream) -> int | None:
         return None if state.done or not state.stream else state.emitted + HOP

@@ -197,7 +197,7 @@ class Token2Wav:
                    and self.flow.can_solve_incrementally(item))
             if inc:
                 if live is None:
-                    live = sum(c.nbytes() for c in self._live_caches)
+                    live = self.live_cache_bytes()
                 have = state.flow_cache.capacity if state.flow_cache is not None else 0
                 frames = state.prompt_feat.shape[1] + self.ratio * int(job.tokens.shape[1])
                 grow = max(0, grown_capacity(frames) - have) * self.flow.incremental_stepper().frame_bytes
@@ -267,6 +267,10 @@ class Token2Wav:
             self.prompt_prefixes.put(_prompt_key(state), row.cache.prefix(start + row.mark, row.mark_convs))
         row.commit()
         return row.x[None, :, first:].float()
+
+    def live_cache_bytes(self) -> int:
+        """Bytes the open streams' incremental flow caches hold (prefixes they still share included)."""
+        return sum(c.nbytes() for c in self._live_caches)
 
     def _drop_cache(self, state: StreamState) -> None:
         """Free a stream's flow cache (its last job, or the budget); an abandoned stream's goes with it."""

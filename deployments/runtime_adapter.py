@@ -182,6 +182,13 @@ class RuntimeToken2Wav:
     def next_job(self, state: Any, tokens: Sequence[int], llm_done: bool) -> Any | None:
         return self.t2w.next_job(state, tokens, llm_done)
 
+    def flow_stats(self) -> dict[str, float]:
+        t2w = self.t2w
+        prefixes = t2w.prompt_prefixes
+        return {"flow_cache_bytes": float(t2w.live_cache_bytes()), "flow_cache_fallbacks_total": float(t2w.flow_fallbacks),
+                "flow_prompt_prefix_hits_total": float(prefixes.hits if prefixes else 0),
+                "flow_prompt_prefix_misses_total": float(prefixes.misses if prefixes else 0)}
+
     def tokens_needed(self, state: Any) -> int | None:
         return self.t2w.tokens_needed(state)
 

@@ -43,6 +43,12 @@ class Token2WavRuntime(Protocol):
     # Tokens in all at which next_job has the next streamed job; None: the next is the final one.
     def tokens_needed(self, state: Any) -> int | None: ...
     def run_batch(self, jobs: list[Any]) -> list[np.ndarray]: ...
+    # Counters and sizes of the incremental flow's caches (FLOW_STATS keys; zeros without it).
+    def flow_stats(self) -> dict[str, float]: ...
+
+
+FLOW_STATS = ("flow_cache_bytes", "flow_cache_fallbacks_total", "flow_prompt_prefix_hits_total",
+              "flow_prompt_prefix_misses_total")
 
 
 class FrontendRuntime(Protocol):

@@ -257,6 +257,7 @@ class Synthesizer:
             "token2wav_scheduler": "steps" if self.stepped is not None else "batch",
             "flow_passes_total": self.stepped.passes if self.stepped is not None else 0,
             "flow_rows_in_passes_total": self.stepped.rows_in_passes if self.stepped is not None else 0,
+            **self.runtime.token2wav.flow_stats(),
             "cuda_cache_releases": self.idle_trim.cuda_cache_releases,
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
             "sm_activity_pct": self.probe.sm_activity_pct(),

@@ -52,7 +52,13 @@ class _ReplicaSnapshotCollector:
                                ("tts_failed_requests", "failed_requests_total",
                                 "Requests failed alone on the replica (non-finite logits or audio, an isolated error)"),
                                ("tts_token2wav_splits", "token2wav_splits_total",
-                                "Flow + HiFT batches that raised and were retried in halves")):
+                                "Flow + HiFT batches that raised and were retried in halves"),
+                               ("tts_flow_cache_fallbacks", "flow_cache_fallbacks_total",
+                                "Streams moved from the incremental flow to the recompute by token2wav.flow_cache_bytes"),
+                               ("tts_flow_prompt_prefix_hits", "flow_prompt_prefix_hits_total",
+                                "First jobs that started after their voice's kept prompt prefix"),
+                               ("tts_flow_prompt_prefix_misses", "flow_prompt_prefix_misses_total",
+                                "First jobs that solved their voice's prompt prefix (and kept it)")):
             c = CounterMetricFamily(name, doc, labels=["replica"])
             c.add_metric(replica, float(snap.get(key, 0)))
             yield c
@@ -62,7 +68,9 @@ class _ReplicaSnapshotCollector:
                                 "NVML GPU utilisation, rolling mean (dashboards only; compute busy share without NVML)"),
                                ("tts_sm_activity_pct", "sm_activity_pct", "SM activity, rolling mean (where the GPU reports it)"),
                                ("tts_gpu_memory_allocated_bytes", "gpu_memory_allocated_bytes", "GPU memory allocated"),
-                               ("tts_gpu_memory_total_bytes", "gpu_memory_total_bytes", "GPU memory total")):
+                               ("tts_gpu_memory_total_bytes", "gpu_memory_total_bytes", "GPU memory total"),
+                               ("tts_flow_cache_bytes", "flow_cache_bytes",
+                                "Bytes the open streams' incremental flow caches hold")):
             if snap.get(key) is not None:
                 g = GaugeMetricFamily(name, doc, labels=["replica"])
                 g.add_metric(replica, float(snap[key]))

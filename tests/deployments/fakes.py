@@ -27,7 +27,7 @@ import numpy as np
 
 from cosyvoice_runtime.lm_messages import LMRequest, TokenEvent
 from deployments.protocol import VoiceExistsError, VoiceNotFoundError, VoicePrompt
-from deployments.runtime_protocol import SynthesisRuntime
+from deployments.runtime_protocol import FLOW_STATS, SynthesisRuntime
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_TOKEN = 960  # 25 tokens/s at 24 kHz
@@ -211,6 +211,9 @@ class FakeToken2Wav:
 
     def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> FakeStream:
         return FakeStream(stream=stream, speed=speed, nan_after_first=seed == NAN_SEED)
+
+    def flow_stats(self) -> dict[str, float]:
+        return dict.fromkeys(FLOW_STATS, 0.0)  # no incremental flow here
 
     def tokens_needed(self, state: FakeStream) -> int | None:
         return state.offset + HOP if state.stream and not state.finished else None

@@ -397,3 +397,4 @@ def test_streams_past_the_flow_cache_budget_are_recomputed_with_the_same_audio()
     for i, (audio, _) in first.items():
         want = _reference_audio(ref, prompts[i], toks[i], i)
         assert audio.shape == want.shape and torch.allclose(audio, want, atol=5e-4), i
+

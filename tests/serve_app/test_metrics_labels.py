@@ -44,3 +44,14 @@ def test_every_series_carries_the_replica_labels():
 def test_outside_a_replica_the_label_is_local():
     text = IngressMetrics().render(None)
     assert b'ingress_replica="local"' in text
+
+
+def test_the_incremental_flow_figures_are_exported():
+    snapshot = {"replica_id": "synth-1", "flow_cache_bytes": 3 * 2**30, "flow_cache_fallbacks_total": 2,
+                "flow_prompt_prefix_hits_total": 40, "flow_prompt_prefix_misses_total": 3}
+    text = IngressMetrics("ingress-a").render(snapshot)
+    labels = (("ingress_replica", "ingress-a"), ("replica", "synth-1"))
+    assert _samples(text, "tts_flow_cache_bytes") == {labels: 3 * 2**30}
+    assert _samples(text, "tts_flow_cache_fallbacks_total") == {labels: 2.0}
+    assert _samples(text, "tts_flow_prompt_prefix_hits_total") == {labels: 40.0}
+    assert _samples(text, "tts_flow_prompt_prefix_misses_total") == {labels: 3.0}

@@ -1,0 +1,51 @@
+"""The replica's view of the incremental flow (deployments.runtime_adapter.RuntimeToken2Wav.flow_stats):
+live cache bytes, budget fallbacks and prompt-prefix hits/misses, which the synthesizer's stats and
+/metrics carry (tts_flow_*)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import torch
+
+from cosyvoice_runtime.model import load_model
+from deployments.protocol import VoicePrompt
+from deployments.runtime_adapter import RuntimeToken2Wav
+from deployments.runtime_protocol import FLOW_STATS
+from tests.runtime.parity.common import parity_dir
+
+
+def _voice(n: int, seed: int) -> VoicePrompt:
+    g = torch.Generator().manual_seed(seed)
+    return VoicePrompt(family="cosyvoice2", text_tokens=np.zeros(0, np.int32),
+                       speech_tokens=torch.randint(0, 6561, (n,), generator=g, dtype=torch.int32).numpy(),
+                       mel=torch.randn(2 * n, 80, generator=g).numpy(), embedding=torch.randn(192, generator=g).numpy())
+
+
+def test_the_replica_reports_the_flow_caches():
+    base = load_model(parity_dir() / "cosyvoice2" / "model")
+    model = dataclasses.replace(base, flow=copy.deepcopy(base.flow))
+    rt = RuntimeToken2Wav(model, first_chunk_min_tokens=10, cv2_flow="incremental", prompt_cache_bytes=1 << 30)
+    assert set(rt.flow_stats()) == set(FLOW_STATS) and not any(rt.flow_stats().values())
+    voice = _voice(30, 70)
+    tokens = torch.randint(0, 6561, (80,), generator=torch.Generator().manual_seed(71)).tolist()
+    states = []
+    for seed in range(2):
+        state = rt.new_stream(voice, stream=True, speed=1.0, seed=seed)
+        rt.run_batch([rt.next_job(state, tokens, llm_done=False)])  # a first chunk each, streams left open
+        states.append(state)
+    stats = rt.flow_stats()
+    assert stats["flow_prompt_prefix_misses_total"] == 1 and stats["flow_prompt_prefix_hits_total"] == 1
+    assert stats["flow_cache_bytes"] > 0 and stats["flow_cache_fallbacks_total"] == 0
+    states.clear()
+    del state
+    assert rt.flow_stats()["flow_cache_bytes"] == 0  # abandoned streams take their caches with them
+
+
+def test_without_the_incremental_flow_every_figure_is_zero():
+    base = load_model(parity_dir() / "cosyvoice2" / "model")
+    rt = RuntimeToken2Wav(dataclasses.replace(base, flow=copy.deepcopy(base.flow)), first_chunk_min_tokens=10)
+    state = rt.new_stream(_voice(30, 72), stream=True, speed=1.0, seed=0)
+    rt.run_batch([rt.next_job(state, list(range(40)), llm_done=False)])
+    assert rt.flow_stats() == dict.fromkeys(FLOW_STATS, 0.0)
