@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One lease of the GPU machine: GPU tests (quick), the CosyVoice2 streaming benchmark (it matters
 # most), optionally CosyVoice3 (CV3_S > 0), its vocoder strategies (VOC_S > 0) and the execution
-# variants (VARIANTS_S > 0). Everything is written under /tmp/work and packed into $OUT/results.tgz
+# variants (VARIANTS_S > 0), and the flow pass check of both families (STEPPER_S > 0, seconds per family:
+# bench/stepper_check.py --incremental). Everything is written under /tmp/work and packed into $OUT/results.tgz
 # after every step (a run returns at most 8 files; a step cut short keeps what the earlier ones
 # wrote). The whole script must end inside one run's 600 s: TESTS_S + BENCH_S + CV3_S + VOC_S +
 # VARIANTS_S + ~20 s.
 #   BENCH_S=380 CV3_S=110 bash bench/device_run.sh        # the benchmarks
 #   TESTS_S=1 BENCH_S=0 VARIANTS_S=500 bash bench/device_run.sh   # the execution variants only
+#   TESTS_S=150 BENCH_S=0 STEPPER_S=150 bash bench/device_run.sh   # GPU tests, then the pass timings
 #   BENCH_ARGS="--debug cosyvoice_runtime" adds flags to bench/gpu_bench.py (here: a line per captured graph)
 set -u
 export PYTHONPATH=$PWD
@@ -15,9 +17,17 @@ mkdir -p "$W"
 pack() { tar -czf "$OUT/results.tgz" -C "$W" .; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$W/gpu.txt"
 timeout "${TESTS_S:-90}" python3 -m pytest tests/runtime/test_flow_graphs.py tests/runtime/test_llm_cuda_graph.py \
+  tests/runtime/test_llm_prefill_graph.py tests/runtime/test_flow_incremental_batch.py \
   tests/runtime/test_graph_capture.py tests/runtime/test_hift_graphs.py tests/runtime/test_compiled_graphs.py -m gpu -q -p no:cacheprovider 2>&1 \
   | tail -8 | tee "$W/gpu_tests.txt"
 pack
+if [ "${STEPPER_S:-0}" -gt 0 ]; then  # pass times: stepped recompute vs whole solve, incremental vs recomputed pass
+  for f in cosyvoice2 cosyvoice3; do
+    timeout "$STEPPER_S" python3 -m bench.stepper_check --family "$f" --incremental --out "$W/stepper-check-$f.json" \
+      2>&1 | tail -c 1500
+  done
+  pack
+fi
 bench() {  # family, seconds, out folder, modes, concurrencies
   timeout "$2" python3 -m bench.gpu_bench --deadline-s "${DEADLINE_S:-90}" --family "$1" --modes "$4" \
     --concurrency "$5" --tokens 250 --baseline-requests 3 --min-requests 6 --out "$W/$3" ${TAG:+--tag "$TAG"} ${BENCH_ARGS:-} 2>&1 \
