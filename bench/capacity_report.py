@@ -9,7 +9,8 @@ COLUMNS = (("load", "load", "{}"), ("requests", "requests", "{}"), ("ttfa_p50_ms
            ("ttfa_p99_ms", "p99 ms", "{:.0f}"), ("underruns", "underruns", "{}"),
            ("throughput_x_realtime", "x real time", "{:.1f}"), ("gpu_util_pct", "GPU util %", "{:.0f}"),
            ("decode_step_ms_p50", "decode step p50 ms", "{:.1f}"), ("t2w_batch_ms_p50", "t2w batch p50 ms", "{:.1f}"),
-           ("t2w_busy_fraction", "t2w busy", "{:.2f}"), ("meets_slo", "meets SLO", "{}"), ("aborted", "stopped", "{}"))
+           ("t2w_busy_fraction", "t2w busy", "{:.2f}"), ("flow_frames_per_audio_s", "flow frames per audio s", "{:.0f}"),
+           ("meets_slo", "meets SLO", "{}"), ("aborted", "stopped", "{}"))
 
 
 def _cell(value, fmt: str) -> str:

@@ -103,7 +103,19 @@ class SimTarget:
                 "express_busy_fraction": round(sum(express_s) / span, 3) if express else None,
                 # stepped lane: flow passes and rows per pass (its t2w_* figures time the vocoder only)
                 "flow_passes": len(passes) if passes else None,
-                "flow_rows_per_pass": round(statistics.mean(passes), 2) if passes else None}
+                "flow_rows_per_pass": round(statistics.mean(passes), 2) if passes else None,
+                **self._flow_work(new)}
+
+    def _flow_work(self, new: list) -> dict:
+        """Flow work per second of audio of the span's finished requests (estimator frames: what the
+        incremental flow and the prompt prefixes cut), and the token2wav's caches now."""
+        done = [s for s in new if s.state.finished and s.trace.audio_s]
+        audio_s = sum(s.trace.audio_s for s in done)
+        t2w = self.sim.t2w
+        prefixes = t2w.prompt_prefixes
+        return {"flow_frames_per_audio_s": round(sum(s.state.flow_frames for s in done) / audio_s, 1) if done else None,
+                "flow_cache_gib": round(t2w.live_cache_bytes() / 2**30, 3), "flow_cache_fallbacks": t2w.flow_fallbacks,
+                "prompt_prefix_hits": prefixes.hits if prefixes else 0}
 
 
     def timeline(self, t0: float, t1: float) -> dict:

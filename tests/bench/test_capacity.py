@@ -274,9 +274,16 @@ def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
 
 
 def test_lane_stats_split_bulk_and_express_batches():
-    streams = {"a": SimpleNamespace(trace=RequestTrace(submitted_s=1.0), first_token_s=1.02, first_job_s=1.06),
-               "late": SimpleNamespace(trace=RequestTrace(submitted_s=11.0), first_token_s=11.5, first_job_s=None)}
-    sim = SimpleNamespace(on_error=None, streams=streams, step_log=[(0.0, 0.002), (1.0, 1.004), (9.0, 9.01)],
+    done = RequestTrace(submitted_s=2.0)
+    done.add_chunk(2.1, 4 * done.sample_rate)  # 4 s of audio
+    streams = {"a": SimpleNamespace(trace=RequestTrace(submitted_s=1.0), first_token_s=1.02, first_job_s=1.06,
+                                    state=SimpleNamespace(finished=False, flow_frames=100)),
+               "b": SimpleNamespace(trace=done, first_token_s=2.02, first_job_s=2.06,
+                                    state=SimpleNamespace(finished=True, flow_frames=300)),
+               "late": SimpleNamespace(trace=RequestTrace(submitted_s=11.0), first_token_s=11.5, first_job_s=None,
+                                       state=SimpleNamespace(finished=True, flow_frames=999))}
+    t2w = SimpleNamespace(live_cache_bytes=lambda: 2**29, flow_fallbacks=1, prompt_prefixes=SimpleNamespace(hits=5))
+    sim = SimpleNamespace(on_error=None, streams=streams, t2w=t2w, step_log=[(0.0, 0.002), (1.0, 1.004), (9.0, 9.01)],
                           batch_log=[(0.1, 0.15, 1, 1, "express"), (0.2, 0.4, 2, 0, "bulk"), (1.0, 1.1, 1, 0, "bulk"),
                                      (20.0, 21.0, 4, 0, "bulk")],
                           pass_log=[(0.5, 0.501, 3, 256), (0.6, 0.601, 1, 640), (12.0, 12.1, 9, 256)])
@@ -286,6 +293,9 @@ def test_lane_stats_split_bulk_and_express_batches():
     assert stats["t2w_busy_fraction"] == 0.03 and stats["express_busy_fraction"] == 0.005
     assert stats["first_chunk_jobs"] == 1 and stats["express_batch_ms_p50"] == 50.0
     assert stats["first_token_ms_p50"] == 20.0 and stats["first_job_start_ms_p99"] == 60.0  # "late" is outside
+    # flow work of the finished requests of the span (b only: a is open, late is outside)
+    assert stats["flow_frames_per_audio_s"] == 75.0 and stats["flow_cache_gib"] == 0.5
+    assert stats["flow_cache_fallbacks"] == 1 and stats["prompt_prefix_hits"] == 5
 
 
 def test_a_replica_failure_stops_the_search_instead_of_reading_as_an_slo_miss(tmp_path):
