@@ -218,7 +218,7 @@ class Token2Wav:
     def flow_mels(self, jobs: list[Token2WavJob]) -> list[torch.Tensor]:
         """New mel frames of each job, (1, n_mels, frames) from its token offset on.
 
-        Recomputed jobs share one CFM solve, incremental ones (``cv2_flow``) one incremental solve.
+        Recomputed jobs share one CFM solve, incremental ones (``cv2_flow`` / ``cv3_flow``) one incremental solve.
         """
         items = [self._flow_item(job) for job in jobs]
         incremental = self._plan(jobs, items)
@@ -318,7 +318,7 @@ class Token2Wav:
     # -- step by step (flow.stepper, flow.incremental): the caller runs the passes, so urgent jobs can overtake --
     def start_solves(self, jobs: list[Token2WavJob]) -> list[SolveRow | IncrementalRow]:
         """Encode jobs of distinct requests into flow rows at step 0 (``row.tag`` is the job):
-        CosyVoice2's incremental jobs (``cv2_flow``) as :class:`IncrementalRow`, the others as
+        incremental jobs (``cv2_flow`` / ``cv3_flow``) as :class:`IncrementalRow`, the others as
         :class:`SolveRow`. Then :meth:`advance` picked rows until ``row.step == n_steps`` and
         :meth:`finish` them.
         """
