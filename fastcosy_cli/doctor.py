@@ -138,8 +138,10 @@ def probe_ray(address: str) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
-def estimate_need_bytes(model_dir: Path | None, dtype: str, max_running: int, max_model_len: int) -> int | None:
-    """Rough synthesizer GPU need: weights (llm/flow at ``dtype``, hift fp32) + full KV cache."""
+def estimate_need_bytes(model_dir: Path | None, dtype: str, max_running: int, max_model_len: int,
+                        flow_cache_bytes: int = 0) -> int | None:
+    """Rough synthesizer GPU need: weights (llm/flow at ``dtype``, hift fp32) + full KV cache +
+    the incremental flow's cache budget (``token2wav.flow_cache_bytes``, when that flow is on)."""
     if model_dir is None or not model_dir.is_dir():
         return None
     scale = _DTYPE_BYTES.get(dtype, 4) / 4
@@ -155,7 +157,13 @@ def estimate_need_bytes(model_dir: Path | None, dtype: str, max_running: int, ma
         kv = 2 * b.num_layers * b.num_kv_heads * b.head_dim * max_running * max_model_len * _DTYPE_BYTES.get(dtype, 4)
     except Exception:  # noqa: BLE001 - a broken yaml is the model checks' business
         kv = 0
-    return weights + kv
+    return weights + kv + flow_cache_bytes
+
+
+def incremental_flow_budget(synth) -> int:
+    """The flow cache budget a replica of ``synth`` may fill: 0 unless an incremental flow is on."""
+    t2w = synth.token2wav
+    return t2w.flow_cache_bytes if "incremental" in (t2w.cv2_flow, t2w.cv3_flow) else 0
 
 
 def needed_trt_profile(model_dir: Path | None, synth, max_mem_gb: float | None = None) -> dict | None:
@@ -238,7 +246,7 @@ def probe_environment(args: argparse.Namespace) -> Environment:
     if env.max_mem_gb is None:
         env.estimated_need_bytes = estimate_need_bytes(
             env.model_dir, synth.dtype if synth else "float32", synth.max_running if synth else 16,
-            synth.max_model_len if synth else 2048)
+            synth.max_model_len if synth else 2048, incremental_flow_budget(synth) if synth else 0)
     return env
 
 

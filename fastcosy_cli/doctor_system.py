@@ -203,7 +203,7 @@ def check_gpu_memory(env: Environment) -> CheckResult:
     if env.max_mem_gb is not None:
         need, source = int(env.max_mem_gb * GIB), f"max_mem_gb {env.max_mem_gb:g}"
     elif env.estimated_need_bytes is not None:
-        need, source = env.estimated_need_bytes, "estimate: weights + KV cache"
+        need, source = env.estimated_need_bytes, "estimate: weights + KV cache (+ flow cache budget)"
     else:
         return CheckResult("gpu_memory", Status.OK, f"GPU {idx}: {gpu.free_bytes / GIB:.1f} GiB free "
                            "(no max_mem_gb or estimate to compare with)")

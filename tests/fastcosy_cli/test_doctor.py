@@ -384,6 +384,19 @@ def test_free_gpu_memory_against_max_mem_gb():
     assert check_gpu_memory(gpu_env(device="cuda:3", max_mem_gb=1)).status is Status.FAIL  # GPU not visible
 
 
+def test_the_need_estimate_counts_the_incremental_flow_budget_only_when_that_flow_is_on(tiny_model):
+    from deployments.synthesizer_config import SynthesizerConfig
+
+    base = doctor.estimate_need_bytes(tiny_model, "bfloat16", 8, 512)
+    assert base > 0
+    for knobs, extra in (({}, 0), ({"cv2_flow": "incremental", "flow_cache_bytes": 3 * GIB}, 3 * GIB),
+                         ({"cv3_flow": "incremental"}, 16 * GIB), ({"flow_cache_bytes": 3 * GIB}, 0)):
+        synth = SynthesizerConfig(token2wav=knobs)
+        budget = doctor.incremental_flow_budget(synth)
+        assert budget == extra, knobs
+        assert doctor.estimate_need_bytes(tiny_model, "bfloat16", 8, 512, budget) == base + extra
+
+
 # ------------------------------------------------------------------------------ whole report
 def test_healthy_gpu_node_exits_zero(tmp_path):
     fst = tmp_path / "fsts"
