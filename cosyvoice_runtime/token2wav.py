@@ -23,6 +23,7 @@ import copy
 import hashlib
 import logging
 import math
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -126,6 +127,7 @@ class Token2Wav:
                                 if prompt_cache_bytes > 0 and self.flow_mode == "incremental" else None)
         self.flow_cache_bytes = flow_cache_bytes
         self._live_caches: weakref.WeakSet[FlowCache] = weakref.WeakSet()  # of open streams (gone with them)
+        self._live_lock = threading.Lock()  # the replica's stats read them from another thread
         self.flow_fallbacks = 0  # streams moved to the recompute by the budget
         self.cv3_vocoder = cv3_vocoder  # VocoderStream strategy of CV3 streams (CV2 ignores it)
         self.flow = flow
@@ -248,7 +250,8 @@ class Token2Wav:
                 prefixes = self.prompt_prefixes
                 prefix = prefixes.get(_prompt_key(state)) if prefixes is not None else None
                 state.flow_cache = FlowCache() if prefix is None else prefix.shared()
-                self._live_caches.add(state.flow_cache)
+                with self._live_lock:
+                    self._live_caches.add(state.flow_cache)
                 if prefix is None and prefixes is not None:
                     mark = self.flow.prompt_prefix_frames(state.prompt_tokens.shape[1])
             marks.append(mark)
@@ -270,12 +273,15 @@ class Token2Wav:
 
     def live_cache_bytes(self) -> int:
         """Bytes the open streams' incremental flow caches hold (prefixes they still share included)."""
-        return sum(c.nbytes() for c in self._live_caches)
+        with self._live_lock:
+            caches = list(self._live_caches)
+        return sum(c.nbytes() for c in caches)
 
     def _drop_cache(self, state: StreamState) -> None:
         """Free a stream's flow cache (its last job, or the budget); an abandoned stream's goes with it."""
         if state.flow_cache is not None:
-            self._live_caches.discard(state.flow_cache)
+            with self._live_lock:
+                self._live_caches.discard(state.flow_cache)
             state.flow_cache = None
 
     def flow_mel(self, job: Token2WavJob) -> torch.Tensor:
