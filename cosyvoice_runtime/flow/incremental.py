@@ -220,8 +220,8 @@ class IncrementalStepper(SolverGraphs):
 
     Args:
         solver: the flow's CFM solver (a CosyVoice2 U-Net or CosyVoice3 DiT estimator).
-        max_batch, max_cached: largest batch and cached length served by a padded bucket (and a
-            graph); larger passes run eagerly at their exact size.
+        max_batch, max_cached, max_new: largest batch, cached and new lengths served by a padded
+            bucket (and a graph); larger passes run eagerly at their exact size.
         padded: pad to buckets (what graphs need); False runs every pass at its exact size (CPU).
         use_graphs: capture each bucket as a CUDA graph (CUDA only).
     """
