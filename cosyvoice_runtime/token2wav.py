@@ -33,7 +33,13 @@ import torch
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.flow import FlowItem
-from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalRow, PromptPrefixes, grown_capacity
+from cosyvoice_runtime.flow.incremental import (
+    DEFAULT_FLOW_CACHE_BYTES,
+    FlowCache,
+    IncrementalRow,
+    PromptPrefixes,
+    grown_capacity,
+)
 from cosyvoice_runtime.flow.stepper import SolveRow
 from cosyvoice_runtime.hift.streaming import VocoderCall, VocoderStream, vocode_batch
 from cosyvoice_runtime.stream_schedule import first_hop
@@ -115,7 +121,7 @@ class Token2Wav:
     def __init__(self, spec: ModelSpec, flow: torch.nn.Module, hift: torch.nn.Module,
                  official_final_full_attention: bool = False, min_first_hop: int | None = None,
                  cv3_vocoder: str = "recompute", cv2_flow: str = "recompute", prompt_cache_bytes: int = 0,
-                 cv3_flow: str = "recompute", flow_cache_bytes: int = 1 << 62) -> None:
+                 cv3_flow: str = "recompute", flow_cache_bytes: int = DEFAULT_FLOW_CACHE_BYTES) -> None:
         for name, value in (("cv2_flow", cv2_flow), ("cv3_flow", cv3_flow)):
             if value not in ("recompute", "incremental"):
                 raise ValueError(f"{name} must be 'recompute' or 'incremental', got {value!r}")

@@ -57,6 +57,9 @@ CACHE_GROWTH = 256  # cached frames are allocated in steps of this many (one cop
 NEW_FRAME_STEP = 64  # padding granularity of a pass's new frames
 CACHED_FRAME_STEP = 256  # of its cached frames (they cost one K/V GEMM and attention columns only)
 MAX_NEW_FRAMES = 512  # largest new-frame bucket: a first job with a prompt of up to ~9 s
+# The open streams' caches together (~0.4 GiB per 10 s CosyVoice2 answer after a 3.5 s prompt in
+# bf16); the serving config's default (token2wav.flow_cache_bytes) is the same
+DEFAULT_FLOW_CACHE_BYTES = 16 * 1024**3
 
 
 def grown_capacity(frames: int) -> int:
