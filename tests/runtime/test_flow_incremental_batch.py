@@ -398,3 +398,29 @@ def test_streams_past_the_flow_cache_budget_are_recomputed_with_the_same_audio()
         want = _reference_audio(ref, prompts[i], toks[i], i)
         assert audio.shape == want.shape and torch.allclose(audio, want, atol=5e-4), i
 
+
+
+def test_bad_incremental_jobs_are_refused():
+    """A recomputed-only job (no chunk masks), a cache already past the job's end, and marks or
+    keeps outside the new frames are errors, not silent wrong audio."""
+    from cosyvoice_runtime.errors import InvalidInputError
+
+    cv2 = _cv2()
+    flow = copy.deepcopy(cv2.flow)
+    prompt, tokens = _prompt(20, 80), _tokens(60, 80)
+    whole = _item(prompt, tokens, True)
+    whole.streaming = False
+    with pytest.raises(InvalidInputError, match="streamed jobs with chunk masks"):
+        flow.start_incremental_rows([whole], [FlowCache()], [None])
+    past = FlowCache(frames=10_000)
+    with pytest.raises(InvalidInputError, match="flow cache holds 10000 frames"):
+        flow.start_incremental_rows([_item(prompt, tokens, True)], [past], [None])
+    stepper = flow.incremental_stepper()
+    z = torch.zeros(80, 30)
+    for keep, mark in ((31, 0), (0, 31), (-1, 0)):
+        with pytest.raises(ValueError, match="keeps and marks"):
+            stepper.new_row(z, z, torch.zeros(80), FlowCache(), keep=keep, mark=mark)
+    row = flow.start_incremental_rows([_item(prompt, tokens, True)], [FlowCache()], [None])[0]
+    stepper.solve([row])
+    with pytest.raises(ValueError, match="finished row"):
+        stepper.advance([row])
