@@ -126,7 +126,6 @@ class Token2Wav:
             if value not in ("recompute", "incremental"):
                 raise ValueError(f"{name} must be 'recompute' or 'incremental', got {value!r}")
         self.spec = spec
-        self.cv2_flow, self.cv3_flow = cv2_flow, cv3_flow
         # what this family's streamed flow calls do
         self.flow_mode = cv2_flow if spec.family == "cosyvoice2" else cv3_flow
         self.prompt_prefixes = (PromptPrefixes(prompt_cache_bytes)
@@ -204,21 +203,16 @@ class Token2Wav:
             inc = (self.flow_mode == "incremental" and state.stream and not state.flow_recompute
                    and self.flow.can_solve_incrementally(item))
             if inc:
-                if live is None:
-                    live = self.live_cache_bytes()
                 have = state.flow_cache.capacity if state.flow_cache is not None else 0
                 frames = state.prompt_feat.shape[1] + self.ratio * int(job.tokens.shape[1])
                 grow = max(0, grown_capacity(frames) - have) * self.flow.incremental_stepper().frame_bytes
-                if grow and live + grow > self.flow_cache_bytes:
-                    self._drop_cache(state)
-                    state.flow_recompute, inc = True, False
-                    self.flow_fallbacks += 1
-                    if self.flow_fallbacks & (self.flow_fallbacks - 1) == 0:  # 1, 2, 4, ...: bounded log volume
-                        logger.warning("flow cache budget full (%.1f of %.1f GiB): %d streams moved to the recompute "
-                                       "so far; raise token2wav.flow_cache_bytes if memory allows", live / 2**30,
-                                       self.flow_cache_bytes / 2**30, self.flow_fallbacks)
-                else:
-                    live += grow
+                if grow:  # most jobs fit the capacity their cache has: the sum is taken only for those that grow
+                    live = self.live_cache_bytes() if live is None else live
+                    inc = live + grow <= self.flow_cache_bytes
+                    if inc:
+                        live += grow
+                    else:
+                        self._fall_back(state, live)
             plan.append(inc)
         return plan
 
@@ -276,6 +270,16 @@ class Token2Wav:
             self.prompt_prefixes.put(_prompt_key(state), row.cache.prefix(start + row.mark, row.mark_convs))
         row.commit()
         return row.x[None, :, first:].float()
+
+    def _fall_back(self, state: StreamState, live: int) -> None:
+        """The budget is full: the stream drops its cache and is recomputed from now on."""
+        self._drop_cache(state)
+        state.flow_recompute = True
+        self.flow_fallbacks += 1
+        if self.flow_fallbacks & (self.flow_fallbacks - 1) == 0:  # 1, 2, 4, ...: bounded log volume
+            logger.warning("flow cache budget full (%.1f of %.1f GiB): %d streams moved to the recompute so far; "
+                           "raise token2wav.flow_cache_bytes if memory allows", live / 2**30,
+                           self.flow_cache_bytes / 2**30, self.flow_fallbacks)
 
     def live_cache_bytes(self) -> int:
         """Bytes the open streams' incremental flow caches hold (prefixes they still share included)."""
