@@ -55,7 +55,7 @@ class Flow(nn.Module):
         self.graphed_solver: GraphedSolver | None = None
         self.graphed_encoder: GraphedEncoder | None = None
         self.stepper: FlowStepper | None = None  # solves run step by step (start_rows); eager until enabled
-        # CosyVoice2's incremental streamed solves (start_incremental_rows); exact-size and eager until enabled
+        # incremental streamed solves (start_incremental_rows); exact-size and eager until enabled
         self.incremental: IncrementalStepper | None = None
 
     @property

@@ -1,10 +1,11 @@
 """The runtime attaches the flow's CUDA-graph wrappers: the whole solve per padded bucket
-(:class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`), the step-by-step solve
-(:class:`~cosyvoice_runtime.flow.stepper.FlowStepper`), CosyVoice2's encoder
-(:class:`~cosyvoice_runtime.flow.encoder_graphs.GraphedEncoder`) and its incremental streamed
-solve (:class:`~cosyvoice_runtime.flow.incremental.IncrementalStepper`). The :class:`Flow` module only
-holds them (plain attributes) and calls them when present; it never imports them, as the vocoder
-does not import its own (:func:`cosyvoice_runtime.hift.graphs.enable_graphs`).
+(:class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`) and CosyVoice2's encoder
+(:class:`~cosyvoice_runtime.flow.encoder_graphs.GraphedEncoder`), which the :class:`Flow` module
+only holds (plain attributes) and never imports, as the vocoder does not import its own
+(:func:`cosyvoice_runtime.hift.graphs.enable_graphs`); and the graphed, padded forms of the
+step-by-step solve (:class:`~cosyvoice_runtime.flow.stepper.FlowStepper`) and of the incremental
+streamed solve (:class:`~cosyvoice_runtime.flow.incremental.IncrementalStepper`), which the flow
+otherwise makes itself, eager and exact-size, on first use.
 """
 from __future__ import annotations
 
