@@ -5,7 +5,7 @@ only holds (plain attributes) and never imports, as the vocoder does not import 
 (:func:`cosyvoice_runtime.hift.graphs.enable_graphs`); and the graphed, padded forms of the
 step-by-step solve (:class:`~cosyvoice_runtime.flow.stepper.FlowStepper`) and of the incremental
 streamed solve (:class:`~cosyvoice_runtime.flow.incremental.IncrementalStepper`), which the flow
-otherwise makes itself, eager and exact-size, on first use.
+otherwise makes itself, without graphs, on first use.
 """
 from __future__ import annotations
 
