@@ -110,8 +110,9 @@ def pass_bias(p_len: torch.Tensor, n_len: torch.Tensor, cached: int, new: int, c
     cached_ok = (torch.arange(cached, device=dev)[None, :] < p_len[:, None])[:, None, :].expand(-1, new, -1)
     allowed = torch.cat([cached_ok, new_ok], dim=-1)
     padded_query = (q[None, :] >= n_len[:, None])[:, :, None]
-    first_new = torch.zeros(cached + new, dtype=torch.bool, device=dev)
-    first_new[cached] = True
+    # A comparison, not `first_new[cached] = True`: item assignment copies a host scalar, which a
+    # CUDA graph capture refuses.
+    first_new = torch.arange(cached + new, device=dev) == cached
     allowed = torch.where(padded_query, first_new, allowed)
     return to_bias(allowed, dtype).repeat(2, 1, 1)
 
