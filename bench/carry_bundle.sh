@@ -4,8 +4,17 @@
 # tree (ray-serve-notes §3.3). On the GPU machine (bench/device_serve.sh does this):
 #   mkdir /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz && export PYTHONPATH=/tmp/site:$PWD
 # Pass `carry: [".carry"]` to the device run. ~3 min on 2 cores, ~53 MB.
+#   bench/carry_bundle.sh --parity: instead, copy the parity models the GPU tests load
+#   (../shared/parity/*/model) into .carry-parity, for `carry: [".carry-parity"]` (bench/device_run.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = --parity ]; then
+  for f in cosyvoice2 cosyvoice3; do
+    mkdir -p ".carry-parity/$f" && cp -r "../shared/parity/$f/model" ".carry-parity/$f/"
+  done
+  du -sh .carry-parity
+  exit 0
+fi
 OUT=.carry
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT

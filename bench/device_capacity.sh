@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One lease call of the capacity tool (bench/capacity.py) on the GPU machine. Needs
 # .carry/site312.tar.xz (bench/carry_bundle.sh) and the run's `carry: [".carry"]`: the serve level
-# needs Ray Serve from it, the replica level only what the image has. Results are packed into
-# $OUT/capacity.tgz after every step (a run returns at most 8 files). The whole call must end
-# inside 600 s: REPLICA_S + SERVE_S + ~40 s.
+# needs Ray Serve from it, both levels pydantic (H200 2026-12-05: the replica level failed
+# without it). Results are packed into $OUT/capacity.tgz after every step (a run returns at most
+# 8 files). The whole call must end inside 600 s: REPLICA_S + SERVE_S + ~40 s.
 #   REPLICA_S=500 MODES=pytorch-bf16-allgraphs-early-edf,pytorch-bf16-allgraphs-early-edf-prio bash bench/device_capacity.sh
 #   REPLICA_S=0 SERVE_S=520 bash bench/device_capacity.sh
 #   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call
@@ -17,17 +17,14 @@ cp bench/results/latest.json "$W/results/"  # the tool adds its keys to the thro
 pack() { tar -czf "$OUT/capacity.tgz" -C "$W" .; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$W/gpu.txt"
 cat "$W/gpu.txt"
-if [ "${SERVE_S:-0}" -gt 0 ]; then
-  mkdir -p /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz
-  export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
-  # The lent image has no PyAV and its wheel does not fit the carry: an empty `av` module makes the
-  # ingress report mp3/opus/aac/flac unsupported; the capacity probes stream PCM, which needs none.
-  if ! python3 -c "import av" 2>/dev/null; then
-    mkdir -p /tmp/noav/av && : > /tmp/noav/av/__init__.py && export PYTHONPATH=$PYTHONPATH:/tmp/noav
-    echo "note: no PyAV here: compressed response formats are off for this run (PCM probes)"
-  fi
-else
-  export PYTHONPATH=$PWD
+# Both levels import the serving stack's config types (pydantic), which the lent image lacks.
+mkdir -p /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz
+export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+# The lent image has no PyAV and its wheel does not fit the carry: an empty `av` module makes the
+# ingress report mp3/opus/aac/flac unsupported; the capacity probes stream PCM, which needs none.
+if ! python3 -c "import av" 2>/dev/null; then
+  mkdir -p /tmp/noav/av && : > /tmp/noav/av/__init__.py && export PYTHONPATH=$PYTHONPATH:/tmp/noav
+  echo "note: no PyAV here: compressed response formats are off for this run (PCM probes)"
 fi
 if [ "${REPLICA_S:-0}" -gt 0 ]; then
   timeout "$REPLICA_S" python3 -m bench.capacity --level replica --family "${FAMILY:-cosyvoice2}" \
