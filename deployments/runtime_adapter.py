@@ -264,6 +264,33 @@ def token2wav_scheduler(configured: str, device) -> str:
     return "steps" if str(device).startswith("cuda") else "batch"
 
 
+def streamed_flow(configured: str, device) -> str:
+    """``token2wav.cv2_flow`` / ``cv3_flow`` resolved once per replica: "auto" is "incremental" on
+    CUDA (where it was measured), else "recompute"."""
+    if configured != "auto":
+        return configured
+    return "incremental" if str(device).startswith("cuda") else "recompute"
+
+
+FLOW_CACHE_FREE_SHARE = 0.5  # the flow caches may fill at most this share of the GPU memory free after start
+
+
+def flow_cache_budget(configured: int, device) -> int:
+    """``token2wav.flow_cache_bytes``, held under half the GPU memory free now (CUDA; call it once
+    the weights, the KV cache and the graphs are allocated): the default 16 GiB fits an H200, not
+    what is left of an RTX 5090's 32 GiB."""
+    if not str(device).startswith("cuda"):
+        return configured
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = min(configured, int(free * FLOW_CACHE_FREE_SHARE))
+    if budget < configured:
+        logger.info("flow cache budget %.1f GiB (half the %.1f GiB free), not the configured %.1f GiB",
+                    budget / 2**30, free / 2**30, configured / 2**30)
+    return budget
+
+
 def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | None,
                    stepper: bool = False, incremental: bool = False) -> dict[str, int]:
     """Capture the token2wav CUDA graphs of a CUDA replica (pytorch, torchscript): how many of each.
@@ -337,21 +364,23 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     report = apply_mode(model, mode, dtype, trt_estimator=trt_estimator)
     min_first = cfg.token2wav.first_chunk_min_tokens if cfg.token2wav.early_first_chunk else None
     scheduler = token2wav_scheduler(cfg.token2wav.scheduler, device)
+    cv2_flow, cv3_flow = streamed_flow(cfg.token2wav.cv2_flow, device), streamed_flow(cfg.token2wav.cv3_flow, device)
+    flow = cv2_flow if model.spec.family == "cosyvoice2" else cv3_flow
     graphs = capture_graphs(model, cfg, mode, limits, min_first, stepper=scheduler == "steps",
-                            incremental="incremental" in (cfg.token2wav.cv2_flow, cfg.token2wav.cv3_flow))
+                            incremental=flow == "incremental")
     rate = model.spec.token_frame_rate
+    # Mode torchscript compiles the decode step too (CUDA only: its graphs are what it pays for).
+    engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
+                                compile_backend="inductor" if mode == "torchscript" and device.type == "cuda" else None)
     return SynthesisRuntime(
-        # Mode torchscript compiles the decode step too (CUDA only: its graphs are what it pays for).
-        engine=RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
-                                  compile_backend="inductor" if mode == "torchscript" and device.type == "cuda"
-                                  else None),
+        engine=engine,
         token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first, cv3_vocoder=cfg.token2wav.cv3_vocoder,
-                                   cv2_flow=cfg.token2wav.cv2_flow,
-                                   prompt_cache_bytes=cfg.token2wav.cv2_prompt_cache_bytes,
-                                   cv3_flow=cfg.token2wav.cv3_flow, flow_cache_bytes=cfg.token2wav.flow_cache_bytes),
+                                   cv2_flow=cv2_flow, prompt_cache_bytes=cfg.token2wav.cv2_prompt_cache_bytes,
+                                   cv3_flow=cv3_flow,
+                                   flow_cache_bytes=flow_cache_budget(cfg.token2wav.flow_cache_bytes, device)),
         device=str(device),
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
-                 "t2w_scheduler": scheduler,
+                 "t2w_scheduler": scheduler, "flow": flow,
                  "compiled": report["compiled"], "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),

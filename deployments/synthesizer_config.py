@@ -33,8 +33,10 @@ class Token2WavBatchConfig(StrictModel):
     # each call, as the official implementation does; "incremental" keeps each stream's estimator state
     # of the frames already emitted and solves only the new ones (same mel within float noise,
     # tests/runtime/test_flow_incremental*.py; batched and stepped as the recompute, one CUDA graph per
-    # (batch, new frames, cached frames) bucket; not yet timed on a GPU).
-    cv2_flow: Literal["recompute", "incremental"] = "recompute"
+    # (batch, new frames, cached frames) bucket). "auto": incremental on CUDA replicas (H200 replica
+    # simulation 2026-12-05: 24 -> 42 sessions at the SLO, estimator frames per audio second 237 -> 54),
+    # recompute on the CPU.
+    cv2_flow: Literal["auto", "recompute", "incremental"] = "auto"
     # With the incremental flow: the flow state of each voice prompt's whole attention chunks (the
     # same in every request with that voice) kept for later requests, which then solve ~150 fewer
     # frames each after a 3.5 s prompt (cosyvoice_runtime.flow.incremental.PromptPrefixes; bit-identical
@@ -42,12 +44,15 @@ class Token2WavBatchConfig(StrictModel):
     cv2_prompt_cache_bytes: int = Field(1024**3, ge=0)
     # CosyVoice3's streamed flow calls, the same choice over its DiT (same mel within float noise,
     # tests/runtime/test_flow_incremental_batch.py; 880 KiB per cached frame in bf16; the prompt
-    # cache above serves it too; not yet timed on a GPU).
-    cv3_flow: Literal["recompute", "incremental"] = "recompute"
+    # cache above serves it too). "auto" as above: one H200 pass of 128 new frames at batch 16 over
+    # 1,024 cached frames took 24.7 ms against 95.3 ms recomputed (2026-12-05); its capacity
+    # against the recompute's is not measured.
+    cv3_flow: Literal["auto", "recompute", "incremental"] = "auto"
     # With an incremental flow: the most the open streams' flow caches may hold together (~0.4 GiB for
     # a 10 s CosyVoice2 answer after a 3.5 s prompt in bf16); a stream that would grow them past it
     # drops its cache and is recomputed from then on (same audio) instead of the replica running out
-    # of GPU memory. Lower it on smaller GPUs (an RTX 5090 has 32 GiB for everything).
+    # of GPU memory. A CUDA replica also holds it under half the GPU memory free once it has started
+    # (an RTX 5090 has 32 GiB for everything).
     flow_cache_bytes: int = Field(16 * 1024**3, ge=0)
     # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
     # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole

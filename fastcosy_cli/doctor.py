@@ -161,9 +161,12 @@ def estimate_need_bytes(model_dir: Path | None, dtype: str, max_running: int, ma
 
 
 def incremental_flow_budget(synth) -> int:
-    """The flow cache budget a replica of ``synth`` may fill: 0 unless an incremental flow is on."""
+    """The flow cache budget a replica of ``synth`` may fill: 0 unless an incremental flow is on
+    ("auto" is on wherever the replica is not told to run on the CPU)."""
     t2w = synth.token2wav
-    return t2w.flow_cache_bytes if "incremental" in (t2w.cv2_flow, t2w.cv3_flow) else 0
+    flows = (t2w.cv2_flow, t2w.cv3_flow)
+    on = "incremental" in flows or ("auto" in flows and synth.device != "cpu")
+    return t2w.flow_cache_bytes if on else 0
 
 
 def needed_trt_profile(model_dir: Path | None, synth, max_mem_gb: float | None = None) -> dict | None:

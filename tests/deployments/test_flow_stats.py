@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from cosyvoice_runtime.model import load_model
+from deployments import runtime_adapter
 from deployments.protocol import VoicePrompt
-from deployments.runtime_adapter import RuntimeToken2Wav
+from deployments.runtime_adapter import RuntimeToken2Wav, flow_cache_budget
 from deployments.runtime_protocol import FLOW_STATS
 from tests.runtime.parity.common import parity_dir
 
@@ -49,3 +50,15 @@ def test_without_the_incremental_flow_every_figure_is_zero():
     state = rt.new_stream(_voice(30, 72), stream=True, speed=1.0, seed=0)
     rt.run_batch([rt.next_job(state, list(range(40)), llm_done=False)])
     assert rt.flow_stats() == dict.fromkeys(FLOW_STATS, 0.0)
+
+
+def test_the_flow_cache_budget_stays_under_half_the_free_gpu_memory(monkeypatch, caplog):
+    gib = 1 << 30
+    free = {"bytes": 40 * gib}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 141 * gib))
+    assert flow_cache_budget(16 * gib, "cuda:0") == 16 * gib  # an H200 after start: the configured budget
+    free["bytes"] = 20 * gib  # what an RTX 5090 may have left
+    with caplog.at_level("INFO", logger=runtime_adapter.__name__):
+        assert flow_cache_budget(16 * gib, "cuda:0") == 10 * gib
+    assert "half the 20.0 GiB free" in caplog.text
+    assert flow_cache_budget(16 * gib, "cpu") == 16 * gib  # host memory: the configured budget

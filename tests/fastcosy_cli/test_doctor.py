@@ -385,13 +385,17 @@ def test_free_gpu_memory_against_max_mem_gb():
 
 
 def test_the_need_estimate_counts_the_incremental_flow_budget_only_when_that_flow_is_on(tiny_model):
+    """On by default ("auto") wherever the replica may run on a GPU, off on the CPU or when set to recompute."""
     from deployments.synthesizer_config import SynthesizerConfig
 
     base = doctor.estimate_need_bytes(tiny_model, "bfloat16", 8, 512)
     assert base > 0
-    for knobs, extra in (({}, 0), ({"cv2_flow": "incremental", "flow_cache_bytes": 3 * GIB}, 3 * GIB),
-                         ({"cv3_flow": "incremental"}, 16 * GIB), ({"flow_cache_bytes": 3 * GIB}, 0)):
-        synth = SynthesizerConfig(token2wav=knobs)
+    off = {"cv2_flow": "recompute", "cv3_flow": "recompute"}
+    for device, knobs, extra in (("auto", {}, 16 * GIB), ("cuda", {"flow_cache_bytes": 3 * GIB}, 3 * GIB),
+                                 ("cpu", {}, 0), ("cuda", off, 0),
+                                 ("cuda", {**off, "cv2_flow": "incremental", "flow_cache_bytes": 3 * GIB}, 3 * GIB),
+                                 ("cuda", {**off, "cv3_flow": "incremental"}, 16 * GIB)):
+        synth = SynthesizerConfig(device=device, token2wav=knobs)
         budget = doctor.incremental_flow_budget(synth)
         assert budget == extra, knobs
         assert doctor.estimate_need_bytes(tiny_model, "bfloat16", 8, 512, budget) == base + extra
