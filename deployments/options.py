@@ -43,15 +43,16 @@ class LoadBandConfig(StrictModel):
     load = (streams in flight + queued) / (replicas * ``slo_streams``); see
     ``deployments.autoscaling_policy``. ``slo_streams``: the mean syntheses in flight of one replica
     at its SLO capacity, measured with ``bench/capacity.py`` (``streams_in_flight_mean`` of the
-    largest load that met the SLO). Default: one H200, CosyVoice2, voice-agent mix, 2026-12-04:
-    the whole Serve app missed the SLO at 0.69 in flight (6 sessions; the replica alone holds 2.78),
-    so 0.5 (docs/tuning.md); measure the target GPU.
+    largest load that met the SLO). Default: one H200, CosyVoice2, voice-agent mix, 2026-12-05:
+    the whole Serve app met the SLO at 7 sessions with 0.76 in flight (recomputed flow; the replica
+    alone holds 42 sessions = 7.98 with the incremental flow), so 0.75 (docs/tuning.md); measure the
+    target GPU.
     """
 
     enabled: bool = False
     low_pct: float = Field(70.0, gt=0)
     high_pct: float = Field(80.0, gt=0)
-    slo_streams: PositiveFloat = 0.5
+    slo_streams: PositiveFloat = 0.75
     metric: str = "streams_in_flight"
 
     @model_validator(mode="after")
