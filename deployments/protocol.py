@@ -142,6 +142,10 @@ class PreparedRequest:
 
 
 FIRST_AUDIO_STAGES = ("first_token", "first_chunk_tokens", "first_audio")
+# Stepped token2wav only (deployments.token2wav_loop): the first chunk's job taken in by the driver
+# thread, and its solve and vocoder done there; they split the token2wav stage into waiting for the
+# driver, the passes, and the way back to the event loop.
+TOKEN2WAV_MARKS = ("t2w_started", "t2w_solved")
 
 
 @dataclass

@@ -314,7 +314,7 @@ class Synthesizer:
             while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
                 marks.setdefault("first_chunk_tokens", self.clock())
                 if self.stepped is not None:
-                    audio = await self._token2wav_stepped(job, playback.deadline_s())
+                    audio = await self._token2wav_stepped(job, playback.deadline_s(), marks)
                 else:
                     turn = self.gate.turn(playback.deadline_s()) if self.gate is not None else contextlib.nullcontext()
                     async with turn:
@@ -326,10 +326,10 @@ class Synthesizer:
     def _stepped_failed(self) -> int:
         return self.stepped.failed_jobs if self.stepped is not None else 0
 
-    async def _token2wav_stepped(self, job, deadline_s: float) -> np.ndarray | Exception:
+    async def _token2wav_stepped(self, job, deadline_s: float, marks: dict[str, float]) -> np.ndarray | Exception:
         if self.loop.is_dead:
             raise EngineDeadError("replica unhealthy: an earlier fault left the device unusable")
-        audio = await self.stepped.run(job, deadline_s)
+        audio = await self.stepped.run(job, deadline_s, marks)
         return audio if isinstance(audio, Exception) else self._finite(audio)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)

@@ -42,6 +42,7 @@ class _Pending:
     deadline_s: float
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    marks: dict[str, float] | None = None  # TOKEN2WAV_MARKS stamped here, on the clock (first stamp kept)
     row: Any = None
 
 
@@ -75,10 +76,12 @@ class SteppedToken2Wav:
         self.rows_in_passes = 0
         self.failed_jobs = 0
 
-    async def run(self, job: Any, deadline_s: float) -> np.ndarray | Exception:
-        """The audio of ``job`` (due at ``deadline_s`` on the clock), or the error it failed with alone."""
+    async def run(self, job: Any, deadline_s: float, marks: dict[str, float] | None = None) -> np.ndarray | Exception:
+        """The audio of ``job`` (due at ``deadline_s`` on the clock), or the error it failed with alone.
+        ``marks``: where the driver stamps :data:`~deployments.protocol.TOKEN2WAV_MARKS` (setdefault:
+        a request's first job keeps them)."""
         loop = asyncio.get_running_loop()
-        pending = _Pending(job, deadline_s, loop, loop.create_future())
+        pending = _Pending(job, deadline_s, loop, loop.create_future(), marks)
         with self._lock:
             self._new.append(pending)
             start = not self._running
@@ -112,8 +115,11 @@ class SteppedToken2Wav:
 
     def _start(self, batch: list[_Pending]) -> None:
         rows = self.t2w.start_solves([p.job for p in batch])
+        now = self.clock()
         for p, row in zip(batch, rows):
             p.row = row
+            if p.marks is not None:
+                p.marks.setdefault("t2w_started", now)
         self._rows += batch
 
     def _pass(self) -> None:
@@ -130,7 +136,11 @@ class SteppedToken2Wav:
             self._isolated(self._finish, done)
 
     def _finish(self, done: list[_Pending]) -> None:
-        for p, audio in zip(done, self.t2w.finish([p.row for p in done])):
+        audios = self.t2w.finish([p.row for p in done])
+        now = self.clock()
+        for p, audio in zip(done, audios):
+            if p.marks is not None:
+                p.marks.setdefault("t2w_solved", now)
             self._resolve(p, audio)
 
     def _isolated(self, step: Callable[[list[_Pending]], None], batch: list[_Pending]) -> None:

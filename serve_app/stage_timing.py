@@ -9,6 +9,9 @@ status code), which means the whole path to the first audio is known when the he
   (queueing for a KV slot, the prefill);
 * ``llm-first-chunk``: then to the tokens the first chunk needs (decode steps);
 * ``token2wav``: then to the first chunk's audio (flow + vocoder, waiting for a batch or a pass);
+  with the stepped token2wav also in three parts (:data:`TOKEN2WAV_PARTS`): ``t2w-queue`` until the
+  driver thread took the job in, ``t2w-solve`` its passes and vocoder, ``t2w-return`` until the
+  event loop had the audio (a busy loop or a held GIL shows here);
 * ``handoff``: the synthesizer call as the ingress saw it, less the synthesizer's own time to
   first audio: Ray's hops into and out of the replica and the event loops' delays;
 * ``first-audio``: the ingress's whole time to first audio (request arrival to first chunk).
@@ -20,13 +23,15 @@ within one process are taken.
 """
 from __future__ import annotations
 
-from deployments.protocol import FIRST_AUDIO_STAGES, AudioChunk
+from deployments.protocol import FIRST_AUDIO_STAGES, TOKEN2WAV_MARKS, AudioChunk
 
 STAGES = ("frontend", "llm-first-token", "llm-first-chunk", "token2wav", "handoff", "first-audio")
+TOKEN2WAV_PARTS = ("t2w-queue", "t2w-solve", "t2w-return")  # token2wav's parts, stepped scheduler only
 
 
 def first_audio_stages(started: float, prepared: float, first_at: float, first: AudioChunk | None) -> dict[str, float]:
-    """Stage durations in ms (a subset of :data:`STAGES`; the synthesizer's only when it sent them).
+    """Stage durations in ms (a subset of :data:`STAGES` and :data:`TOKEN2WAV_PARTS`; the
+    synthesizer's only when it sent them).
 
     Args:
         started / prepared / first_at: the ingress's clock (s) at arrival, after ``prepare`` and
@@ -40,6 +45,9 @@ def first_audio_stages(started: float, prepared: float, first_at: float, first: 
         for name, lo, hi in zip(("llm-first-token", "llm-first-chunk", "token2wav"), at, at[1:]):
             if lo is not None and hi is not None:
                 out[name] = hi - lo
+        parts = [timing.get("first_chunk_tokens"), *(timing.get(k) for k in TOKEN2WAV_MARKS), timing["first_audio"]]
+        if None not in parts:
+            out.update({name: hi - lo for name, lo, hi in zip(TOKEN2WAV_PARTS, parts, parts[1:])})
         out["handoff"] = max(0.0, (first_at - prepared) * 1e3 - timing["first_audio"])
     if first is not None:
         out["first-audio"] = (first_at - started) * 1e3
@@ -47,8 +55,9 @@ def first_audio_stages(started: float, prepared: float, first_at: float, first: 
 
 
 def server_timing(stages: dict[str, float]) -> str:
-    """``Server-Timing`` header value: ``name;dur=ms`` entries in :data:`STAGES` order."""
-    return ", ".join(f"{name};dur={stages[name]:.2f}" for name in STAGES if name in stages)
+    """``Server-Timing`` header value: ``name;dur=ms`` entries in :data:`STAGES` order, then
+    :data:`TOKEN2WAV_PARTS`."""
+    return ", ".join(f"{name};dur={stages[name]:.2f}" for name in STAGES + TOKEN2WAV_PARTS if name in stages)
 
 
 def parse_server_timing(value: str) -> dict[str, float]:

@@ -75,6 +75,37 @@ def test_steps_stream_the_batch_schedulers_audio(model_dir):
             assert float(np.abs(a - b).max()) < 1e-4, key
 
 
+def test_the_stepped_first_chunk_carries_the_token2wav_marks_in_order(model_dir):
+    """The first chunk's timing splits token2wav: tokens ready <= driver took the job <= solved <=
+    audio on the event loop (the stamps Server-Timing's t2w-* parts are made of); later chunks carry none."""
+    cfg = SynthesizerConfig(device="cpu", warmup=False, max_model_len=512, token2wav={"scheduler": "steps"})
+    synth = Synthesizer(cfg, ModelSource(model_dir))
+
+    async def main():
+        return [c async for c in synth.synthesize(_req("r", 11, seed=3))]
+
+    chunks = asyncio.run(main())
+    t = chunks[0].timing
+    assert set(t) == {"first_token", "first_chunk_tokens", "t2w_started", "t2w_solved", "first_audio"}
+    assert t["first_token"] <= t["first_chunk_tokens"] <= t["t2w_started"] < t["t2w_solved"] <= t["first_audio"]
+    assert len(chunks) > 1 and all(c.timing is None for c in chunks[1:])
+
+
+def test_the_driver_stamps_each_jobs_marks_once():
+    ticks = iter(range(1, 100))
+    loop = SteppedToken2Wav(_FakeT2W(), ComputeExecutor(lanes=("t2w",)), "t2w", clock=lambda: float(next(ticks)),
+                            slack_s=0.5, max_batch=4, on_fatal=lambda exc: None)
+    first: dict[str, float] = {}
+    kept = {"t2w_started": -1.0, "t2w_solved": -2.0}  # a request's later jobs keep its first stamps
+
+    async def main():
+        await asyncio.gather(loop.run(_job("a"), 0.0, first), loop.run(_job("b"), 0.0, kept), loop.run(_job("c"), 0.0))
+
+    asyncio.run(main())
+    assert set(first) == {"t2w_started", "t2w_solved"} and first["t2w_started"] < first["t2w_solved"]
+    assert kept == {"t2w_started": -1.0, "t2w_solved": -2.0}
+
+
 def test_auto_scheduler_is_steps_on_cuda():
     assert token2wav_scheduler("auto", "cuda:0") == "steps"
     assert token2wav_scheduler("auto", "cpu") == "batch"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from deployments.protocol import FIRST_AUDIO_STAGES, AudioChunk
-from serve_app.stage_timing import STAGES, first_audio_stages, parse_server_timing, server_timing
+from serve_app.stage_timing import STAGES, TOKEN2WAV_PARTS, first_audio_stages, parse_server_timing, server_timing
 from tests.deployments import fakes
 from tests.deployments.test_synthesizer_unit import _req, _synth
 from tests.serve_app.test_ingress_inproc import _app, _wav
@@ -29,6 +29,20 @@ def test_stages_from_the_ingress_clock_and_the_synthesizers_stamps():
     assert header == ("frontend;dur=4.00, llm-first-token;dur=20.00, llm-first-chunk;dur=50.00, "
                       "token2wav;dur=40.00, handoff;dur=16.00, first-audio;dur=130.00")
     assert parse_server_timing(header) == got
+
+
+def test_the_stepped_token2wav_splits_into_queue_solve_and_return():
+    first = _chunk({"first_token": 20.0, "first_chunk_tokens": 70.0, "t2w_started": 75.5, "t2w_solved": 102.0,
+                    "first_audio": 110.0})
+    got = first_audio_stages(10.0, 10.004, 10.130, first)
+    assert got["token2wav"] == 40.0
+    assert (got["t2w-queue"], got["t2w-solve"], got["t2w-return"]) == (5.5, 26.5, 8.0)
+    header = server_timing(got)
+    assert header.endswith("first-audio;dur=130.00, t2w-queue;dur=5.50, t2w-solve;dur=26.50, t2w-return;dur=8.00")
+    assert parse_server_timing(header) == got
+    # one mark missing (the batch scheduler sends none): no parts, the stages as before
+    del first.timing["t2w_solved"]
+    assert not set(first_audio_stages(10.0, 10.004, 10.130, first)) & set(TOKEN2WAV_PARTS)
 
 
 def test_stages_without_the_synthesizers_stamps_or_audio():
