@@ -108,13 +108,15 @@ class SimTarget:
 
     def _flow_work(self, new: list) -> dict:
         """Flow work per second of audio of the span's finished requests (estimator frames: what the
-        incremental flow and the prompt prefixes cut), and the token2wav's caches now."""
+        incremental flow and the prompt prefixes cut), and the most the token2wav's caches held since
+        the last probe (its peak is reset here)."""
         done = [s for s in new if s.state.finished and s.trace.audio_s]
         audio_s = sum(s.trace.audio_s for s in done)
         t2w = self.sim.t2w
         prefixes = t2w.prompt_prefixes
+        peak, t2w.peak_cache_bytes = t2w.peak_cache_bytes, 0
         return {"flow_frames_per_audio_s": round(sum(s.state.flow_frames for s in done) / audio_s, 1) if done else None,
-                "flow_cache_gib": round(t2w.live_cache_bytes() / 2**30, 3), "flow_cache_fallbacks": t2w.flow_fallbacks,
+                "flow_cache_gib": round(peak / 2**30, 3), "flow_cache_fallbacks": t2w.flow_fallbacks,
                 "prompt_prefix_hits": prefixes.hits if prefixes else 0}
 
 

@@ -134,6 +134,7 @@ class Token2Wav:
         self._live_caches: weakref.WeakSet[FlowCache] = weakref.WeakSet()  # of open streams (gone with them)
         self._live_lock = threading.Lock()  # the replica's stats read them from another thread
         self.flow_fallbacks = 0  # streams moved to the recompute by the budget
+        self.peak_cache_bytes = 0  # the most the open streams' caches were planned to hold (readers may reset it)
         self.cv3_vocoder = cv3_vocoder  # VocoderStream strategy of CV3 streams (CV2 ignores it)
         self.flow = flow
         self.hift = hift
@@ -211,6 +212,7 @@ class Token2Wav:
                     inc = live + grow <= self.flow_cache_bytes
                     if inc:
                         live += grow
+                        self.peak_cache_bytes = max(self.peak_cache_bytes, live)
                     else:
                         self._fall_back(state, live)
             plan.append(inc)

@@ -282,7 +282,7 @@ def test_lane_stats_split_bulk_and_express_batches():
                                     state=SimpleNamespace(finished=True, flow_frames=300)),
                "late": SimpleNamespace(trace=RequestTrace(submitted_s=11.0), first_token_s=11.5, first_job_s=None,
                                        state=SimpleNamespace(finished=True, flow_frames=999))}
-    t2w = SimpleNamespace(live_cache_bytes=lambda: 2**29, flow_fallbacks=1, prompt_prefixes=SimpleNamespace(hits=5))
+    t2w = SimpleNamespace(peak_cache_bytes=2**29, flow_fallbacks=1, prompt_prefixes=SimpleNamespace(hits=5))
     sim = SimpleNamespace(on_error=None, streams=streams, t2w=t2w, step_log=[(0.0, 0.002), (1.0, 1.004), (9.0, 9.01)],
                           batch_log=[(0.1, 0.15, 1, 1, "express"), (0.2, 0.4, 2, 0, "bulk"), (1.0, 1.1, 1, 0, "bulk"),
                                      (20.0, 21.0, 4, 0, "bulk")],
@@ -296,6 +296,7 @@ def test_lane_stats_split_bulk_and_express_batches():
     # flow work of the finished requests of the span (b only: a is open, late is outside)
     assert stats["flow_frames_per_audio_s"] == 75.0 and stats["flow_cache_gib"] == 0.5
     assert stats["flow_cache_fallbacks"] == 1 and stats["prompt_prefix_hits"] == 5
+    assert t2w.peak_cache_bytes == 0  # the peak is per probe: the next starts from none
 
 
 def test_a_replica_failure_stops_the_search_instead_of_reading_as_an_slo_miss(tmp_path):

@@ -393,6 +393,7 @@ def test_streams_past_the_flow_cache_budget_are_recomputed_with_the_same_audio()
     for k in kinds:  # incremental until the budget is hit, recomputed from then on, never back
         assert k[0] == "incremental" and k == sorted(k), k
     assert sorted("recompute" in k for k in kinds) == [False, True] and t2w.flow_fallbacks == 1
+    assert 768 * frame_bytes <= t2w.peak_cache_bytes <= 800 * frame_bytes  # 256 + 512 frames held at most
     assert set(run([2])[2][1]) == {"incremental"}  # the earlier caches are gone with their streams
     for i, (audio, _) in first.items():
         want = _reference_audio(ref, prompts[i], toks[i], i)
