@@ -29,7 +29,7 @@ import torch
 
 from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import write_report
-from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, SimTarget
+from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, SimTarget, counter_deltas
 from bench.gpu_bench import make_model, make_voice, mode_setup
 from bench.load import register_voices
 from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
@@ -143,8 +143,10 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
         async def probe(load):
             logger.info("%s %s: probing %s", mode, kind, load)
             loop_fn = closed_loop if kind == "sessions" else open_loop
+            before = await target.counters()
             result = await loop_fn(target, load, work, run.slo)
-            run.record(entry, result, _probe_extra(result, sampler, target))
+            deltas = counter_deltas(before, await target.counters())
+            run.record(entry, result, {**_probe_extra(result, sampler, target), **deltas})
             if args.trace and isinstance(target, SimTarget):
                 name = f"trace-{run.stem}-{_slug(mode)}-{kind}-{load}.json"
                 (run.out / name).write_text(json.dumps(target.timeline(*result.span)))

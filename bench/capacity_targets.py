@@ -19,9 +19,11 @@ import time
 
 import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.metrics import RequestTrace, percentile
 from bench.replica_sim import ReplicaSim
+from cosyvoice_runtime.graph_capture import captured_total
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 from serve_app.stage_timing import parse_server_timing
 
@@ -65,6 +67,10 @@ class SimTarget:
     def failed(self) -> BaseException | None:
         """The replica's own failure (a worker thread died): no later probe means anything."""
         return self.sim.error
+
+    async def counters(self) -> dict[str, float]:
+        """The replica's counters that a probe reports as its increments (see :func:`counter_deltas`)."""
+        return {"graph_captures": float(captured_total())}
 
     def _finish(self, rid: str, trace: RequestTrace) -> None:
         with self._lock:
@@ -192,6 +198,26 @@ class HttpTarget:
         if trace.error is None and not trace.chunk_times_s:
             trace.error = "empty body"
         return trace
+
+    async def counters(self) -> dict[str, float]:
+        """The synthesizer's counters from the service's ``/metrics`` (summed over the replicas a
+        scrape shows), to difference around a probe."""
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, verify=self._tls,
+                                     transport=self.transport) as client:
+            text = (await client.get("/metrics")).text
+        served = {"tts_cuda_graph_captures_total": "graph_captures"}
+        out = dict.fromkeys(served.values(), 0.0)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in served:
+                    out[served[sample.name]] += sample.value
+        return out
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each counter grew by over a probe (``graph_captures``: CUDA graphs captured under its
+    traffic, each a shape not captured at start-up)."""
+    return {k: after[k] - before[k] for k in before if k in after}
 
 
 class GpuSampler:

@@ -18,6 +18,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+_captured = 0  # graphs captured in this process, by every owner
+
+
+def captured_total() -> int:
+    """Graphs captured in this process so far. A replica reports it: growth after start-up means
+    shapes first met under traffic, each captured then."""
+    return _captured
+
 
 def capture(fn: Callable[[], object], stream: torch.cuda.Stream, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
     """Warm ``fn`` up on ``stream`` and capture it there; returns ``(graph, fn's output)``.
@@ -25,15 +33,27 @@ def capture(fn: Callable[[], object], stream: torch.cuda.Stream, pool=None) -> t
     The warm-up runs on the capture stream itself so that the cuBLAS/cuDNN handles, plans and
     workspace a capture uses exist before the capture starts (a capture cannot allocate them).
     ``thread_local``: other threads may keep using the GPU while one captures.
+
+    NOTE: not ``torch.cuda.graph(...)``: its ``__enter__`` synchronizes the whole device and
+    empties the caching allocator and the pinned host cache. A graph captured at start-up loses
+    nothing without that; one captured under traffic (a vocoder length first met then) would stall
+    every stream of the replica, and the emptied cache would make the next allocations cudaMalloc
+    again (a device-wide synchronization each).
     """
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream), torch.inference_mode():
         fn()
     graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        out = fn()
+    with torch.cuda.stream(stream), torch.inference_mode():
+        graph.capture_begin(pool, capture_error_mode="thread_local")
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
     current.wait_stream(stream)
+    global _captured
+    _captured += 1
     return graph, out
 
 

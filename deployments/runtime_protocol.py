@@ -8,7 +8,7 @@ rule 9, §2.8 rule 30).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -74,3 +74,5 @@ class SynthesisRuntime:
     token2wav: Token2WavRuntime
     device: str
     details: dict = field(default_factory=dict)
+    # CUDA graphs captured in the replica's process so far (start-up and later; 0 without graphs)
+    graph_captures: Callable[[], int] = lambda: 0

@@ -259,6 +259,7 @@ class Synthesizer:
             "flow_rows_in_passes_total": self.stepped.rows_in_passes if self.stepped is not None else 0,
             **self.runtime.token2wav.flow_stats(),
             "cuda_cache_releases": self.idle_trim.cuda_cache_releases,
+            "cuda_graph_captures_total": self.runtime.graph_captures(),
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
             "sm_activity_pct": self.probe.sm_activity_pct(),
             "streams_in_flight": self._active,

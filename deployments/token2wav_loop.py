@@ -114,8 +114,8 @@ class SteppedToken2Wav:
                 self._resolve(p, EngineDeadError(f"token2wav failed: {type(exc).__name__}"))
 
     def _start(self, batch: list[_Pending]) -> None:
+        now = self.clock()  # taken in: what follows (the encoder batch) is the solve's
         rows = self.t2w.start_solves([p.job for p in batch])
-        now = self.clock()
         for p, row in zip(batch, rows):
             p.row = row
             if p.marks is not None:

@@ -58,7 +58,9 @@ class _ReplicaSnapshotCollector:
                                ("tts_flow_prompt_prefix_hits", "flow_prompt_prefix_hits_total",
                                 "First jobs that started after their voice's kept prompt prefix"),
                                ("tts_flow_prompt_prefix_misses", "flow_prompt_prefix_misses_total",
-                                "First jobs that solved their voice's prompt prefix (and kept it)")):
+                                "First jobs that solved their voice's prompt prefix (and kept it)"),
+                               ("tts_cuda_graph_captures", "cuda_graph_captures_total",
+                                "CUDA graphs captured by the replica (growth after start-up: shapes first met under traffic)")):
             c = CounterMetricFamily(name, doc, labels=["replica"])
             c.add_metric(replica, float(snap.get(key, 0)))
             yield c

@@ -14,14 +14,14 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from bench import capacity as capacity_mod
 from bench.capacity import Run, _searches, main, parse_args
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import _stage_table
-from bench.capacity_targets import HttpTarget, SimTarget, text_for
+from bench.capacity_targets import HttpTarget, SimTarget, counter_deltas, text_for
 from bench.metrics import RequestTrace
 
 SLO = Slo()
@@ -212,7 +212,12 @@ def _pcm_app(status=200, pieces=(b"\x01\x00\x02", b"\x00", b"")):
                 yield p
         return StreamingResponse(gen(), media_type="audio/pcm",
                                  headers={"Server-Timing": "frontend;dur=2.50, token2wav;dur=40"})
-    return Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"])])
+
+    async def metrics(request):  # two synthesizer replicas in one scrape, and a series not counted
+        return PlainTextResponse('tts_cuda_graph_captures_total{replica="a"} 400.0\n'
+                                 'tts_cuda_graph_captures_total{replica="b"} 12.0\n'
+                                 'tts_generated_tokens_total{replica="a"} 9.0\n')
+    return Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]), Route("/metrics", metrics)])
 
 
 def test_http_target_counts_samples_across_split_chunks_and_reports_errors():
@@ -225,6 +230,13 @@ def test_http_target_counts_samples_across_split_chunks_and_reports_errors():
     assert tr.stages_ms == {"frontend": 2.5, "token2wav": 40.0}
     assert "429" in asyncio.run(run(_pcm_app(status=429))).error
     assert asyncio.run(run(_pcm_app(pieces=(b"",)))).error == "empty body"
+
+
+def test_http_target_sums_the_replicas_graph_captures_and_a_probe_reports_the_growth():
+    target = HttpTarget("http://test", "v", transport=httpx.ASGITransport(app=_pcm_app()))
+    got = asyncio.run(target.counters())
+    assert got == {"graph_captures": 412.0}
+    assert counter_deltas({"graph_captures": 400.0}, got) == {"graph_captures": 12.0}
 
 
 def test_served_model_describes_what_the_health_endpoint_reports(monkeypatch):
@@ -302,6 +314,9 @@ def test_lane_stats_split_bulk_and_express_batches():
 def test_a_replica_failure_stops_the_search_instead_of_reading_as_an_slo_miss(tmp_path):
     class DyingTarget:
         failed = None
+
+        async def counters(self):
+            return {}
 
         async def synthesize(self, rid, audio_s, submitted_s):
             self.failed = RuntimeError("CUDA error")

@@ -105,3 +105,29 @@ def test_owners_capture_on_own_streams_and_replay_together(tmp_path):
     for w, g in zip(want_audio, got["audio"]):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert vocoder.num_graphs == 3 and vocoder.replays == 3 * 3 and vocoder.eager_calls == 3
+
+
+def test_a_capture_under_traffic_keeps_the_allocator_cache_and_other_streams_running():
+    """A graph captured late (a shape first met under load) must not empty the caching allocator
+    (the next allocations would be cudaMallocs, each a device-wide sync) nor wait for other
+    streams' work; torch.cuda.graph() does both, graph_capture.capture neither."""
+    from cosyvoice_runtime.graph_capture import capture, captured_total
+
+    scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del scratch  # 64 MiB now cached, unused
+    reserved = torch.cuda.memory_reserved()
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):  # other work in flight while the capture runs: ~1 s of spinning
+        torch.cuda._sleep(2_000_000_000)
+    done = torch.cuda.Event()
+    done.record(busy)
+    x = torch.arange(8.0, device="cuda")
+    before = captured_total()
+    graph, out = capture(lambda: x * 2 + 1, torch.cuda.Stream())
+    assert not done.query()  # the capture did not wait for the busy stream (a device sync would have)
+    assert torch.cuda.memory_reserved() >= reserved  # nothing given back to the driver
+    assert captured_total() == before + 1
+    x.copy_(torch.arange(8.0, 16.0, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.tolist() == [float(2 * v + 1) for v in range(8, 16)]

@@ -55,3 +55,9 @@ def test_the_incremental_flow_figures_are_exported():
     assert _samples(text, "tts_flow_cache_fallbacks_total") == {labels: 2.0}
     assert _samples(text, "tts_flow_prompt_prefix_hits_total") == {labels: 40.0}
     assert _samples(text, "tts_flow_prompt_prefix_misses_total") == {labels: 3.0}
+
+
+def test_graph_captures_are_exported():
+    text = IngressMetrics("ingress-a").render({"replica_id": "synth-1", "cuda_graph_captures_total": 412})
+    labels = (("ingress_replica", "ingress-a"), ("replica", "synth-1"))
+    assert _samples(text, "tts_cuda_graph_captures_total") == {labels: 412.0}
