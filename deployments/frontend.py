@@ -21,6 +21,7 @@ from cosyvoice_runtime.frontend.prompt_rules import CV3_SYSTEM_PROMPT, MODES, in
 from cosyvoice_runtime.frontend.voice_id import check_voice_id  # the one voice-id rule
 from deployments.compute import ComputeExecutor
 from deployments.model_source import ModelSource
+from deployments.observability import replica_id
 from deployments.options import DeploymentKnobs
 from deployments.protocol import (
     CosyVoiceError,
@@ -143,6 +144,11 @@ class TextFrontend:
             if portable is exc:
                 raise
             raise portable from None
+
+    async def ping(self) -> str:
+        """This replica's id: ``/health``'s probe that a frontend replica answers requests (and the
+        call that sets the ingress's handle up before a user's first request needs it)."""
+        return replica_id()
 
     def check_health(self) -> None:
         pass  # stateless CPU work: a replica that answers is healthy

@@ -70,3 +70,12 @@ class ReplicaMetrics:
             self._ex["waiting"].set(waiting)
             self._ex["util"].set(util_pct)
 
+
+def replica_id() -> str:
+    """The Serve replica this code runs in ("local" outside one: unit tests, in-process apps)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - whatever it raises, we are not in a replica
+        return "local"

@@ -49,7 +49,7 @@ from deployments.engine_loop import EngineLoop, TextSource, is_fatal
 from deployments.gpu_stats import DeviceProbe
 from deployments.housekeeping import IdleTrim, cap_malloc_arenas
 from deployments.model_source import ModelSource, replica_mode
-from deployments.observability import ReplicaMetrics
+from deployments.observability import ReplicaMetrics, replica_id
 from deployments.protocol import (
     AudioChunk,
     CosyVoiceError,
@@ -244,7 +244,7 @@ class Synthesizer:
         engine = self.loop.stats()
         allocated, total = self.probe.memory()
         return {
-            "replica_id": _replica_id(),
+            "replica_id": replica_id(),
             "engine": engine.__dict__,
             "step_batch_sizes": dict(Counter(self.loop.step_batch_sizes)),
             "token2wav_batch_sizes": dict(self.t2w_batch_sizes),
@@ -397,9 +397,3 @@ def _default_inbox() -> InboxClient:
         return LocalInbox()
     return ActorInbox.start()
 
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - outside a replica (unit tests)
-        return "local"

@@ -123,6 +123,8 @@ class TTSIngress:
         # Serve constructs the replica on its loop, else by the first /health).
         self.running_synthesizers = RunningReplicas("Synthesizer")
         self.running_synthesizers.start()
+        self.running_frontends = RunningReplicas("TextFrontend")
+        self.running_frontends.start()
 
     # Serve calls this on the replica after __init__ (late-bound ASGI app).
     def __serve_build_asgi_app__(self) -> Starlette:
@@ -332,6 +334,12 @@ class TTSIngress:
     async def health(self, request: Request) -> Response:
         """Readiness of the synthesizer replicas (sampled through the handle) and the frontend.
 
+        The frontend counts as ready when a replica answers a ping through the handle, or else when
+        Serve counts a running one (the same fallback as below). Without it, a service whose
+        frontend was still loading reported ready: on the 2-core VM (2026-12-05) the first request
+        after start then waited 1.0-1.3 s in its ``frontend`` stage for a replica whose own work
+        took 7 ms. The ping also sets the ingress's frontend handle up before any user request.
+
         NOTE: a probe is a handle call, so it queues behind synthesis requests: under overload
         the replicas answer late or not at all (measured, bench/results/ramp-cpu-2026-12-03.md:
         every probe failed for minutes while 2 req/s were offered to replicas completing ~0.8
@@ -350,13 +358,24 @@ class TTSIngress:
             del self._health_memory[rid]
         unreached = {rid: {**entry, "age_s": round(now - t, 1)} for rid, (t, entry) in self._health_memory.items()
                      if rid not in seen}
-        # Ready: no replica says otherwise, and one answered now or Serve counts running ones.
+        frontend_running = self.running_frontends.current()
+        frontend = await self._ping_frontend()
+        # Ready: no replica says otherwise, and one answered now or Serve counts running ones; the
+        # same for the frontend.
         ready = (all(r["ready"] for r in (*seen.values(), *unreached.values()))
-                 and (bool(seen) or ready_replicas > 0))
+                 and (bool(seen) or ready_replicas > 0) and (frontend is not None or frontend_running > 0))
         body = {"status": "ok" if ready else "unavailable", "synthesizer_replicas": seen,
                 "synthesizer_replicas_unreached": unreached, "synthesizer_running_replicas": ready_replicas,
-                "probes_failed": failed}
+                "probes_failed": failed,
+                "frontend": {"answered_by": frontend, "running_replicas": frontend_running}}
         return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def _ping_frontend(self) -> str | None:
+        """The id of the frontend replica that answered a ping, None when none did in time."""
+        try:
+            return await asyncio.wait_for(self.frontend.ping.remote(), self.cfg.health_timeout_s)
+        except Exception:  # noqa: BLE001 - busy, starting or gone: readiness falls back on Serve's count
+            return None
 
     async def _probe_synthesizers(self, running: int) -> tuple[dict[str, dict], int]:
         """Health answers by replica id, and how many probes failed.

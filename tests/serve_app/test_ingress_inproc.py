@@ -164,6 +164,35 @@ def test_health_keeps_answering_when_probes_cannot_reach_busy_replicas(monkeypat
     assert "local" in body["synthesizer_replicas"] and body["synthesizer_replicas_unreached"] == {}
 
 
+def test_health_is_not_ready_while_no_frontend_replica_answers_or_runs():
+    """A frontend still loading (its ping fails, Serve counts none running) makes /health 503 even
+    with the synthesizer ready; Serve's count alone keeps a busy frontend ready."""
+    frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
+    synth = Synthesizer(SynthesizerConfig(warmup=False), runtime_factory=fakes.fake_synthesis_runtime)
+    ingress = TTSIngress(IngressConfig(), FakeHandle(frontend), FakeHandle(synth))
+    app = ingress.__serve_build_asgi_app__()
+    running = {"n": 0}
+    ingress.running_frontends = RunningReplicas("TextFrontend", read=lambda name: running["n"])
+
+    async def get():
+        await ingress.running_frontends.refresh()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get("/health")
+
+    r = asyncio.run(get())
+    assert r.status_code == 200 and r.json()["frontend"] == {"answered_by": "local", "running_replicas": 0}
+
+    async def loading():
+        raise RuntimeError("replica not started")
+
+    frontend.ping = loading
+    r = asyncio.run(get())
+    assert r.status_code == 503 and r.json()["frontend"] == {"answered_by": None, "running_replicas": 0}
+    assert r.json()["synthesizer_replicas"]["local"]["ready"]  # the synthesizer was fine all along
+    running["n"] = 1  # busy, not gone: Serve counts it running
+    assert asyncio.run(get()).status_code == 200
+
+
 def test_health_probes_again_until_every_running_replica_answered():
     """The handle picks the replica of each probe; a round can miss one. Idle, /health sends more
     rounds until every replica Serve counts as running answered; a failed probe stops the rounds."""
