@@ -8,6 +8,8 @@ utterance-length mix, doubling then bisection), the two targets in ``bench/capac
     python -m bench.capacity --level replica --modes pytorch-bf16-allgraphs-early-edf --out bench/results
     # whole Serve application over HTTP (ingress, frontend, synthesizer) from a config
     FAST_COSY_MODEL_DIR=/tmp/cv2-full python -m bench.capacity --level serve --config configs/single-gpu.yaml
+    # the config's frontend and synthesizer objects in this process: no Ray, no HTTP (what those cost)
+    FAST_COSY_MODEL_DIR=/tmp/cv2-full python -m bench.capacity --level synth --config configs/single-gpu.yaml
 
 Writes ``capacity-<level>-<device>-<date>[-tag].{md,json}`` with plots (first audio and underruns
 against load, GPU utilisation against load), rewritten after every probe so a run cut short keeps
@@ -21,20 +23,27 @@ import datetime as dt
 import json
 import logging
 import math
+import os
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import torch
+import yaml
 
 from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import write_report
-from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, SimTarget, counter_deltas
+from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, InProcessTarget, SimTarget, counter_deltas
 from bench.gpu_bench import make_model, make_voice, mode_setup
-from bench.load import register_voices
+from bench.load import register_voices, synthetic_prompt_wav
 from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
 from bench.report import _slug
 from bench.soak import start_local, wait_idle
+from deployments.frontend import TextFrontend
+from deployments.model_source import ModelSource
+from deployments.synthesizer import Synthesizer
+from serve_app.args import AppArgs, application_of
 
 logger = logging.getLogger("bench.capacity")
 DEFAULT_MIX = "40:1-3,40:3-8,20:8-20"
@@ -122,10 +131,43 @@ def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
     _searches(args, run, Path(args.config).stem, HttpTarget(url, voice), sampler, settle=settle)
 
 
+def run_synth(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
+    """The config's frontend and synthesizer in this process (:class:`InProcessTarget`)."""
+    app = AppArgs.from_file(args.config)
+    source = ModelSource(app.synthesizer.model_dir or app.frontend.model_dir or app.model_dir, app.tiny_family)
+    frontend_cfg = app.frontend.model_copy(update={"voices_dir": tempfile.mkdtemp(prefix="capacity-voices-")})
+
+    async def make():
+        return TextFrontend(frontend_cfg, source), Synthesizer(app.synthesizer, source)
+
+    target = InProcessTarget(make, "capacity0")
+    try:
+        if target.synth.stepped is None:  # Serve's batch queue needs a replica around it
+            raise ValueError("--level synth needs token2wav.scheduler steps (the CUDA default); the batch "
+                             "scheduler's @serve.batch runs only inside Serve")
+        target.register(synthetic_prompt_wav(PROMPT_SPEECH / TOKENS_PER_S), "Prompt number 0.")
+        run.model, run.random_weights = describe_served({"mode": target.synth.mode,
+                                                         "runtime": target.synth.runtime.details})
+        _searches(args, run, Path(args.config).stem + "-in-process", target, sampler)
+    finally:
+        target.close()
+
+
+def config_env(config: Path) -> dict[str, str]:
+    """The env vars a Serve config gives its replicas (``runtime_env.env_vars``)."""
+    app = application_of(yaml.safe_load(config.read_text()))
+    return {k: str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
+
+
 def served_model(url: str) -> tuple[str, bool]:
     """What the service's synthesizer loaded, from its /health: a description, random weights."""
     replicas = httpx.get(f"{url}/health", timeout=30).json().get("synthesizer_replicas") or {}
-    info = next(iter(replicas.values()), {})
+    return describe_served(next(iter(replicas.values()), {}))
+
+
+def describe_served(info: dict) -> tuple[str, bool]:
+    """A description of what a synthesizer loaded (its /health entry: ``mode``, ``runtime``) and
+    whether its weights are random."""
     rt = info.get("runtime") or {}
     random = bool(rt.get("random_weights"))
     parts = [str(rt.get("family", "family not reported"))]
@@ -182,7 +224,7 @@ def update_latest(run: Run) -> dict:
     at_cap = next((p for p in best["probes"] if p["load"] == best["capacity"]), {})
     one = [p for s in run.searches if s["mode"] == best["mode"] for p in s["probes"] if p["load"] == 1
            and s["kind"] != "rate"]
-    key = "slo_streams" if run.args.level == "replica" else "slo_streams_serve"
+    key = {"replica": "slo_streams", "serve": "slo_streams_serve", "synth": "slo_streams_in_process"}[run.args.level]
     update = {key: best["capacity"], f"{key}_mode": best["mode"], "device": run.device, "date": run.date,
               "workload": run.workload(), f"capacity_report_{run.args.level}": f"{run.stem}.md"}
     if run.args.level == "replica":
@@ -192,7 +234,8 @@ def update_latest(run: Run) -> dict:
         if rates:
             update["slo_rate_rps"] = rates[0]["capacity"]
     else:
-        update["ttfb_p50_ms_c1_serve"] = one[0]["ttfa_p50_ms"] if one else None
+        update[f"ttfb_p50_ms_c1_{'serve' if run.args.level == 'serve' else 'in_process'}"] = (
+            one[0]["ttfa_p50_ms"] if one else None)
     latest.update(update)
     path.write_text(json.dumps(latest, indent=1, default=str))
     return latest
@@ -200,12 +243,13 @@ def update_latest(run: Run) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--level", choices=["replica", "serve"], default="replica")
+    ap.add_argument("--level", choices=["replica", "serve", "synth"], default="replica",
+                    help="synth: the config's frontend and synthesizer in this process, without Ray or HTTP")
     ap.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice3"])
     ap.add_argument("--size", default="full", choices=["full", "tiny"], help="replica level: model size")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--modes", default="pytorch-bf16-allgraphs-early-edf", help="replica level: gpu_bench modes")
-    ap.add_argument("--config", default="configs/single-gpu.yaml", help="serve level: the Serve config")
+    ap.add_argument("--config", default="configs/single-gpu.yaml", help="serve and synth levels: the Serve config")
     ap.add_argument("--num-cpus", type=float, default=16, help="serve level: CPUs given to local Ray")
     ap.add_argument("--mix", default=DEFAULT_MIX, help="utterance lengths, WEIGHT:LO-HI seconds, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
@@ -231,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.level == "synth":  # as the replicas get them, before CUDA reads its allocator settings
+        for key, value in config_env(Path(args.config)).items():
+            os.environ.setdefault(key, value)
     torch.backends.cuda.matmul.allow_tf32 = False
     work = Workload(Mix.parse(args.mix), seed=args.seed, window_s=args.window_s, ramp_s=args.ramp_s)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -238,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     sampler = GpuSampler() if torch.cuda.is_available() else None
     t0 = time.perf_counter()
     try:
-        (run_replica if args.level == "replica" else run_serve)(args, run, sampler)
+        {"replica": run_replica, "serve": run_serve, "synth": run_synth}[args.level](args, run, sampler)
     finally:
         if sampler:
             sampler.close()

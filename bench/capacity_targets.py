@@ -10,14 +10,18 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import random
 import ssl
 import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
+import soundfile as sf
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,7 +29,8 @@ from bench.metrics import RequestTrace, percentile
 from bench.replica_sim import ReplicaSim
 from cosyvoice_runtime.graph_capture import captured_total
 from cosyvoice_runtime.voice_prompt import VoicePrompt
-from serve_app.stage_timing import parse_server_timing
+from deployments.protocol import SynthesisRequest
+from serve_app.stage_timing import first_audio_stages, parse_server_timing
 
 PCM_RATE = 24000
 TOKENS_PER_S = 25  # speech tokens per second of audio (both families)
@@ -212,6 +217,65 @@ class HttpTarget:
                 if sample.name in served:
                     out[served[sample.name]] += sample.value
         return out
+
+
+class InProcessTarget:
+    """The service's own frontend and synthesizer objects in this process, without Ray or HTTP
+    (``--level synth``). Beside ``--level serve`` at the same load it separates what Ray's hops
+    and the HTTP path cost from what the deployments' code does. Both objects live on an event
+    loop thread of their own for the whole run, as in a replica; a probe's loop awaits them (the
+    load generator shares their process and GIL, a small share: no HTTP, no audio encoding).
+
+    Args:
+        make: a coroutine function returning ``(frontend, synthesizer)``, run on that loop (their
+            constructors see a running loop, as in Serve).
+        voice: the registered voice the requests use (see :meth:`register`).
+    """
+
+    def __init__(self, make: Callable[[], Awaitable[tuple[Any, Any]]], voice: str) -> None:
+        self.voice = voice
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="synth-level-loop", daemon=True).start()
+        self.frontend, self.synth = self.call(make())
+
+    def call(self, coro) -> Any:
+        """Run ``coro`` on the target's loop and wait for it (set-up, from outside any loop)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def register(self, prompt_wav: bytes, prompt_text: str) -> None:
+        audio, rate = sf.read(io.BytesIO(prompt_wav), dtype="float32")
+        self.call(self.frontend.register_voice(self.voice, prompt_text, audio, rate, True))
+
+    async def synthesize(self, rid: str, audio_s: float, submitted_s: float) -> RequestTrace:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._one(rid, audio_s, submitted_s),
+                                                                          self.loop))
+
+    async def _one(self, rid: str, audio_s: float, submitted_s: float) -> RequestTrace:
+        trace = RequestTrace(submitted_s=submitted_s)
+        req = SynthesisRequest(request_id=rid, text=text_for(audio_s, random.Random(rid)), voice_id=self.voice,
+                               stream=True)
+        try:  # the ingress's path (serve_app.ingress._synthesize), its handle calls made directly
+            started = time.perf_counter()
+            prepared = await self.frontend.prepare(req)
+            prepared_at = time.perf_counter()
+            async for chunk in self.synth.synthesize(prepared):
+                now = time.perf_counter()
+                if not trace.chunk_times_s:
+                    trace.sample_rate = chunk.sample_rate
+                    trace.stages_ms = first_audio_stages(started, prepared_at, now, chunk)
+                if chunk.samples.size:
+                    trace.add_chunk(now, chunk.samples.size)
+        except Exception as exc:  # noqa: BLE001 - a failed request is a probe's result, not the tool's end
+            trace.error = f"{type(exc).__name__}: {exc}"
+        if trace.error is None and not trace.chunk_times_s:
+            trace.error = "no audio"
+        return trace
+
+    async def counters(self) -> dict[str, float]:
+        return {"graph_captures": float(captured_total())}
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

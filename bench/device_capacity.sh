@@ -3,9 +3,10 @@
 # .carry/site312.tar.xz (bench/carry_bundle.sh) and the run's `carry: [".carry"]`: the serve level
 # needs Ray Serve from it, both levels pydantic (H200 2026-12-05: the replica level failed
 # without it). Results are packed into $OUT/capacity.tgz after every step (a run returns at most
-# 8 files). The whole call must end inside 600 s: REPLICA_S + SERVE_S + ~40 s.
+# 8 files). The whole call must end inside 600 s: REPLICA_S + SYNTH_S + SERVE_S + ~40 s.
 #   REPLICA_S=500 MODES=pytorch-bf16-allgraphs-early-edf,pytorch-bf16-allgraphs-early-edf-prio bash bench/device_capacity.sh
 #   REPLICA_S=0 SERVE_S=520 bash bench/device_capacity.sh
+#   REPLICA_S=0 SYNTH_S=250 SERVE_S=300 ...: the config's deployments in-process first, then over Serve
 #   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call
 #   FAMILY=cosyvoice3 measures CosyVoice3 at both levels (default cosyvoice2)
 #   SERVE_PROXY=haproxy: the serve level behind HAProxy with direct ingress (RAY_SERVE_ENABLE_HA_PROXY=1)
@@ -33,10 +34,21 @@ if [ "${REPLICA_S:-0}" -gt 0 ]; then
   grep -E '"kind"|done in|Error|error' "$W/replica.log" | cut -c1-900 | tail -20
   pack
 fi
-if [ "${SERVE_S:-0}" -gt 0 ]; then
+full_model() {  # the full-size random-weight model directory of $FAMILY (serve and synth levels)
   F=${FAMILY:-cosyvoice2}
-  python3 -m cosyvoice_runtime.tiny_model --size full --family "$F" --out "/tmp/$F-full" > /dev/null 2>&1 \
-    || echo "full-size $F model: failed"
+  [ -d "/tmp/$F-full" ] || python3 -m cosyvoice_runtime.tiny_model --size full --family "$F" --out "/tmp/$F-full" \
+    > /dev/null 2>&1 || echo "full-size $F model: failed"
+}
+if [ "${SYNTH_S:-0}" -gt 0 ]; then  # the config's frontend + synthesizer in this process: no Ray, no HTTP
+  full_model
+  FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$SYNTH_S" python3 -m bench.capacity --level synth --family "$F" \
+    --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" ${TAG:+--tag "$TAG"} ${CAP_ARGS:-} 2>&1 \
+    | grep -v Warning > "$W/synth.log"
+  grep -E '"kind"|done in|Error|error' "$W/synth.log" | cut -c1-900 | tail -20
+  pack
+fi
+if [ "${SERVE_S:-0}" -gt 0 ]; then
+  full_model
   [ "${SERVE_PROXY:-}" = haproxy ] && export RAY_SERVE_ENABLE_HA_PROXY=1
   FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$SERVE_S" python3 -m bench.capacity --level serve --family "$F" \
     --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" ${TAG:+--tag "$TAG"} ${CAP_ARGS:-} 2>&1 \

@@ -9,6 +9,7 @@ import itertools
 import json
 import random
 import selectors
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -23,6 +24,8 @@ from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, o
 from bench.capacity_report import _stage_table
 from bench.capacity_targets import HttpTarget, SimTarget, counter_deltas, text_for
 from bench.metrics import RequestTrace
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SLO = Slo()
 
@@ -257,6 +260,35 @@ def test_text_for_asks_the_random_model_for_about_the_drawn_length():
     rng = random.Random(0)
     assert len(text_for(8.0, rng)) == 10 and len(text_for(0.1, rng)) == 2
     assert not set(text_for(20.0, rng)) & set("thearinos")  # no letter that starts a tiny-tokenizer merge
+
+
+def _local_config(tmp_path, scheduler: str):
+    text = (ROOT / "configs/local.yaml").read_text()
+    assert "token2wav: {max_batch_size: 4, batch_wait_timeout_s: 0.005}" in text
+    path = tmp_path / f"local-{scheduler}.yaml"
+    path.write_text(text.replace("batch_wait_timeout_s: 0.005}", f"batch_wait_timeout_s: 0.005, scheduler: {scheduler}}}"))
+    return path
+
+
+def test_in_process_level_runs_the_configs_deployments_without_ray(tmp_path):
+    """--level synth: the config's frontend and synthesizer objects in this process, requests
+    through the ingress's path (prepare, then the synthesizer's stream), first audio by stage."""
+    main(["--level", "synth", "--config", str(_local_config(tmp_path, "steps")), "--window-s", "2", "--ramp-s", "0.2",
+          "--start", "1", "--max-sessions", "1", "--c1-window-s", "1", "--no-open-loop", "--mix", "1:1-2",
+          "--ttfa-ms", "60000", "--out", str(tmp_path)])
+    doc = json.loads(next(tmp_path.glob("capacity-synth-cpu-*.json")).read_text())
+    assert doc["workload"]["level"] == "synth"
+    assert doc["workload"]["model"].startswith("cosyvoice2, ") and "token2wav scheduler steps" in doc["workload"]["model"]
+    probe = doc["searches"][0]["probes"][0]
+    assert doc["searches"][0]["mode"] == "local-steps-in-process" and probe["requests"] >= 1
+    assert probe["graph_captures"] == 0  # no CUDA here
+    stages = probe["stages_ms"]
+    assert {"frontend", "llm-first-token", "token2wav", "t2w-queue", "t2w-solve", "t2w-return"} <= set(stages)
+
+
+def test_in_process_level_refuses_the_batch_scheduler(tmp_path):
+    with pytest.raises(ValueError, match="needs token2wav.scheduler steps"):
+        main(["--level", "synth", "--config", str(_local_config(tmp_path, "batch")), "--out", str(tmp_path)])
 
 
 def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
