@@ -352,14 +352,14 @@ class TTSIngress:
         """
         now = time.monotonic()
         ready_replicas = self.running_synthesizers.current()  # cached: no controller call on the loop
-        seen, failed = await self._probe_synthesizers(ready_replicas)
+        frontend_running = self.running_frontends.current()
+        # side by side: a busy frontend's late answer does not add to the synthesizers' probes
+        (seen, failed), frontend = await asyncio.gather(self._probe_synthesizers(ready_replicas), self._ping_frontend())
         self._health_memory.update({rid: (now, entry) for rid, entry in seen.items()})
         for rid in [rid for rid, (t, _) in self._health_memory.items() if now - t > HEALTH_MEMORY_S]:
             del self._health_memory[rid]
         unreached = {rid: {**entry, "age_s": round(now - t, 1)} for rid, (t, entry) in self._health_memory.items()
                      if rid not in seen}
-        frontend_running = self.running_frontends.current()
-        frontend = await self._ping_frontend()
         # Ready: no replica says otherwise, and one answered now or Serve counts running ones; the
         # same for the frontend.
         ready = (all(r["ready"] for r in (*seen.values(), *unreached.values()))
