@@ -275,19 +275,22 @@ def streamed_flow(configured: str, device) -> str:
 FLOW_CACHE_FREE_SHARE = 0.5  # the flow caches may fill at most this share of the GPU memory free after start
 
 
-def flow_cache_budget(configured: int, device) -> int:
-    """``token2wav.flow_cache_bytes``, held under half the GPU memory free now (CUDA; call it once
-    the weights, the KV cache and the graphs are allocated): the default 16 GiB fits an H200, not
-    what is left of an RTX 5090's 32 GiB."""
+def flow_cache_budget(configured: int, device, max_mem_gb: float | None = None) -> int:
+    """``token2wav.flow_cache_bytes``, held under half the GPU memory free now and, with
+    ``max_mem_gb`` (replicas sharing a GPU), under what of that budget the replica has not taken
+    yet (CUDA; call it once the weights, the KV cache and the graphs are allocated): the default
+    16 GiB fits an H200, not what is left of an RTX 5090's 32 GiB."""
     if not str(device).startswith("cuda"):
         return configured
     import torch
 
     free, _ = torch.cuda.mem_get_info(device)
     budget = min(configured, int(free * FLOW_CACHE_FREE_SHARE))
+    if max_mem_gb is not None:
+        budget = min(budget, max(0, int(max_mem_gb * 2**30) - torch.cuda.memory_reserved(device)))
     if budget < configured:
-        logger.info("flow cache budget %.1f GiB (half the %.1f GiB free), not the configured %.1f GiB",
-                    budget / 2**30, free / 2**30, configured / 2**30)
+        logger.info("flow cache budget %.1f GiB (%.1f GiB free on the GPU, max_mem_gb %s), not the configured %.1f GiB",
+                    budget / 2**30, free / 2**30, max_mem_gb, configured / 2**30)
     return budget
 
 
@@ -378,7 +381,8 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
         token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first, cv3_vocoder=cfg.token2wav.cv3_vocoder,
                                    cv2_flow=cv2_flow, prompt_cache_bytes=cfg.token2wav.cv2_prompt_cache_bytes,
                                    cv3_flow=cv3_flow,
-                                   flow_cache_bytes=flow_cache_budget(cfg.token2wav.flow_cache_bytes, device)),
+                                   flow_cache_bytes=flow_cache_budget(cfg.token2wav.flow_cache_bytes, device,
+                                                                      cfg.max_mem_gb)),
         device=str(device), graph_captures=captured_total,
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
                  "t2w_scheduler": scheduler, "flow": flow,

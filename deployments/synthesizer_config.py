@@ -52,7 +52,7 @@ class Token2WavBatchConfig(StrictModel):
     # a 10 s CosyVoice2 answer after a 3.5 s prompt in bf16); a stream that would grow them past it
     # drops its cache and is recomputed from then on (same audio) instead of the replica running out
     # of GPU memory. A CUDA replica also holds it under half the GPU memory free once it has started
-    # (an RTX 5090 has 32 GiB for everything).
+    # (an RTX 5090 has 32 GiB for everything) and, with max_mem_gb, under what of that it has left.
     flow_cache_bytes: int = Field(16 * 1024**3, ge=0)
     # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
     # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole

@@ -52,7 +52,7 @@ def test_without_the_incremental_flow_every_figure_is_zero():
     assert rt.flow_stats() == dict.fromkeys(FLOW_STATS, 0.0)
 
 
-def test_the_flow_cache_budget_stays_under_half_the_free_gpu_memory(monkeypatch, caplog):
+def test_the_flow_cache_budget_stays_under_half_the_free_gpu_memory_and_the_replicas_budget(monkeypatch, caplog):
     gib = 1 << 30
     free = {"bytes": 40 * gib}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 141 * gib))
@@ -60,5 +60,9 @@ def test_the_flow_cache_budget_stays_under_half_the_free_gpu_memory(monkeypatch,
     free["bytes"] = 20 * gib  # what an RTX 5090 may have left
     with caplog.at_level("INFO", logger=runtime_adapter.__name__):
         assert flow_cache_budget(16 * gib, "cuda:0") == 10 * gib
-    assert "half the 20.0 GiB free" in caplog.text
+    assert "flow cache budget 10.0 GiB (20.0 GiB free on the GPU" in caplog.text
     assert flow_cache_budget(16 * gib, "cpu") == 16 * gib  # host memory: the configured budget
+    # two replicas on one GPU, each with max_mem_gb 14: this one holds 9 GiB already
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 9 * gib)
+    assert flow_cache_budget(16 * gib, "cuda:0", max_mem_gb=14) == 5 * gib
+    assert flow_cache_budget(16 * gib, "cuda:0", max_mem_gb=8) == 0  # over its budget already: no cache
