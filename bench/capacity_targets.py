@@ -275,6 +275,14 @@ class InProcessTarget:
         return {"graph_captures": float(captured_total())}
 
     def close(self) -> None:
+        """Cancel what still runs on the target's loop (the synthesizer's background tasks), then stop it."""
+        async def cancel_rest():
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        self.call(cancel_rest())
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
