@@ -12,9 +12,9 @@
 #   BENCH_ARGS="--debug cosyvoice_runtime" adds flags to bench/gpu_bench.py (here: a line per captured graph)
 set -u
 export PYTHONPATH=$PWD
-# The GPU tests load the parity models, which live beside the checkout (../shared/parity) and do
+# The GPU tests load the parity fixtures, which live beside the checkout (../shared/parity) and do
 # not travel: `bench/carry_bundle.sh --parity` copies them into .carry-parity, carried with
-# `carry: [".carry-parity"]` (16 MB; with .carry's 55 MB it would pass the 64 MiB a call takes).
+# `carry: [".carry-parity"]` (23 MB; with .carry's 55 MB it would pass the 64 MiB a call takes).
 [ -d .carry-parity ] && export COSYVOICE_PARITY_DIR=$PWD/.carry-parity
 W=/tmp/work
 mkdir -p "$W"
