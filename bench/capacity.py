@@ -41,7 +41,6 @@ from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
 from bench.report import _slug
 from bench.soak import start_local, wait_idle
 from deployments.frontend import TextFrontend
-from deployments.model_source import ModelSource
 from deployments.synthesizer import Synthesizer
 from serve_app.args import AppArgs, application_of
 
@@ -134,7 +133,7 @@ def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
 def run_synth(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
     """The config's frontend and synthesizer in this process (:class:`InProcessTarget`)."""
     app = AppArgs.from_file(args.config)
-    source = ModelSource(app.synthesizer.model_dir or app.frontend.model_dir or app.model_dir, app.tiny_family)
+    source = app.model_source()
     frontend_cfg = app.frontend.model_copy(update={"voices_dir": tempfile.mkdtemp(prefix="capacity-voices-")})
 
     async def make():

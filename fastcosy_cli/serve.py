@@ -118,7 +118,7 @@ def apply_overrides(cfg: LoadedConfig, host: str | None, port: int | None, model
 
 def _served_family(cfg: LoadedConfig) -> str:
     args = cfg.args
-    model_dir = args.synthesizer.model_dir or args.frontend.model_dir or args.model_dir
+    model_dir = args.configured_model_dir
     if model_dir:
         from pathlib import Path
 
@@ -137,7 +137,7 @@ def usage_banner(cfg: LoadedConfig) -> str:
     base = f"http://{host}:{http.get('port', 8000)}{prefix}"
     args = cfg.args
     model = args.ingress.model_names[0] if args.ingress.model_names else _served_family(cfg)
-    tiny = not (args.synthesizer.model_dir or args.frontend.model_dir or args.model_dir)
+    tiny = not args.configured_model_dir
     body = f'{{"model": "{model}", "input": "{EXAMPLE_TEXT}", "voice": "{EXAMPLE_VOICE}", "response_format": "wav"}}'
     lines = [f"FastCosyVoice is serving at {base}"]
     if tiny:

@@ -16,7 +16,6 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.frontend import TextFrontend
-from deployments.model_source import ModelSource
 from deployments.synthesizer import Synthesizer
 from serve_app.args import AppArgs
 from serve_app.ingress import TTSIngress
@@ -28,14 +27,12 @@ def build_app(args: AppArgs) -> Application:
     """Bind the three deployments with options computed from ``args``."""
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(args)
-    # Replicas resolve the directory on their own node (the tiny default is generated there).
-    model_dir = args.synthesizer.model_dir or args.frontend.model_dir or args.model_dir
     frontend_opts = TextFrontend.deployment_options(args.frontend)
     synth_opts = Synthesizer.deployment_options(args.synthesizer)
     ingress_opts = TTSIngress.deployment_options(args.ingress)
     for opts in (ingress_opts, frontend_opts, synth_opts):
         logger.info("deployment options: %s", opts)
-    source = ModelSource(model_dir, args.tiny_family)
+    source = args.model_source()  # resolved on each replica's node (the tiny default is generated there)
     frontend = serve.deployment(TextFrontend, **frontend_opts).bind(args.frontend, source)
     synthesizer = serve.deployment(Synthesizer, **synth_opts).bind(args.synthesizer, source)
     ingress_cfg = args.ingress

@@ -14,6 +14,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from deployments.frontend import FrontendConfig
+from deployments.model_source import ModelSource
 from deployments.options import StrictModel
 from deployments.synthesizer_config import SynthesizerConfig
 from serve_app.ingress import IngressConfig
@@ -43,6 +44,16 @@ class AppArgs(StrictModel):
         if fm and sm and fm != sm:
             raise ValueError("frontend.model_dir and synthesizer.model_dir must name the same model")
         return self
+
+    @property
+    def configured_model_dir(self) -> str | None:
+        """The model directory the config names (the synthesizer's, the frontend's, then the app's);
+        None: the replicas fall back to ``$FAST_COSY_MODEL_DIR``, then the tiny model."""
+        return self.synthesizer.model_dir or self.frontend.model_dir or self.model_dir
+
+    def model_source(self) -> ModelSource:
+        """Where every replica of this app finds its model (resolved on the replica's own node)."""
+        return ModelSource(self.configured_model_dir, self.tiny_family)
 
     @classmethod
     def from_file(cls, path: str | Path, app_name: str | None = None) -> AppArgs:

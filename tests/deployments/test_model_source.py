@@ -54,3 +54,15 @@ def test_doctor_fails_a_config_that_would_refuse_to_start():
 
     assert check_model_dir(Environment(model_dir=None, tiny_allowed=False)).status is Status.FAIL
     assert check_model_dir(Environment(model_dir=None, tiny_allowed=True)).status is Status.WARN
+
+
+def test_app_args_name_one_model_for_every_replica(no_model_env):
+    from serve_app.args import AppArgs
+
+    app = {"model_dir": "/models/app", "tiny_family": "cosyvoice3"}
+    assert AppArgs.model_validate(app).model_source().resolve().as_posix() == "/models/app"
+    both = {**app, "frontend": {"model_dir": "/models/f"}, "synthesizer": {"model_dir": "/models/f"}}
+    assert AppArgs.model_validate(both).model_source().resolve().as_posix() == "/models/f"
+    tiny = AppArgs.model_validate({"tiny_family": "cosyvoice3"})
+    assert tiny.configured_model_dir is None
+    assert tiny.model_source().resolve() == no_model_env / "tiny-cosyvoice3"
