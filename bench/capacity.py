@@ -39,7 +39,7 @@ from bench.gpu_bench import make_model, make_voice, mode_setup
 from bench.load import register_voices, synthetic_prompt_wav
 from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
 from bench.report import _slug
-from bench.soak import start_local, wait_idle
+from bench.soak import config_env, start_local, wait_idle
 from deployments.frontend import TextFrontend
 from deployments.synthesizer import Synthesizer
 from serve_app.args import AppArgs, application_of
@@ -150,12 +150,6 @@ def run_synth(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
         _searches(args, run, Path(args.config).stem + "-in-process", target, sampler)
     finally:
         target.close()
-
-
-def config_env(config: Path) -> dict[str, str]:
-    """The env vars a Serve config gives its replicas (``runtime_env.env_vars``)."""
-    app = application_of(yaml.safe_load(config.read_text()))
-    return {k: str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
 
 
 def served_model(url: str) -> tuple[str, bool]:
@@ -275,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.level == "synth":  # as the replicas get them, before CUDA reads its allocator settings
-        for key, value in config_env(Path(args.config)).items():
+        for key, value in config_env(application_of(yaml.safe_load(Path(args.config).read_text()))).items():
             os.environ.setdefault(key, value)
     torch.backends.cuda.matmul.allow_tf32 = False
     work = Workload(Mix.parse(args.mix), seed=args.seed, window_s=args.window_s, ramp_s=args.ramp_s)

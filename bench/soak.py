@@ -296,6 +296,11 @@ def write_result(result: dict[str, Any], stem: str | Path | None = None) -> tupl
 
 
 # ---------------------------------------------------------------------------------- local app
+def config_env(app: dict[str, Any]) -> dict[str, str]:
+    """The env vars a Serve config's application gives its replicas (``runtime_env.env_vars``)."""
+    return {k: str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
+
+
 def start_local(config: Path = DEFAULT_CONFIG, voices_dir: str | None = None, num_cpus: float = 4) -> str:
     """In-process Ray + Serve running the config's app on a free loopback port; returns its URL."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -312,7 +317,7 @@ def start_local(config: Path = DEFAULT_CONFIG, voices_dir: str | None = None, nu
     raw = dict(app.get("args") or {})
     raw["frontend"] = {**(raw.get("frontend") or {}), "voices_dir": voices_dir or tempfile.mkdtemp(prefix="soak-voices-")}
     args = AppArgs.model_validate(raw)
-    env = {"RAY_AUTH_MODE": "disabled", **((app.get("runtime_env") or {}).get("env_vars") or {})}
+    env = {"RAY_AUTH_MODE": "disabled", **config_env(app)}
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace="soak",
              runtime_env={"env_vars": env})
     with socket.socket() as s:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import yaml
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
@@ -24,6 +25,8 @@ from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, o
 from bench.capacity_report import _stage_table
 from bench.capacity_targets import HttpTarget, SimTarget, counter_deltas, text_for
 from bench.metrics import RequestTrace
+from bench.soak import config_env
+from serve_app.args import application_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -284,6 +287,12 @@ def test_in_process_level_runs_the_configs_deployments_without_ray(tmp_path):
     assert probe["graph_captures"] == 0  # no CUDA here
     stages = probe["stages_ms"]
     assert {"frontend", "llm-first-token", "token2wav", "t2w-queue", "t2w-solve", "t2w-return"} <= set(stages)
+
+
+def test_the_in_process_level_and_local_serve_give_the_configs_replica_env():
+    app = application_of(yaml.safe_load(Path("configs/single-gpu.yaml").read_text()))
+    assert config_env(app) == {"OMP_NUM_THREADS": "2", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert config_env({"args": {}}) == {}
 
 
 def test_in_process_level_refuses_the_batch_scheduler(tmp_path):
