@@ -258,13 +258,16 @@ class InProcessTarget:
             started = time.perf_counter()
             prepared = await self.frontend.prepare(req)
             prepared_at = time.perf_counter()
+            stamped = None  # the synthesizer's first chunk carries the stage stamps
             async for chunk in self.synth.synthesize(prepared):
                 now = time.perf_counter()
+                stamped = stamped or chunk
+                if not chunk.samples.size:  # first audio is timed at a chunk with samples, as over HTTP
+                    continue
                 if not trace.chunk_times_s:
                     trace.sample_rate = chunk.sample_rate
-                    trace.stages_ms = first_audio_stages(started, prepared_at, now, chunk)
-                if chunk.samples.size:
-                    trace.add_chunk(now, chunk.samples.size)
+                    trace.stages_ms = first_audio_stages(started, prepared_at, now, stamped)
+                trace.add_chunk(now, chunk.samples.size)
         except Exception as exc:  # noqa: BLE001 - a failed request is a probe's result, not the tool's end
             trace.error = f"{type(exc).__name__}: {exc}"
         if trace.error is None and not trace.chunk_times_s:

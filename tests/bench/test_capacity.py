@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
 import yaml
 from starlette.applications import Starlette
@@ -20,12 +21,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from bench import capacity as capacity_mod
+from bench import capacity_targets as targets_mod
 from bench.capacity import Run, _searches, main, parse_args
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import _stage_table
-from bench.capacity_targets import HttpTarget, SimTarget, counter_deltas, text_for
+from bench.capacity_targets import HttpTarget, InProcessTarget, SimTarget, counter_deltas, text_for
 from bench.metrics import RequestTrace
 from bench.soak import config_env
+from deployments.protocol import AudioChunk
 from serve_app.args import application_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -287,6 +290,34 @@ def test_in_process_level_runs_the_configs_deployments_without_ray(tmp_path):
     assert probe["graph_captures"] == 0  # no CUDA here
     stages = probe["stages_ms"]
     assert {"frontend", "llm-first-token", "token2wav", "t2w-queue", "t2w-solve", "t2w-return"} <= set(stages)
+
+
+def test_in_process_first_audio_is_the_first_chunk_with_samples(monkeypatch):
+    """An empty stamped first chunk is not audio: first audio and the handoff are timed at the
+    chunk with samples, the synthesizer's stage stamps still read from the stamped one."""
+    class Frontend:
+        async def prepare(self, req):
+            return req
+
+    class Synth:
+        async def synthesize(self, prepared):
+            stamps = {"first_token": 10.0, "first_chunk_tokens": 20.0, "first_audio": 30.0}
+            yield AudioChunk(prepared.request_id, np.zeros(0, np.float32), 24000, 0, 0, timing=stamps)
+            yield AudioChunk(prepared.request_id, np.zeros(480, np.float32), 24000, 1, 0, is_last=True)
+
+    async def make():
+        return Frontend(), Synth()
+
+    ticks = iter([0.0, 1.0, 2.0, 5.0])  # started, prepared, the empty chunk, the chunk with audio
+    monkeypatch.setattr(targets_mod, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    target = InProcessTarget(make, "v")
+    try:
+        trace = target.call(target._one("r1", 1.0, 0.0))
+    finally:
+        target.close()
+    assert trace.error is None and trace.chunk_times_s == [5.0]
+    assert trace.stages_ms["first-audio"] == 5000.0 and trace.stages_ms["frontend"] == 1000.0
+    assert trace.stages_ms["token2wav"] == 10.0 and trace.stages_ms["handoff"] == 4000.0 - 30.0
 
 
 def test_the_in_process_level_and_local_serve_give_the_configs_replica_env():
