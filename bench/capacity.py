@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import gc
 import json
 import logging
 import math
@@ -35,12 +36,13 @@ import yaml
 from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import write_report
 from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, InProcessTarget, SimTarget, counter_deltas
-from bench.gpu_bench import make_model, make_voice, mode_setup
+from bench.gpu_bench import make_model, make_voice, mode_setup, parse_mode
 from bench.load import register_voices, synthetic_prompt_wav
 from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
 from bench.report import _slug
 from bench.soak import config_env, start_local, wait_idle
 from deployments.frontend import TextFrontend
+from deployments.python_gc import freeze_startup_heap
 from deployments.synthesizer import Synthesizer
 from serve_app.args import AppArgs, application_of
 
@@ -106,6 +108,8 @@ def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) 
         ReplicaSim(model, 4, 60, **sim_args).run(voice, text, 2, 2)  # warm-up: allocations, kernel choice
         sim = ReplicaSim(model, max_batch=args.max_batch, n_tokens=max_tokens,
                          max_text=math.ceil(run.work.mix.longest_s * 4) + 1, **sim_args)
+        if "gcfreeze" in parse_mode(mode)[2]:
+            freeze_startup_heap()
         sim.start()
         target = SimTarget(sim, voice)
         try:
@@ -116,6 +120,7 @@ def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) 
             run.write()
         finally:
             sim.close()
+            gc.unfreeze()  # the next mode's objects start collectable
 
 
 def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:

@@ -10,7 +10,8 @@ COLUMNS = (("load", "load", "{}"), ("requests", "requests", "{}"), ("ttfa_p50_ms
            ("throughput_x_realtime", "x real time", "{:.1f}"), ("gpu_util_pct", "GPU util %", "{:.0f}"),
            ("decode_step_ms_p50", "decode step p50 ms", "{:.1f}"), ("t2w_batch_ms_p50", "t2w batch p50 ms", "{:.1f}"),
            ("t2w_busy_fraction", "t2w busy", "{:.2f}"), ("flow_frames_per_audio_s", "flow frames per audio s", "{:.0f}"),
-           ("graph_captures", "graphs captured", "{:.0f}"),
+           ("graph_captures", "graphs captured", "{:.0f}"), ("gc_pause_ms", "GC pause ms", "{:.0f}"),
+           ("gc_slow", "GC pauses > 10 ms", "{:.0f}"), ("ingress_gc_pause_ms", "ingress GC pause ms", "{:.0f}"),
            ("meets_slo", "meets SLO", "{}"), ("aborted", "stopped", "{}"))
 
 

@@ -30,6 +30,7 @@ from bench.replica_sim import ReplicaSim
 from cosyvoice_runtime.graph_capture import captured_total
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 from deployments.protocol import SynthesisRequest
+from deployments.python_gc import SLOW_PAUSE_S, watched
 from serve_app.stage_timing import first_audio_stages, parse_server_timing
 
 PCM_RATE = 24000
@@ -75,7 +76,7 @@ class SimTarget:
 
     async def counters(self) -> dict[str, float]:
         """The replica's counters that a probe reports as its increments (see :func:`counter_deltas`)."""
-        return {"graph_captures": float(captured_total())}
+        return {"graph_captures": float(captured_total()), **gc_counters(watched().snapshot())}
 
     def _finish(self, rid: str, trace: RequestTrace) -> None:
         with self._lock:
@@ -210,13 +211,29 @@ class HttpTarget:
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, verify=self._tls,
                                      transport=self.transport) as client:
             text = (await client.get("/metrics")).text
-        served = {"tts_cuda_graph_captures_total": "graph_captures"}
-        out = dict.fromkeys(served.values(), 0.0)
+        gc_families = {"tts_gc_pause_seconds": "gc", "tts_ingress_gc_pause_seconds": "ingress_gc"}
+        out = {"graph_captures": 0.0}
         for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in served:
-                    out[served[sample.name]] += sample.value
+            out["graph_captures"] += sum(s.value for s in family.samples if s.name == "tts_cuda_graph_captures_total")
+            if family.name in gc_families:
+                out.update(gc_counters(_histogram_snapshot(family), prefix=gc_families[family.name]))
         return out
+
+
+def _histogram_snapshot(family) -> dict:
+    """A scraped GC pause histogram back in :meth:`GcPauses.snapshot`'s shape (summed over replicas)."""
+    by_gen: dict[str, dict] = {}
+    for sample in family.samples:
+        rec = by_gen.setdefault(sample.labels["generation"], {"count": 0.0, "seconds": 0.0, "slow": 0.0})
+        if sample.name.endswith("_count"):
+            rec["count"] += sample.value
+        elif sample.name.endswith("_sum"):
+            rec["seconds"] += sample.value
+        elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == SLOW_PAUSE_S:
+            rec["slow"] -= sample.value  # pauses <= the slow bound; the count is added below
+    for rec in by_gen.values():
+        rec["slow"] += rec["count"]
+    return {"by_generation": by_gen, "slow": sum(r["slow"] for r in by_gen.values())}
 
 
 class InProcessTarget:
@@ -275,7 +292,7 @@ class InProcessTarget:
         return trace
 
     async def counters(self) -> dict[str, float]:
-        return {"graph_captures": float(captured_total())}
+        return {"graph_captures": float(captured_total()), **gc_counters(watched().snapshot())}
 
     def close(self) -> None:
         """Cancel what still runs on the target's loop (the synthesizer's background tasks), then stop it."""
@@ -287,6 +304,15 @@ class InProcessTarget:
 
         self.call(cancel_rest())
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def gc_counters(snapshot: dict, prefix: str = "gc") -> dict[str, float]:
+    """Counters of the garbage collector's pauses (a :meth:`GcPauses.snapshot`): full collections,
+    pause time of every generation (ms), pauses longer than ``SLOW_PAUSE_S``."""
+    gens = snapshot["by_generation"]
+    return {f"{prefix}_full": float(gens.get("2", {}).get("count", 0)),
+            f"{prefix}_pause_ms": 1e3 * sum(g["seconds"] for g in gens.values()),
+            f"{prefix}_slow": float(snapshot["slow"])}
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

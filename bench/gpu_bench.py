@@ -133,7 +133,9 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
     earliest deadline first (:mod:`cosyvoice_runtime.flow.stepper`), so a first chunk joins at the next
     pass instead of waiting for a whole batch; with ``edf``'s slack; ``eagerprefill`` = new
     requests' prompts prefilled eagerly, not through the prefill CUDA graphs (the baseline of
-    :mod:`cosyvoice_runtime.llm.prefill_graph`)."""
+    :mod:`cosyvoice_runtime.llm.prefill_graph`), ``gcfreeze`` = (``bench/capacity.py``) the objects
+    alive after the mode's set-up and warm-up frozen out of the garbage collector's walks, as a
+    serving replica does (:mod:`deployments.python_gc`)."""
     _, _, extra = parse_mode(mode)
     switch = sys.getswitchinterval()
     if "fastswitch" in extra:
@@ -146,7 +148,7 @@ def bench_mode(base: CosyVoiceModel, mode: str, concurrencies: list[int], n_toke
 
 
 KNOWN_EXTRAS = {"graphs", "allgraphs", "llmgraphs", "early", "fastswitch", "edf", "llmcompile", "vinc", "prio",
-                "lenbatch", "express", "cvinc", "steps", "eagerprefill", "noprefix"}
+                "lenbatch", "express", "cvinc", "steps", "eagerprefill", "noprefix", "gcfreeze"}
 PROMPT_CACHE_BYTES = 1024**3  # the replica's default token2wav.cv2_prompt_cache_bytes
 LENGTH_RATIO = 1.5  # extra "lenbatch"
 

@@ -37,6 +37,7 @@ from deployments.protocol import (
     VoicePrompt,
     portable_error,
 )
+from deployments.python_gc import settle_replica
 from deployments.runtime_adapter import call_with_timeout
 from deployments.runtime_protocol import FrontendRuntime
 
@@ -86,6 +87,7 @@ class TextFrontend:
         factory, source = runtime_factory, source or ModelSource(cfg.model_dir)
         self.rt = call_with_timeout(lambda: factory(cfg, source), cfg.startup_timeout_s, "frontend runtime")
         self.compute = ComputeExecutor(cfg.threads, name="frontend")
+        settle_replica(cfg.gc_freeze)
         logger.info("frontend ready (%s) in %.1f s", self.rt.family, time.perf_counter() - started)
 
     # ---------------------------------------------------------------- handle API

@@ -110,6 +110,10 @@ class DeploymentKnobs(StrictModel):
     health_check_period_s: PositiveFloat = 10.0
     health_check_timeout_s: PositiveFloat = 30.0
     graceful_shutdown_timeout_s: PositiveFloat = 20.0
+    # Freeze the Python objects alive once the replica has started (model, runtime, graphs) out of
+    # the cyclic garbage collector's walks, whose full passes otherwise stop every thread of the
+    # replica for tens of ms (deployments.python_gc); false only to measure without it.
+    gc_freeze: bool = True
 
     @model_validator(mode="after")
     def _replicas(self) -> DeploymentKnobs:

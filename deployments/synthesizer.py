@@ -61,6 +61,7 @@ from deployments.protocol import (
     SynthesisResult,
     portable_error,
 )
+from deployments.python_gc import settle_replica
 from deployments.runtime_adapter import call_with_timeout, load_synthesis_runtime
 from deployments.runtime_protocol import SynthesisRuntime
 from deployments.synthesizer_config import SynthesizerConfig
@@ -150,8 +151,9 @@ class Synthesizer:
         self._token2wav.set_batch_wait_timeout_s(cfg.token2wav.batch_wait_timeout_s)
         if cfg.warmup:
             call_with_timeout(lambda: warm_up(self.runtime), cfg.startup_timeout_s, "synthesizer warmup")
-        logger.info("synthesizer ready on %s in %.1f s (model %s)", self.runtime.device,
-                    time.perf_counter() - started, source)
+        self.gc = settle_replica(cfg.gc_freeze)  # last: the model, warm-up and graphs are all made
+        logger.info("synthesizer ready on %s in %.1f s (model %s; %d objects frozen out of GC walks)",
+                    self.runtime.device, time.perf_counter() - started, source, self.gc.snapshot()["frozen"])
 
     # ---------------------------------------------------------------- handle API
     async def synthesize_bistream(self, req: PreparedRequest) -> AsyncIterator[BistreamTicket | AudioChunk]:
@@ -260,6 +262,7 @@ class Synthesizer:
             **self.runtime.token2wav.flow_stats(),
             "cuda_cache_releases": self.idle_trim.cuda_cache_releases,
             "cuda_graph_captures_total": self.runtime.graph_captures(),
+            "gc": self.gc.snapshot(),
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
             "sm_activity_pct": self.probe.sm_activity_pct(),
             "streams_in_flight": self._active,

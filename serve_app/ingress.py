@@ -46,6 +46,7 @@ from deployments.protocol import (
     SynthesisResult,
     VoiceInfo,
 )
+from deployments.python_gc import settle_replica
 from serve_app import playground
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, run_encoder
 from serve_app.auth import AuthConfig, auth_middleware
@@ -117,7 +118,7 @@ class TTSIngress:
         self.cfg = cfg
         self.frontend = frontend
         self.synth = synthesizer
-        self.metrics = IngressMetrics()
+        self.metrics = IngressMetrics(gc_pauses=settle_replica(cfg.gc_freeze))
         self._health_memory: dict[str, tuple[float, dict]] = {}  # replica id -> (monotonic time, last answer)
         # Serve's running count, read off the event loop by a background task (started here when
         # Serve constructs the replica on its loop, else by the first /health).

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from deployments import constants
+from deployments.python_gc import GcPauses
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -80,6 +81,30 @@ class _ReplicaSnapshotCollector:
         for name, key, doc in (("tts_token2wav_batch_size", "token2wav_batch_sizes", "Chunk jobs per flow+HiFT batch"),
                                ("tts_decode_batch_size", "step_batch_sizes", "Sequences per LLM decode step")):
             yield _histogram(name, doc, replica, snap.get(key) or {})
+        if snap.get("gc"):
+            yield gc_pause_histogram("tts_gc_pause_seconds", "Python garbage collector pauses of the synthesizer "
+                                     "replica by generation (every thread stops)", ["replica"], replica, snap["gc"])
+
+
+class _GcPauseCollector:
+    """This process's collector pauses (the ingress replica's own)."""
+
+    def __init__(self, pauses: GcPauses) -> None:
+        self.pauses = pauses
+
+    def collect(self):
+        yield gc_pause_histogram("tts_ingress_gc_pause_seconds", "Python garbage collector pauses of the "
+                                 "ingress replica by generation (its event loop stops)", [], [], self.pauses.snapshot())
+
+
+def gc_pause_histogram(name: str, doc: str, label_names: list[str], labels: list[str],
+                       gc_snapshot: dict) -> HistogramMetricFamily:
+    """A :meth:`deployments.python_gc.GcPauses.snapshot` as one histogram with a ``generation`` label."""
+    h = HistogramMetricFamily(name, doc, labels=[*label_names, "generation"])
+    for gen, rec in gc_snapshot["by_generation"].items():
+        buckets = [(str(float(b)), n) for b, n in zip(gc_snapshot["bounds"], rec["buckets"])]
+        h.add_metric([*labels, gen], [*buckets, ("+Inf", rec["count"])], sum_value=rec["seconds"])
+    return h
 
 
 def _histogram(name: str, doc: str, labels: list[str], counts: dict) -> HistogramMetricFamily:
@@ -120,9 +145,11 @@ class _Labelled:
 class IngressMetrics:
     """The ingress's registry. ``replica_id``: the ``ingress_replica`` label (None: asked of Serve)."""
 
-    def __init__(self, replica_id: str | None = None) -> None:
+    def __init__(self, replica_id: str | None = None, gc_pauses: GcPauses | None = None) -> None:
         self._replica_id = replica_id
         self.registry = CollectorRegistry()
+        if gc_pauses is not None:
+            self.registry.register(_GcPauseCollector(gc_pauses))
         self.requests = Counter("tts_http_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=self.registry)
         self.errors = Counter("tts_http_errors", "HTTP error responses by route and error type", ["route", "type"],

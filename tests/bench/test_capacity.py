@@ -5,6 +5,7 @@ come from the GPU lease)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import random
@@ -25,11 +26,13 @@ from bench import capacity_targets as targets_mod
 from bench.capacity import Run, _searches, main, parse_args
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import _stage_table
-from bench.capacity_targets import HttpTarget, InProcessTarget, SimTarget, counter_deltas, text_for
+from bench.capacity_targets import HttpTarget, InProcessTarget, SimTarget, counter_deltas, gc_counters, text_for
 from bench.metrics import RequestTrace
 from bench.soak import config_env
 from deployments.protocol import AudioChunk
+from deployments.python_gc import GcPauses
 from serve_app.args import application_of
+from serve_app.metrics import IngressMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -248,6 +251,26 @@ def test_http_target_sums_the_replicas_graph_captures_and_a_probe_reports_the_gr
     assert counter_deltas({"graph_captures": 400.0}, got) == {"graph_captures": 12.0}
 
 
+def test_http_target_reads_the_gc_pauses_of_the_synthesizer_and_the_ingress_from_metrics():
+    def pauses(*pairs):  # (generation, pause s) collections on a fake clock
+        now = [0.0]
+        rec = GcPauses(clock=lambda: now[0])
+        for gen, pause_s in pairs:
+            rec.callback("start", {"generation": gen})
+            now[0] += pause_s
+            rec.callback("stop", {"generation": gen})
+        return rec
+
+    synth = pauses((0, 0.002), (2, 0.08), (2, 0.005))
+    ingress = pauses((2, 0.03))
+    text = IngressMetrics("i", gc_pauses=ingress).render({"replica_id": "s", "gc": synth.snapshot()})
+    app = Starlette(routes=[Route("/metrics", lambda request: PlainTextResponse(text.decode()))])
+    got = asyncio.run(HttpTarget("http://test", "v", transport=httpx.ASGITransport(app=app)).counters())
+    assert got["gc_full"] == 2.0 and got["gc_slow"] == 1.0 and got["gc_pause_ms"] == pytest.approx(87.0)
+    assert got["ingress_gc_full"] == 1.0 and got["ingress_gc_slow"] == 1.0
+    assert got == {**got, **gc_counters(synth.snapshot()), **gc_counters(ingress.snapshot(), "ingress_gc")}
+
+
 def test_served_model_describes_what_the_health_endpoint_reports(monkeypatch):
     bodies = iter([
         {"synthesizer_replicas": {"r1": {"mode": "pytorch", "runtime": {
@@ -344,6 +367,7 @@ def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
     sessions = [s for s in doc["searches"] if s["kind"] == "sessions"]
     assert sessions and sessions[0]["probes"][0]["load"] == 1 and sessions[0]["probes"][0]["requests"] >= 1
     assert sessions[0]["probes"][0]["decode_step_ms_p50"] > 0  # the lane stats came from the sim
+    assert {"gc_full", "gc_pause_ms", "gc_slow"} <= set(sessions[0]["probes"][0])  # this process's collector
     assert latest["slo_streams"] == sessions[0]["capacity"] in (0, 1)
     assert latest["throughput_x_realtime"] == 1.5  # the throughput benchmark's keys are kept
     assert {"device", "date", "workload", "ttfb_p50_ms_c1"} <= set(latest)
@@ -355,6 +379,15 @@ def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
     for r in trace["requests"]:
         if r["first_audio"] is not None:
             assert r["submitted"] <= r["first_token"] <= r["first_job"] <= r["first_audio"]
+
+
+def test_replica_mode_gcfreeze_freezes_the_set_up_heap_for_its_searches_only(tmp_path, monkeypatch):
+    frozen = {}
+    monkeypatch.setattr(capacity_mod, "_searches", lambda args, run, mode, *rest: frozen.setdefault(
+        mode, gc.get_freeze_count()))
+    main(["--level", "replica", "--size", "tiny", "--device", "cpu", "--out", str(tmp_path),
+          "--modes", "pytorch-fp32-early-edf-steps-gcfreeze,pytorch-fp32-early-edf-steps"])
+    assert frozen["pytorch-fp32-early-edf-steps-gcfreeze"] > 0 and frozen["pytorch-fp32-early-edf-steps"] == 0
 
 
 def test_lane_stats_split_bulk_and_express_batches():

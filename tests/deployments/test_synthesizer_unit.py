@@ -55,6 +55,12 @@ def _synth(max_running: int = 4, overlap_stages: bool | None = None, **token2wav
     return s
 
 
+def test_a_started_replica_has_frozen_its_heap_and_reports_gc_pauses():
+    s = _synth()
+    snap = s.stats()["gc"]
+    assert snap["frozen"] > 0 and set(snap["by_generation"]) == {"0", "1", "2"}
+
+
 def test_streaming_chunks_follow_hop_schedule_and_cover_all_tokens():
     s = _synth()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from deployments.python_gc import GcPauses
 from serve_app.metrics import IngressMetrics
 
 
@@ -61,3 +62,19 @@ def test_graph_captures_are_exported():
     text = IngressMetrics("ingress-a").render({"replica_id": "synth-1", "cuda_graph_captures_total": 412})
     labels = (("ingress_replica", "ingress-a"), ("replica", "synth-1"))
     assert _samples(text, "tts_cuda_graph_captures_total") == {labels: 412.0}
+
+
+def test_gc_pauses_of_the_synthesizer_and_the_ingress_are_exported():
+    pauses = GcPauses(clock=iter([0.0, 0.04]).__next__)  # one 40 ms full collection at the ingress
+    pauses.callback("start", {"generation": 2})
+    pauses.callback("stop", {"generation": 2})
+    synth_gc = GcPauses(clock=lambda: 0.0).snapshot()
+    synth_gc["by_generation"]["1"] = {"count": 3, "seconds": 0.006, "buckets": [2] + [3] * 7}
+    text = IngressMetrics("ingress-a", gc_pauses=pauses).render({"replica_id": "synth-1", "gc": synth_gc})
+    synth = (("generation", "1"), ("ingress_replica", "ingress-a"), ("replica", "synth-1"))
+    assert _samples(text, "tts_gc_pause_seconds_count")[synth] == 3.0
+    assert _samples(text, "tts_gc_pause_seconds_bucket")[(("generation", "1"), ("ingress_replica", "ingress-a"),
+                                                          ("le", "0.001"), ("replica", "synth-1"))] == 2.0
+    ingress = _samples(text, "tts_ingress_gc_pause_seconds_bucket")
+    full = {dict(k)["le"]: v for k, v in ingress.items() if dict(k)["generation"] == "2"}
+    assert full["0.025"] == 0.0 and full["0.05"] == 1.0 and full["+Inf"] == 1.0
