@@ -276,6 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.level == "synth":  # as the replicas get them, before CUDA reads its allocator settings
         for key, value in config_env(application_of(yaml.safe_load(Path(args.config).read_text()))).items():
             os.environ.setdefault(key, value)
+        if os.environ.get("OMP_NUM_THREADS"):  # torch read it at import, before the config was known
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     torch.backends.cuda.matmul.allow_tf32 = False
     work = Workload(Mix.parse(args.mix), seed=args.seed, window_s=args.window_s, ramp_s=args.ramp_s)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

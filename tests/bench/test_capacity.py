@@ -299,9 +299,14 @@ def _local_config(tmp_path, scheduler: str):
     return path
 
 
-def test_in_process_level_runs_the_configs_deployments_without_ray(tmp_path):
+def test_in_process_level_runs_the_configs_deployments_without_ray(tmp_path, monkeypatch):
     """--level synth: the config's frontend and synthesizer objects in this process, requests
-    through the ingress's path (prepare, then the synthesizer's stream), first audio by stage."""
+    through the ingress's path (prepare, then the synthesizer's stream), first audio by stage;
+    with the torch threads the config gives its replicas (local.yaml: OMP_NUM_THREADS=1)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "unset")  # restored after the test, whatever main sets
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    threads = []
+    monkeypatch.setattr(capacity_mod.torch, "set_num_threads", threads.append)
     main(["--level", "synth", "--config", str(_local_config(tmp_path, "steps")), "--window-s", "2", "--ramp-s", "0.2",
           "--start", "1", "--max-sessions", "1", "--c1-window-s", "1", "--no-open-loop", "--mix", "1:1-2",
           "--ttfa-ms", "60000", "--out", str(tmp_path)])
@@ -313,6 +318,7 @@ def test_in_process_level_runs_the_configs_deployments_without_ray(tmp_path):
     assert probe["graph_captures"] == 0  # no CUDA here
     stages = probe["stages_ms"]
     assert {"frontend", "llm-first-token", "token2wav", "t2w-queue", "t2w-solve", "t2w-return"} <= set(stages)
+    assert threads == [1]
 
 
 def test_in_process_first_audio_is_the_first_chunk_with_samples(monkeypatch):
