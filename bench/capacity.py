@@ -35,7 +35,7 @@ import yaml
 
 from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import write_report
-from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, InProcessTarget, SimTarget, counter_deltas
+from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, InProcessTarget, SimTarget, probe_counters
 from bench.gpu_bench import make_model, make_voice, mode_setup, parse_mode
 from bench.load import register_voices, synthetic_prompt_wav
 from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
@@ -185,7 +185,7 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
             loop_fn = closed_loop if kind == "sessions" else open_loop
             before = await target.counters()
             result = await loop_fn(target, load, work, run.slo)
-            deltas = counter_deltas(before, await target.counters())
+            deltas = probe_counters(before, await target.counters())
             run.record(entry, result, {**_probe_extra(result, sampler, target), **deltas})
             if args.trace and isinstance(target, SimTarget):
                 name = f"trace-{run.stem}-{_slug(mode)}-{kind}-{load}.json"

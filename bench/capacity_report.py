@@ -12,6 +12,7 @@ COLUMNS = (("load", "load", "{}"), ("requests", "requests", "{}"), ("ttfa_p50_ms
            ("t2w_busy_fraction", "t2w busy", "{:.2f}"), ("flow_frames_per_audio_s", "flow frames per audio s", "{:.0f}"),
            ("graph_captures", "graphs captured", "{:.0f}"), ("gc_pause_ms", "GC pause ms", "{:.0f}"),
            ("gc_slow", "GC pauses > 10 ms", "{:.0f}"), ("ingress_gc_pause_ms", "ingress GC pause ms", "{:.0f}"),
+           ("gil_wait_mean_ms", "GIL wait mean ms", "{:.2f}"), ("gil_slow", "GIL waits > 10 ms", "{:.0f}"),
            ("meets_slo", "meets SLO", "{}"), ("aborted", "stopped", "{}"))
 
 
@@ -50,6 +51,7 @@ def markdown(doc: dict, plots: list[str]) -> str:
         for p in sorted(s["probes"], key=lambda p: p["load"]):
             lines.append("| " + " | ".join(_cell(p.get(k), f) for k, _, f in COLUMNS) + " |")
         lines += _stage_table(s["probes"])
+        lines += _thread_table(s["probes"])
     lines += [""] + [f"![{name}]({name})" for name in plots]
     return "\n".join(lines) + "\n"
 
@@ -66,6 +68,23 @@ def _stage_table(probes: list[dict]) -> list[str]:
         cells = [" / ".join(f"{v:.0f}" for v in p["stages_ms"][n]) if n in p.get("stages_ms", {}) else "-"
                  for n in names]
         lines.append(f"| {p['load']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _thread_table(probes: list[dict], top: int = 6) -> list[str]:
+    """CPU cores busy by thread of the replica (or of this process below the serve level), per
+    probe: the busiest ``top`` thread groups of the heaviest probe, then the rest summed."""
+    busy = [p for p in probes if p.get("threads_busy")]
+    if not busy:
+        return []
+    heaviest = max(busy, key=lambda p: p["load"])["threads_busy"]
+    names = sorted(heaviest, key=lambda k: -heaviest[k])[:top]
+    lines = ["", ("CPU cores busy by thread over the probe (`native`: threads Python did not start: Ray's, CUDA's, "
+                  "OpenMP's):"), "", "| load | " + " | ".join(names) + " | others |", "|" + "---|" * (len(names) + 2)]
+    for p in sorted(busy, key=lambda p: p["load"]):
+        cells = [f"{p['threads_busy'].get(n, 0.0):.2f}" for n in names]
+        rest = sum(v for k, v in p["threads_busy"].items() if k not in names)
+        lines.append(f"| {p['load']} | " + " | ".join(cells) + f" | {rest:.2f} |")
     return lines
 
 

@@ -31,6 +31,7 @@ from cosyvoice_runtime.graph_capture import captured_total
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 from deployments.protocol import SynthesisRequest
 from deployments.python_gc import SLOW_PAUSE_S, watched
+from deployments.thread_load import SLOW_WAIT_S, gil_wait, thread_cpu_seconds
 from serve_app.stage_timing import first_audio_stages, parse_server_timing
 
 PCM_RATE = 24000
@@ -76,7 +77,8 @@ class SimTarget:
 
     async def counters(self) -> dict[str, float]:
         """The replica's counters that a probe reports as its increments (see :func:`counter_deltas`)."""
-        return {"graph_captures": float(captured_total()), **gc_counters(watched().snapshot())}
+        return {"graph_captures": float(captured_total()), **gc_counters(watched().snapshot()),
+                **thread_counters(thread_cpu_seconds(), gil_wait().snapshot())}
 
     def _finish(self, rid: str, trace: RequestTrace) -> None:
         with self._lock:
@@ -213,24 +215,41 @@ class HttpTarget:
             text = (await client.get("/metrics")).text
         gc_families = {"tts_gc_pause_seconds": "gc", "tts_ingress_gc_pause_seconds": "ingress_gc"}
         out = {"graph_captures": 0.0}
+        cpu_s: dict[str, float] = {}
+        gil = {"count": 0.0, "seconds": 0.0, "slow": 0.0}
         for family in text_string_to_metric_families(text):
-            out["graph_captures"] += sum(s.value for s in family.samples if s.name == "tts_cuda_graph_captures_total")
+            for sample in family.samples:
+                if sample.name == "tts_cuda_graph_captures_total":
+                    out["graph_captures"] += sample.value
+                elif sample.name == "tts_thread_cpu_seconds_total":
+                    cpu_s[sample.labels["thread"]] = cpu_s.get(sample.labels["thread"], 0.0) + sample.value
+                elif sample.name.startswith("tts_gil_wait_seconds_"):
+                    _add_sample(gil, sample, SLOW_WAIT_S)
             if family.name in gc_families:
                 out.update(gc_counters(_histogram_snapshot(family), prefix=gc_families[family.name]))
+        if cpu_s or gil["count"]:
+            gil["slow"] += gil["count"]
+            out.update(thread_counters(cpu_s, gil))
         return out
+
+
+def _add_sample(rec: dict, sample, slow_bound: float) -> None:
+    """A histogram sample into ``rec`` (``count``, ``seconds``; ``slow`` less the ones <= ``slow_bound``:
+    add ``count`` once all samples are in)."""
+    if sample.name.endswith("_count"):
+        rec["count"] += sample.value
+    elif sample.name.endswith("_sum"):
+        rec["seconds"] += sample.value
+    elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == slow_bound:
+        rec["slow"] -= sample.value
 
 
 def _histogram_snapshot(family) -> dict:
     """A scraped GC pause histogram back in :meth:`GcPauses.snapshot`'s shape (summed over replicas)."""
     by_gen: dict[str, dict] = {}
     for sample in family.samples:
-        rec = by_gen.setdefault(sample.labels["generation"], {"count": 0.0, "seconds": 0.0, "slow": 0.0})
-        if sample.name.endswith("_count"):
-            rec["count"] += sample.value
-        elif sample.name.endswith("_sum"):
-            rec["seconds"] += sample.value
-        elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == SLOW_PAUSE_S:
-            rec["slow"] -= sample.value  # pauses <= the slow bound; the count is added below
+        _add_sample(by_gen.setdefault(sample.labels["generation"], {"count": 0.0, "seconds": 0.0, "slow": 0.0}),
+                    sample, SLOW_PAUSE_S)
     for rec in by_gen.values():
         rec["slow"] += rec["count"]
     return {"by_generation": by_gen, "slow": sum(r["slow"] for r in by_gen.values())}
@@ -292,7 +311,8 @@ class InProcessTarget:
         return trace
 
     async def counters(self) -> dict[str, float]:
-        return {"graph_captures": float(captured_total()), **gc_counters(watched().snapshot())}
+        return {"graph_captures": float(captured_total()), **gc_counters(watched().snapshot()),
+                **thread_counters(thread_cpu_seconds(), gil_wait().snapshot())}
 
     def close(self) -> None:
         """Cancel what still runs on the target's loop (the synthesizer's background tasks), then stop it."""
@@ -313,6 +333,28 @@ def gc_counters(snapshot: dict, prefix: str = "gc") -> dict[str, float]:
     return {f"{prefix}_full": float(gens.get("2", {}).get("count", 0)),
             f"{prefix}_pause_ms": 1e3 * sum(g["seconds"] for g in gens.values()),
             f"{prefix}_slow": float(snapshot["slow"])}
+
+
+def thread_counters(cpu_s: dict[str, float], gil: dict) -> dict[str, float]:
+    """Counters of a replica's threads: CPU seconds by thread group (``cpu_s:<group>``), the GIL
+    probe's readings, their total lateness (ms) and how many were past ``SLOW_WAIT_S``, and this
+    process's clock (``wall_s``) that :func:`probe_counters` divides the CPU seconds by."""
+    return {"wall_s": time.perf_counter(), **{f"cpu_s:{k}": v for k, v in cpu_s.items()},
+            "gil_readings": float(gil["count"]), "gil_wait_ms": 1e3 * gil["seconds"], "gil_slow": float(gil["slow"])}
+
+
+def probe_counters(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What a probe reports of the counters read around it: their increments, with the threads'
+    CPU seconds as cores busy (``threads_busy``) and the GIL probe's mean wait."""
+    deltas = counter_deltas(before, after)
+    wall = deltas.pop("wall_s", 0.0)
+    cpu = {k.removeprefix("cpu_s:"): deltas.pop(k) for k in list(deltas) if k.startswith("cpu_s:")}
+    if wall > 0 and cpu:
+        deltas["threads_busy"] = {k: round(v / wall, 3) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}
+    readings = deltas.pop("gil_readings", 0.0)
+    if readings:
+        deltas["gil_wait_mean_ms"] = deltas["gil_wait_ms"] / readings
+    return deltas
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -66,6 +66,7 @@ from deployments.runtime_adapter import call_with_timeout, load_synthesis_runtim
 from deployments.runtime_protocol import SynthesisRuntime
 from deployments.synthesizer_config import SynthesizerConfig
 from deployments.text_inbox import ActorInbox, BistreamTicket, InboxClient, LocalInbox
+from deployments.thread_load import gil_wait, thread_cpu_seconds
 from deployments.token2wav_loop import SteppedToken2Wav
 from deployments.warmup import warm_up
 
@@ -152,6 +153,7 @@ class Synthesizer:
         if cfg.warmup:
             call_with_timeout(lambda: warm_up(self.runtime), cfg.startup_timeout_s, "synthesizer warmup")
         self.gc = settle_replica(cfg.gc_freeze)  # last: the model, warm-up and graphs are all made
+        self.gil = gil_wait()
         logger.info("synthesizer ready on %s in %.1f s (model %s; %d objects frozen out of GC walks)",
                     self.runtime.device, time.perf_counter() - started, source, self.gc.snapshot()["frozen"])
 
@@ -263,6 +265,8 @@ class Synthesizer:
             "cuda_cache_releases": self.idle_trim.cuda_cache_releases,
             "cuda_graph_captures_total": self.runtime.graph_captures(),
             "gc": self.gc.snapshot(),
+            "gil_wait": self.gil.snapshot(),
+            "thread_cpu_seconds": thread_cpu_seconds(),
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
             "sm_activity_pct": self.probe.sm_activity_pct(),
             "streams_in_flight": self._active,

@@ -81,6 +81,17 @@ class _ReplicaSnapshotCollector:
         for name, key, doc in (("tts_token2wav_batch_size", "token2wav_batch_sizes", "Chunk jobs per flow+HiFT batch"),
                                ("tts_decode_batch_size", "step_batch_sizes", "Sequences per LLM decode step")):
             yield _histogram(name, doc, replica, snap.get(key) or {})
+        if snap.get("thread_cpu_seconds"):
+            c = CounterMetricFamily("tts_thread_cpu_seconds", "CPU seconds of the synthesizer replica's threads by "
+                                    "thread (native: threads Python did not start)", labels=["replica", "thread"])
+            for thread, seconds in sorted(snap["thread_cpu_seconds"].items()):
+                c.add_metric([*replica, thread], float(seconds))
+            yield c
+        if snap.get("gil_wait"):
+            h = HistogramMetricFamily("tts_gil_wait_seconds", "How late a probe thread of the synthesizer replica "
+                                      "wakes from a short sleep: the wait to take the GIL back", labels=["replica"])
+            _add_durations(h, replica, snap["gil_wait"], snap["gil_wait"]["bounds"])
+            yield h
         if snap.get("gc"):
             yield gc_pause_histogram("tts_gc_pause_seconds", "Python garbage collector pauses of the synthesizer "
                                      "replica by generation (every thread stops)", ["replica"], replica, snap["gc"])
@@ -102,9 +113,14 @@ def gc_pause_histogram(name: str, doc: str, label_names: list[str], labels: list
     """A :meth:`deployments.python_gc.GcPauses.snapshot` as one histogram with a ``generation`` label."""
     h = HistogramMetricFamily(name, doc, labels=[*label_names, "generation"])
     for gen, rec in gc_snapshot["by_generation"].items():
-        buckets = [(str(float(b)), n) for b, n in zip(gc_snapshot["bounds"], rec["buckets"])]
-        h.add_metric([*labels, gen], [*buckets, ("+Inf", rec["count"])], sum_value=rec["seconds"])
+        _add_durations(h, [*labels, gen], rec, gc_snapshot["bounds"])
     return h
+
+
+def _add_durations(h: HistogramMetricFamily, labels: list[str], rec: dict, bounds: list[float]) -> None:
+    """One series of ``h`` from cumulative bucket counts (``rec``: ``count``, ``seconds``, ``buckets``)."""
+    buckets = [(str(float(b)), n) for b, n in zip(bounds, rec["buckets"])]
+    h.add_metric(labels, [*buckets, ("+Inf", rec["count"])], sum_value=rec["seconds"])
 
 
 def _histogram(name: str, doc: str, labels: list[str], counts: dict) -> HistogramMetricFamily:

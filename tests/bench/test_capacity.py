@@ -25,12 +25,21 @@ from bench import capacity as capacity_mod
 from bench import capacity_targets as targets_mod
 from bench.capacity import Run, _searches, main, parse_args
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
-from bench.capacity_report import _stage_table
-from bench.capacity_targets import HttpTarget, InProcessTarget, SimTarget, counter_deltas, gc_counters, text_for
+from bench.capacity_report import _stage_table, _thread_table
+from bench.capacity_targets import (
+    HttpTarget,
+    InProcessTarget,
+    SimTarget,
+    counter_deltas,
+    gc_counters,
+    probe_counters,
+    text_for,
+)
 from bench.metrics import RequestTrace
 from bench.soak import config_env
 from deployments.protocol import AudioChunk
 from deployments.python_gc import GcPauses
+from deployments.thread_load import GilWait
 from serve_app.args import application_of
 from serve_app.metrics import IngressMetrics
 
@@ -263,12 +272,32 @@ def test_http_target_reads_the_gc_pauses_of_the_synthesizer_and_the_ingress_from
 
     synth = pauses((0, 0.002), (2, 0.08), (2, 0.005))
     ingress = pauses((2, 0.03))
-    text = IngressMetrics("i", gc_pauses=ingress).render({"replica_id": "s", "gc": synth.snapshot()})
+    late = iter([0.004, 0.02])
+    gil = GilWait(period_s=0.02, clock=iter([0.0, 0.024, 0.0, 0.04]).__next__, sleep=lambda s: next(late))
+    gil.tick(), gil.tick()  # 4 ms and 20 ms late
+    text = IngressMetrics("i", gc_pauses=ingress).render({"replica_id": "s", "gc": synth.snapshot(),
+                                                          "thread_cpu_seconds": {"engine-step": 4.5, "native": 1.0},
+                                                          "gil_wait": gil.snapshot()})
     app = Starlette(routes=[Route("/metrics", lambda request: PlainTextResponse(text.decode()))])
     got = asyncio.run(HttpTarget("http://test", "v", transport=httpx.ASGITransport(app=app)).counters())
     assert got["gc_full"] == 2.0 and got["gc_slow"] == 1.0 and got["gc_pause_ms"] == pytest.approx(87.0)
     assert got["ingress_gc_full"] == 1.0 and got["ingress_gc_slow"] == 1.0
     assert got == {**got, **gc_counters(synth.snapshot()), **gc_counters(ingress.snapshot(), "ingress_gc")}
+    assert got["cpu_s:engine-step"] == 4.5 and got["cpu_s:native"] == 1.0
+    assert got["gil_readings"] == 2.0 and got["gil_slow"] == 1.0 and got["gil_wait_ms"] == pytest.approx(24.0)
+
+
+def test_a_probe_reports_threads_as_cores_busy_and_the_mean_gil_wait():
+    before = {"wall_s": 10.0, "cpu_s:engine-step": 1.0, "cpu_s:native": 0.5, "gil_readings": 100.0,
+              "gil_wait_ms": 50.0, "gil_slow": 1.0, "graph_captures": 3.0}
+    after = {**before, "wall_s": 20.0, "cpu_s:engine-step": 6.0, "cpu_s:native": 2.5, "cpu_s:new-thread": 1.0,
+             "gil_readings": 600.0, "gil_wait_ms": 350.0, "gil_slow": 4.0}
+    got = probe_counters(before, after)
+    assert got == {"threads_busy": {"engine-step": 0.5, "native": 0.2}, "gil_wait_mean_ms": 0.6,
+                   "gil_wait_ms": 300.0, "gil_slow": 3.0, "graph_captures": 0.0}
+    table = "\n".join(_thread_table([{"load": 2, **got}, {"load": 1, "threads_busy": {"native": 0.1, "x": 0.05}}]))
+    assert "| load | engine-step | native | others |" in table
+    assert "| 1 | 0.00 | 0.10 | 0.05 |" in table and "| 2 | 0.50 | 0.20 | 0.00 |" in table
 
 
 def test_served_model_describes_what_the_health_endpoint_reports(monkeypatch):
@@ -374,6 +403,7 @@ def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
     assert sessions and sessions[0]["probes"][0]["load"] == 1 and sessions[0]["probes"][0]["requests"] >= 1
     assert sessions[0]["probes"][0]["decode_step_ms_p50"] > 0  # the lane stats came from the sim
     assert {"gc_full", "gc_pause_ms", "gc_slow"} <= set(sessions[0]["probes"][0])  # this process's collector
+    assert "MainThread" in sessions[0]["probes"][0]["threads_busy"] and "gil_wait_mean_ms" in sessions[0]["probes"][0]
     assert latest["slo_streams"] == sessions[0]["capacity"] in (0, 1)
     assert latest["throughput_x_realtime"] == 1.5  # the throughput benchmark's keys are kept
     assert {"device", "date", "workload", "ttfb_p50_ms_c1"} <= set(latest)

@@ -55,10 +55,11 @@ def _synth(max_running: int = 4, overlap_stages: bool | None = None, **token2wav
     return s
 
 
-def test_a_started_replica_has_frozen_its_heap_and_reports_gc_pauses():
+def test_a_started_replica_has_frozen_its_heap_and_reports_gc_pauses_threads_and_gil_waits():
     s = _synth()
-    snap = s.stats()["gc"]
-    assert snap["frozen"] > 0 and set(snap["by_generation"]) == {"0", "1", "2"}
+    stats = s.stats()
+    assert stats["gc"]["frozen"] > 0 and set(stats["gc"]["by_generation"]) == {"0", "1", "2"}
+    assert "MainThread" in stats["thread_cpu_seconds"] and stats["gil_wait"]["bounds"]
 
 
 def test_streaming_chunks_follow_hop_schedule_and_cover_all_tokens():

@@ -1,9 +1,11 @@
 """/metrics behind a load-balanced route: every series names the ingress replica that answered."""
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.python_gc import GcPauses
+from deployments.thread_load import GilWait
 from serve_app.metrics import IngressMetrics
 
 
@@ -78,3 +80,16 @@ def test_gc_pauses_of_the_synthesizer_and_the_ingress_are_exported():
     ingress = _samples(text, "tts_ingress_gc_pause_seconds_bucket")
     full = {dict(k)["le"]: v for k, v in ingress.items() if dict(k)["generation"] == "2"}
     assert full["0.025"] == 0.0 and full["0.05"] == 1.0 and full["+Inf"] == 1.0
+
+
+def test_thread_cpu_and_gil_waits_of_the_synthesizer_are_exported():
+    probe = GilWait(period_s=0.02, clock=iter([0.0, 0.035]).__next__, sleep=lambda s: None)
+    probe.tick()  # woke 15 ms late
+    snapshot = {"replica_id": "synth-1", "thread_cpu_seconds": {"engine-step": 12.5, "native": 3.0},
+                "gil_wait": probe.snapshot()}
+    text = IngressMetrics("ingress-a").render(snapshot)
+    cpu = {dict(k)["thread"]: v for k, v in _samples(text, "tts_thread_cpu_seconds_total").items()}
+    assert cpu == {"engine-step": 12.5, "native": 3.0}
+    waits = {dict(k)["le"]: v for k, v in _samples(text, "tts_gil_wait_seconds_bucket").items()}
+    assert waits["0.01"] == 0.0 and waits["0.025"] == 1.0
+    assert list(_samples(text, "tts_gil_wait_seconds_sum").values()) == [pytest.approx(0.015)]

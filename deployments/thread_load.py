@@ -1,0 +1,101 @@
+"""Where a replica's CPU goes, thread by thread, and how long its threads wait for the GIL.
+
+Why: on the H200 (2026-12-05) the whole Serve app held 7 sessions at the SLO where the same
+runtime in the replica simulation held 42, with the GPU idle half the time and the token2wav
+stage's tail growing with load. A GPU left idle by a replica is a replica whose threads do not
+launch work: a thread busy on a core (the event loop streaming chunks through Ray, say) shows in
+:func:`thread_cpu_seconds`; a thread that is ready but waits for the GIL (the token2wav driver
+coming back from a graph replay while another thread runs Python) uses no CPU and shows only in
+:class:`GilWait`: a probe thread that sleeps a fixed period and measures how late it wakes (the
+time to take the GIL back, plus the OS's timer slack of ~0.1 ms).
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+
+from deployments import constants
+
+GIL_PROBE_PERIOD_S = 0.02  # 50 wake-ups a second: each takes the GIL for microseconds
+SLOW_WAIT_S = 0.01  # a wait past this shows in the capacity reports (bench/capacity.py)
+NATIVE = "native"  # threads Python did not start: Ray's core worker, CUDA's, OpenMP's
+_POOL_NUMBER = re.compile(r"_\d+$")  # ThreadPoolExecutor names its threads <prefix>_<n>
+
+
+def thread_group(name: str) -> str:
+    """A thread's name without its pool number (``compute-token2wav_0`` -> ``compute-token2wav``)."""
+    return _POOL_NUMBER.sub("", name)
+
+
+def thread_cpu_seconds(process: psutil.Process | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) of this process's live threads, summed by :func:`thread_group`;
+    threads Python does not know are :data:`NATIVE`. A thread that ended takes its seconds with it."""
+    groups = {t.native_id: thread_group(t.name) for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for t in (process or psutil.Process()).threads():
+        group = groups.get(t.id, NATIVE)
+        out[group] = out.get(group, 0.0) + t.user_time + t.system_time
+    return out
+
+
+class GilWait:
+    """How late a thread wakes from a sleep of ``period_s`` (see the module docstring).
+
+    Args:
+        period_s: the sleep between readings.
+        clock / sleep: seconds and how to wait (tests pass fakes and call :meth:`tick`).
+    """
+
+    def __init__(self, period_s: float = GIL_PROBE_PERIOD_S, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.period_s = period_s
+        self.clock = clock
+        self.sleep = sleep
+        self.bounds = constants.GIL_WAIT_BUCKETS_S
+        self._lock = threading.Lock()
+        self.count = 0
+        self.seconds = 0.0
+        self.buckets = [0] * len(self.bounds)  # per bound, waits <= it
+        self.slow = 0  # waits over SLOW_WAIT_S
+
+    def tick(self) -> float:
+        """One reading: sleep ``period_s``, record and return how much later than that it woke."""
+        started = self.clock()
+        self.sleep(self.period_s)
+        late = max(0.0, self.clock() - started - self.period_s)
+        with self._lock:
+            self.count += 1
+            self.seconds += late
+            self.slow += late > SLOW_WAIT_S
+            for i, bound in enumerate(self.bounds):
+                if late <= bound:
+                    self.buckets[i] += 1
+        return late
+
+    def run_forever(self) -> None:
+        while True:
+            self.tick()
+
+    def snapshot(self) -> dict:
+        """``{"count", "seconds", "buckets", "bounds", "slow"}`` (JSON-able)."""
+        with self._lock:
+            return {"count": self.count, "seconds": self.seconds, "buckets": list(self.buckets),
+                    "bounds": list(self.bounds), "slow": self.slow}
+
+
+_PROBE: GilWait | None = None
+_probe_lock = threading.Lock()
+
+
+def gil_wait() -> GilWait:
+    """This process's GIL probe, its thread started on first use (one per process, daemon)."""
+    global _PROBE
+    with _probe_lock:
+        if _PROBE is None:
+            _PROBE = GilWait()
+            threading.Thread(target=_PROBE.run_forever, name="gil-probe", daemon=True).start()
+    return _PROBE
