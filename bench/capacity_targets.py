@@ -346,9 +346,10 @@ def thread_counters(cpu_s: dict[str, float], gil: dict) -> dict[str, float]:
 def probe_counters(before: dict[str, float], after: dict[str, float]) -> dict:
     """What a probe reports of the counters read around it: their increments, with the threads'
     CPU seconds as cores busy (``threads_busy``) and the GIL probe's mean wait."""
-    deltas = counter_deltas(before, after)
+    deltas = counter_deltas({k: v for k, v in before.items() if not k.startswith("cpu_s:")}, after)
     wall = deltas.pop("wall_s", 0.0)
-    cpu = {k.removeprefix("cpu_s:"): deltas.pop(k) for k in list(deltas) if k.startswith("cpu_s:")}
+    # a thread pool starts its threads at first use: one started during the probe had 0 s before it
+    cpu = {k.removeprefix("cpu_s:"): v - before.get(k, 0.0) for k, v in after.items() if k.startswith("cpu_s:")}
     if wall > 0 and cpu:
         deltas["threads_busy"] = {k: round(v / wall, 3) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}
     readings = deltas.pop("gil_readings", 0.0)

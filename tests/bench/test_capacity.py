@@ -293,11 +293,11 @@ def test_a_probe_reports_threads_as_cores_busy_and_the_mean_gil_wait():
     after = {**before, "wall_s": 20.0, "cpu_s:engine-step": 6.0, "cpu_s:native": 2.5, "cpu_s:new-thread": 1.0,
              "gil_readings": 600.0, "gil_wait_ms": 350.0, "gil_slow": 4.0}
     got = probe_counters(before, after)
-    assert got == {"threads_busy": {"engine-step": 0.5, "native": 0.2}, "gil_wait_mean_ms": 0.6,
+    assert got == {"threads_busy": {"engine-step": 0.5, "native": 0.2, "new-thread": 0.1}, "gil_wait_mean_ms": 0.6,
                    "gil_wait_ms": 300.0, "gil_slow": 3.0, "graph_captures": 0.0}
     table = "\n".join(_thread_table([{"load": 2, **got}, {"load": 1, "threads_busy": {"native": 0.1, "x": 0.05}}]))
-    assert "| load | engine-step | native | others |" in table
-    assert "| 1 | 0.00 | 0.10 | 0.05 |" in table and "| 2 | 0.50 | 0.20 | 0.00 |" in table
+    assert "| load | engine-step | native | new-thread | others |" in table
+    assert "| 1 | 0.00 | 0.10 | 0.00 | 0.05 |" in table and "| 2 | 0.50 | 0.20 | 0.10 | 0.00 |" in table
 
 
 def test_served_model_describes_what_the_health_endpoint_reports(monkeypatch):
