@@ -4,6 +4,8 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from deployments.python_gc import SLOW_PAUSE_S, GcPauses, freeze_startup_heap, settle_replica, watched
 
 
@@ -54,6 +56,7 @@ def test_frozen_objects_leave_the_collectors_walks_until_unfrozen():
     assert ref() is None
 
 
+@pytest.mark.gc_freeze
 def test_settle_replica_freezes_only_when_configured():
     gc.unfreeze()
     assert settle_replica(freeze=False) is watched() and gc.get_freeze_count() == 0

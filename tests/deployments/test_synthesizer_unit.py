@@ -55,6 +55,7 @@ def _synth(max_running: int = 4, overlap_stages: bool | None = None, **token2wav
     return s
 
 
+@pytest.mark.gc_freeze
 def test_a_started_replica_has_frozen_its_heap_and_reports_gc_pauses_threads_and_gil_waits():
     s = _synth()
     stats = s.stats()
