@@ -45,7 +45,10 @@ class GcPauses:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.bounds = constants.GC_PAUSE_BUCKETS_S
-        self._lock = threading.Lock()
+        # NOTE: no lock. The callback runs inside a collection, which any allocation of any thread
+        # may start, also one inside snapshot(): a lock held there would deadlock that thread (a
+        # synthesizer's /metrics hung so in CI). The GIL orders the updates; a snapshot taken
+        # across a collection may be one pause behind, never torn within a number.
         self._started: dict[int, float] = {}  # thread id -> start of its collection in progress
         self.count = dict.fromkeys(GENERATIONS, 0)
         self.seconds = dict.fromkeys(GENERATIONS, 0.0)
@@ -63,21 +66,19 @@ class GcPauses:
             self.record(info["generation"], now - started)
 
     def record(self, generation: int, pause_s: float) -> None:
-        with self._lock:
-            self.count[generation] += 1
-            self.seconds[generation] += pause_s
-            self.slow += pause_s > SLOW_PAUSE_S
-            for i, bound in enumerate(self.bounds):
-                if pause_s <= bound:
-                    self.buckets[generation][i] += 1
+        self.count[generation] += 1
+        self.seconds[generation] += pause_s
+        self.slow += pause_s > SLOW_PAUSE_S
+        for i, bound in enumerate(self.bounds):
+            if pause_s <= bound:
+                self.buckets[generation][i] += 1
 
     def snapshot(self) -> dict:
         """``{"by_generation": {gen: {"count", "seconds", "buckets"}}, "slow", "frozen"}`` (JSON-able:
         replicas send it through their stats)."""
-        with self._lock:
-            return {"by_generation": {str(g): {"count": self.count[g], "seconds": self.seconds[g],
-                                               "buckets": list(self.buckets[g])} for g in GENERATIONS},
-                    "bounds": list(self.bounds), "slow": self.slow, "frozen": gc.get_freeze_count()}
+        return {"by_generation": {str(g): {"count": self.count[g], "seconds": self.seconds[g],
+                                           "buckets": list(self.buckets[g])} for g in GENERATIONS},
+                "bounds": list(self.bounds), "slow": self.slow, "frozen": gc.get_freeze_count()}
 
 
 _PAUSES = GcPauses()

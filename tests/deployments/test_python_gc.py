@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -28,6 +29,28 @@ def test_pauses_are_recorded_by_generation_into_cumulative_buckets():
     assert full["buckets"] == [int(0.03 <= b) + int(0.2 <= b) for b in bounds]
     assert snap["by_generation"]["0"]["buckets"] == [1] * len(bounds) and snap["by_generation"]["1"]["count"] == 0
     assert snap["slow"] == 2 and 0.0005 < SLOW_PAUSE_S < 0.03
+
+
+def test_a_collection_during_a_snapshot_is_recorded_without_deadlock(monkeypatch):
+    """A collection can start at any allocation, also inside snapshot() on the same thread: its
+    callback must not wait for anything snapshot() holds (a lock there hung a replica's /metrics)."""
+    now = [0.0]
+    pauses = GcPauses(clock=lambda: now[0])
+    real = gc.get_freeze_count
+
+    def collect_meanwhile():  # called inside snapshot(), as an allocation there could start a collection
+        pauses.callback("start", {"generation": 2})
+        now[0] += 0.05
+        pauses.callback("stop", {"generation": 2})
+        return real()
+
+    monkeypatch.setattr(gc, "get_freeze_count", collect_meanwhile)
+    worker = threading.Thread(target=pauses.snapshot, daemon=True)
+    worker.start()
+    worker.join(60)  # a guard against a hang, not a timing: it returns at once unless deadlocked
+    monkeypatch.setattr(gc, "get_freeze_count", real)
+    assert not worker.is_alive(), "snapshot() deadlocked on a collection it started"
+    assert pauses.snapshot()["by_generation"]["2"]["count"] == 1
 
 
 def test_a_stop_without_its_start_records_nothing():
