@@ -6,7 +6,41 @@ values in memory, so deployment classes can be built without Ray.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from deployments import constants
+
+
+class Durations:
+    """Durations (s) counted into cumulative buckets (``bounds``), with their sum and how many
+    passed ``slow_s``; :meth:`snapshot` is JSON-able and becomes one Prometheus histogram series.
+
+    NOTE: no lock. The garbage collector's pauses are added from inside a collection, which any
+    allocation of any thread may start, also one inside :meth:`snapshot`: a lock held there would
+    deadlock that thread (a synthesizer's /metrics hung so in CI). The GIL orders the updates; a
+    snapshot taken across one may be one duration behind, never torn within a number.
+    """
+
+    def __init__(self, bounds: Sequence[float], slow_s: float) -> None:
+        self.bounds = list(bounds)
+        self.slow_s = slow_s
+        self.count = 0
+        self.seconds = 0.0
+        self.buckets = [0] * len(self.bounds)  # per bound, durations <= it
+        self.slow = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds += seconds
+        self.slow += seconds > self.slow_s
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                self.buckets[i] += 1
+
+    def snapshot(self) -> dict:
+        """``{"count", "seconds", "buckets", "bounds", "slow"}``."""
+        return {"count": self.count, "seconds": self.seconds, "buckets": list(self.buckets),
+                "bounds": list(self.bounds), "slow": self.slow}
 
 
 class ReplicaMetrics:

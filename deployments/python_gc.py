@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from deployments import constants
+from deployments.observability import Durations
 
 GENERATIONS = (0, 1, 2)
 SLOW_PAUSE_S = 0.01  # a pause past this shows in the capacity reports (bench/capacity.py)
@@ -44,16 +45,9 @@ class GcPauses:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
-        self.bounds = constants.GC_PAUSE_BUCKETS_S
-        # NOTE: no lock. The callback runs inside a collection, which any allocation of any thread
-        # may start, also one inside snapshot(): a lock held there would deadlock that thread (a
-        # synthesizer's /metrics hung so in CI). The GIL orders the updates; a snapshot taken
-        # across a collection may be one pause behind, never torn within a number.
         self._started: dict[int, float] = {}  # thread id -> start of its collection in progress
-        self.count = dict.fromkeys(GENERATIONS, 0)
-        self.seconds = dict.fromkeys(GENERATIONS, 0.0)
-        self.buckets = {g: [0] * len(self.bounds) for g in GENERATIONS}  # per bound, pauses <= it
-        self.slow = 0  # pauses over SLOW_PAUSE_S, any generation
+        # no lock anywhere here: the callback runs inside a collection (see Durations)
+        self.pauses = {g: Durations(constants.GC_PAUSE_BUCKETS_S, SLOW_PAUSE_S) for g in GENERATIONS}
 
     def callback(self, phase: str, info: dict) -> None:
         """``gc.callbacks`` entry: ``phase`` is "start" or "stop"; ``info["generation"]``."""
@@ -63,22 +57,14 @@ class GcPauses:
             return
         started = self._started.pop(tid, None)
         if started is not None:
-            self.record(info["generation"], now - started)
-
-    def record(self, generation: int, pause_s: float) -> None:
-        self.count[generation] += 1
-        self.seconds[generation] += pause_s
-        self.slow += pause_s > SLOW_PAUSE_S
-        for i, bound in enumerate(self.bounds):
-            if pause_s <= bound:
-                self.buckets[generation][i] += 1
+            self.pauses[info["generation"]].add(now - started)
 
     def snapshot(self) -> dict:
-        """``{"by_generation": {gen: {"count", "seconds", "buckets"}}, "slow", "frozen"}`` (JSON-able:
+        """``{"by_generation": {gen: Durations.snapshot()}, "bounds", "slow", "frozen"}`` (JSON-able:
         replicas send it through their stats)."""
-        return {"by_generation": {str(g): {"count": self.count[g], "seconds": self.seconds[g],
-                                           "buckets": list(self.buckets[g])} for g in GENERATIONS},
-                "bounds": list(self.bounds), "slow": self.slow, "frozen": gc.get_freeze_count()}
+        by_gen = {str(g): d.snapshot() for g, d in self.pauses.items()}
+        return {"by_generation": by_gen, "bounds": list(constants.GC_PAUSE_BUCKETS_S),
+                "slow": sum(d["slow"] for d in by_gen.values()), "frozen": gc.get_freeze_count()}
 
 
 _PAUSES = GcPauses()

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import psutil
 
 from deployments import constants
+from deployments.observability import Durations
 
 GIL_PROBE_PERIOD_S = 0.02  # 50 wake-ups a second: each takes the GIL for microseconds
 SLOW_WAIT_S = 0.01  # a wait past this shows in the capacity reports (bench/capacity.py)
@@ -55,25 +56,14 @@ class GilWait:
         self.period_s = period_s
         self.clock = clock
         self.sleep = sleep
-        self.bounds = constants.GIL_WAIT_BUCKETS_S
-        self._lock = threading.Lock()
-        self.count = 0
-        self.seconds = 0.0
-        self.buckets = [0] * len(self.bounds)  # per bound, waits <= it
-        self.slow = 0  # waits over SLOW_WAIT_S
+        self.waits = Durations(constants.GIL_WAIT_BUCKETS_S, SLOW_WAIT_S)
 
     def tick(self) -> float:
         """One reading: sleep ``period_s``, record and return how much later than that it woke."""
         started = self.clock()
         self.sleep(self.period_s)
         late = max(0.0, self.clock() - started - self.period_s)
-        with self._lock:
-            self.count += 1
-            self.seconds += late
-            self.slow += late > SLOW_WAIT_S
-            for i, bound in enumerate(self.bounds):
-                if late <= bound:
-                    self.buckets[i] += 1
+        self.waits.add(late)
         return late
 
     def run_forever(self) -> None:
@@ -81,10 +71,8 @@ class GilWait:
             self.tick()
 
     def snapshot(self) -> dict:
-        """``{"count", "seconds", "buckets", "bounds", "slow"}`` (JSON-able)."""
-        with self._lock:
-            return {"count": self.count, "seconds": self.seconds, "buckets": list(self.buckets),
-                    "bounds": list(self.bounds), "slow": self.slow}
+        """:meth:`Durations.snapshot` of the readings."""
+        return self.waits.snapshot()
 
 
 _PROBE: GilWait | None = None

@@ -90,7 +90,7 @@ class _ReplicaSnapshotCollector:
         if snap.get("gil_wait"):
             h = HistogramMetricFamily("tts_gil_wait_seconds", "How late a probe thread of the synthesizer replica "
                                       "wakes from a short sleep: the wait to take the GIL back", labels=["replica"])
-            _add_durations(h, replica, snap["gil_wait"], snap["gil_wait"]["bounds"])
+            _add_durations(h, replica, snap["gil_wait"])
             yield h
         if snap.get("gc"):
             yield gc_pause_histogram("tts_gc_pause_seconds", "Python garbage collector pauses of the synthesizer "
@@ -113,13 +113,13 @@ def gc_pause_histogram(name: str, doc: str, label_names: list[str], labels: list
     """A :meth:`deployments.python_gc.GcPauses.snapshot` as one histogram with a ``generation`` label."""
     h = HistogramMetricFamily(name, doc, labels=[*label_names, "generation"])
     for gen, rec in gc_snapshot["by_generation"].items():
-        _add_durations(h, [*labels, gen], rec, gc_snapshot["bounds"])
+        _add_durations(h, [*labels, gen], rec)
     return h
 
 
-def _add_durations(h: HistogramMetricFamily, labels: list[str], rec: dict, bounds: list[float]) -> None:
-    """One series of ``h`` from cumulative bucket counts (``rec``: ``count``, ``seconds``, ``buckets``)."""
-    buckets = [(str(float(b)), n) for b, n in zip(bounds, rec["buckets"])]
+def _add_durations(h: HistogramMetricFamily, labels: list[str], rec: dict) -> None:
+    """One series of ``h`` from a :meth:`deployments.observability.Durations.snapshot`."""
+    buckets = [(str(float(b)), n) for b, n in zip(rec["bounds"], rec["buckets"])]
     h.add_metric(labels, [*buckets, ("+Inf", rec["count"])], sum_value=rec["seconds"])
 
 

@@ -71,7 +71,7 @@ def test_gc_pauses_of_the_synthesizer_and_the_ingress_are_exported():
     pauses.callback("start", {"generation": 2})
     pauses.callback("stop", {"generation": 2})
     synth_gc = GcPauses(clock=lambda: 0.0).snapshot()
-    synth_gc["by_generation"]["1"] = {"count": 3, "seconds": 0.006, "buckets": [2] + [3] * 7}
+    synth_gc["by_generation"]["1"].update(count=3, seconds=0.006, buckets=[2] + [3] * 7)
     text = IngressMetrics("ingress-a", gc_pauses=pauses).render({"replica_id": "synth-1", "gc": synth_gc})
     synth = (("generation", "1"), ("ingress_replica", "ingress-a"), ("replica", "synth-1"))
     assert _samples(text, "tts_gc_pause_seconds_count")[synth] == 3.0
