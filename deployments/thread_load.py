@@ -25,10 +25,17 @@ GIL_PROBE_PERIOD_S = 0.02  # 50 wake-ups a second: each takes the GIL for micros
 SLOW_WAIT_S = 0.01  # a wait past this shows in the capacity reports (bench/capacity.py)
 NATIVE = "native"  # threads Python did not start: Ray's core worker, CUDA's, OpenMP's
 _POOL_NUMBER = re.compile(r"_\d+$")  # ThreadPoolExecutor names its threads <prefix>_<n>
+_UNNAMED = re.compile(r"^Thread-\d+(?: \((.+)\))?$")  # threading's default: Thread-<n> (<target>)
 
 
 def thread_group(name: str) -> str:
-    """A thread's name without its pool number (``compute-token2wav_0`` -> ``compute-token2wav``)."""
+    """A thread's name without the numbers that differ between threads of one kind
+    (``compute-token2wav_0`` -> ``compute-token2wav``, ``Thread-7 (_run_user_code_event_loop)`` ->
+    ``_run_user_code_event_loop``), so the metric's label values stay few however many threads
+    come and go."""
+    unnamed = _UNNAMED.match(name)
+    if unnamed:
+        name = unnamed.group(1) or "Thread"
     return _POOL_NUMBER.sub("", name)
 
 

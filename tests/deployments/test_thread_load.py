@@ -11,6 +11,8 @@ def test_pool_threads_are_grouped_by_their_prefix():
     assert thread_group("compute-token2wav_0") == "compute-token2wav"
     assert thread_group("frontend_12") == "frontend"
     assert thread_group("engine-step") == "engine-step" and thread_group("MainThread") == "MainThread"
+    assert thread_group("Thread-1 (_run_user_code_event_loop)") == "_run_user_code_event_loop"
+    assert thread_group("Thread-57") == "Thread" and thread_group("asyncio_3") == "asyncio"
 
 
 def test_cpu_seconds_are_read_per_named_thread_while_it_lives():
