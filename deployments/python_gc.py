@@ -60,11 +60,11 @@ class GcPauses:
             self.pauses[info["generation"]].add(now - started)
 
     def snapshot(self) -> dict:
-        """``{"by_generation": {gen: Durations.snapshot()}, "bounds", "slow", "frozen"}`` (JSON-able:
-        replicas send it through their stats)."""
+        """``{"by_generation": {gen: Durations.snapshot()}, "slow", "frozen"}`` (JSON-able: replicas
+        send it through their stats)."""
         by_gen = {str(g): d.snapshot() for g, d in self.pauses.items()}
-        return {"by_generation": by_gen, "bounds": list(constants.GC_PAUSE_BUCKETS_S),
-                "slow": sum(d["slow"] for d in by_gen.values()), "frozen": gc.get_freeze_count()}
+        return {"by_generation": by_gen, "slow": sum(d["slow"] for d in by_gen.values()),
+                "frozen": gc.get_freeze_count()}
 
 
 _PAUSES = GcPauses()
