@@ -77,8 +77,7 @@ class SimTarget:
 
     async def counters(self) -> dict[str, float]:
         """The replica's counters that a probe reports as its increments (see :func:`counter_deltas`)."""
-        return {"graph_captures": float(captured_total()), **gc_counters(watched().snapshot()),
-                **thread_counters(thread_cpu_seconds(), gil_wait().snapshot())}
+        return process_counters()
 
     def _finish(self, rid: str, trace: RequestTrace) -> None:
         with self._lock:
@@ -216,43 +215,47 @@ class HttpTarget:
         gc_families = {"tts_gc_pause_seconds": "gc", "tts_ingress_gc_pause_seconds": "ingress_gc"}
         out = {"graph_captures": 0.0}
         cpu_s: dict[str, float] = {}
-        gil = {"count": 0.0, "seconds": 0.0, "slow": 0.0}
+        gil = None
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "tts_cuda_graph_captures_total":
                     out["graph_captures"] += sample.value
                 elif sample.name == "tts_thread_cpu_seconds_total":
                     cpu_s[sample.labels["thread"]] = cpu_s.get(sample.labels["thread"], 0.0) + sample.value
-                elif sample.name.startswith("tts_gil_wait_seconds_"):
-                    _add_sample(gil, sample, SLOW_WAIT_S)
-            if family.name in gc_families:
-                out.update(gc_counters(_histogram_snapshot(family), prefix=gc_families[family.name]))
+            if family.name == "tts_gil_wait_seconds":
+                gil = _scraped_durations(family.samples, SLOW_WAIT_S)
+            elif family.name in gc_families:
+                by_gen: dict[str, list] = {}
+                for sample in family.samples:
+                    by_gen.setdefault(sample.labels["generation"], []).append(sample)
+                gens = {g: _scraped_durations(samples, SLOW_PAUSE_S) for g, samples in by_gen.items()}
+                snapshot = {"by_generation": gens, "slow": sum(g["slow"] for g in gens.values())}
+                out.update(gc_counters(snapshot, prefix=gc_families[family.name]))
+        gil = gil or {"count": 0.0, "seconds": 0.0, "slow": 0.0}
         if cpu_s or gil["count"]:
-            gil["slow"] += gil["count"]
             out.update(thread_counters(cpu_s, gil))
         return out
 
 
-def _add_sample(rec: dict, sample, slow_bound: float) -> None:
-    """A histogram sample into ``rec`` (``count``, ``seconds``; ``slow`` less the ones <= ``slow_bound``:
-    add ``count`` once all samples are in)."""
-    if sample.name.endswith("_count"):
-        rec["count"] += sample.value
-    elif sample.name.endswith("_sum"):
-        rec["seconds"] += sample.value
-    elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == slow_bound:
-        rec["slow"] -= sample.value
+def _scraped_durations(samples, slow_bound: float) -> dict:
+    """Scraped histogram samples (of every replica the scrape shows) back in the shape of
+    :meth:`deployments.observability.Durations.snapshot`: ``count``, ``seconds`` and ``slow`` (the
+    durations past ``slow_bound``, which must be one of the histogram's bounds)."""
+    count = seconds = within = 0.0
+    for sample in samples:
+        if sample.name.endswith("_count"):
+            count += sample.value
+        elif sample.name.endswith("_sum"):
+            seconds += sample.value
+        elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == slow_bound:
+            within += sample.value
+    return {"count": count, "seconds": seconds, "slow": count - within}
 
 
-def _histogram_snapshot(family) -> dict:
-    """A scraped GC pause histogram back in :meth:`GcPauses.snapshot`'s shape (summed over replicas)."""
-    by_gen: dict[str, dict] = {}
-    for sample in family.samples:
-        _add_sample(by_gen.setdefault(sample.labels["generation"], {"count": 0.0, "seconds": 0.0, "slow": 0.0}),
-                    sample, SLOW_PAUSE_S)
-    for rec in by_gen.values():
-        rec["slow"] += rec["count"]
-    return {"by_generation": by_gen, "slow": sum(r["slow"] for r in by_gen.values())}
+def process_counters() -> dict[str, float]:
+    """The counters of this process (the replica simulation's, or the in-process level's deployments)."""
+    return {"graph_captures": float(captured_total()), **gc_counters(watched().snapshot()),
+            **thread_counters(thread_cpu_seconds(), gil_wait().snapshot())}
 
 
 class InProcessTarget:
@@ -311,8 +314,7 @@ class InProcessTarget:
         return trace
 
     async def counters(self) -> dict[str, float]:
-        return {"graph_captures": float(captured_total()), **gc_counters(watched().snapshot()),
-                **thread_counters(thread_cpu_seconds(), gil_wait().snapshot())}
+        return process_counters()
 
     def close(self) -> None:
         """Cancel what still runs on the target's loop (the synthesizer's background tasks), then stop it."""
