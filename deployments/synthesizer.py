@@ -275,11 +275,13 @@ class Synthesizer:
         }
 
     def health(self) -> ReplicaHealth:
-        stats = self.stats()
+        # only what the answer holds: stats() also reads every thread's CPU time from /proc, on the
+        # event loop, which a /health probe has no use for
+        allocated, total = self.probe.memory()
         return ReplicaHealth(
-            deployment="Synthesizer", replica_id=stats["replica_id"], ready=not self.loop.is_dead,
-            device=self.runtime.device, gpu_memory_allocated_bytes=stats["gpu_memory_allocated_bytes"],
-            gpu_memory_total_bytes=stats["gpu_memory_total_bytes"], gpu_utilization_pct=stats["utilization_pct"],
+            deployment="Synthesizer", replica_id=replica_id(), ready=not self.loop.is_dead,
+            device=self.runtime.device, gpu_memory_allocated_bytes=allocated, gpu_memory_total_bytes=total,
+            gpu_utilization_pct=self.probe.utilization_pct(self.compute.busy_fraction()),
             engine=self.loop.stats(),
             detail={"mode": self.mode, "mode_source": self.mode_source,
                     **{k: v for k, v in self.runtime.details.items() if k not in ("mode", "mode_source")}},
