@@ -10,10 +10,14 @@ utterance-length mix, doubling then bisection), the two targets in ``bench/capac
     FAST_COSY_MODEL_DIR=/tmp/cv2-full python -m bench.capacity --level serve --config configs/single-gpu.yaml
     # the config's frontend and synthesizer objects in this process: no Ray, no HTTP (what those cost)
     FAST_COSY_MODEL_DIR=/tmp/cv2-full python -m bench.capacity --level synth --config configs/single-gpu.yaml
+    # either of those two without a GPU: the synthesizer's runtime takes the H200's times
+    # (bench/timed_runtime.py), so the serving layer meets GPU-like load on a CPU machine
+    python -m bench.capacity --level serve --timed --config configs/single-gpu.yaml --num-cpus 2
 
 Writes ``capacity-<level>-<device>-<date>[-tag].{md,json}`` with plots (first audio and underruns
 against load, GPU utilisation against load), rewritten after every probe so a run cut short keeps
-what it measured, and adds the level's figures to ``latest.json``.
+what it measured, and adds the level's figures to ``latest.json`` (not a ``--timed`` run's: no GPU
+served them).
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from bench.load import register_voices, synthetic_prompt_wav
 from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
 from bench.report import _slug
 from bench.soak import config_env, start_local, wait_idle
+from bench.timed_runtime import PROFILES
 from deployments.frontend import TextFrontend
 from deployments.python_gc import freeze_startup_heap
 from deployments.synthesizer import Synthesizer
@@ -60,6 +65,7 @@ class Run:
         stem = f"capacity-{args.level}-{_slug(device)}-{self.date}" + (f"-{args.tag}" if args.tag else "")
         self.out = Path(args.out)
         self.stem = stem
+        self.timed = getattr(args, "timed", None) is not None
 
         # what served the probes (the serve level reads it from the service's /health)
         self.model = f"{args.family}, {args.size}-size architecture, random weights"
@@ -157,6 +163,29 @@ def run_synth(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
         target.close()
 
 
+TIMED_SYNTHESIZER = {"device": "cpu", "dtype": "float32", "cuda_graphs": False, "max_mem_gb": None}
+
+
+def timed_config(path: Path, profile: str = "h200") -> Path:
+    """A copy of the Serve config whose synthesizer takes a GPU's times without a GPU
+    (:mod:`bench.timed_runtime`, ``profile`` one of its PROFILES): that runtime, the CPU, no GPU
+    resource, the stepped scheduler."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown timing profile {profile!r}; known: {', '.join(PROFILES)}")
+    document = yaml.safe_load(path.read_text())
+    app = application_of(document)
+    args = app.setdefault("args", {})
+    if not args.get("model_dir") and not os.environ.get("FAST_COSY_MODEL_DIR"):
+        args["tiny_family"] = "cosyvoice2"  # the frontend's tokenizer and prompt features; the synthesizer loads none
+    synth = args.setdefault("synthesizer", {})
+    synth.update(TIMED_SYNTHESIZER, runtime_factory=f"bench.timed_runtime:{profile}")
+    synth["token2wav"] = {**(synth.get("token2wav") or {}), "scheduler": "steps"}
+    synth["resources"] = {**(synth.get("resources") or {}), "num_gpus": 0}
+    out = Path(tempfile.mkdtemp(prefix="capacity-timed-")) / path.name
+    out.write_text(yaml.safe_dump(document, sort_keys=False))
+    return out
+
+
 def served_model(url: str) -> tuple[str, bool]:
     """What the service's synthesizer loaded, from its /health: a description, random weights."""
     replicas = httpx.get(f"{url}/health", timeout=30).json().get("synthesizer_replicas") or {}
@@ -175,6 +204,7 @@ def describe_served(info: dict) -> tuple[str, bool]:
                  else "weights not reported")
     parts += [f"mode {info['mode']}"] if info.get("mode") else []
     parts += [f"token2wav scheduler {rt['t2w_scheduler']}"] if rt.get("t2w_scheduler") else []
+    parts += [f"timing model: {rt['timing_model']}"] if rt.get("timing_model") else []
     return ", ".join(parts), random
 
 
@@ -212,9 +242,10 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
 
 
 def update_latest(run: Run) -> dict:
-    """Add this level's capacity figures (the best mode's) to ``latest.json``."""
+    """Add this level's capacity figures (the best mode's) to ``latest.json`` (a ``--timed`` run's
+    are not GPU figures: returned, not written)."""
     path = run.out / "latest.json"
-    latest = json.loads(path.read_text()) if path.exists() else {}
+    latest = json.loads(path.read_text()) if path.exists() and not run.timed else {}
     sessions = [s for s in run.searches if s["kind"] == "sessions" and s["capacity"] is not None]
     if not sessions:
         return latest
@@ -235,7 +266,8 @@ def update_latest(run: Run) -> dict:
         update[f"ttfb_p50_ms_c1_{'serve' if run.args.level == 'serve' else 'in_process'}"] = (
             one[0]["ttfa_p50_ms"] if one else None)
     latest.update(update)
-    path.write_text(json.dumps(latest, indent=1, default=str))
+    if not run.timed:
+        path.write_text(json.dumps(latest, indent=1, default=str))
     return latest
 
 
@@ -248,6 +280,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--modes", default="pytorch-bf16-allgraphs-early-edf", help="replica level: gpu_bench modes")
     ap.add_argument("--config", default="configs/single-gpu.yaml", help="serve and synth levels: the Serve config")
+    ap.add_argument("--timed", nargs="?", const="h200", default=None, choices=sorted(PROFILES),
+                    help="serve and synth levels: the synthesizer's runtime takes a GPU's times on the CPU "
+                    "(bench/timed_runtime.py; default profile h200) instead of loading the model")
     ap.add_argument("--num-cpus", type=float, default=16, help="serve level: CPUs given to local Ray")
     ap.add_argument("--mix", default=DEFAULT_MIX, help="utterance lengths, WEIGHT:LO-HI seconds, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
@@ -273,6 +308,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    if args.timed:
+        if args.level == "replica":
+            raise SystemExit("--timed is for the serve and synth levels (the replica level is the real model's)")
+        args.config = str(timed_config(Path(args.config), args.timed))
+        args.tag = "-".join(t for t in ("timed", args.timed.replace("_", "-"), args.tag) if t)
     if args.level == "synth":  # as the replicas get them, before CUDA reads its allocator settings
         for key, value in config_env(application_of(yaml.safe_load(Path(args.config).read_text()))).items():
             os.environ.setdefault(key, value)
@@ -280,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     torch.backends.cuda.matmul.allow_tf32 = False
     work = Workload(Mix.parse(args.mix), seed=args.seed, window_s=args.window_s, ramp_s=args.ramp_s)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.timed else "cpu"
     run = Run(args, work, Slo(ttfa_p99_ms=args.ttfa_ms), device)
     sampler = GpuSampler() if torch.cuda.is_available() else None
     t0 = time.perf_counter()

@@ -59,6 +59,7 @@ from cosyvoice_runtime.lm_messages import BistreamLMRequest, LMRequest, TokenEve
 from deployments.compute import MAIN, ComputeExecutor
 from deployments.protocol import EngineDeadError, EngineStats, RequestFailedError
 from deployments.runtime_protocol import TokenEngine
+from deployments.thread_load import retire_thread
 
 logger = logging.getLogger(__name__)
 
@@ -314,6 +315,8 @@ class EngineLoop:
             logger.exception("engine loop crashed")
             self._dead = exc  # before the hand-over: generate() must not queue behind a dead thread
             self._post(self._fail_all, exc)
+        finally:
+            retire_thread()  # its CPU seconds stay in the replica's thread readings
 
     def _isolate(self, exc: Exception) -> None:
         """A step raised (not fatally): retry it, then remove suspects newest first (module docstring)."""

@@ -39,11 +39,28 @@ def thread_group(name: str) -> str:
     return _POOL_NUMBER.sub("", name)
 
 
+_retired: dict[str, float] = {}  # CPU seconds of ended threads (retire_thread), by group
+_retired_lock = threading.Lock()
+
+
+def retire_thread() -> None:
+    """Keep the calling thread's CPU seconds after it ends (call it last, in a ``finally``).
+
+    For threads that end when idle and start again with work (the engine's step thread): read
+    at the end of a probe, once the load has drained, such a thread is gone, and with it every
+    second it ran."""
+    group = thread_group(threading.current_thread().name)
+    with _retired_lock:
+        _retired[group] = _retired.get(group, 0.0) + time.thread_time()
+
+
 def thread_cpu_seconds(process: psutil.Process | None = None) -> dict[str, float]:
-    """CPU seconds (user + system) of this process's live threads, summed by :func:`thread_group`;
-    threads Python does not know are :data:`NATIVE`. A thread that ended takes its seconds with it."""
+    """CPU seconds (user + system) of this process's threads, summed by :func:`thread_group`:
+    the live ones (threads Python does not know are :data:`NATIVE`) and those that ended through
+    :func:`retire_thread`. Any other thread that ended takes its seconds with it."""
     groups = {t.native_id: thread_group(t.name) for t in threading.enumerate()}
-    out: dict[str, float] = {}
+    with _retired_lock:
+        out = dict(_retired)
     for t in (process or psutil.Process()).threads():
         group = groups.get(t.id, NATIVE)
         out[group] = out.get(group, 0.0) + t.user_time + t.system_time

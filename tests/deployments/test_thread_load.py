@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 
-from deployments.thread_load import GilWait, gil_wait, thread_cpu_seconds, thread_group
+from deployments.thread_load import GilWait, gil_wait, retire_thread, thread_cpu_seconds, thread_group
 
 
 def test_pool_threads_are_grouped_by_their_prefix():
@@ -38,6 +38,24 @@ def test_cpu_seconds_are_read_per_named_thread_while_it_lives():
     assert seen["burner"] >= 0.05  # at least one parked burner, summed under its pool prefix
     assert "MainThread" in seen and all(v >= 0 for v in seen.values())
     assert not any(name.startswith("burner_") for name in seen)  # one group, not one entry per thread
+
+
+def test_a_thread_that_retires_keeps_its_cpu_seconds_after_it_ends():
+    """The engine's step thread ends when idle: read after a probe's load has drained, its
+    seconds would be gone without retire_thread."""
+    before = thread_cpu_seconds().get("retiring", 0.0)
+
+    def burn():
+        try:
+            while time.thread_time() < 0.05:
+                pass
+        finally:
+            retire_thread()
+
+    worker = threading.Thread(target=burn, name="retiring")
+    worker.start()
+    worker.join()
+    assert thread_cpu_seconds()["retiring"] - before >= 0.05
 
 
 def test_a_late_wake_up_is_recorded_as_a_gil_wait():

@@ -1,0 +1,243 @@
+"""A synthesis runtime that takes a GPU's time without a GPU: the serving layer under GPU-like load.
+
+The H200 runs of 2026-12-05 left one question open: the whole Serve app held 7 sessions at the
+SLO where the same runtime in the replica simulation held 42, with the GPU 36-63 % busy. This
+runtime lets the deployments' code (engine loop, stepped token2wav driver, Ray streaming, the
+ingress and the HTTP proxy) run at tens of sessions on a machine without a GPU: every call
+sleeps (the GIL free, as while a replica waits on CUDA) for the time the H200 took for the same
+call, after a short spin holding the GIL (the host side: Python, kernel launches, graph replays).
+
+Times (:class:`GpuTimes`, ``H200``), fitted to the H200 runs of 2026-12-05: the LLM decode step
+p50 2.7 ms at one running sequence and 4.2 ms at 48 (linear between); one incremental flow pass
+(CUDA-event timed, ``bench/stepper_check.py --incremental``, CosyVoice2, bf16, 128 new frames):
+``3.58 + 0.316 b + 0.00089 c + 0.00028 b c`` ms for a batch of ``b`` rows over ``c`` cached frames
+(within 0.2 ms of the seven measured points). The encoder and vocoder batches are not timed
+separately on the H200: 1.5 ms and 4 ms + 0.25 ms per row are assumptions, as is every host
+share (``host_frac``). The decode step and the flow passes run on two lanes that overlap
+perfectly here; on the GPU they share the SMs, so near a busy GPU this is optimistic: read it
+for what the serving layer costs below that, not as GPU capacity.
+
+The chunk schedule is CosyVoice2's streamed one with the early first chunk (the serving default,
+:func:`cosyvoice_runtime.stream_schedule.first_hop`, 25-token hops, 3 look-ahead tokens, 2 mel
+frames a token), and a request makes ``max_token_text_ratio`` (20) tokens per text id, as the
+random-weight models do (they rarely sample the stop token). The audio is silence.
+
+Use: ``synthesizer.runtime_factory: bench.timed_runtime:h200`` (or ``h200_gil``: half of every
+call holding the GIL); ``bench/capacity.py --timed [PROFILE]`` sets it, with the CPU and the
+stepped scheduler.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from cosyvoice_runtime.lm_messages import LMRequest, TokenEvent
+from cosyvoice_runtime.stream_schedule import first_hop
+from deployments.runtime_protocol import FLOW_STATS, SynthesisRuntime
+
+SAMPLE_RATE = 24000
+TOKENS_PER_S = 25
+SAMPLES_PER_TOKEN = SAMPLE_RATE // TOKENS_PER_S
+MEL_PER_TOKEN = 2
+HOP, LOOKAHEAD, FIRST_MIN_TOKENS = 25, 3, 10  # CosyVoice2's stream, the early first chunk's minimum
+TOKENS_PER_TEXT_ID = 20  # max_token_text_ratio: random weights run to the length cap
+N_STEPS = 10  # flow ODE steps
+
+
+@dataclass(frozen=True)
+class GpuTimes:
+    """Milliseconds a call takes on the GPU (see the module docstring for where they come from)."""
+
+    step_ms_1: float = 2.7  # decode step, one running sequence
+    step_ms_48: float = 4.2  # decode step, 48 running sequences
+    pass_ms: float = 3.58  # flow pass: constant
+    pass_ms_row: float = 0.316  # ... per row
+    pass_ms_cached: float = 0.00089  # ... per cached frame (of the longest row)
+    pass_ms_row_cached: float = 0.00028  # ... per row and cached frame
+    encoder_ms: float = 1.5  # one encoder batch (assumed)
+    vocoder_ms: float = 4.0  # one vocoder batch (assumed) ...
+    vocoder_ms_row: float = 0.25  # ... plus per row (assumed)
+    host_frac: float = 0.15  # share of each call spent on the host holding the GIL (assumed)
+
+    def step_s(self, running: int) -> float:
+        return 1e-3 * (self.step_ms_1 + (self.step_ms_48 - self.step_ms_1) * (max(1, running) - 1) / 47)
+
+    def pass_s(self, rows: int, cached_frames: int) -> float:
+        return 1e-3 * (self.pass_ms + self.pass_ms_row * rows + self.pass_ms_cached * cached_frames
+                       + self.pass_ms_row_cached * rows * cached_frames)
+
+    def encoder_s(self) -> float:
+        return 1e-3 * self.encoder_ms
+
+    def vocoder_s(self, rows: int) -> float:
+        return 1e-3 * (self.vocoder_ms + self.vocoder_ms_row * rows)
+
+
+H200 = GpuTimes()
+# The same times with half of every call spent holding the GIL: how much a GIL-bound host side
+# (the hypothesis to rule out on the GPU) costs the serving layer.
+H200_GIL = replace(H200, host_frac=0.5)
+
+
+def spend(seconds: float, host_frac: float) -> None:
+    """``seconds`` of a GPU call: the host share spinning with the GIL held, then the rest asleep."""
+    host_end = time.perf_counter() + seconds * host_frac
+    while time.perf_counter() < host_end:
+        pass
+    time.sleep(seconds * (1 - host_frac))
+
+
+class TimedEngine:
+    """Continuous batching without a model: ``max_running`` slots, FIFO admission between steps,
+    one token per running request and step, ``TOKENS_PER_TEXT_ID`` tokens per text id."""
+
+    def __init__(self, max_running: int, times: GpuTimes) -> None:
+        self.max_running = max_running
+        self.times = times
+        self._waiting: OrderedDict[str, int] = OrderedDict()  # request -> tokens left
+        self._running: dict[str, int] = {}
+
+    def add(self, request_id: str, request: LMRequest) -> None:
+        self._waiting[request_id] = max(1, len(request.text_ids) * TOKENS_PER_TEXT_ID)
+
+    def step(self) -> list[TokenEvent]:
+        while self._waiting and len(self._running) < self.max_running:
+            rid, left = self._waiting.popitem(last=False)
+            self._running[rid] = left
+        spend(self.times.step_s(len(self._running)), self.times.host_frac)
+        events = []
+        for rid in list(self._running):
+            self._running[rid] -= 1
+            done = self._running[rid] == 0
+            events.append(TokenEvent(rid, [1], finished=done, finish_reason="length" if done else None))
+            if done:
+                del self._running[rid]
+        return events
+
+    def abort(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)
+        self._running.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+
+@dataclass(eq=False)
+class _Stream:
+    prompt_tokens: int
+    stream: bool
+    offset: int = 0  # tokens already cut into jobs
+    calls: int = 0
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Job:
+    state: _Stream
+    tokens: int  # new tokens this job turns into audio
+    finalize: bool
+
+
+@dataclass(eq=False)
+class _Row:
+    """A job's flow solve in progress (what ``pick_rows`` and the stepped driver read)."""
+
+    tag: _Job
+    frames: int  # new mel frames
+    cached: int  # frames before them (prompt and earlier chunks)
+    kind: str = "incremental"
+    step: int = 0
+
+
+class TimedToken2Wav:
+    """CosyVoice2's streamed chunk schedule (early first chunk) over timed flow passes; silence out."""
+
+    sample_rate = SAMPLE_RATE
+    n_mels = 80
+    embedding_dim = 192
+    n_steps = N_STEPS
+
+    def __init__(self, times: GpuTimes) -> None:
+        self.times = times
+
+    def new_stream(self, prompt, stream: bool, speed: float, seed: int | None) -> _Stream:
+        return _Stream(prompt_tokens=len(prompt.speech_tokens), stream=stream)
+
+    def flow_stats(self) -> dict[str, float]:
+        return dict.fromkeys(FLOW_STATS, 0.0)
+
+    def _hop(self, state: _Stream) -> int:
+        return first_hop(state.prompt_tokens, HOP, FIRST_MIN_TOKENS) if state.calls == 0 else HOP
+
+    def tokens_needed(self, state: _Stream) -> int | None:
+        return None if state.done or not state.stream else state.offset + self._hop(state) + LOOKAHEAD
+
+    def next_job(self, state: _Stream, tokens, llm_done: bool) -> _Job | None:
+        if state.done:
+            return None
+        hop = self._hop(state)
+        if state.stream and len(tokens) >= state.offset + hop + LOOKAHEAD:
+            return _Job(state, hop, finalize=False)
+        if not llm_done:
+            return None
+        return _Job(state, len(tokens) - state.offset, finalize=True)
+
+    # -- token2wav.scheduler "steps" --------------------------------------------------------
+    def start_solves(self, jobs: list[_Job]) -> list[_Row]:
+        spend(self.times.encoder_s(), self.times.host_frac)
+        return [_Row(job, MEL_PER_TOKEN * job.tokens, MEL_PER_TOKEN * (job.state.prompt_tokens + job.state.offset))
+                for job in jobs]
+
+    def advance(self, rows: list[_Row]) -> None:
+        spend(self.times.pass_s(len(rows), max(r.cached for r in rows)), self.times.host_frac)
+        for row in rows:
+            row.step += 1
+
+    def finish(self, rows: list[_Row]) -> list[np.ndarray]:
+        if any(r.step < N_STEPS for r in rows):
+            raise ValueError("finish() takes rows whose solve is done")
+        spend(self.times.vocoder_s(len(rows)), self.times.host_frac)
+        out = []
+        for row in rows:
+            job = row.tag
+            job.state.offset += job.tokens
+            job.state.calls += 1
+            job.state.done = job.finalize
+            out.append(np.zeros(job.tokens * SAMPLES_PER_TOKEN, np.float32))
+        return out
+
+    def run_batch(self, jobs: list[_Job]) -> list[np.ndarray]:
+        """The whole solve of each job (the batch scheduler's call)."""
+        rows = self.start_solves(jobs)
+        for _ in range(N_STEPS):
+            self.advance(rows)
+        return self.finish(rows)
+
+
+def _timed(cfg, times: GpuTimes, name: str) -> SynthesisRuntime:
+    details = {"family": "cosyvoice2", "random_weights": True, "t2w_scheduler": "steps",
+               "timing_model": f"{name}, no GPU (bench/timed_runtime.py), host share {times.host_frac:g}"}
+    return SynthesisRuntime(engine=TimedEngine(cfg.max_running, times), token2wav=TimedToken2Wav(times),
+                            device="cpu", details=details)
+
+
+def h200(cfg, source) -> SynthesisRuntime:
+    """A ``runtime_factory`` taking the H200's times (:data:`H200`), stepped token2wav."""
+    return _timed(cfg, H200, "H200 times")
+
+
+def h200_gil(cfg, source) -> SynthesisRuntime:
+    """:func:`h200` with half of every call holding the GIL (:data:`H200_GIL`)."""
+    return _timed(cfg, H200_GIL, "H200 times, GIL-bound host")
+
+
+PROFILES = {"h200": h200, "h200_gil": h200_gil}  # bench/capacity.py --timed PROFILE
