@@ -12,8 +12,9 @@ p50 2.7 ms at one running sequence and 4.2 ms at 48 (linear between); one increm
 (CUDA-event timed, ``bench/stepper_check.py --incremental``, CosyVoice2, bf16, 128 new frames):
 ``3.58 + 0.316 b + 0.00089 c + 0.00028 b c`` ms for a batch of ``b`` rows over ``c`` cached frames
 (within 0.2 ms of the seven measured points). The encoder and vocoder batches are not timed
-separately on the H200: 1.5 ms and 4 ms + 0.25 ms per row are assumptions, as is every host
-share (``host_frac``). The decode step and the flow passes run on two lanes that overlap
+separately on the H200: 1.5 ms and 4 ms + 0.25 ms per row are assumptions, as are a prefill's
+5 ms (the Serve level's first token took 8 ms p50 on the H200, one step of it 2.7) and every
+host share (``host_frac``). The decode step and the flow passes run on two lanes that overlap
 perfectly here; on the GPU they share the SMs, so near a busy GPU this is optimistic: read it
 for what the serving layer costs below that, not as GPU capacity.
 
@@ -53,6 +54,7 @@ class GpuTimes:
 
     step_ms_1: float = 2.7  # decode step, one running sequence
     step_ms_48: float = 4.2  # decode step, 48 running sequences
+    prefill_ms: float = 5.0  # a new request's graphed prefill, added to the step that admits it (assumed)
     pass_ms: float = 3.58  # flow pass: constant
     pass_ms_row: float = 0.316  # ... per row
     pass_ms_cached: float = 0.00089  # ... per cached frame (of the longest row)
@@ -62,8 +64,9 @@ class GpuTimes:
     vocoder_ms_row: float = 0.25  # ... plus per row (assumed)
     host_frac: float = 0.15  # share of each call spent on the host holding the GIL (assumed)
 
-    def step_s(self, running: int) -> float:
-        return 1e-3 * (self.step_ms_1 + (self.step_ms_48 - self.step_ms_1) * (max(1, running) - 1) / 47)
+    def step_s(self, running: int, admitted: int = 0) -> float:
+        return 1e-3 * (self.step_ms_1 + (self.step_ms_48 - self.step_ms_1) * (max(1, running) - 1) / 47
+                       + self.prefill_ms * admitted)
 
     def pass_s(self, rows: int, cached_frames: int) -> float:
         return 1e-3 * (self.pass_ms + self.pass_ms_row * rows + self.pass_ms_cached * cached_frames
@@ -104,10 +107,12 @@ class TimedEngine:
         self._waiting[request_id] = max(1, len(request.text_ids) * TOKENS_PER_TEXT_ID)
 
     def step(self) -> list[TokenEvent]:
+        admitted = 0
         while self._waiting and len(self._running) < self.max_running:
             rid, left = self._waiting.popitem(last=False)
             self._running[rid] = left
-        spend(self.times.step_s(len(self._running)), self.times.host_frac)
+            admitted += 1
+        spend(self.times.step_s(len(self._running), admitted), self.times.host_frac)
         events = []
         for rid in list(self._running):
             self._running[rid] -= 1

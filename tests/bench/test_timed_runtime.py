@@ -32,6 +32,7 @@ def test_the_decode_step_goes_from_the_one_stream_to_the_48_stream_p50():
     assert 1e3 * timed.H200.step_s(1) == pytest.approx(2.7)
     assert 1e3 * timed.H200.step_s(48) == pytest.approx(4.2)
     assert 1e3 * timed.H200.step_s(0) == pytest.approx(2.7)  # an idle step costs what one row does
+    assert 1e3 * timed.H200.step_s(1, admitted=2) == pytest.approx(2.7 + 2 * 5.0)  # and each prefill it runs
 
 
 def test_spend_sleeps_the_gpu_share_and_spins_the_host_share(monkeypatch):
@@ -95,7 +96,10 @@ def test_the_engine_gives_20_tokens_per_text_id_one_per_step(monkeypatch):
     while engine.has_unfinished():
         steps.append([(e.request_id, e.finished) for e in engine.step()])
     assert len(steps) == 60 and steps[39] == [("a", True)] and steps[-1] == [("b", True)]
-    assert engine.num_running() == 0 and spent[0] == timed.H200.step_s(1)
+    assert engine.num_running() == 0
+    # the step admitting a request pays its prefill; "b" waits for the one slot
+    assert spent[0] == timed.H200.step_s(1, admitted=1) and spent[1] == timed.H200.step_s(1)
+    assert spent[40] == timed.H200.step_s(1, admitted=1)
 
 
 def test_every_profile_is_a_runtime_factory_with_its_host_share():
