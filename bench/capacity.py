@@ -65,7 +65,7 @@ class Run:
         stem = f"capacity-{args.level}-{_slug(device)}-{self.date}" + (f"-{args.tag}" if args.tag else "")
         self.out = Path(args.out)
         self.stem = stem
-        self.timed = getattr(args, "timed", None) is not None
+        self.timed = args.timed is not None
 
         # what served the probes (the serve level reads it from the service's /health)
         self.model = f"{args.family}, {args.size}-size architecture, random weights"
@@ -87,7 +87,7 @@ class Run:
         return {"mix": self.work.mix.describe(), "seed": self.work.seed, "window_s": self.work.window_s,
                 "ramp_s": self.work.ramp_s, "prompt_s": PROMPT_SPEECH / TOKENS_PER_S, "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
                 "slo_underruns": self.slo.max_underruns, "family": self.args.family, "level": self.args.level,
-                "model": self.model, "random_weights": self.random_weights}
+                "model": self.model, "random_weights": self.random_weights, "timing_model": self.args.timed}
 
     def write(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)

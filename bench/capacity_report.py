@@ -35,7 +35,10 @@ def markdown(doc: dict, plots: list[str]) -> str:
              f"{w['seed']}; each probe judges the requests submitted in {w['window_s']:.0f} s of steady load "
              f"(sessions start over ~{w['ramp_s']:.0f} s, exponential gaps) and stops at the first failed or "
              f"underrun request. Model: {w.get('model', 'not recorded')}."
-             + (" Random weights: the audio is noise; the work per token is the architecture's."
+             + (f" **No model ran**: the synthesizer slept the GPU times of `bench/timed_runtime.py` (profile "
+                f"{w['timing_model']}); what this measures is the serving layer on this machine, not GPU capacity."
+                if w.get("timing_model") else
+                " Random weights: the audio is noise; the work per token is the architecture's."
                 if w.get("random_weights", True) else ""))
     lines = [f"# Streaming capacity at the SLO: {w['level']} level, {w['family']}, {doc['device']}, {doc['date']}", "",
              intro, "", "| mode | search | capacity |", "|---|---|---|"]
