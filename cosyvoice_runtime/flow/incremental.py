@@ -240,6 +240,7 @@ class IncrementalStepper(SolverGraphs):
         self.passes = 0
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None  # flat attn_in / attn_out of all buckets
         self._hist_range = torch.arange(self.layout.hist, device=self.device)
+        self._zero_history: torch.Tensor | None = None
 
     @property
     def frame_bytes(self) -> int:
@@ -301,42 +302,71 @@ class IncrementalStepper(SolverGraphs):
             self.passes += 1
 
     # -- internals -------------------------------------------------------------------------
+    # _load and _store run on the token2wav driver thread, holding the GIL, once per pass: a
+    # tensor statement per row and field made ~850 dispatcher calls for a pass of 16 rows (the
+    # row loop's ~53 per row; CPU count, 2026-12-05), host work comparable to the pass on the GPU
+    # and GIL time the replica's other threads (the engine's, Serve's) wait for. So each field is
+    # one call for all rows; per row only the views a list of copies needs.
     def _load(self, bucket: _Bucket, rows: Sequence[IncrementalRow]) -> None:
         t_steps, dts = self.schedule()
-        b, hist = bucket.x.shape[0], self.layout.hist
+        k, b, hist = len(rows), bucket.x.shape[0], self.layout.hist
+        channels = bucket.hist_in.shape[1]
+        # start, frames, step, keep, mark per row: one host -> device copy, never a wait on the GPU
+        ints = self._to_device(torch.tensor([[r.start, r.frames, r.step, r.keep, r.mark] for r in rows]))
+        p_len, n_len, step, keep, mark = ints.unbind(1)
         bucket.p_len.zero_()
         bucket.n_len.zero_()
-        bucket.hist_idx.zero_()
-        # padded frames and rows keep what earlier passes left there: finite, and masked or causal-after
-        for i, r in enumerate(rows):
-            n, p, s = r.frames, r.start, r.step
-            bucket.x[i, :, :n] = r.x
-            bucket.mu[i, :, :n] = r.mu
-            bucket.cond[i, :, :n] = r.cond
-            bucket.spks[i] = r.spks
-            bucket.t[i:i + 1] = t_steps[s:s + 1]
-            bucket.dt[i:i + 1] = dts[s:s + 1]
-            bucket.p_len[i], bucket.n_len[i] = p, n
-            # device arithmetic, not host tensors: a pageable copy would wait for the GPU
-            bucket.hist_idx[i::b, 0, :hist] = self._hist_range + r.keep
-            bucket.hist_idx[i::b, 0, hist:] = self._hist_range + r.mark
-            if p == 0:
-                bucket.hist_in[i::b] = 0  # the causal zero padding at frame 0
-            else:
-                bucket.hist_in[i::b] = r.cache.convs[s]
-                bucket.attn_in[:, i::b, :p] = r.cache.attn[s][:, :, :p]
+        bucket.p_len[:k] = p_len
+        bucket.n_len[:k] = n_len
+        bucket.t[:k] = t_steps[step]
+        bucket.dt[:k] = dts[step]
+        # padded frames and rows keep finite values (zeros, or what earlier passes left): masked or causal-after
+        for name in ("x", "mu", "cond"):
+            frames = torch.nn.utils.rnn.pad_sequence([getattr(r, name).T for r in rows], batch_first=True)
+            getattr(bucket, name)[:k, :, :frames.shape[1]] = frames.transpose(1, 2)
+        bucket.spks[:k] = torch.stack([r.spks for r in rows])
+        # the two CFG halves of row i are rows i and b + i of the doubled tensors
+        hist_idx = bucket.hist_idx.view(2, b, 2 * hist)
+        hist_idx.zero_()
+        hist_idx[:, :k, :hist] = self._hist_range + keep[:, None]
+        hist_idx[:, :k, hist:] = self._hist_range + mark[:, None]
+        zeros = self._no_history(channels)  # the causal zero padding at frame 0
+        bucket.hist_in.view(2, b, channels, hist)[:, :k] = torch.stack(
+            [r.cache.convs[r.step] if r.start else zeros for r in rows], dim=1)
+        cached = [(i, r) for i, r in enumerate(rows) if r.start]
+        if cached:
+            attn_in = bucket.attn_in.view(bucket.attn_in.shape[0], 2, b, *bucket.attn_in.shape[2:])
+            torch._foreach_copy_([attn_in[:, :, i, :r.start] for i, r in cached],
+                                 [r.cache.attn[r.step][:, :, :r.start] for _, r in cached])
 
     def _store(self, bucket: _Bucket, rows: Sequence[IncrementalRow]) -> None:
-        b, hist = bucket.x.shape[0], self.layout.hist
+        k, b, hist = len(rows), bucket.x.shape[0], self.layout.hist
+        out = bucket.out[:k].clone()
+        hist_out = bucket.hist_out.view(2, b, *bucket.hist_out.shape[1:])[:, :k].clone()
+        stored = [(i, r) for i, r in enumerate(rows) if r.stored]
+        if stored:
+            attn_out = bucket.attn_out.view(bucket.attn_out.shape[0], 2, b, *bucket.attn_out.shape[2:])
+            torch._foreach_copy_([r.cache.attn[r.step][:, :, r.start:r.start + r.stored] for _, r in stored],
+                                 [attn_out[:, :, i, :r.stored] for i, r in stored])
         for i, r in enumerate(rows):
-            p = r.start
-            r.x = bucket.out[i, :, :r.frames].clone()
-            r.new_convs.append(bucket.hist_out[i::b, :, :hist].clone())
+            r.x = out[i, :, :r.frames]
+            # clones: a stream's cache keeps these for its whole life, not the whole pass's tensor
+            r.new_convs.append(hist_out[:, i, :, :hist].clone())
             if r.mark:
-                r.mark_convs.append(bucket.hist_out[i::b, :, hist:].clone())
-            if r.stored:
-                r.cache.attn[r.step][:, :, p:p + r.stored] = bucket.attn_out[:, i::b, :r.stored]
+                r.mark_convs.append(hist_out[:, i, :, hist:].clone())
             r.step += 1
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the stepper's device; on CUDA through pinned memory, so the copy
+        queues behind the running pass instead of waiting for it (a pageable copy would)."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _no_history(self, channels: int) -> torch.Tensor:
+        if self._zero_history is None or self._zero_history.shape[1] != channels:
+            self._zero_history = torch.zeros(2, channels, self.layout.hist, device=self.device, dtype=self.dtype)
+        return self._zero_history
 
     def _run(self, bucket: _Bucket) -> torch.Tensor:
         b, _, new = bucket.x.shape
