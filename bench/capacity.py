@@ -12,7 +12,7 @@ utterance-length mix, doubling then bisection), the two targets in ``bench/capac
     FAST_COSY_MODEL_DIR=/tmp/cv2-full python -m bench.capacity --level synth --config configs/single-gpu.yaml
     # either of those two without a GPU: the synthesizer's runtime takes the H200's times
     # (bench/timed_runtime.py), so the serving layer meets GPU-like load on a CPU machine
-    python -m bench.capacity --level serve --timed --config configs/single-gpu.yaml --num-cpus 2
+    python -m bench.capacity --level serve --timed --config configs/single-gpu.yaml --num-cpus 8
 
 Writes ``capacity-<level>-<device>-<date>[-tag].{md,json}`` with plots (first audio and underruns
 against load, GPU utilisation against load), rewritten after every probe so a run cut short keeps
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = Workload(Mix.parse(args.mix), seed=args.seed, window_s=args.window_s, ramp_s=args.ramp_s)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.timed else "cpu"
     run = Run(args, work, Slo(ttfa_p99_ms=args.ttfa_ms), device)
-    sampler = GpuSampler() if torch.cuda.is_available() else None
+    sampler = GpuSampler() if torch.cuda.is_available() and not args.timed else None
     t0 = time.perf_counter()
     try:
         {"replica": run_replica, "serve": run_serve, "synth": run_synth}[args.level](args, run, sampler)
