@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,22 +27,33 @@ SAMPLES_PER_TOKEN = SAMPLE_RATE // 25
 
 
 class NullEngine:
-    """Continuous batching without a model: ``max_running`` slots, FIFO admission between steps."""
+    """Continuous batching without a model: ``max_running`` slots, FIFO admission between steps,
+    one token per running request and step, ``tokens_per_id`` tokens per text id.
 
-    def __init__(self, max_running: int, step_s: float = 0.0) -> None:
+    A step sleeps ``step_s``, or calls ``step_cost(running, admitted)`` to take its time
+    (:mod:`bench.timed_runtime`: a GPU's time for that many rows and prefills)."""
+
+    def __init__(self, max_running: int, step_s: float = 0.0, tokens_per_id: int = TOKENS_PER_ID,
+                 step_cost: Callable[[int, int], None] | None = None) -> None:
         self.max_running = max_running
         self.step_s = step_s
+        self.tokens_per_id = tokens_per_id
+        self.step_cost = step_cost
         self._waiting: OrderedDict[str, int] = OrderedDict()  # request -> tokens left
         self._running: dict[str, int] = {}
 
     def add(self, request_id: str, request: LMRequest) -> None:
-        self._waiting[request_id] = max(1, len(request.text_ids) * TOKENS_PER_ID)
+        self._waiting[request_id] = max(1, len(request.text_ids) * self.tokens_per_id)
 
     def step(self) -> list[TokenEvent]:
+        admitted = 0
         while self._waiting and len(self._running) < self.max_running:
             rid, left = self._waiting.popitem(last=False)
             self._running[rid] = left
-        if self.step_s:
+            admitted += 1
+        if self.step_cost is not None:
+            self.step_cost(len(self._running), admitted)
+        elif self.step_s:
             time.sleep(self.step_s)
         events = []
         for rid in list(self._running):

@@ -30,12 +30,11 @@ stepped scheduler.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cosyvoice_runtime.lm_messages import LMRequest, TokenEvent
+from bench.null_runtime import NullEngine
 from cosyvoice_runtime.stream_schedule import first_hop
 from deployments.runtime_protocol import FLOW_STATS, SynthesisRuntime
 
@@ -93,47 +92,10 @@ def spend(seconds: float, host_frac: float) -> None:
     time.sleep(seconds * (1 - host_frac))
 
 
-class TimedEngine:
-    """Continuous batching without a model: ``max_running`` slots, FIFO admission between steps,
-    one token per running request and step, ``TOKENS_PER_TEXT_ID`` tokens per text id."""
-
-    def __init__(self, max_running: int, times: GpuTimes) -> None:
-        self.max_running = max_running
-        self.times = times
-        self._waiting: OrderedDict[str, int] = OrderedDict()  # request -> tokens left
-        self._running: dict[str, int] = {}
-
-    def add(self, request_id: str, request: LMRequest) -> None:
-        self._waiting[request_id] = max(1, len(request.text_ids) * TOKENS_PER_TEXT_ID)
-
-    def step(self) -> list[TokenEvent]:
-        admitted = 0
-        while self._waiting and len(self._running) < self.max_running:
-            rid, left = self._waiting.popitem(last=False)
-            self._running[rid] = left
-            admitted += 1
-        spend(self.times.step_s(len(self._running), admitted), self.times.host_frac)
-        events = []
-        for rid in list(self._running):
-            self._running[rid] -= 1
-            done = self._running[rid] == 0
-            events.append(TokenEvent(rid, [1], finished=done, finish_reason="length" if done else None))
-            if done:
-                del self._running[rid]
-        return events
-
-    def abort(self, request_id: str) -> None:
-        self._waiting.pop(request_id, None)
-        self._running.pop(request_id, None)
-
-    def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
-
-    def num_running(self) -> int:
-        return len(self._running)
-
-    def num_waiting(self) -> int:
-        return len(self._waiting)
+def timed_engine(max_running: int, times: GpuTimes) -> NullEngine:
+    """Continuous batching without a model whose steps (and the prefills they run) take ``times``."""
+    return NullEngine(max_running, tokens_per_id=TOKENS_PER_TEXT_ID,
+                      step_cost=lambda running, admitted: spend(times.step_s(running, admitted), times.host_frac))
 
 
 @dataclass(eq=False)
@@ -231,7 +193,7 @@ class TimedToken2Wav:
 def _timed(cfg, times: GpuTimes, name: str) -> SynthesisRuntime:
     details = {"family": "cosyvoice2", "random_weights": True, "t2w_scheduler": "steps",
                "timing_model": f"{name}, no GPU (bench/timed_runtime.py), host share {times.host_frac:g}"}
-    return SynthesisRuntime(engine=TimedEngine(cfg.max_running, times), token2wav=TimedToken2Wav(times),
+    return SynthesisRuntime(engine=timed_engine(cfg.max_running, times), token2wav=TimedToken2Wav(times),
                             device="cpu", details=details)
 
 

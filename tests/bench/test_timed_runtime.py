@@ -89,7 +89,7 @@ def test_finish_refuses_unsolved_rows(monkeypatch):
 
 def test_the_engine_gives_20_tokens_per_text_id_one_per_step(monkeypatch):
     spent = _no_time(monkeypatch)
-    engine = timed.TimedEngine(max_running=1, times=timed.H200)
+    engine = timed.timed_engine(max_running=1, times=timed.H200)
     engine.add("a", LMRequest(np.arange(2), np.arange(0), np.arange(0)))
     engine.add("b", LMRequest(np.arange(1), np.arange(0), np.arange(0)))
     steps = []
