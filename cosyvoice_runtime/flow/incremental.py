@@ -302,11 +302,12 @@ class IncrementalStepper(SolverGraphs):
             self.passes += 1
 
     # -- internals -------------------------------------------------------------------------
-    # _load and _store run on the token2wav driver thread, holding the GIL, once per pass: a
-    # tensor statement per row and field made ~850 dispatcher calls for a pass of 16 rows (the
-    # row loop's ~53 per row; CPU count, 2026-12-05), host work comparable to the pass on the GPU
-    # and GIL time the replica's other threads (the engine's, Serve's) wait for. So each field is
-    # one call for all rows; per row only the views a list of copies needs.
+    # _load and _store run on the token2wav driver thread once per pass. A tensor statement per
+    # row and field made ~850 dispatcher calls for a pass of 16 rows (~53 per row; CPU count,
+    # 2026-12-05), each statement's Python part (index parsing, views) under the GIL: host work
+    # of the order of the pass on the GPU, and GIL time the replica's other threads (the
+    # engine's, Serve's) wait for. So each field is one call for all rows (the per-row loops run
+    # in C++); per row only the views a list of copies needs.
     def _load(self, bucket: _Bucket, rows: Sequence[IncrementalRow]) -> None:
         t_steps, dts = self.schedule()
         k, b, hist = len(rows), bucket.x.shape[0], self.layout.hist

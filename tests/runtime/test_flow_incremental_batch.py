@@ -220,9 +220,9 @@ def _host_calls_per_pass(n_rows: int) -> int:
 
 
 def test_a_pass_makes_a_few_dispatcher_calls_per_row_not_one_per_field():
-    """_load/_store run on the token2wav driver thread holding the GIL, once per pass; a statement
-    per row and field made ~53 dispatcher calls per row (~850 for 16 rows, where the pass itself
-    is one graph replay). Each field is one call for all rows now; per row only views and the
+    """_load/_store run on the token2wav driver thread once per pass, their Python under the GIL;
+    a statement per row and field made ~53 dispatcher calls per row (~850 for 16 rows, where the
+    pass itself is one graph replay). Each field is one call for all rows now; per row only views and the
     convolution histories' clones remain (16.75 calls per row here, 2026-12-05)."""
     per_row = (_host_calls_per_pass(6) - _host_calls_per_pass(2)) / 4
     assert per_row <= 20, per_row
