@@ -70,6 +70,7 @@ class Run:
         # what served the probes (the serve level reads it from the service's /health)
         self.model = f"{args.family}, {args.size}-size architecture, random weights"
         self.random_weights = True
+        self.http_proxy: str | None = None  # the serve level's HTTP path
 
     def search(self, mode: str, kind: str) -> dict:
         entry = {"mode": mode, "kind": kind, "capacity": None, "probes": []}
@@ -87,7 +88,8 @@ class Run:
         return {"mix": self.work.mix.describe(), "seed": self.work.seed, "window_s": self.work.window_s,
                 "ramp_s": self.work.ramp_s, "prompt_s": PROMPT_SPEECH / TOKENS_PER_S, "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
                 "slo_underruns": self.slo.max_underruns, "family": self.args.family, "level": self.args.level,
-                "model": self.model, "random_weights": self.random_weights, "timing_model": self.args.timed}
+                "model": self.model, "random_weights": self.random_weights, "timing_model": self.args.timed,
+                "http_proxy": self.http_proxy}
 
     def write(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -133,6 +135,9 @@ def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
     url = start_local(Path(args.config), num_cpus=args.num_cpus)
     voice = register_voices(url, 1, prefix="capacity", prompt_seconds=(PROMPT_SPEECH / TOKENS_PER_S,))[0]
     run.model, run.random_weights = served_model(url)
+    # Ray reads it from the environment when it starts (not a Serve config key)
+    run.http_proxy = ("HAProxy with direct ingress" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
+                      else "Serve's proxy actor")
 
     def settle() -> None:  # the next probe starts on an idle service
         if not wait_idle(url, timeout_s=120):

@@ -25,7 +25,7 @@ from bench import capacity as capacity_mod
 from bench import capacity_targets as targets_mod
 from bench.capacity import Run, _searches, main, parse_args
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
-from bench.capacity_report import _stage_table, _thread_table
+from bench.capacity_report import _stage_table, _thread_table, markdown
 from bench.capacity_targets import (
     HttpTarget,
     InProcessTarget,
@@ -101,6 +101,19 @@ def test_probe_summary_and_report_give_first_audio_by_stage():
     assert "| load | frontend | handoff |" in table
     assert "| 2 | 1 / 3 | - |" in table and "| 4 | 50 / 99 | 101 / 198 |" in table
     assert _stage_table([{"load": 1, "stages_ms": {}}]) == []
+
+
+def test_the_report_says_what_served_the_probes():
+    """The model (or that none ran: a --timed run) and the serve level's HTTP path."""
+    workload = {"slo_ttfa_p99_ms": 300, "slo_underruns": 0, "mix": "100 % 1-2 s", "prompt_s": 3.48, "seed": 0,
+                "window_s": 60, "ramp_s": 5, "level": "serve", "family": "cosyvoice2", "model": "m"}
+    doc = {"device": "cpu", "date": "2026-12-05", "searches": []}
+    plain = markdown({**doc, "workload": {**workload, "random_weights": True}}, [])
+    assert "Random weights: the audio is noise" in plain and "HTTP path" not in plain
+    timed = markdown({**doc, "workload": {**workload, "timing_model": "h200_gil",
+                                          "http_proxy": "HAProxy with direct ingress"}}, [])
+    assert "**No model ran**" in timed and "(profile h200_gil)" in timed and "Random weights" not in timed
+    assert "HTTP path: HAProxy with direct ingress." in timed
 
 
 def _threshold_probe(limit, seen):
