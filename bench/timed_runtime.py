@@ -34,13 +34,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from bench.null_runtime import NullEngine
+from bench.null_runtime import SAMPLE_RATE, SAMPLES_PER_TOKEN, NullEngine
 from cosyvoice_runtime.stream_schedule import first_hop
 from deployments.runtime_protocol import FLOW_STATS, SynthesisRuntime
 
-SAMPLE_RATE = 24000
-TOKENS_PER_S = 25
-SAMPLES_PER_TOKEN = SAMPLE_RATE // TOKENS_PER_S
 MEL_PER_TOKEN = 2
 HOP, LOOKAHEAD, FIRST_MIN_TOKENS = 25, 3, 10  # CosyVoice2's stream, the early first chunk's minimum
 TOKENS_PER_TEXT_ID = 20  # max_token_text_ratio: random weights run to the length cap
