@@ -65,7 +65,6 @@ class Run:
         stem = f"capacity-{args.level}-{_slug(device)}-{self.date}" + (f"-{args.tag}" if args.tag else "")
         self.out = Path(args.out)
         self.stem = stem
-        self.timed = args.timed is not None
 
         # what served the probes (the serve level reads it from the service's /health)
         self.model = f"{args.family}, {args.size}-size architecture, random weights"
@@ -250,7 +249,7 @@ def update_latest(run: Run) -> dict:
     """Add this level's capacity figures (the best mode's) to ``latest.json`` (a ``--timed`` run's
     are not GPU figures: returned, not written)."""
     path = run.out / "latest.json"
-    latest = json.loads(path.read_text()) if path.exists() and not run.timed else {}
+    latest = json.loads(path.read_text()) if path.exists() and not run.args.timed else {}
     sessions = [s for s in run.searches if s["kind"] == "sessions" and s["capacity"] is not None]
     if not sessions:
         return latest
@@ -271,7 +270,7 @@ def update_latest(run: Run) -> dict:
         update[f"ttfb_p50_ms_c1_{'serve' if run.args.level == 'serve' else 'in_process'}"] = (
             one[0]["ttfa_p50_ms"] if one else None)
     latest.update(update)
-    if not run.timed:
+    if not run.args.timed:
         path.write_text(json.dumps(latest, indent=1, default=str))
     return latest
 
