@@ -240,7 +240,9 @@ class IncrementalStepper(SolverGraphs):
         self.passes = 0
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None  # flat attn_in / attn_out of all buckets
         self._hist_range = torch.arange(self.layout.hist, device=self.device)
-        self._zero_history: torch.Tensor | None = None
+        # the causal zero padding at frame 0 of a row with nothing cached
+        self._no_history = torch.zeros(2, self.layout.conv_channels, self.layout.hist, device=self.device,
+                                       dtype=self.dtype)
 
     @property
     def frame_bytes(self) -> int:
@@ -311,7 +313,7 @@ class IncrementalStepper(SolverGraphs):
     def _load(self, bucket: _Bucket, rows: Sequence[IncrementalRow]) -> None:
         t_steps, dts = self.schedule()
         k, b, hist = len(rows), bucket.x.shape[0], self.layout.hist
-        channels = bucket.hist_in.shape[1]
+        channels = self.layout.conv_channels
         # start, frames, step, keep, mark per row: one host -> device copy, never a wait on the GPU
         ints = self._to_device(torch.tensor([[r.start, r.frames, r.step, r.keep, r.mark] for r in rows]))
         p_len, n_len, step, keep, mark = ints.unbind(1)
@@ -331,9 +333,8 @@ class IncrementalStepper(SolverGraphs):
         hist_idx.zero_()
         hist_idx[:, :k, :hist] = self._hist_range + keep[:, None]
         hist_idx[:, :k, hist:] = self._hist_range + mark[:, None]
-        zeros = self._no_history(channels)  # the causal zero padding at frame 0
         bucket.hist_in.view(2, b, channels, hist)[:, :k] = torch.stack(
-            [r.cache.convs[r.step] if r.start else zeros for r in rows], dim=1)
+            [r.cache.convs[r.step] if r.start else self._no_history for r in rows], dim=1)
         cached = [(i, r) for i, r in enumerate(rows) if r.start]
         if cached:
             attn_in = bucket.attn_in.view(bucket.attn_in.shape[0], 2, b, *bucket.attn_in.shape[2:])
@@ -363,11 +364,6 @@ class IncrementalStepper(SolverGraphs):
         if self.device.type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
-
-    def _no_history(self, channels: int) -> torch.Tensor:
-        if self._zero_history is None or self._zero_history.shape[1] != channels:
-            self._zero_history = torch.zeros(2, channels, self.layout.hist, device=self.device, dtype=self.dtype)
-        return self._zero_history
 
     def _run(self, bucket: _Bucket) -> torch.Tensor:
         b, _, new = bucket.x.shape
