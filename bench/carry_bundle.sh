@@ -4,16 +4,8 @@
 # tree (ray-serve-notes §3.3). On the GPU machine (bench/device_serve.sh does this):
 #   mkdir /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz && export PYTHONPATH=/tmp/site:$PWD
 # Pass `carry: [".carry"]` to the device run. ~3 min on 2 cores, ~53 MB.
-#   bench/carry_bundle.sh --parity: instead, copy the parity fixtures the GPU tests load
-#   (../shared/parity: models and cases, ~23 MB) into .carry-parity, for `carry: [".carry-parity"]`
-#   (bench/device_run.sh; not together with .carry: both pass the 64 MiB a call takes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ "${1:-}" = --parity ]; then
-  rm -rf .carry-parity && cp -r ../shared/parity .carry-parity
-  du -sh .carry-parity
-  exit 0
-fi
 OUT=.carry
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT

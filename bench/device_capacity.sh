@@ -9,6 +9,7 @@
 #   REPLICA_S=0 SYNTH_S=250 SERVE_S=300 ...: the config's deployments in-process first, then over Serve
 #   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call
 #   FAMILY=cosyvoice3 measures CosyVoice3 at both levels (default cosyvoice2)
+#   TESTS_S=60 runs the GPU-marked tests first (bench/device_gpu_tests.sh; no parity fixtures needed)
 #   SERVE_PROXY=haproxy: the serve level behind HAProxy with direct ingress (RAY_SERVE_ENABLE_HA_PROXY=1)
 #   instead of Serve's HTTP proxy actor (docs/tuning.md, "The HTTP path")
 set -u
@@ -18,6 +19,10 @@ cp bench/results/latest.json "$W/results/"  # the tool adds its keys to the thro
 pack() { tar -czf "$OUT/capacity.tgz" -C "$W" .; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$W/gpu.txt"
 cat "$W/gpu.txt"
+if [ "${TESTS_S:-0}" -gt 0 ]; then
+  bash bench/device_gpu_tests.sh "$TESTS_S" "$W/gpu_tests.txt"
+  pack
+fi
 # Both levels import the serving stack's config types (pydantic), which the lent image lacks.
 mkdir -p /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0

@@ -12,18 +12,11 @@
 #   BENCH_ARGS="--debug cosyvoice_runtime" adds flags to bench/gpu_bench.py (here: a line per captured graph)
 set -u
 export PYTHONPATH=$PWD
-# The GPU tests load the parity fixtures, which live beside the checkout (../shared/parity) and do
-# not travel: `bench/carry_bundle.sh --parity` copies them into .carry-parity, carried with
-# `carry: [".carry-parity"]` (23 MB; with .carry's 55 MB it would pass the 64 MiB a call takes).
-[ -d .carry-parity ] && export COSYVOICE_PARITY_DIR=$PWD/.carry-parity
 W=/tmp/work
 mkdir -p "$W"
 pack() { tar -czf "$OUT/results.tgz" -C "$W" .; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$W/gpu.txt"
-timeout "${TESTS_S:-90}" python3 -m pytest tests/runtime/test_flow_graphs.py tests/runtime/test_llm_cuda_graph.py \
-  tests/runtime/test_llm_prefill_graph.py tests/runtime/test_flow_incremental_batch.py \
-  tests/runtime/test_graph_capture.py tests/runtime/test_hift_graphs.py tests/runtime/test_compiled_graphs.py -m gpu -q -p no:cacheprovider 2>&1 \
-  | tail -8 | tee "$W/gpu_tests.txt"
+bash bench/device_gpu_tests.sh "${TESTS_S:-90}" "$W/gpu_tests.txt"
 pack
 if [ "${STEPPER_S:-0}" -gt 0 ]; then  # pass times: stepped recompute vs whole solve, incremental vs recomputed pass
   for f in cosyvoice2 cosyvoice3; do
