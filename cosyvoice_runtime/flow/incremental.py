@@ -97,13 +97,11 @@ class FlowCache:
         """Room for ``frames`` cached frames at each of ``n_steps`` steps (new tensors, old frames copied)."""
         if frames <= self.capacity:
             return
-        cap = grown_capacity(frames)
-        grown = []
-        for step in range(n_steps):
-            t = like.new_zeros(layout.n_blocks, 2, cap, layout.dim)
-            if self.attn:
-                t[:, :, :self.frames] = self.attn[step][:, :, :self.frames]
-            grown.append(t)
+        # One allocation and one grouped copy for all steps: growing is on the token2wav thread
+        # between passes, where ten fills and ten copies were twenty launches under the GIL.
+        grown = list(like.new_zeros(n_steps, layout.n_blocks, 2, grown_capacity(frames), layout.dim).unbind(0))
+        if self.attn:
+            torch._foreach_copy_([t[:, :, :self.frames] for t in grown], [t[:, :, :self.frames] for t in self.attn])
         self.attn = grown
 
     def prefix(self, frames: int, convs: list[torch.Tensor]) -> FlowCache:
