@@ -196,7 +196,7 @@ class RuntimeToken2Wav:
         import torch
 
         with torch.cuda.stream(self._stream):  # .cpu() waits for this stream's work only
-            return [a.detach().float().cpu().numpy() for a in self.t2w.run_batch(jobs)]
+            return _host_audio(self.t2w.run_batch(jobs))
 
     # -- token2wav.scheduler "steps" (deployments.token2wav_loop) ---------------------------
     @property
@@ -226,7 +226,18 @@ class RuntimeToken2Wav:
         import torch
 
         with torch.cuda.stream(self._stream):
-            return [a.detach().float().cpu().numpy() for a in self.t2w.finish(rows)]
+            return _host_audio(self.t2w.finish(rows))
+
+
+def _host_audio(chunks: list) -> list[np.ndarray]:
+    """Each (samples,) audio tensor as float32 numpy, through one device->host copy for the whole
+    batch: the token2wav thread waits on its stream once per batch, not once per row."""
+    import torch
+
+    if not chunks:
+        return []
+    flat = torch.cat([a.detach().reshape(-1).float() for a in chunks]).cpu().numpy()
+    return np.split(flat, np.cumsum([a.numel() for a in chunks])[:-1])
 
 
 # --------------------------------------------------------------------------------------- loader
