@@ -79,13 +79,21 @@ class CFMSolver(nn.Module):
         super().__init__()
         self.spec = spec
         self.estimator = estimator
+        self._noise: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # _noise_on's copies
 
     def noise(self, frames: int, like: torch.Tensor, offset: int = 0) -> torch.Tensor:
         if offset + frames > self.spec.noise_frames:
             raise InvalidInputError(f"flow length {offset + frames} frames exceeds the fixed noise buffer "
                              f"({self.spec.noise_frames} frames)")
-        z = fixed_noise(self.spec.output_size, self.spec.noise_frames)[:, :, offset:offset + frames]
-        return z.to(device=like.device, dtype=like.dtype) * self.spec.temperature
+        return self._noise_on(like.device, like.dtype)[:, :, offset:offset + frames] * self.spec.temperature
+
+    def _noise_on(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The fixed noise on ``device`` in ``dtype``, copied there once: a copy per job from host
+        memory would wait for the work queued on the stream (:mod:`cosyvoice_runtime.host_copy`)."""
+        key = (device, dtype)
+        if (z := self._noise.get(key)) is None:
+            z = self._noise[key] = fixed_noise(self.spec.output_size, self.spec.noise_frames).to(device=device, dtype=dtype)
+        return z
 
     def forward(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                 streaming: bool | torch.Tensor = False, noise: torch.Tensor | None = None, trace: dict | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from cosyvoice_runtime.flow.encoder import PreLookaheadLayer, UpsampleConformerE
 from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalRow, IncrementalStepper
 from cosyvoice_runtime.flow.stepper import FlowStepper, SolveRow
 from cosyvoice_runtime.flow.unet import CausalUNet
+from cosyvoice_runtime.host_copy import to_device
 
 if TYPE_CHECKING:  # the wrappers are attached by cosyvoice_runtime.flow.graph_setup; never imported here
     from cosyvoice_runtime.flow.encoder_graphs import GraphedEncoder
@@ -68,13 +69,14 @@ class Flow(nn.Module):
         Each item's sequence is ``prompt_token ++ token``; a non-final item's last look-ahead
         tokens are placed right after its output tokens as context (they produce no frames).
         """
-        la = self.spec.pre_lookahead_len
         dev = self.input_embedding.weight.device
-        seqs = [torch.cat([it.prompt_token.reshape(-1).to(dev), it.token.reshape(-1).to(dev)]) for it in items]
-        n_out = [s.numel() - (0 if it.finalize else la) for s, it in zip(seqs, items)]
+        n_out = self.output_tokens(items)
         if min(n_out) < 1:
             raise InvalidInputError("a flow job needs at least one token besides its look-ahead context")
-        lengths = torch.tensor(n_out, device=dev)
+        # the jobs' new tokens (host ints from the LLM) and the lengths: one queued copy each
+        new = to_device(torch.cat([it.token.reshape(-1) for it in items]), dev).split([it.token.numel() for it in items])
+        seqs = [torch.cat([it.prompt_token.reshape(-1).to(dev), t]) for it, t in zip(items, new)]
+        lengths = to_device(torch.tensor(n_out), dev)
         t_ext = max(s.numel() for s in seqs)
         ids = torch.zeros(len(items), t_ext, dtype=torch.long, device=dev)
         valid = torch.zeros(len(items), t_ext, dtype=torch.bool, device=dev)
@@ -87,6 +89,11 @@ class Flow(nn.Module):
         else:
             h = self.encode_ids(ids, valid, lengths, streaming, max(n_out))
         return h.transpose(1, 2), lengths * self.spec.token_mel_ratio
+
+    def output_tokens(self, items: list[FlowItem]) -> list[int]:
+        """Tokens of each job that produce frames: all but a non-final job's look-ahead context."""
+        la = self.spec.pre_lookahead_len
+        return [it.prompt_token.numel() + it.token.numel() - (0 if it.finalize else la) for it in items]
 
     def encode_ids(self, ids: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor,
                    streaming: bool | torch.Tensor, n_keep: int) -> torch.Tensor:
@@ -109,7 +116,7 @@ class Flow(nn.Module):
         emb = torch.cat([it.embedding.reshape(1, -1) for it in items]).to(dev, dtype)
         spks = self.spk_embed_affine_layer(F.normalize(emb, dim=1))
         mu, frames = self.encode(items)
-        n_frames = frames.tolist()
+        n_frames = [n * self.spec.token_mel_ratio for n in self.output_tokens(items)]  # frames, known on the host
         b, _, total = mu.shape
         mask = (torch.arange(total, device=dev)[None, :] < frames[:, None])[:, None].to(mu.dtype)
         cond = torch.zeros(b, self.spec.output_size, total, device=dev, dtype=mu.dtype)
@@ -248,7 +255,7 @@ def _streaming_flags(items: list[FlowItem], device: torch.device) -> bool | torc
     flags = [bool(it.streaming) for it in items]
     if all(flags) or not any(flags):
         return flags[0]
-    return torch.tensor(flags, device=device)
+    return to_device(torch.tensor(flags), device)
 
 
 def build_flow(spec: FlowSpec) -> Flow:

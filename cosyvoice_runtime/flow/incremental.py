@@ -52,6 +52,7 @@ from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update
 from cosyvoice_runtime.flow.graphs import SolverGraphs
 from cosyvoice_runtime.flow.incremental_walk import Layout, Pass, estimator_pass, layout_of, pass_bias
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
+from cosyvoice_runtime.host_copy import to_device
 
 CACHE_GROWTH = 256  # cached frames are allocated in steps of this many (one copy per growth)
 NEW_FRAME_STEP = 64  # padding granularity of a pass's new frames
@@ -313,7 +314,7 @@ class IncrementalStepper(SolverGraphs):
         k, b, hist = len(rows), bucket.x.shape[0], self.layout.hist
         channels = self.layout.conv_channels
         # start, frames, step, keep, mark per row: one host -> device copy, never a wait on the GPU
-        ints = self._to_device(torch.tensor([[r.start, r.frames, r.step, r.keep, r.mark] for r in rows]))
+        ints = to_device(torch.tensor([[r.start, r.frames, r.step, r.keep, r.mark] for r in rows]), self.device)
         p_len, n_len, step, keep, mark = ints.unbind(1)
         bucket.p_len.zero_()
         bucket.n_len.zero_()
@@ -355,13 +356,6 @@ class IncrementalStepper(SolverGraphs):
             if r.mark:
                 r.mark_convs.append(hist_out[:, i, :, hist:].clone())
             r.step += 1
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A small host tensor on the stepper's device; on CUDA through pinned memory, so the copy
-        queues behind the running pass instead of waiting for it (a pageable copy would)."""
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _run(self, bucket: _Bucket) -> torch.Tensor:
         b, _, new = bucket.x.shape

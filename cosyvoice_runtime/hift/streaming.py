@@ -30,6 +30,7 @@ pass either way).
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -181,8 +182,11 @@ def _check(call: VocoderCall) -> None:
         raise ValueError("source_override is only meaningful for the CV2 vocoder")
 
 
+@functools.lru_cache(maxsize=8)
 def crossfade_window(fade_len: int, device: torch.device | None = None) -> torch.Tensor:
-    """``np.hamming(2 · fade_len)`` (symmetric) as float64: first half fades in, second fades out."""
+    """``np.hamming(2 · fade_len)`` (symmetric) as float64: first half fades in, second fades out.
+    Made once per device and never written: a copy per chunk from host memory would wait for the
+    work queued on the stream (:mod:`cosyvoice_runtime.host_copy`)."""
     return torch.from_numpy(np.hamming(2 * fade_len)).to(device)
 
 
