@@ -40,7 +40,11 @@ def markdown(doc: dict, plots: list[str]) -> str:
                 f"{w['timing_model']}); what this measures is the serving layer on this machine, not GPU capacity."
                 if w.get("timing_model") else
                 " Random weights: the audio is noise; the work per token is the architecture's."
-                if w.get("random_weights", True) else ""))
+                if w.get("random_weights", True) else "")
+             + (" `t2w batch` / `t2w busy`: the token2wav lane's batches as its thread timed them (the share of the "
+                "window spent in them): whole flow + vocoder batches, but with the stepped scheduler (`steps` modes) "
+                "only the finishing vocoder batches: its flow passes are queued without a wait and not timed here."
+                if w["level"] == "replica" else ""))
     lines = [f"# Streaming capacity at the SLO: {w['level']} level, {w['family']}, {doc['device']}, {doc['date']}", "",
              intro, "", "| mode | search | capacity |", "|---|---|---|"]
     for s in doc["searches"]:

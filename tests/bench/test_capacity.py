@@ -114,6 +114,9 @@ def test_the_report_says_what_served_the_probes():
                                           "http_proxy": "HAProxy with direct ingress"}}, [])
     assert "**No model ran**" in timed and "(profile h200_gil)" in timed and "Random weights" not in timed
     assert "HTTP path: HAProxy with direct ingress." in timed
+    assert "`t2w busy`" not in plain  # the replica level's lane columns, explained at that level only
+    replica = markdown({**doc, "workload": {**workload, "level": "replica", "random_weights": True}}, [])
+    assert "only the finishing vocoder batches" in replica
 
 
 def _threshold_probe(limit, seen):
