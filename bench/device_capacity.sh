@@ -9,7 +9,8 @@
 #   REPLICA_S=0 SYNTH_S=250 SERVE_S=300 ...: the config's deployments in-process first, then over Serve
 #   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call
 #   FAMILY=cosyvoice3 measures CosyVoice3 at both levels (default cosyvoice2)
-#   TESTS_S=60 runs the GPU-marked tests first (bench/device_gpu_tests.sh; no parity fixtures needed)
+#   TESTS_S=200 runs the GPU-marked tests first (bench/device_gpu_tests.sh; no parity fixtures needed;
+#   on the H200 2026-12-05, 70 s ran 11 of the 19)
 #   SERVE_PROXY=haproxy: the serve level behind HAProxy with direct ingress (RAY_SERVE_ENABLE_HA_PROXY=1)
 #   instead of Serve's HTTP proxy actor (docs/tuning.md, "The HTTP path")
 set -u
