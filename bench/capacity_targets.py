@@ -220,6 +220,9 @@ class HttpTarget:
             for sample in family.samples:
                 if sample.name == "tts_cuda_graph_captures_total":
                     out["graph_captures"] += sample.value
+                elif sample.name in ("tts_flow_passes_total", "tts_flow_rows_in_passes_total"):
+                    key = sample.name.removeprefix("tts_").removesuffix("_total")
+                    out[key] = out.get(key, 0.0) + sample.value
                 elif sample.name == "tts_thread_cpu_seconds_total":
                     cpu_s[sample.labels["thread"]] = cpu_s.get(sample.labels["thread"], 0.0) + sample.value
             if family.name == "tts_gil_wait_seconds":
@@ -314,7 +317,9 @@ class InProcessTarget:
         return trace
 
     async def counters(self) -> dict[str, float]:
-        return process_counters()
+        stats = self.synth.stats()  # the stepped token2wav's passes, as /metrics has them at the serve level
+        return {**process_counters(), "flow_passes": float(stats["flow_passes_total"]),
+                "flow_rows_in_passes": float(stats["flow_rows_in_passes_total"])}
 
     def close(self) -> None:
         """Cancel what still runs on the target's loop (the synthesizer's background tasks), then stop it."""
@@ -354,6 +359,9 @@ def probe_counters(before: dict[str, float], after: dict[str, float]) -> dict:
     cpu = {k.removeprefix("cpu_s:"): v - before.get(k, 0.0) for k, v in after.items() if k.startswith("cpu_s:")}
     if wall > 0 and cpu:
         deltas["threads_busy"] = {k: round(v / wall, 3) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}
+    rows = deltas.pop("flow_rows_in_passes", None)
+    if rows is not None and deltas.get("flow_passes"):  # the serve and in-process levels' stepped token2wav
+        deltas["flow_rows_per_pass"] = round(rows / deltas["flow_passes"], 2)
     readings = deltas.pop("gil_readings", 0.0)
     if readings:
         deltas["gil_wait_mean_ms"] = deltas["gil_wait_ms"] / readings

@@ -60,6 +60,10 @@ class _ReplicaSnapshotCollector:
                                 "First jobs that started after their voice's kept prompt prefix"),
                                ("tts_flow_prompt_prefix_misses", "flow_prompt_prefix_misses_total",
                                 "First jobs that solved their voice's prompt prefix (and kept it)"),
+                               ("tts_flow_passes", "flow_passes_total",
+                                "Flow passes the stepped token2wav ran (token2wav.scheduler steps)"),
+                               ("tts_flow_rows_in_passes", "flow_rows_in_passes_total",
+                                "Rows those passes carried (rows per pass = this / tts_flow_passes)"),
                                ("tts_cuda_graph_captures", "cuda_graph_captures_total",
                                 "CUDA graphs captured by the replica (growth after start-up: shapes first met under traffic)")):
             c = CounterMetricFamily(name, doc, labels=["replica"])

@@ -253,7 +253,10 @@ def _pcm_app(status=200, pieces=(b"\x01\x00\x02", b"\x00", b"")):
     async def metrics(request):  # two synthesizer replicas in one scrape, and a series not counted
         return PlainTextResponse('tts_cuda_graph_captures_total{replica="a"} 400.0\n'
                                  'tts_cuda_graph_captures_total{replica="b"} 12.0\n'
-                                 'tts_generated_tokens_total{replica="a"} 9.0\n')
+                                 'tts_generated_tokens_total{replica="a"} 9.0\n'
+                                 'tts_flow_passes_total{replica="a"} 30.0\n'
+                                 'tts_flow_passes_total{replica="b"} 10.0\n'
+                                 'tts_flow_rows_in_passes_total{replica="a"} 200.0\n')
     return Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]), Route("/metrics", metrics)])
 
 
@@ -272,8 +275,12 @@ def test_http_target_counts_samples_across_split_chunks_and_reports_errors():
 def test_http_target_sums_the_replicas_graph_captures_and_a_probe_reports_the_growth():
     target = HttpTarget("http://test", "v", transport=httpx.ASGITransport(app=_pcm_app()))
     got = asyncio.run(target.counters())
-    assert got == {"graph_captures": 412.0}
+    assert got == {"graph_captures": 412.0, "flow_passes": 40.0, "flow_rows_in_passes": 200.0}
     assert counter_deltas({"graph_captures": 400.0}, got) == {"graph_captures": 12.0}
+    # the stepped token2wav's passes over the probe, and the rows they carried on average
+    assert probe_counters({"flow_passes": 30.0, "flow_rows_in_passes": 50.0}, got) == {
+        "flow_passes": 10.0, "flow_rows_per_pass": 15.0}
+    assert probe_counters({"flow_passes": 40.0, "flow_rows_in_passes": 200.0}, got) == {"flow_passes": 0.0}
 
 
 def test_http_target_reads_the_gc_pauses_of_the_synthesizer_and_the_ingress_from_metrics():
@@ -361,6 +368,7 @@ def test_in_process_level_runs_the_configs_deployments_without_ray(tmp_path, mon
     probe = doc["searches"][0]["probes"][0]
     assert doc["searches"][0]["mode"] == "local-steps-in-process" and probe["requests"] >= 1
     assert probe["graph_captures"] == 0  # no CUDA here
+    assert probe["flow_passes"] > 0 and probe["flow_rows_per_pass"] >= 1  # the stepped token2wav's passes
     stages = probe["stages_ms"]
     assert {"frontend", "llm-first-token", "token2wav", "t2w-queue", "t2w-solve", "t2w-return"} <= set(stages)
     assert threads == [1]

@@ -93,3 +93,11 @@ def test_thread_cpu_and_gil_waits_of_the_synthesizer_are_exported():
     waits = {dict(k)["le"]: v for k, v in _samples(text, "tts_gil_wait_seconds_bucket").items()}
     assert waits["0.01"] == 0.0 and waits["0.025"] == 1.0
     assert list(_samples(text, "tts_gil_wait_seconds_sum").values()) == [pytest.approx(0.015)]
+
+
+def test_the_stepped_token2wavs_passes_are_exported():
+    text = IngressMetrics("ingress-a").render({"replica_id": "synth-1", "flow_passes_total": 30,
+                                               "flow_rows_in_passes_total": 240})
+    labels = (("ingress_replica", "ingress-a"), ("replica", "synth-1"))
+    assert _samples(text, "tts_flow_passes_total") == {labels: 30.0}
+    assert _samples(text, "tts_flow_rows_in_passes_total") == {labels: 240.0}
