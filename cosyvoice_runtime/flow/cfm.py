@@ -21,13 +21,17 @@ from cosyvoice_runtime.errors import InvalidInputError
 NOISE_SEED = 0
 
 
-@functools.lru_cache(maxsize=4)
-def fixed_noise(n_mels: int, frames: int) -> torch.Tensor:
-    """(1, n_mels, frames) standard normal from a CPU generator seeded with 0.
+@functools.lru_cache(maxsize=8)
+def fixed_noise(n_mels: int, frames: int, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(1, n_mels, frames) standard normal from a CPU generator seeded with 0, on ``device`` in ``dtype``.
 
     Identical to the official ``torch.manual_seed(0); torch.randn([1, 80, 15000])``; cached per
-    process and never written to.
+    process (per device and dtype: a copy per job from host memory would wait for the work queued
+    on the stream, :mod:`cosyvoice_runtime.host_copy`) and never written to.
     """
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return fixed_noise(n_mels, frames).to(device=device, dtype=dtype)
     gen = torch.Generator(device="cpu").manual_seed(NOISE_SEED)
     return torch.randn(1, n_mels, frames, generator=gen)
 
@@ -79,21 +83,13 @@ class CFMSolver(nn.Module):
         super().__init__()
         self.spec = spec
         self.estimator = estimator
-        self._noise: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # _noise_on's copies
 
     def noise(self, frames: int, like: torch.Tensor, offset: int = 0) -> torch.Tensor:
         if offset + frames > self.spec.noise_frames:
             raise InvalidInputError(f"flow length {offset + frames} frames exceeds the fixed noise buffer "
                              f"({self.spec.noise_frames} frames)")
-        return self._noise_on(like.device, like.dtype)[:, :, offset:offset + frames] * self.spec.temperature
-
-    def _noise_on(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The fixed noise on ``device`` in ``dtype``, copied there once: a copy per job from host
-        memory would wait for the work queued on the stream (:mod:`cosyvoice_runtime.host_copy`)."""
-        key = (device, dtype)
-        if (z := self._noise.get(key)) is None:
-            z = self._noise[key] = fixed_noise(self.spec.output_size, self.spec.noise_frames).to(device=device, dtype=dtype)
-        return z
+        z = fixed_noise(self.spec.output_size, self.spec.noise_frames, like.device, like.dtype)
+        return z[:, :, offset:offset + frames] * self.spec.temperature
 
     def forward(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                 streaming: bool | torch.Tensor = False, noise: torch.Tensor | None = None, trace: dict | None = None) -> torch.Tensor:
