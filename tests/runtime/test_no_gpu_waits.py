@@ -11,7 +11,8 @@ The last copy of the audio to the host (deployments.runtime_adapter) is outside,
 GPU only."""
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,16 +20,9 @@ from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
 from cosyvoice_runtime.model import load_model
 from cosyvoice_runtime.tiny_model import write_tiny_model
 from cosyvoice_runtime.token2wav import Token2Wav
-from cosyvoice_runtime.voice_prompt import VoicePrompt
+from tests.runtime.test_flow_incremental_batch import _prompt
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def _prompt(family: str, n: int, seed: int) -> VoicePrompt:
-    g = torch.Generator().manual_seed(seed)
-    return VoicePrompt(family=family, text_tokens=np.zeros(0, np.int32),
-                       speech_tokens=torch.randint(0, 6561, (n,), generator=g, dtype=torch.int32).numpy(),
-                       mel=torch.randn(2 * n, 80, generator=g).numpy(), embedding=torch.randn(192, generator=g).numpy())
 
 
 @pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
@@ -39,7 +33,7 @@ def test_a_streamed_chunk_never_waits_for_the_gpu(family, flow_mode, tmp_path):
                        incremental=flow_mode == "incremental")
     t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=10, cv2_flow=flow_mode, cv3_flow=flow_mode,
                     cv3_vocoder="incremental")
-    states = [t2w.new_stream(_prompt(family, 20 + 7 * i, i), stream=True,
+    states = [t2w.new_stream(dataclasses.replace(_prompt(20 + 7 * i, i), family=family), stream=True,
                              generator=torch.Generator(device="cuda").manual_seed(i)) for i in range(3)]
     tokens = [torch.randint(0, 6561, (200,), generator=torch.Generator().manual_seed(10 + i)).tolist() for i in range(3)]
     lane = torch.cuda.Stream()  # the replica's token2wav lane has a stream of its own
