@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.metrics import RequestTrace, percentile
 from bench.replica_sim import ReplicaSim
-from cosyvoice_runtime.graph_capture import captured_total
+from cosyvoice_runtime.graph_capture import captured_total, missed_total
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 from deployments.protocol import SynthesisRequest
 from deployments.python_gc import SLOW_PAUSE_S, watched
@@ -213,13 +213,15 @@ class HttpTarget:
                                      transport=self.transport) as client:
             text = (await client.get("/metrics")).text
         gc_families = {"tts_gc_pause_seconds": "gc", "tts_ingress_gc_pause_seconds": "ingress_gc"}
-        out = {"graph_captures": 0.0}
+        out = {"graph_captures": 0.0, "graph_misses": 0.0}
         cpu_s: dict[str, float] = {}
         gil = None
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "tts_cuda_graph_captures_total":
                     out["graph_captures"] += sample.value
+                elif sample.name == "tts_cuda_graph_misses_total":
+                    out["graph_misses"] += sample.value
                 elif sample.name in ("tts_flow_passes_total", "tts_flow_rows_in_passes_total"):
                     key = sample.name.removeprefix("tts_").removesuffix("_total")
                     out[key] = out.get(key, 0.0) + sample.value
@@ -257,7 +259,8 @@ def _scraped_durations(samples, slow_bound: float) -> dict:
 
 def process_counters() -> dict[str, float]:
     """The counters of this process (the replica simulation's, or the in-process level's deployments)."""
-    return {"graph_captures": float(captured_total()), **gc_counters(watched().snapshot()),
+    return {"graph_captures": float(captured_total()), "graph_misses": float(missed_total()),
+            **gc_counters(watched().snapshot()),
             **thread_counters(thread_cpu_seconds(), gil_wait().snapshot())}
 
 

@@ -19,12 +19,20 @@ from collections.abc import Callable, Sequence
 import torch
 
 _captured = 0  # graphs captured in this process, by every owner
+_missed = 0  # calls that ran eagerly on CUDA with graphs on, by every owner
 
 
 def captured_total() -> int:
     """Graphs captured in this process so far. A replica reports it: growth after start-up means
     shapes first met under traffic, each captured then."""
     return _captured
+
+
+def missed_total() -> int:
+    """Calls that ran eagerly on CUDA although their owner's graphs are on (a shape beyond the
+    captured buckets, or one not captured yet). A replica reports it: each such call costs its
+    kernels' launches on the host, ~10x a replay for a flow pass, under the GIL."""
+    return _missed
 
 
 def capture(fn: Callable[[], object], stream: torch.cuda.Stream, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -89,6 +97,14 @@ class GraphOwner:
         self._lock = threading.Lock()
         self.replays = 0
         self.eager_calls = 0
+        self.use_graphs = False  # the owners set it
+
+    def _ran_eagerly(self, on_cuda: bool) -> None:
+        """Count a call that ran without a graph; on CUDA with graphs on it is also a miss (:func:`missed_total`)."""
+        self.eager_calls += 1
+        if self.use_graphs and on_cuda:
+            global _missed
+            _missed += 1
 
     @property
     def num_graphs(self) -> int:

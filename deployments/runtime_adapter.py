@@ -357,7 +357,7 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     """
     import torch
 
-    from cosyvoice_runtime.graph_capture import captured_total
+    from cosyvoice_runtime.graph_capture import captured_total, missed_total
     from cosyvoice_runtime.model import load_model
     from cosyvoice_runtime.modes import apply_mode, preflight
     from cosyvoice_runtime.tiny_model import is_random_weight_model
@@ -394,7 +394,7 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                                    cv3_flow=cv3_flow,
                                    flow_cache_bytes=flow_cache_budget(cfg.token2wav.flow_cache_bytes, device,
                                                                       cfg.max_mem_gb)),
-        device=str(device), graph_captures=captured_total,
+        device=str(device), graph_captures=captured_total, graph_misses=missed_total,
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
                  "t2w_scheduler": scheduler, "flow": flow,
                  "compiled": report["compiled"], "estimator": report["estimator"], **graphs,

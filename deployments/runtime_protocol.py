@@ -76,3 +76,5 @@ class SynthesisRuntime:
     details: dict = field(default_factory=dict)
     # CUDA graphs captured in the replica's process so far (start-up and later; 0 without graphs)
     graph_captures: Callable[[], int] = lambda: 0
+    # calls of a graphed stage that ran eagerly on CUDA: shapes beyond the captured buckets
+    graph_misses: Callable[[], int] = lambda: 0

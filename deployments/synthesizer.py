@@ -264,6 +264,7 @@ class Synthesizer:
             **self.runtime.token2wav.flow_stats(),
             "cuda_cache_releases": self.idle_trim.cuda_cache_releases,
             "cuda_graph_captures_total": self.runtime.graph_captures(),
+            "cuda_graph_misses_total": self.runtime.graph_misses(),
             "gc": self.gc.snapshot(),
             "gil_wait": self.gil.snapshot(),
             "thread_cpu_seconds": thread_cpu_seconds(),

@@ -80,7 +80,7 @@ class GraphedEncoder(graph_capture.GraphOwner):
         b, t_in = ids.shape
         key = self.bucket_of(b, n_keep)
         if key is None or (self.use_graphs and ids.device.type != "cuda") or t_in > key[1] + self.lookahead:
-            self.eager_calls += 1
+            self._ran_eagerly(ids.device.type == "cuda")
             return self.flow.encode_ids(ids, valid, lengths, streaming, n_keep)
         with self._lock:
             bucket = self._get(key)

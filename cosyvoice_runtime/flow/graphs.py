@@ -84,7 +84,7 @@ class SolverGraphs(graph_capture.GraphOwner):
         """A loaded bucket's work: its graph replayed, or ``_run`` eagerly where it has none (into ``bucket.out``)."""
         if bucket.graph is None:
             bucket.out = self._run(bucket)
-            self.eager_calls += 1
+            self._ran_eagerly(self.device.type == "cuda")
         else:
             bucket.graph.replay()
             self.replays += 1
@@ -144,7 +144,7 @@ class GraphedSolver(SolverBuckets):
         key = self.bucket_of(b, t_len)
         graphs = self.use_graphs and mu.device.type == "cuda"
         if key is None or trace is not None or noise is not None or (self.use_graphs and not graphs):
-            self.eager_calls += 1
+            self._ran_eagerly(graphs)
             return self.solver(mu, mask, spks, cond, streaming=streaming, noise=noise, trace=trace)
         with self._lock:
             bucket = self._get(key)

@@ -89,14 +89,14 @@ class GraphedDecode(graph_capture.GraphOwner):
         key = self.key_of(mel.shape[0], mel.shape[2], mel.dtype, source.dtype)
         on_gpu = mel.device.type == "cuda"
         if key is None or (self.use_graphs and not on_gpu):
-            self.eager_calls += 1
+            self._ran_eagerly(on_gpu)
             return self.hift.decode_eager(mel, source)
         with self._lock:
             graph = self._buckets.get(key)
             if graph is None:
                 self._calls[key] += 1
                 if self._calls[key] < self.capture_after or len(self._buckets) >= self.max_graphs:
-                    self.eager_calls += 1
+                    self._ran_eagerly(on_gpu)
                     return self.hift.decode_eager(mel, source)
                 graph = self._get(key)
             b = mel.shape[0]

@@ -253,6 +253,8 @@ def _pcm_app(status=200, pieces=(b"\x01\x00\x02", b"\x00", b"")):
     async def metrics(request):  # two synthesizer replicas in one scrape, and a series not counted
         return PlainTextResponse('tts_cuda_graph_captures_total{replica="a"} 400.0\n'
                                  'tts_cuda_graph_captures_total{replica="b"} 12.0\n'
+                                 'tts_cuda_graph_misses_total{replica="a"} 5.0\n'
+                                 'tts_cuda_graph_misses_total{replica="b"} 2.0\n'
                                  'tts_generated_tokens_total{replica="a"} 9.0\n'
                                  'tts_flow_passes_total{replica="a"} 30.0\n'
                                  'tts_flow_passes_total{replica="b"} 10.0\n'
@@ -275,8 +277,9 @@ def test_http_target_counts_samples_across_split_chunks_and_reports_errors():
 def test_http_target_sums_the_replicas_graph_captures_and_a_probe_reports_the_growth():
     target = HttpTarget("http://test", "v", transport=httpx.ASGITransport(app=_pcm_app()))
     got = asyncio.run(target.counters())
-    assert got == {"graph_captures": 412.0, "flow_passes": 40.0, "flow_rows_in_passes": 200.0}
-    assert counter_deltas({"graph_captures": 400.0}, got) == {"graph_captures": 12.0}
+    assert got == {"graph_captures": 412.0, "graph_misses": 7.0, "flow_passes": 40.0, "flow_rows_in_passes": 200.0}
+    assert counter_deltas({"graph_captures": 400.0, "graph_misses": 3.0}, got) == {"graph_captures": 12.0,
+                                                                                  "graph_misses": 4.0}
     # the stepped token2wav's passes over the probe, and the rows they carried on average
     assert probe_counters({"flow_passes": 30.0, "flow_rows_in_passes": 50.0}, got) == {
         "flow_passes": 10.0, "flow_rows_per_pass": 15.0}

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from cosyvoice_runtime.graph_capture import batch_buckets
+from cosyvoice_runtime.graph_capture import GraphOwner, batch_buckets, missed_total
 from cosyvoice_runtime.llm.cuda_graph import DecodeRunner, default_key_buckets
 from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.kv_cache import KVCache
@@ -20,6 +20,19 @@ def test_buckets():
     assert batch_buckets(1) == [1]
     assert default_key_buckets(1000) == [128, 256, 512, 1000]
     assert default_key_buckets(100) == [100]
+
+
+def test_an_eager_call_is_a_graph_miss_only_on_cuda_with_graphs_on():
+    """What a replica's tts_cuda_graph_misses_total counts: eager calls that a captured shape
+    would have replayed, not the CPU's or a graphs-off owner's eager work."""
+    on, off = GraphOwner(), GraphOwner()
+    on.use_graphs = True
+    before = missed_total()
+    on._ran_eagerly(on_cuda=True)
+    on._ran_eagerly(on_cuda=False)
+    off._ran_eagerly(on_cuda=True)
+    assert (on.eager_calls, off.eager_calls) == (2, 1)
+    assert missed_total() - before == 1
 
 
 def _filled_cache(model, lengths, num_slots, max_len, slots):

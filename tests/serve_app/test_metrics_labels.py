@@ -60,10 +60,12 @@ def test_the_incremental_flow_figures_are_exported():
     assert _samples(text, "tts_flow_prompt_prefix_misses_total") == {labels: 3.0}
 
 
-def test_graph_captures_are_exported():
-    text = IngressMetrics("ingress-a").render({"replica_id": "synth-1", "cuda_graph_captures_total": 412})
+def test_graph_captures_and_misses_are_exported():
+    text = IngressMetrics("ingress-a").render({"replica_id": "synth-1", "cuda_graph_captures_total": 412,
+                                               "cuda_graph_misses_total": 9})
     labels = (("ingress_replica", "ingress-a"), ("replica", "synth-1"))
     assert _samples(text, "tts_cuda_graph_captures_total") == {labels: 412.0}
+    assert _samples(text, "tts_cuda_graph_misses_total") == {labels: 9.0}
 
 
 def test_gc_pauses_of_the_synthesizer_and_the_ingress_are_exported():
