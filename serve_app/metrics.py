@@ -67,8 +67,7 @@ class _ReplicaSnapshotCollector:
                                ("tts_cuda_graph_captures", "cuda_graph_captures_total",
                                 "CUDA graphs captured by the replica (growth after start-up: shapes first met under traffic)"),
                                ("tts_cuda_graph_misses", "cuda_graph_misses_total",
-                                "Token2wav calls that ran eagerly on the GPU: shapes beyond the captured graphs "
-                                "(flow_graph_max_s) or not captured yet")):
+                                "Token2wav calls that ran eagerly on the GPU (shapes beyond the captured graphs)")):
             c = CounterMetricFamily(name, doc, labels=["replica"])
             c.add_metric(replica, float(snap.get(key, 0)))
             yield c
