@@ -13,10 +13,13 @@ see also pytorch/pytorch#193402 on graphs of one capture stream sharing workspac
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _captured = 0  # graphs captured in this process, by every owner
 _missed = 0  # calls that ran eagerly on CUDA with graphs on, by every owner
@@ -105,6 +108,10 @@ class GraphOwner:
         if self.use_graphs and on_cuda:
             global _missed
             _missed += 1
+            if _missed & (_missed - 1) == 0:  # 1, 2, 4, ...: seen in the log, bounded volume
+                logger.warning("%d calls ran eagerly on the GPU so far (this one: %s), shapes beyond the captured CUDA "
+                               "graphs: longer prompts or text pieces than synthesizer.flow_graph_max_s covers?",
+                               _missed, type(self).__name__)
 
     @property
     def num_graphs(self) -> int:

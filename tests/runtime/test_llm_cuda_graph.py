@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -22,17 +23,24 @@ def test_buckets():
     assert default_key_buckets(100) == [100]
 
 
-def test_an_eager_call_is_a_graph_miss_only_on_cuda_with_graphs_on():
+def test_an_eager_call_is_a_graph_miss_only_on_cuda_with_graphs_on(caplog):
     """What a replica's tts_cuda_graph_misses_total counts: eager calls that a captured shape
-    would have replayed, not the CPU's or a graphs-off owner's eager work."""
+    would have replayed, not the CPU's or a graphs-off owner's eager work; the log names the
+    misses at 1, 2, 4, ... of them."""
     on, off = GraphOwner(), GraphOwner()
     on.use_graphs = True
     before = missed_total()
-    on._ran_eagerly(on_cuda=True)
-    on._ran_eagerly(on_cuda=False)
-    off._ran_eagerly(on_cuda=True)
-    assert (on.eager_calls, off.eager_calls) == (2, 1)
-    assert missed_total() - before == 1
+    with caplog.at_level(logging.WARNING, logger="cosyvoice_runtime.graph_capture"):
+        on._ran_eagerly(on_cuda=True)
+        on._ran_eagerly(on_cuda=False)
+        off._ran_eagerly(on_cuda=True)
+        for _ in range(7):
+            on._ran_eagerly(on_cuda=True)
+    assert (on.eager_calls, off.eager_calls) == (9, 1)
+    assert missed_total() - before == 8
+    counts = [int(r.getMessage().split()[0]) for r in caplog.records]
+    assert counts and all(n & (n - 1) == 0 for n in counts) and "flow_graph_max_s" in caplog.records[-1].getMessage()
+    assert len(counts) == sum(1 for n in range(before + 1, before + 9) if n & (n - 1) == 0)
 
 
 def _filled_cache(model, lengths, num_slots, max_len, slots):
