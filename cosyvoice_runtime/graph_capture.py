@@ -33,8 +33,8 @@ def captured_total() -> int:
 
 def missed_total() -> int:
     """Calls that ran eagerly on CUDA although their owner's graphs are on (a shape beyond the
-    captured buckets, or one not captured yet). A replica reports it: each such call costs its
-    kernels' launches on the host, ~10x a replay for a flow pass, under the GIL."""
+    captured buckets, or one not captured yet). A replica reports it: such a call launches each of
+    its kernels from the host, under the GIL, where a replay launches one graph."""
     return _missed
 
 

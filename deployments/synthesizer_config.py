@@ -85,8 +85,8 @@ class SynthesizerConfig(DeploymentKnobs):
     # already shared by torch's intra-op threads).
     overlap_stages: bool | None = None
     # Longest flow call (prompt + audio, seconds) served by a flow graph; longer calls run eagerly
-    # (tts_cuda_graph_misses_total), each pass ~1k kernel launches under the GIL instead of one
-    # replay. 24 s: a 3.5 s voice prompt + a 20 s answer. At 20 s the in-process deployments
+    # (tts_cuda_graph_misses_total), each pass launching its hundreds of kernels one by one under
+    # the GIL instead of one replay. 24 s: a 3.5 s voice prompt + a 20 s answer. At 20 s the in-process deployments
     # broke at 24 sessions (p99 first audio 2.3 s, 19 misses per probe); at 24 s they met the SLO
     # at 36 (H100, 2026-12-05, bench/results/capacity-h100-2026-12-05.md).
     flow_graph_max_s: PositiveFloat = 24.0
