@@ -45,7 +45,9 @@ def markdown(doc: dict, plots: list[str]) -> str:
              + (" `t2w batch` / `t2w busy`: the token2wav lane's batches as its thread timed them (the share of the "
                 "window spent in them): whole flow + vocoder batches, but with the stepped scheduler (`steps` modes) "
                 "only the finishing vocoder batches: its flow passes are queued without a wait and not timed here."
-                if w["level"] == "replica" else ""))
+                if w["level"] == "replica" else "")
+             + " `graph misses`: token2wav calls that ran eagerly on the GPU because no captured CUDA graph holds "
+               "their shape (calls longer than `flow_graph_max_s`, a vocoder length not captured yet).")
     lines = [f"# Streaming capacity at the SLO: {w['level']} level, {w['family']}, {doc['device']}, {doc['date']}", "",
              intro, "", "| mode | search | capacity |", "|---|---|---|"]
     for s in doc["searches"]:
