@@ -70,6 +70,7 @@ class Run:
         self.model = f"{args.family}, {args.size}-size architecture, random weights"
         self.random_weights = True
         self.http_proxy: str | None = None  # the serve level's HTTP path
+        self.notes: list[str] = []  # what the report's reader must know about the setup
 
     def search(self, mode: str, kind: str) -> dict:
         entry = {"mode": mode, "kind": kind, "capacity": None, "probes": []}
@@ -88,7 +89,7 @@ class Run:
                 "ramp_s": self.work.ramp_s, "prompt_s": PROMPT_SPEECH / TOKENS_PER_S, "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
                 "slo_underruns": self.slo.max_underruns, "family": self.args.family, "level": self.args.level,
                 "model": self.model, "random_weights": self.random_weights, "timing_model": self.args.timed,
-                "http_proxy": self.http_proxy}
+                "http_proxy": self.http_proxy, "notes": self.notes}
 
     def write(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +131,27 @@ def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) 
             gc.unfreeze()  # the next mode's objects start collectable
 
 
+def graph_coverage(app: AppArgs, work: Workload) -> str | None:
+    """Why a probe may measure eager flow calls: the config's flow graphs (``flow_graph_max_s``)
+    are shorter than the mix's longest request, voice prompt included. H100 2026-12-05: 20 s graphs
+    broke at 24 sessions what 24 s graphs held at 36 (bench/results/capacity-h100-2026-12-05.md)."""
+    synth = app.synthesizer
+    need_s = PROMPT_SPEECH / TOKENS_PER_S + work.mix.longest_s
+    if not synth.cuda_graphs or synth.device == "cpu" or synth.flow_graph_max_s >= need_s:
+        return None
+    return (f"the config's flow graphs cover {synth.flow_graph_max_s:g} s of prompt + audio and the mix's longest "
+            f"request is {need_s:.1f} s: its last chunks run eagerly on a GPU (`graph misses`); raise "
+            "`synthesizer.flow_graph_max_s` to measure the replica, not that")
+
+
+def _note_coverage(run: Run, app: AppArgs) -> None:
+    if note := graph_coverage(app, run.work):
+        logger.warning("%s", note)
+        run.notes.append(note)
+
+
 def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
+    _note_coverage(run, AppArgs.from_file(args.config))
     url = start_local(Path(args.config), num_cpus=args.num_cpus)
     voice = register_voices(url, 1, prefix="capacity", prompt_seconds=(PROMPT_SPEECH / TOKENS_PER_S,))[0]
     run.model, run.random_weights = served_model(url)
@@ -148,6 +169,7 @@ def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
 def run_synth(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
     """The config's frontend and synthesizer in this process (:class:`InProcessTarget`)."""
     app = AppArgs.from_file(args.config)
+    _note_coverage(run, app)
     source = app.model_source()
     frontend_cfg = app.frontend.model_copy(update={"voices_dir": tempfile.mkdtemp(prefix="capacity-voices-")})
 

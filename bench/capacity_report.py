@@ -37,6 +37,7 @@ def markdown(doc: dict, plots: list[str]) -> str:
              f"(sessions start over ~{w['ramp_s']:.0f} s, exponential gaps) and stops at the first failed or "
              f"underrun request. Model: {w.get('model', 'not recorded')}."
              + (f" HTTP path: {w['http_proxy']}." if w.get("http_proxy") else "")
+             + "".join(f" **Note**: {note}." for note in w.get("notes", []))
              + (f" **No model ran**: the synthesizer slept the GPU times of `bench/timed_runtime.py` (profile "
                 f"{w['timing_model']}); what this measures is the serving layer on this machine, not GPU capacity."
                 if w.get("timing_model") else

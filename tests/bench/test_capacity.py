@@ -40,7 +40,7 @@ from bench.soak import config_env
 from deployments.protocol import AudioChunk
 from deployments.python_gc import GcPauses
 from deployments.thread_load import GilWait
-from serve_app.args import application_of
+from serve_app.args import AppArgs, application_of
 from serve_app.metrics import IngressMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,6 +117,22 @@ def test_the_report_says_what_served_the_probes():
     assert "`t2w busy`" not in plain  # the replica level's lane columns, explained at that level only
     replica = markdown({**doc, "workload": {**workload, "level": "replica", "random_weights": True}}, [])
     assert "only the finishing vocoder batches" in replica
+    assert "**Note**" not in plain
+    noted = markdown({**doc, "workload": {**workload, "notes": ["graphs short"]}}, [])
+    assert "**Note**: graphs short." in noted
+
+
+def test_the_report_notes_flow_graphs_shorter_than_the_mixs_longest_request():
+    """A config whose flow graphs end before the mix's longest request (3.48 s prompt + 20 s) is
+    noted: its probes measure eager passes. The shipped config covers it; a timed (CPU) one has none."""
+    work = Workload(Mix.parse(capacity_mod.DEFAULT_MIX), seed=0)
+    shipped = AppArgs.from_file(ROOT / "configs/single-gpu.yaml")
+    assert capacity_mod.graph_coverage(shipped, work) is None
+    short = shipped.model_copy(update={"synthesizer": shipped.synthesizer.model_copy(update={"flow_graph_max_s": 20.0})})
+    note = capacity_mod.graph_coverage(short, work)
+    assert note is not None and "cover 20 s" in note and "23.5 s" in note
+    cpu = short.model_copy(update={"synthesizer": short.synthesizer.model_copy(update={"device": "cpu"})})
+    assert capacity_mod.graph_coverage(cpu, work) is None
 
 
 def _threshold_probe(limit, seen):
