@@ -12,8 +12,10 @@ bucket with zero rows. Streaming makes few lengths: every call after the first f
 ``mel_cache_len + 2 * hop`` frames with hop 25, 50 then 100 tokens (58, 108, 208 frames for the
 released spec), and a first chunk has one of 25 lengths (its hop follows the prompt length
 modulo 25), and a last chunk one of ~200 (the tokens left after the last hop), so those are
-captured at start (``deployments.runtime_adapter.capture_graphs``); other lengths (unstreamed
-calls) are captured once seen ``capture_after`` times, up to ``max_graphs``; the rest run eagerly.
+captured at start (``deployments.runtime_adapter.capture_graphs``); a batch of a captured length
+whose own batch bucket is not captured replays the captured ones over its rows; other lengths
+(unstreamed calls) are captured once seen ``capture_after`` times, up to ``max_graphs``; the rest
+run eagerly.
 
 The random source stays outside the graph (each request's own generator and cache overwrite, the
 ``cv2_overlap`` strategy of :mod:`cosyvoice_runtime.hift.streaming`); the graph takes mel and
@@ -94,22 +96,47 @@ class GraphedDecode(graph_capture.GraphOwner):
         with self._lock:
             graph = self._buckets.get(key)
             if graph is None:
+                if parts := self._captured_parts(mel.shape[0], key):
+                    return torch.cat([self._replay(g, mel[i:i + n], source[i:i + n]) for g, i, n in parts])
                 self._calls[key] += 1
                 if self._calls[key] < self.capture_after or len(self._buckets) >= self.max_graphs:
                     self._ran_eagerly(on_gpu)
                     return self.hift.decode_eager(mel, source)
                 graph = self._get(key)
-            b = mel.shape[0]
-            # Rows past b keep an earlier call's (finite) inputs: rows never mix, so they need
-            # no clearing and their outputs are dropped.
-            graph.mel[:b].copy_(mel)
-            graph.source[:b].copy_(source)
-            if graph.graph is None:
-                graph.out = self.hift.decode_eager(graph.mel, graph.source)
-            else:
-                graph.graph.replay()
-            self.replays += 1
-            return graph.out[:b].clone()
+            return self._replay(graph, mel, source)
+
+    def _replay(self, graph: _Graph, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """``graph``'s decode of these rows (at most its batch; caller holds the lock)."""
+        b = mel.shape[0]
+        # Rows past b keep an earlier call's (finite) inputs: rows never mix, so they need
+        # no clearing and their outputs are dropped.
+        graph.mel[:b].copy_(mel)
+        graph.source[:b].copy_(source)
+        if graph.graph is None:
+            graph.out = self.hift.decode_eager(graph.mel, graph.source)
+        else:
+            graph.graph.replay()
+        self.replays += 1
+        return graph.out[:b].clone()
+
+    def _captured_parts(self, batch: int, key: tuple) -> list[tuple[_Graph, int, int]]:
+        """(graph, first row, rows) covering ``batch`` rows with the graphs already captured for
+        ``key``'s length, or [] when it has none: the smallest that holds the rows left, else the
+        largest (3 rows over graphs of 2 and 1: 2 + 1). Batch rows are independent, so this is the
+        batched decode. Why: start-up captures first-chunk lengths for batches of 1 and 2 and
+        last-chunk lengths for 1; three first chunks or two last chunks of one length meeting in a
+        pass would otherwise run eagerly (an eager last chunk held the token2wav thread 100-150 ms
+        under load, H200 2026-12-04) or be captured under traffic, stalling the lane."""
+        _, frames, mel_dtype, source_dtype = key
+        sizes = sorted(k[0] for k in self._buckets if k[1:] == key[1:])
+        parts, start = [], 0
+        while sizes and start < batch:
+            left = batch - start
+            size = next((s for s in sizes if s >= left), sizes[-1])
+            n = min(size, left)
+            parts.append((self._buckets[(size, frames, mel_dtype, source_dtype)], start, n))
+            start += n
+        return parts
 
     def _get(self, key: tuple) -> _Graph:
         graph = self._buckets.get(key)

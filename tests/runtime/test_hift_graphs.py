@@ -60,18 +60,23 @@ def test_padded_buckets_equal_eager_decode_and_capture_policy():
     batch = torch.cat([mel, torch.flip(mel, dims=[2])], dim=0)  # 2 rows: bucket 2
     src = torch.cat(_sources(hift, [mel, torch.flip(mel, dims=[2])]), dim=0)
     want = hift.decode(batch, src)
+    short = mel[:, :, :90]  # other lengths
+    shorter = mel[:, :, :70]
     with torch.inference_mode():
         first = graphed.decode(batch, src)  # seen once: eager, no graph yet
         assert (g.eager_calls, g.replays, g.num_graphs) == (1, 0, 0)
         second = graphed.decode(batch, src)  # seen twice: this length gets its bucket
         assert (g.eager_calls, g.replays, g.num_graphs) == (1, 1, 1)
-        one = graphed.decode(batch[:1], src[:1])  # bucket 1 of the same length: first sight, eager
-        three = graphed.decode(torch.cat([batch, batch[:1]]), torch.cat([src, src[:1]]))  # bucket 4, padded
-        three = graphed.decode(torch.cat([batch, batch[:1]]), torch.cat([src, src[:1]]))
-        assert g.num_graphs == 2 and g.replays == 2
-        graphed.decode(batch[:1], src[:1])
-        graphed.decode(batch[:1], src[:1])  # a third shape would exceed max_graphs: stays eager
-        assert g.num_graphs == 2
+        # batch buckets this length has no graph of: the captured one replays over the rows
+        one = graphed.decode(batch[:1], src[:1])  # bucket 2, padded: one replay
+        three = graphed.decode(torch.cat([batch, batch[:1]]), torch.cat([src, src[:1]]))  # 2 + 1 rows
+        assert (g.eager_calls, g.replays, g.num_graphs) == (1, 4, 1)
+        for _ in range(2):  # a second length is captured on its second sight
+            graphed.decode(short, _sources(hift, [short])[0])
+        assert (g.eager_calls, g.num_graphs) == (2, 2)
+        for _ in range(2):  # a third would exceed max_graphs: stays eager
+            graphed.decode(shorter, _sources(hift, [shorter])[0])
+        assert (g.eager_calls, g.num_graphs) == (4, 2)
         too_long = graphed.decode(mels[0], _sources(hift, [mels[0]])[0])  # 160 frames > 150: eager
     assert too_long.shape == (1, 480 * mels[0].shape[2])
     for got in (first, second):
@@ -79,6 +84,24 @@ def test_padded_buckets_equal_eager_decode_and_capture_policy():
     torch.testing.assert_close(one, want[:1], atol=TOL, rtol=TOL)
     torch.testing.assert_close(three[:2], want, atol=TOL, rtol=TOL)
     torch.testing.assert_close(three[2:], want[:1], atol=TOL, rtol=TOL)
+
+
+def test_a_batch_size_not_captured_replays_the_captured_ones_of_its_length():
+    """Start-up captures first-chunk lengths for batches of 1 and 2 only: five first chunks of one
+    length in a pass run as 2 + 2 + 1 replays (bucket 4 and 8 exist for no length here), equal
+    to the eager decode row for row; nothing eager, nothing captured under traffic."""
+    _, hift, mels = _cv2()
+    graphed = copy.deepcopy(hift)
+    g = enable_graphs(graphed, max_batch=8, max_frames=150, use_graphs=False)
+    mel = mels[1]
+    g.capture([mel.shape[2]], batch_sizes=[1, 2])
+    rows = torch.cat([mel, torch.flip(mel, dims=[2]), mel * 0.5, mel.roll(7, dims=2), mel * 0.25])
+    src = torch.cat(_sources(hift, list(rows.split(1))), dim=0)
+    with torch.inference_mode():
+        want = hift.decode(rows, src)
+        got = graphed.decode(rows, src)
+    assert (g.eager_calls, g.replays, g.num_graphs) == (0, 3, 2)
+    torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
 
 
 def test_graphed_streams_equal_plain_streams():
