@@ -60,12 +60,14 @@ def test_the_incremental_flow_figures_are_exported():
     assert _samples(text, "tts_flow_prompt_prefix_misses_total") == {labels: 3.0}
 
 
-def test_graph_captures_and_misses_are_exported():
-    text = IngressMetrics("ingress-a").render({"replica_id": "synth-1", "cuda_graph_captures_total": 412,
-                                               "cuda_graph_misses_total": 9})
+def test_the_replicas_graph_and_flow_pass_counters_are_exported():
+    """CUDA graphs captured and missed; the stepped token2wav's passes and the rows they carried."""
+    counters = {"cuda_graph_captures_total": 412, "cuda_graph_misses_total": 9, "flow_passes_total": 30,
+                "flow_rows_in_passes_total": 240}
+    text = IngressMetrics("ingress-a").render({"replica_id": "synth-1", **counters})
     labels = (("ingress_replica", "ingress-a"), ("replica", "synth-1"))
-    assert _samples(text, "tts_cuda_graph_captures_total") == {labels: 412.0}
-    assert _samples(text, "tts_cuda_graph_misses_total") == {labels: 9.0}
+    for key, value in counters.items():
+        assert _samples(text, f"tts_{key}") == {labels: float(value)}
 
 
 def test_gc_pauses_of_the_synthesizer_and_the_ingress_are_exported():
@@ -95,11 +97,3 @@ def test_thread_cpu_and_gil_waits_of_the_synthesizer_are_exported():
     waits = {dict(k)["le"]: v for k, v in _samples(text, "tts_gil_wait_seconds_bucket").items()}
     assert waits["0.01"] == 0.0 and waits["0.025"] == 1.0
     assert list(_samples(text, "tts_gil_wait_seconds_sum").values()) == [pytest.approx(0.015)]
-
-
-def test_the_stepped_token2wavs_passes_are_exported():
-    text = IngressMetrics("ingress-a").render({"replica_id": "synth-1", "flow_passes_total": 30,
-                                               "flow_rows_in_passes_total": 240})
-    labels = (("ingress_replica", "ingress-a"), ("replica", "synth-1"))
-    assert _samples(text, "tts_flow_passes_total") == {labels: 30.0}
-    assert _samples(text, "tts_flow_rows_in_passes_total") == {labels: 240.0}
