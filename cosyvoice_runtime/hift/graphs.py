@@ -127,14 +127,13 @@ class GraphedDecode(graph_capture.GraphOwner):
         last-chunk lengths for 1; three first chunks or two last chunks of one length meeting in a
         pass would otherwise run eagerly (an eager last chunk held the token2wav thread 100-150 ms
         under load, H200 2026-12-04) or be captured under traffic, stalling the lane."""
-        _, frames, mel_dtype, source_dtype = key
         sizes = sorted(k[0] for k in self._buckets if k[1:] == key[1:])
         parts, start = [], 0
         while sizes and start < batch:
             left = batch - start
             size = next((s for s in sizes if s >= left), sizes[-1])
             n = min(size, left)
-            parts.append((self._buckets[(size, frames, mel_dtype, source_dtype)], start, n))
+            parts.append((self._buckets[(size, *key[1:])], start, n))
             start += n
         return parts
 
