@@ -303,17 +303,21 @@ def test_graphed_passes_equal_the_eager_padded_ones(family, dtype, tmp_path):
         inc.advance([rows[1]])
         inc.solve(rows)
         replays, eager, missed = inc.replays - replays, inc.eager_calls - eager, missed_total() - missed
+        n = tiny.spec.n_timesteps
         if graphs and max_batch == 4:
-            assert replays == tiny.spec.n_timesteps + 1 and eager == missed == 0
+            assert (replays, eager, missed) == (n + 1, 0, 0)
         elif graphs:  # the passes of one row replay (the first and the last), the two-row ones miss
-            assert replays == 2 and missed == eager == tiny.spec.n_timesteps - 1
+            assert (replays, eager, missed) == (2, n - 1, n - 1)
         else:  # graphs off: eager by design, not a miss
-            assert replays == missed == 0 and eager == tiny.spec.n_timesteps + 1
+            assert (replays, eager, missed) == (0, n + 1, 0)
         out[graphs, max_batch] = [(r.x.float().cpu(), r.new_convs[-1].float().cpu()) for r in rows]
+    # The largest gaps are in the message: on the H100 (2026-12-05) three of the four variants
+    # failed here or in the counts above, and the time limit cut the failure text.
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for other in ((True, 4), (True, 1)):
         for (xa, ha), (xb, hb) in zip(out[False, 4], out[other]):
-            assert torch.allclose(xa, xb, atol=tol) and torch.allclose(ha, hb, atol=tol), other
+            gaps = ((xa - xb).abs().max().item(), (ha - hb).abs().max().item())
+            assert max(gaps) <= tol, (other, gaps)
 
 
 def test_a_voices_prompt_prefix_is_solved_once_for_all_its_requests():
