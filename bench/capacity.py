@@ -14,10 +14,11 @@ utterance-length mix, doubling then bisection), the two targets in ``bench/capac
     # (bench/timed_runtime.py), so the serving layer meets GPU-like load on a CPU machine
     python -m bench.capacity --level serve --timed --config configs/single-gpu.yaml --num-cpus 8
 
-Writes ``capacity-<level>-<device>-<date>[-tag].{md,json}`` with plots (first audio and underruns
-against load, GPU utilisation against load), rewritten after every probe so a run cut short keeps
-what it measured, and adds the level's figures to ``latest.json`` (not a ``--timed`` run's: no GPU
-served them).
+Writes ``capacity-<level>[-cosyvoice3]-<device>-<date>[-tag].{md,json}`` with plots (first audio
+and underruns against load, GPU utilisation against load), rewritten after every probe so a run cut
+short keeps what it measured, and adds the level's figures, with their device and date, to
+``latest.json`` (``cosyvoice3-latest.json`` for CosyVoice3; not a ``--timed`` run's: no GPU served
+them).
 """
 from __future__ import annotations
 
@@ -62,7 +63,9 @@ class Run:
         self.args, self.work, self.slo, self.device = args, work, slo, device
         self.date = dt.date.today().isoformat()
         self.searches: list[dict] = []  # {"mode", "kind": sessions|rate, "capacity", "probes": [summary...]}
-        stem = f"capacity-{args.level}-{_slug(device)}-{self.date}" + (f"-{args.tag}" if args.tag else "")
+        # CosyVoice3 runs are named apart: the same day's CosyVoice2 report of that level is not overwritten
+        family = "" if args.family == "cosyvoice2" else f"-{args.family}"
+        stem = f"capacity-{args.level}{family}-{_slug(device)}-{self.date}" + (f"-{args.tag}" if args.tag else "")
         self.out = Path(args.out)
         self.stem = stem
 
@@ -267,10 +270,17 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
         run.write()
 
 
+def latest_path(out: Path, family: str) -> Path:
+    """``latest.json`` for CosyVoice2, ``<family>-latest.json`` for another family (as the throughput benchmark's)."""
+    return out / ("latest.json" if family == "cosyvoice2" else f"{family}-latest.json")
+
+
 def update_latest(run: Run) -> dict:
-    """Add this level's capacity figures (the best mode's) to ``latest.json`` (a ``--timed`` run's
-    are not GPU figures: returned, not written)."""
-    path = run.out / "latest.json"
+    """Add this level's capacity figures (the best mode's) to the family's ``latest.json`` (a
+    ``--timed`` run's are not GPU figures: returned, not written). Each level's figure carries its
+    own device and date: the levels (and the throughput benchmark, whose ``device`` and ``date``
+    the file's top level keeps, with the replica level's) may come from different machines and days."""
+    path = latest_path(run.out, run.args.family)
     latest = json.loads(path.read_text()) if path.exists() and not run.args.timed else {}
     sessions = [s for s in run.searches if s["kind"] == "sessions" and s["capacity"] is not None]
     if not sessions:
@@ -280,9 +290,10 @@ def update_latest(run: Run) -> dict:
     one = [p for s in run.searches if s["mode"] == best["mode"] for p in s["probes"] if p["load"] == 1
            and s["kind"] != "rate"]
     key = {"replica": "slo_streams", "serve": "slo_streams_serve", "synth": "slo_streams_in_process"}[run.args.level]
-    update = {key: best["capacity"], f"{key}_mode": best["mode"], "device": run.device, "date": run.date,
+    update = {key: best["capacity"], f"{key}_mode": best["mode"], f"{key}_device": run.device, f"{key}_date": run.date,
               "workload": run.workload(), f"capacity_report_{run.args.level}": f"{run.stem}.md"}
     if run.args.level == "replica":
+        update.update(device=run.device, date=run.date)
         update["throughput_x_realtime_at_slo"] = at_cap.get("throughput_x_realtime")
         update["ttfb_p50_ms_c1"] = one[0]["ttfa_p50_ms"] if one else None
         rates = [s for s in run.searches if s["kind"] == "rate" and s["mode"] == best["mode"]]

@@ -514,6 +514,27 @@ def test_a_replica_failure_stops_the_search_instead_of_reading_as_an_slo_miss(tm
     assert not (tmp_path / "latest.json").exists()  # no capacity was claimed
 
 
+def test_a_cosyvoice3_run_is_named_apart_and_each_level_keeps_its_device(tmp_path):
+    """A CosyVoice3 serve run on 2026-12-05 overwrote that day's CosyVoice2 report and put its
+    capacity under latest.json's CosyVoice2 key: now it has its own report and latest file, and
+    each level's figure says which machine and day it came from."""
+    (tmp_path / "latest.json").write_text(json.dumps({"device": "NVIDIA H200", "slo_streams": 42}))
+    probe = Probe(10, [_trace(chunks=((0.1, 1.0), (2.0, 1.0)))] * 3, window_s=60).summary(SLO)
+    for family, level, device, capacity in (("cosyvoice3", "serve", "NVIDIA H100", 10),
+                                            ("cosyvoice2", "serve", "NVIDIA H100", 52)):
+        args = parse_args(["--out", str(tmp_path), "--level", level, "--family", family])
+        run = Run(args, Workload(Mix.parse("1:1-2"), window_s=1, ramp_s=0), SLO, device)
+        run.searches.append({"mode": "single-gpu", "kind": "sessions", "capacity": capacity, "probes": [probe]})
+        run.write()
+    cv3 = json.loads((tmp_path / "cosyvoice3-latest.json").read_text())
+    assert cv3["slo_streams_serve"] == 10 and cv3["slo_streams_serve_device"] == "NVIDIA H100"
+    cv2 = json.loads((tmp_path / "latest.json").read_text())
+    assert cv2["slo_streams_serve"] == 52 and cv2["slo_streams_serve_device"] == "NVIDIA H100"
+    assert cv2["device"] == "NVIDIA H200" and cv2["slo_streams"] == 42  # the replica level's, kept
+    stems = sorted(path.name for path in tmp_path.glob("capacity-*.json"))
+    assert stems == [f"capacity-serve-cosyvoice3-nvidia-h100-{run.date}.json", f"capacity-serve-nvidia-h100-{run.date}.json"]
+
+
 def test_streams_in_flight_follow_littles_law():
     one = _trace(chunks=((0.1, 1.0), (2.0, 1.0)))  # open for 2 s
     assert Probe(1, [one] * 30, window_s=60).summary(SLO)["streams_in_flight_mean"] == 1.0
