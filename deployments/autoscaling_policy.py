@@ -54,7 +54,7 @@ class LoadBandPolicy:
         metric: the replicas' autoscaling metric counting streams in flight.
     """
 
-    def __init__(self, low_pct: float = 70.0, high_pct: float = 80.0, slo_streams: float = 3.5,
+    def __init__(self, low_pct: float = 70.0, high_pct: float = 80.0, slo_streams: float = 12.0,
                  metric: str = STREAMS_METRIC) -> None:
         if not 0 < low_pct < high_pct:
             raise ValueError(f"need 0 < low_pct < high_pct, got {low_pct}, {high_pct}")

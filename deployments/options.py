@@ -43,15 +43,16 @@ class LoadBandConfig(StrictModel):
     load = (streams in flight + queued) / (replicas * ``slo_streams``); see
     ``deployments.autoscaling_policy``. ``slo_streams``: the mean syntheses in flight of one replica
     at its SLO capacity, measured with ``bench/capacity.py`` (``streams_in_flight_mean`` of the
-    largest load that met the SLO). Default: one H100, CosyVoice2, voice-agent mix, 2026-12-05:
-    the whole Serve app (configs/single-gpu.yaml, incremental flow) met the SLO at 27 sessions with
-    3.74 in flight, so 3.5 (docs/tuning.md); measure the target GPU.
+    largest load that met the SLO). Default: one H100, CosyVoice2, voice-agent mix, 2026-12-05
+    (evening, with every vocoder length replayed from graphs): the whole Serve app
+    (configs/single-gpu.yaml) met the SLO at 52 sessions with 12.2 in flight, so 12
+    (docs/tuning.md); measure the target GPU.
     """
 
     enabled: bool = False
     low_pct: float = Field(70.0, gt=0)
     high_pct: float = Field(80.0, gt=0)
-    slo_streams: PositiveFloat = 3.5
+    slo_streams: PositiveFloat = 12.0
     metric: str = "streams_in_flight"
 
     @model_validator(mode="after")

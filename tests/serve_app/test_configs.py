@@ -90,7 +90,7 @@ def test_load_band_policy_is_wired_into_autoscaling_config():
     args = AppArgs.from_file(ROOT / "configs/production.yaml")
     cfg = args.synthesizer.serve_options("Synthesizer")["autoscaling_config"]
     assert cfg["policy"]["policy_function"] == "deployments.autoscaling_policy:LoadBandPolicy"
-    assert cfg["policy"]["policy_kwargs"] == {"low_pct": 70.0, "high_pct": 80.0, "slo_streams": 3.5,
+    assert cfg["policy"]["policy_kwargs"] == {"low_pct": 70.0, "high_pct": 80.0, "slo_streams": 12.0,
                                               "metric": "streams_in_flight"}
     from ray.serve.config import AutoscalingConfig
 
