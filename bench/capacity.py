@@ -169,10 +169,18 @@ def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
     _searches(args, run, Path(args.config).stem, HttpTarget(url, voice), sampler, settle=settle)
 
 
-def run_synth(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
-    """The config's frontend and synthesizer in this process (:class:`InProcessTarget`)."""
-    app = AppArgs.from_file(args.config)
-    _note_coverage(run, app)
+def apply_replica_env(config: Path) -> None:
+    """The environment the config gives its replicas, in this process (the in-process level), set
+    before CUDA reads its allocator settings; torch read its thread count at import already."""
+    for key, value in config_env(application_of(yaml.safe_load(config.read_text()))).items():
+        os.environ.setdefault(key, value)
+    if os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def in_process_target(app: AppArgs) -> InProcessTarget:
+    """The config's frontend and synthesizer in this process with the benchmark's voice
+    registered (the caller closes it)."""
     source = app.model_source()
     frontend_cfg = app.frontend.model_copy(update={"voices_dir": tempfile.mkdtemp(prefix="capacity-voices-")})
 
@@ -185,6 +193,18 @@ def run_synth(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
             raise ValueError("--level synth needs token2wav.scheduler steps (the CUDA default); the batch "
                              "scheduler's @serve.batch runs only inside Serve")
         target.register(synthetic_prompt_wav(PROMPT_SPEECH / TOKENS_PER_S), "Prompt number 0.")
+    except BaseException:
+        target.close()
+        raise
+    return target
+
+
+def run_synth(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
+    """The config's frontend and synthesizer in this process (:class:`InProcessTarget`)."""
+    app = AppArgs.from_file(args.config)
+    _note_coverage(run, app)
+    target = in_process_target(app)
+    try:
         run.model, run.random_weights = describe_served({"mode": target.synth.mode,
                                                          "runtime": target.synth.runtime.details})
         _searches(args, run, Path(args.config).stem + "-in-process", target, sampler)
@@ -351,11 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit("--timed is for the serve and synth levels (the replica level is the real model's)")
         args.config = str(timed_config(Path(args.config), args.timed))
         args.tag = "-".join(t for t in ("timed", args.timed.replace("_", "-"), args.tag) if t)
-    if args.level == "synth":  # as the replicas get them, before CUDA reads its allocator settings
-        for key, value in config_env(application_of(yaml.safe_load(Path(args.config).read_text()))).items():
-            os.environ.setdefault(key, value)
-        if os.environ.get("OMP_NUM_THREADS"):  # torch read it at import, before the config was known
-            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if args.level == "synth":
+        apply_replica_env(Path(args.config))
     torch.backends.cuda.matmul.allow_tf32 = False
     work = Workload(Mix.parse(args.mix), seed=args.seed, window_s=args.window_s, ramp_s=args.ramp_s)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.timed else "cpu"

@@ -11,6 +11,8 @@
 #   FAMILY=cosyvoice3 measures CosyVoice3 at both levels (default cosyvoice2)
 #   TESTS_S=200 runs the GPU-marked tests first (bench/device_gpu_tests.sh; no parity fixtures needed;
 #   on the H200 2026-12-05, 70 s ran 11 of the 19)
+#   PROFILE_S=120 profiles single requests of the in-process level first (bench/profile_first_audio.py:
+#   what the GPU does before first audio, per CUDA stream; the last request's Chrome trace)
 #   SERVE_PROXY=haproxy: the serve level behind HAProxy with direct ingress (RAY_SERVE_ENABLE_HA_PROXY=1)
 #   instead of Serve's HTTP proxy actor (docs/tuning.md, "The HTTP path")
 set -u
@@ -45,6 +47,14 @@ full_model() {  # the full-size random-weight model directory of $FAMILY (serve 
   [ -d "/tmp/$F-full" ] || python3 -m cosyvoice_runtime.tiny_model --size full --family "$F" --out "/tmp/$F-full" \
     > /dev/null 2>&1 || echo "full-size $F model: failed"
 }
+if [ "${PROFILE_S:-0}" -gt 0 ]; then
+  full_model
+  FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$PROFILE_S" python3 -m bench.profile_first_audio --chrome \
+    --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" ${TAG:+--tag "$TAG"} 2>&1 \
+    | grep -v Warning > "$W/profile.log"
+  grep -E "request [0-9]|Error|error" "$W/profile.log" | cut -c1-300 | tail -12
+  pack
+fi
 if [ "${SYNTH_S:-0}" -gt 0 ]; then  # the config's frontend + synthesizer in this process: no Ray, no HTTP
   full_model
   FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$SYNTH_S" python3 -m bench.capacity --level synth --family "$F" \

@@ -1,0 +1,177 @@
+"""What the GPU does before one stream's first audio: the config's deployments in this process
+(as ``bench/capacity.py --level synth``), one request at a time under ``torch.profiler``.
+
+Issue 14 asks for first audio <= 80 ms at one stream; the capacity runs measured 110 ms in process
+on an H100 (2026-12-05), 65 ms of it token2wav's first chunk. The stage stamps say when each stage
+ended on the host; this says what the GPU did meanwhile. Per CUDA stream: kernels and kernel time
+between the request's submission and its first audio, and over the whole request; the time no
+kernel ran on any stream; the kernels that took the time; kernels per flow pass. Only CUDA activity
+is recorded on a GPU (recording every CPU op would slow the host threads being looked at); the
+request's submission is placed on the trace's clock through the trace's ``baseTimeNanoseconds``.
+
+Writes ``profile-first-audio-<device>-<date>[-tag].{json,md}`` and, with ``--chrome``, the last
+request's trace (gzip; Perfetto opens it)::
+
+    FAST_COSY_MODEL_DIR=/tmp/cosyvoice2-full python -m bench.profile_first_audio --config configs/single-gpu.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import gzip
+import json
+import logging
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.capacity import apply_replica_env, describe_served, in_process_target
+from bench.report import _slug
+from serve_app.args import AppArgs
+
+logger = logging.getLogger("bench.profile_first_audio")
+TOP_KERNELS = 12
+
+
+def union_ms(spans: list[tuple[float, float]]) -> float:
+    """Milliseconds covered by the union of ``(start, end)`` spans in microseconds."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e3
+
+
+def summarize(events: list[dict], window: tuple[float, float]) -> dict:
+    """The kernels of a Chrome trace's ``events`` inside ``window`` (microseconds, the trace's
+    clock; a kernel crossing an edge counts for its part inside): per stream their number, kernel
+    time and union of busy time, the time no stream ran one, and the kernels that took the most."""
+    lo, hi = window
+    streams: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        start, end = max(e["ts"], lo), min(e["ts"] + e.get("dur", 0.0), hi)
+        if end <= start:
+            continue
+        streams[str(e.get("args", {}).get("stream", "?"))].append((start, end))
+        by_name[e["name"]].append(end - start)
+    every = [span for spans in streams.values() for span in spans]
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
+    return {
+        "window_ms": (hi - lo) / 1e3,
+        "gpu_busy_ms": union_ms(every),
+        "gpu_idle_ms": (hi - lo) / 1e3 - union_ms(every),
+        "streams": {s: {"kernels": len(spans), "kernel_ms": sum(b - a for a, b in spans) / 1e3,
+                        "busy_ms": union_ms(spans)} for s, spans in sorted(streams.items())},
+        "top_kernels": [{"name": name[:90], "count": len(d), "ms": sum(d) / 1e3} for name, d in top],
+    }
+
+
+def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path | None) -> dict:
+    """One request under the profiler: its first-audio stages, flow passes and GPU summaries."""
+    before = asyncio.run(target.counters())
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        submitted_ns, submitted_s = time.time_ns(), time.perf_counter()
+        trace = asyncio.run(target.synthesize(rid, audio_s, submitted_s))
+        if cuda:
+            torch.cuda.synchronize()
+    after = asyncio.run(target.counters())
+    if trace.error:
+        raise RuntimeError(f"request {rid} failed: {trace.error}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        doc = json.loads(path.read_text())
+        if chrome is not None:
+            chrome.write_bytes(gzip.compress(path.read_bytes()))
+    start = (submitted_ns - int(doc.get("baseTimeNanoseconds", 0))) / 1e3
+    events = doc["traceEvents"]
+    passes = after["flow_passes"] - before["flow_passes"]
+    whole = summarize(events, (start, start + 1e6 * (trace.chunk_times_s[-1] - submitted_s)))
+    window = (start, start + 1e6 * trace.ttfa_s)
+    return {"request": rid, "ttfa_ms": 1e3 * trace.ttfa_s, "audio_s": trace.audio_s, "stages_ms": trace.stages_ms,
+            "flow_passes": passes, "first_audio_us": window, "first_audio": summarize(events, window),
+            "whole_request": whole}
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# What the GPU does before first audio: {doc['config']}, {doc['device']}, {doc['date']}", "",
+             (f"Model: {doc['model']}. One request at a time, {doc['audio_s']} s answers, the benchmark's "
+             "registered voice; CUDA activity only. `busy`: the union of kernel time on a stream; `idle`: no "
+             "kernel on any stream. Stream ids are the trace's: the LLM lane's stream runs the sampling "
+             "kernels, the token2wav lane's the estimator's."), "",
+             "| request | first audio ms | GPU busy / idle ms before it | per stream: kernels, busy ms | stages ms |",
+             "|---|---|---|---|---|"]
+    for r in doc["requests"]:
+        fa = r["first_audio"]
+        per = "; ".join(f"{s}: {v['kernels']}, {v['busy_ms']:.1f}" for s, v in fa["streams"].items())
+        stages = ", ".join(f"{k} {v:.0f}" for k, v in r["stages_ms"].items())
+        lines.append(f"| {r['request']} | {r['ttfa_ms']:.1f} | {fa['gpu_busy_ms']:.1f} / {fa['gpu_idle_ms']:.1f} | "
+                     f"{per} | {stages} |")
+    lines += ["", "Whole requests (all their chunks):", "",
+              "| request | audio s | flow passes | GPU busy / idle ms | per stream: kernels, busy ms | kernels per pass |",
+              "|---|---|---|---|---|---|"]
+    for r in doc["requests"]:
+        w = r["whole_request"]
+        per = "; ".join(f"{s}: {v['kernels']}, {v['busy_ms']:.1f}" for s, v in w["streams"].items())
+        most = max(w["streams"].values(), key=lambda v: v["kernels"], default={"kernels": 0})
+        per_pass = f"{most['kernels'] / r['flow_passes']:.0f} (busiest stream)" if most["kernels"] and r["flow_passes"] else "-"
+        lines.append(f"| {r['request']} | {r['audio_s']:.2f} | {r['flow_passes']:.0f} | {w['gpu_busy_ms']:.1f} / "
+                     f"{w['gpu_idle_ms']:.1f} | {per} | {per_pass} |")
+    last = doc["requests"][-1]["first_audio"]["top_kernels"]
+    lines += ["", "Kernels that took the most time before the last request's first audio:", "",
+              "| kernel | count | ms |", "|---|---|---|"]
+    lines += [f"| `{k['name']}` | {k['count']} | {k['ms']:.2f} |" for k in last]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/single-gpu.yaml")
+    ap.add_argument("--requests", type=int, default=4, help="profiled requests, one at a time, after one warm-up")
+    ap.add_argument("--audio-s", type=float, default=6.0, help="audio per answer (the capacity mix's text)")
+    ap.add_argument("--chrome", action="store_true", help="also write the last request's Chrome trace (gzip)")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    apply_replica_env(Path(args.config))
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    date = dt.date.today().isoformat()
+    stem = f"profile-first-audio-{_slug(device)}-{date}" + (f"-{args.tag}" if args.tag else "")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = in_process_target(AppArgs.from_file(args.config))
+    try:
+        asyncio.run(target.synthesize("warm-up", args.audio_s, time.perf_counter()))
+        rows = []
+        for i in range(args.requests):
+            chrome = out / f"{stem}-trace.json.gz" if args.chrome and i == args.requests - 1 else None
+            rows.append(profile_request(target, f"profile-{i}", args.audio_s, cuda, chrome))
+            logger.info("request %d: first audio %.1f ms, GPU busy %.1f ms before it", i, rows[-1]["ttfa_ms"],
+                        rows[-1]["first_audio"]["gpu_busy_ms"])
+        model, _ = describe_served({"mode": target.synth.mode, "runtime": target.synth.runtime.details})
+    finally:
+        target.close()
+    doc = {"device": device, "date": date, "config": args.config, "audio_s": args.audio_s, "model": model,
+           "requests": rows}
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{stem}.md").write_text(markdown(doc))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""bench/profile_first_audio.py: the trace arithmetic on made-up kernels, and a run on the tiny
+model on the CPU (no kernels there; the profiler's own span shows the request's window lands on the
+trace's clock)."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.profile_first_audio import main, summarize, union_ms
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _kernel(name, stream, ts, dur):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_busy_time_is_the_union_of_spans():
+    assert union_ms([]) == 0
+    assert union_ms([(0, 1000), (500, 1500), (3000, 4000)]) == pytest.approx(2.5)
+    assert union_ms([(0, 4000), (1000, 2000)]) == pytest.approx(4.0)
+
+
+def test_kernels_are_counted_per_stream_and_clipped_to_the_window():
+    events = [
+        _kernel("gemm", 7, 0, 2000),  # 1 ms of it inside the window
+        _kernel("gemm", 7, 1500, 1000),
+        _kernel("softmax", 13, 2000, 3000),  # overlaps stream 7: busy once on the GPU
+        _kernel("late", 13, 20000, 100),  # after the window
+        {"cat": "cpu_op", "name": "aten::add", "ts": 1500, "dur": 10},  # not a kernel
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 6000, "dur": 500, "args": {"stream": 7}},
+    ]
+    got = summarize(events, (1000, 11000))
+    assert got["window_ms"] == pytest.approx(10.0)
+    assert got["streams"] == {"13": {"kernels": 1, "kernel_ms": pytest.approx(3.0), "busy_ms": pytest.approx(3.0)},
+                              "7": {"kernels": 2, "kernel_ms": pytest.approx(2.0), "busy_ms": pytest.approx(1.5)}}
+    assert got["gpu_busy_ms"] == pytest.approx(4.0) and got["gpu_idle_ms"] == pytest.approx(6.0)
+    assert [(k["name"], k["count"]) for k in got["top_kernels"]] == [("softmax", 1), ("gemm", 2)]
+
+
+def test_a_run_on_the_tiny_model_profiles_each_request_on_the_trace_clock(tmp_path):
+    text = (ROOT / "configs/local.yaml").read_text()
+    assert "batch_wait_timeout_s: 0.005}" in text
+    config = tmp_path / "local-steps.yaml"
+    config.write_text(text.replace("batch_wait_timeout_s: 0.005}", "batch_wait_timeout_s: 0.005, scheduler: steps}"))
+    doc = main(["--config", str(config), "--requests", "1", "--audio-s", "1.5", "--chrome", "--out", str(tmp_path)])
+    (req,) = doc["requests"]
+    assert doc["device"] == "cpu" and "random weights" in doc["model"]
+    assert req["flow_passes"] > 0 and req["flow_passes"] % 10 == 0  # ten Euler passes per chunk
+    assert 0 < req["ttfa_ms"] <= 1e3 * 60 and req["stages_ms"]["token2wav"] > 0
+    assert req["first_audio"]["window_ms"] == pytest.approx(req["ttfa_ms"])
+    assert req["first_audio"]["streams"] == {}  # a CPU run has no kernels
+    # the window is on the trace's clock: the profiler (its span starts the trace) began just before
+    # the submission; a clock mistake would put them hours or days apart
+    trace = json.loads(gzip.decompress(next(tmp_path.glob("profile-first-audio-cpu-*-trace.json.gz")).read_bytes()))
+    (span,) = [e for e in trace["traceEvents"] if e.get("cat") == "Trace"]
+    assert 0 <= req["first_audio_us"][0] - span["ts"] < 60e6
+    md = next(tmp_path.glob("profile-first-audio-cpu-*.md")).read_text()
+    assert "| profile-0 |" in md and "random weights" in md
