@@ -103,7 +103,7 @@ class SimTarget:
         token = [s.first_token_s - s.trace.submitted_s for s in new if s.first_token_s]
         job = [s.first_job_s - s.trace.submitted_s for s in new if s.first_job_s]
         bulk_s, express_s = [b[0] for b in batches], [b[0] for b in express]
-        passes = [n for s, _, n, _ in self.sim.pass_log if t0 <= s < t1]
+        passes = [(n, ready) for s, _, n, _, ready in self.sim.pass_log if t0 <= s < t1]
         return {  # first audio = first token + the rest of the first chunk's tokens + wait + first job
                 "first_token_ms_p50": _ms_at(token, 50), "first_token_ms_p99": _ms_at(token, 99),
                 "first_job_start_ms_p50": _ms_at(job, 50), "first_job_start_ms_p99": _ms_at(job, 99),
@@ -116,7 +116,8 @@ class SimTarget:
                 "express_busy_fraction": round(sum(express_s) / span, 3) if express else None,
                 # stepped lane: flow passes and rows per pass (its t2w_* figures time the vocoder only)
                 "flow_passes": len(passes) if passes else None,
-                "flow_rows_per_pass": round(statistics.mean(passes), 2) if passes else None,
+                "flow_rows_per_pass": round(statistics.mean(n for n, _ in passes), 2) if passes else None,
+                "flow_rows_ready_per_pass": round(statistics.mean(r for _, r in passes), 2) if passes else None,
                 **self._flow_work(new)}
 
     def _flow_work(self, new: list) -> dict:
@@ -142,7 +143,7 @@ class SimTarget:
         sim = self.sim
         return {"steps": [(ms(s), ms(e)) for s, e in sim.step_log if t0 <= s < t1],
                 "batches": [(ms(s), ms(e), n, f, lane) for s, e, n, f, lane in sim.batch_log if t0 <= s < t1],
-                "passes": [(ms(s), ms(e), n, t) for s, e, n, t in sim.pass_log if t0 <= s < t1],
+                "passes": [(ms(s), ms(e), n, t) for s, e, n, t, _ in sim.pass_log if t0 <= s < t1],
                 "chunks": [[ms(t) for t in st.trace.chunk_times_s] for st in list(sim.streams.values())
                            if t0 <= st.trace.submitted_s < t1],
                 "requests": [{"submitted": ms(st.trace.submitted_s), "first_token": ms(st.first_token_s),
@@ -222,7 +223,8 @@ class HttpTarget:
                     out["graph_captures"] += sample.value
                 elif sample.name == "tts_cuda_graph_misses_total":
                     out["graph_misses"] += sample.value
-                elif sample.name in ("tts_flow_passes_total", "tts_flow_rows_in_passes_total"):
+                elif sample.name in ("tts_flow_passes_total", "tts_flow_rows_in_passes_total",
+                                     "tts_flow_rows_ready_total"):
                     key = sample.name.removeprefix("tts_").removesuffix("_total")
                     out[key] = out.get(key, 0.0) + sample.value
                 elif sample.name == "tts_thread_cpu_seconds_total":
@@ -322,7 +324,8 @@ class InProcessTarget:
     async def counters(self) -> dict[str, float]:
         stats = self.synth.stats()  # the stepped token2wav's passes, as /metrics has them at the serve level
         return {**process_counters(), "flow_passes": float(stats["flow_passes_total"]),
-                "flow_rows_in_passes": float(stats["flow_rows_in_passes_total"])}
+                "flow_rows_in_passes": float(stats["flow_rows_in_passes_total"]),
+                "flow_rows_ready": float(stats["flow_rows_ready_total"])}
 
     def close(self) -> None:
         """Cancel what still runs on the target's loop (the synthesizer's background tasks), then stop it."""
@@ -362,9 +365,11 @@ def probe_counters(before: dict[str, float], after: dict[str, float]) -> dict:
     cpu = {k.removeprefix("cpu_s:"): v - before.get(k, 0.0) for k, v in after.items() if k.startswith("cpu_s:")}
     if wall > 0 and cpu:
         deltas["threads_busy"] = {k: round(v / wall, 3) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}
-    rows = deltas.pop("flow_rows_in_passes", None)
+    rows, ready = deltas.pop("flow_rows_in_passes", None), deltas.pop("flow_rows_ready", None)
     if rows is not None and deltas.get("flow_passes"):  # the serve and in-process levels' stepped token2wav
         deltas["flow_rows_per_pass"] = round(rows / deltas["flow_passes"], 2)
+        if ready is not None:
+            deltas["flow_rows_ready_per_pass"] = round(ready / deltas["flow_passes"], 2)
     readings = deltas.pop("gil_readings", 0.0)
     if readings:
         deltas["gil_wait_mean_ms"] = deltas["gil_wait_ms"] / readings

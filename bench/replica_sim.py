@@ -124,7 +124,8 @@ class ReplicaSim:
         # every token2wav batch
         self.step_log: list[tuple[float, float]] = []
         self.batch_log: list[tuple[float, float, int, int, str]] = []
-        self.pass_log: list[tuple[float, float, int, int]] = []  # stepped: (start, queued, rows, frames) per flow pass
+        # stepped: (start, queued, rows, frames, rows in hand when picked) per flow pass
+        self.pass_log: list[tuple[float, float, int, int, int]] = []
         self._threads: list[threading.Thread] = []
         self.on_error: Callable[[BaseException], None] | None = None  # called once a worker thread failed
 
@@ -266,7 +267,7 @@ class ReplicaSim:
                     last_pass.synchronize()  # at most one pass queued behind the running one
                 t_pass = time.perf_counter()
                 lane.t2w.advance(batch)
-                self.pass_log.append((t_pass, time.perf_counter(), len(batch), max(r.frames for r in batch)))
+                self.pass_log.append((t_pass, time.perf_counter(), len(batch), max(r.frames for r in batch), len(rows)))
                 if cuda:
                     last_pass = torch.cuda.Event()
                     last_pass.record(stream)

@@ -261,6 +261,7 @@ class Synthesizer:
             "token2wav_scheduler": "steps" if self.stepped is not None else "batch",
             "flow_passes_total": self.stepped.passes if self.stepped is not None else 0,
             "flow_rows_in_passes_total": self.stepped.rows_in_passes if self.stepped is not None else 0,
+            "flow_rows_ready_total": self.stepped.rows_ready if self.stepped is not None else 0,
             **self.runtime.token2wav.flow_stats(),
             "cuda_cache_releases": self.idle_trim.cuda_cache_releases,
             "cuda_graph_captures_total": self.runtime.graph_captures(),

@@ -74,6 +74,7 @@ class SteppedToken2Wav:
         self._driver: asyncio.Future | None = None
         self.passes = 0
         self.rows_in_passes = 0
+        self.rows_ready = 0  # rows in hand when each pass was picked: above rows_in_passes, pick_rows split them
         self.failed_jobs = 0
 
     async def run(self, job: Any, deadline_s: float, marks: dict[str, float] | None = None) -> np.ndarray | Exception:
@@ -130,6 +131,7 @@ class SteppedToken2Wav:
         self._isolated(lambda part: self.t2w.advance([p.row for p in part]), [by_row[id(r)] for r in rows])
         self.passes += 1
         self.rows_in_passes += len(rows)
+        self.rows_ready += len(by_row)
         done = [p for p in self._rows if p.row.step >= self.t2w.n_steps]
         if done:
             self._rows = [p for p in self._rows if p.row.step < self.t2w.n_steps]

@@ -64,6 +64,8 @@ class _ReplicaSnapshotCollector:
                                 "Flow passes the stepped token2wav ran (token2wav.scheduler steps)"),
                                ("tts_flow_rows_in_passes", "flow_rows_in_passes_total",
                                 "Rows those passes carried (rows per pass = this / tts_flow_passes)"),
+                               ("tts_flow_rows_ready", "flow_rows_ready_total",
+                                "Rows in hand when those passes were picked (above rows carried: the scheduler split them)"),
                                ("tts_cuda_graph_captures", "cuda_graph_captures_total",
                                 "CUDA graphs captured by the replica (growth after start-up: shapes first met under traffic)"),
                                ("tts_cuda_graph_misses", "cuda_graph_misses_total",

@@ -274,7 +274,8 @@ def _pcm_app(status=200, pieces=(b"\x01\x00\x02", b"\x00", b"")):
                                  'tts_generated_tokens_total{replica="a"} 9.0\n'
                                  'tts_flow_passes_total{replica="a"} 30.0\n'
                                  'tts_flow_passes_total{replica="b"} 10.0\n'
-                                 'tts_flow_rows_in_passes_total{replica="a"} 200.0\n')
+                                 'tts_flow_rows_in_passes_total{replica="a"} 200.0\n'
+                                 'tts_flow_rows_ready_total{replica="a"} 260.0\n')
     return Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]), Route("/metrics", metrics)])
 
 
@@ -293,13 +294,15 @@ def test_http_target_counts_samples_across_split_chunks_and_reports_errors():
 def test_http_target_sums_the_replicas_graph_captures_and_a_probe_reports_the_growth():
     target = HttpTarget("http://test", "v", transport=httpx.ASGITransport(app=_pcm_app()))
     got = asyncio.run(target.counters())
-    assert got == {"graph_captures": 412.0, "graph_misses": 7.0, "flow_passes": 40.0, "flow_rows_in_passes": 200.0}
+    assert got == {"graph_captures": 412.0, "graph_misses": 7.0, "flow_passes": 40.0, "flow_rows_in_passes": 200.0,
+                   "flow_rows_ready": 260.0}
     assert counter_deltas({"graph_captures": 400.0, "graph_misses": 3.0}, got) == {"graph_captures": 12.0,
                                                                                   "graph_misses": 4.0}
-    # the stepped token2wav's passes over the probe, and the rows they carried on average
-    assert probe_counters({"flow_passes": 30.0, "flow_rows_in_passes": 50.0}, got) == {
-        "flow_passes": 10.0, "flow_rows_per_pass": 15.0}
-    assert probe_counters({"flow_passes": 40.0, "flow_rows_in_passes": 200.0}, got) == {"flow_passes": 0.0}
+    # the stepped token2wav's passes over the probe, the rows they carried and had in hand on average
+    assert probe_counters({"flow_passes": 30.0, "flow_rows_in_passes": 50.0, "flow_rows_ready": 60.0}, got) == {
+        "flow_passes": 10.0, "flow_rows_per_pass": 15.0, "flow_rows_ready_per_pass": 20.0}
+    assert probe_counters({"flow_passes": 40.0, "flow_rows_in_passes": 200.0, "flow_rows_ready": 260.0}, got) == {
+        "flow_passes": 0.0}
 
 
 def test_http_target_reads_the_gc_pauses_of_the_synthesizer_and_the_ingress_from_metrics():
@@ -388,6 +391,7 @@ def test_in_process_level_runs_the_configs_deployments_without_ray(tmp_path, mon
     assert doc["searches"][0]["mode"] == "local-steps-in-process" and probe["requests"] >= 1
     assert probe["graph_captures"] == 0  # no CUDA here
     assert probe["flow_passes"] > 0 and probe["flow_rows_per_pass"] >= 1  # the stepped token2wav's passes
+    assert probe["flow_rows_ready_per_pass"] >= probe["flow_rows_per_pass"]
     stages = probe["stages_ms"]
     assert {"frontend", "llm-first-token", "token2wav", "t2w-queue", "t2w-solve", "t2w-return"} <= set(stages)
     assert threads == [1]
@@ -482,9 +486,10 @@ def test_lane_stats_split_bulk_and_express_batches():
     sim = SimpleNamespace(on_error=None, streams=streams, t2w=t2w, step_log=[(0.0, 0.002), (1.0, 1.004), (9.0, 9.01)],
                           batch_log=[(0.1, 0.15, 1, 1, "express"), (0.2, 0.4, 2, 0, "bulk"), (1.0, 1.1, 1, 0, "bulk"),
                                      (20.0, 21.0, 4, 0, "bulk")],
-                          pass_log=[(0.5, 0.501, 3, 256), (0.6, 0.601, 1, 640), (12.0, 12.1, 9, 256)])
+                          pass_log=[(0.5, 0.501, 3, 256, 5), (0.6, 0.601, 1, 640, 4), (12.0, 12.1, 9, 256, 9)])
     stats = SimTarget(sim, voice=None).lane_stats(0.0, 10.0)
     assert stats["flow_passes"] == 2 and stats["flow_rows_per_pass"] == 2.0  # the pass at 12 s is outside
+    assert stats["flow_rows_ready_per_pass"] == 4.5
     assert stats["decode_step_ms_p50"] == 4.0 and stats["t2w_jobs_per_batch"] == 1.5
     assert stats["t2w_busy_fraction"] == 0.03 and stats["express_busy_fraction"] == 0.005
     assert stats["first_chunk_jobs"] == 1 and stats["express_batch_ms_p50"] == 50.0

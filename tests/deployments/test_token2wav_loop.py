@@ -68,6 +68,7 @@ def test_steps_stream_the_batch_schedulers_audio(model_dir):
             if scheduler == "steps":
                 assert synth.gate is None and stats["flow_passes_total"] > 0
                 assert stats["flow_rows_in_passes_total"] > stats["flow_passes_total"]  # passes were shared
+                assert stats["flow_rows_ready_total"] >= stats["flow_rows_in_passes_total"]
     reference = out["batch", "recompute"]
     for key in (("steps", "recompute"), ("batch", "incremental"), ("steps", "incremental")):
         for a, b in zip(reference, out[key]):
