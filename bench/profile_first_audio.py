@@ -9,10 +9,16 @@ kernel ran on any stream; the kernels that took the time; kernels per flow pass.
 is recorded on a GPU (recording every CPU op would slow the host threads being looked at); the
 request's submission is placed on the trace's clock through the trace's ``baseTimeNanoseconds``.
 
+With ``--sessions N``, also a few seconds of steady load (the capacity tool's voice-agent
+sessions) under the profiler: whether the LLM's and token2wav's kernels run side by side on the GPU
+(time with two or more streams busy) or one after the other, which says whether fewer, fuller flow
+passes would give the LLM time (the GPU reads 95-98 % busy at capacity, with 3.5 rows per pass).
+
 Writes ``profile-first-audio-<device>-<date>[-tag].{json,md}`` and, with ``--chrome``, the last
 request's trace (gzip; Perfetto opens it)::
 
-    FAST_COSY_MODEL_DIR=/tmp/cosyvoice2-full python -m bench.profile_first_audio --config configs/single-gpu.yaml
+    FAST_COSY_MODEL_DIR=/tmp/cosyvoice2-full python -m bench.profile_first_audio --config configs/single-gpu.yaml \
+        --sessions 56
 """
 from __future__ import annotations
 
@@ -30,7 +36,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.capacity import apply_replica_env, describe_served, in_process_target
+from bench.capacity import DEFAULT_MIX, apply_replica_env, describe_served, in_process_target
+from bench.capacity_load import Mix, Slo, Workload, closed_loop
 from bench.report import _slug
 from serve_app.args import AppArgs
 
@@ -45,6 +52,25 @@ def union_ms(spans: list[tuple[float, float]]) -> float:
         if end > reach:
             total += end - max(start, reach)
             reach = end
+    return total / 1e3
+
+
+def shared_ms(streams: dict[str, list[tuple[float, float]]]) -> float:
+    """Milliseconds during which kernels of two or more streams ran at once (each stream's spans
+    merged first: one stream's kernels run one after another)."""
+    edges = []
+    for spans in streams.values():
+        reach = float("-inf")
+        for start, end in sorted(spans):
+            start = max(start, reach)
+            if end > start:
+                edges += [(start, 1), (end, -1)]
+                reach = end
+    total, active, last = 0.0, 0, 0.0
+    for t, step in sorted(edges):
+        if active >= 2:
+            total += t - last
+        active, last = active + step, t
     return total / 1e3
 
 
@@ -69,6 +95,7 @@ def summarize(events: list[dict], window: tuple[float, float]) -> dict:
         "window_ms": (hi - lo) / 1e3,
         "gpu_busy_ms": union_ms(every),
         "gpu_idle_ms": (hi - lo) / 1e3 - union_ms(every),
+        "streams_overlap_ms": shared_ms(streams),
         "streams": {s: {"kernels": len(spans), "kernel_ms": sum(b - a for a, b in spans) / 1e3,
                         "busy_ms": union_ms(spans)} for s, spans in sorted(streams.items())},
         "top_kernels": [{"name": name[:90], "count": len(d), "ms": sum(d) / 1e3} for name, d in top],
@@ -102,6 +129,53 @@ def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path |
             "whole_request": whole}
 
 
+def profile_load(target, sessions: int, seconds: float, mix: str, cuda: bool) -> dict:
+    """``sessions`` closed-loop voice-agent sessions; once they have all started, ``seconds`` of
+    them under the profiler. The kernels of that span, and the requests that finished in it."""
+    work = Workload(Mix.parse(mix), window_s=seconds + 2.0, ramp_s=3.0)
+    prof = profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU])
+    span = {}
+
+    async def drive():
+        loop = asyncio.get_running_loop()
+
+        def start():
+            span["start_ns"] = time.time_ns()
+            prof.start()
+
+        def stop():
+            if cuda:
+                torch.cuda.synchronize()
+            prof.stop()
+            span["end_ns"] = time.time_ns()
+        # the sessions start over ~ramp_s; the profiled span follows, inside the judged window
+        timers = [loop.call_later(work.ramp_s + 1.0, start), loop.call_later(work.ramp_s + 1.0 + seconds, stop)]
+        probe = await closed_loop(target, sessions, work, Slo())
+        for timer in timers:
+            timer.cancel()
+        if "start_ns" not in span:
+            raise RuntimeError(f"the load of {sessions} sessions stopped before the profiled span began "
+                               f"({probe.aborted}): profile fewer sessions")
+        if "end_ns" not in span:  # an underrun or a failure ended the load early: the span ends with it
+            stop()
+        return probe
+
+    before = asyncio.run(target.counters())
+    probe = asyncio.run(drive())
+    after = asyncio.run(target.counters())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        doc = json.loads(path.read_text())
+    base = int(doc.get("baseTimeNanoseconds", 0))
+    got = summarize(doc["traceEvents"], ((span["start_ns"] - base) / 1e3, (span["end_ns"] - base) / 1e3))
+    summary = probe.summary(Slo())
+    return {"sessions": sessions, "seconds": seconds, "requests": summary["requests"],
+            "ttfa_p50_ms": summary["ttfa_p50_ms"], "ttfa_p99_ms": summary["ttfa_p99_ms"],
+            "underruns": summary["underruns"], "flow_passes_whole_run": after["flow_passes"] - before["flow_passes"],
+            "profiled": got}
+
+
 def markdown(doc: dict) -> str:
     lines = [f"# What the GPU does before first audio: {doc['config']}, {doc['device']}, {doc['date']}", "",
              (f"Model: {doc['model']}. One request at a time, {doc['audio_s']} s answers, the benchmark's "
@@ -126,6 +200,19 @@ def markdown(doc: dict) -> str:
         per_pass = f"{most['kernels'] / r['flow_passes']:.0f} (busiest stream)" if most["kernels"] and r["flow_passes"] else "-"
         lines.append(f"| {r['request']} | {r['audio_s']:.2f} | {r['flow_passes']:.0f} | {w['gpu_busy_ms']:.1f} / "
                      f"{w['gpu_idle_ms']:.1f} | {per} | {per_pass} |")
+    if load := doc.get("load"):
+        got = load["profiled"]
+        lines += ["", (f"Under load: {load['sessions']} sessions, {got['window_ms']:.0f} ms profiled once all had "
+                  f"started ({load['requests']} requests judged over the run: first audio p50 / p99 "
+                  f"{load['ttfa_p50_ms']:.0f} / {load['ttfa_p99_ms']:.0f} ms, {load['underruns']} underruns). "
+                  "`two or more streams busy`: kernels of several streams at once; near zero, the lanes take "
+                  "turns on the GPU."), "",
+                  "| GPU busy ms | idle ms | two or more streams busy ms | per stream: kernels, busy ms |",
+                  "|---|---|---|---|",
+                  f"| {got['gpu_busy_ms']:.0f} | {got['gpu_idle_ms']:.0f} | {got['streams_overlap_ms']:.0f} | "
+                  + "; ".join(f"{s}: {v['kernels']}, {v['busy_ms']:.0f}" for s, v in got["streams"].items()) + " |",
+                  "", "| kernel (under load) | count | ms |", "|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['count']} | {k['ms']:.1f} |" for k in got["top_kernels"]]
     last = doc["requests"][-1]["first_audio"]["top_kernels"]
     lines += ["", "Kernels that took the most time before the last request's first audio:", "",
               "| kernel | count | ms |", "|---|---|---|"]
@@ -139,6 +226,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=4, help="profiled requests, one at a time, after one warm-up")
     ap.add_argument("--audio-s", type=float, default=6.0, help="audio per answer (the capacity mix's text)")
     ap.add_argument("--chrome", action="store_true", help="also write the last request's Chrome trace (gzip)")
+    ap.add_argument("--sessions", type=int, default=0, help="also profile steady load of this many sessions")
+    ap.add_argument("--load-seconds", type=float, default=3.0, help="seconds of that load under the profiler")
+    ap.add_argument("--mix", default=DEFAULT_MIX, help="the load's utterance lengths (the capacity tool's)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     return ap.parse_args(argv)
@@ -163,11 +253,12 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(profile_request(target, f"profile-{i}", args.audio_s, cuda, chrome))
             logger.info("request %d: first audio %.1f ms, GPU busy %.1f ms before it", i, rows[-1]["ttfa_ms"],
                         rows[-1]["first_audio"]["gpu_busy_ms"])
+        load = profile_load(target, args.sessions, args.load_seconds, args.mix, cuda) if args.sessions else None
         model, _ = describe_served({"mode": target.synth.mode, "runtime": target.synth.runtime.details})
     finally:
         target.close()
     doc = {"device": device, "date": date, "config": args.config, "audio_s": args.audio_s, "model": model,
-           "requests": rows}
+           "requests": rows, "load": load}
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     (out / f"{stem}.md").write_text(markdown(doc))
     return doc

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.profile_first_audio import main, summarize, union_ms
+from bench.profile_first_audio import main, shared_ms, summarize, union_ms
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,6 +22,13 @@ def test_busy_time_is_the_union_of_spans():
     assert union_ms([]) == 0
     assert union_ms([(0, 1000), (500, 1500), (3000, 4000)]) == pytest.approx(2.5)
     assert union_ms([(0, 4000), (1000, 2000)]) == pytest.approx(4.0)
+
+
+def test_shared_time_is_when_two_or_more_streams_run_kernels():
+    assert shared_ms({"7": [(0, 1000)]}) == 0  # one stream is never shared
+    assert shared_ms({"7": [(0, 1000), (500, 2000)], "13": [(1500, 3000)]}) == pytest.approx(0.5)
+    # 7 with 13 from 1 to 2 ms, 7 with 21 from 1.5 to 4 ms: 1 to 4 ms
+    assert shared_ms({"7": [(0, 4000)], "13": [(1000, 2000)], "21": [(1500, 5000)]}) == pytest.approx(3.0)
 
 
 def test_kernels_are_counted_per_stream_and_clipped_to_the_window():
@@ -38,6 +45,7 @@ def test_kernels_are_counted_per_stream_and_clipped_to_the_window():
     assert got["streams"] == {"13": {"kernels": 1, "kernel_ms": pytest.approx(3.0), "busy_ms": pytest.approx(3.0)},
                               "7": {"kernels": 2, "kernel_ms": pytest.approx(2.0), "busy_ms": pytest.approx(1.5)}}
     assert got["gpu_busy_ms"] == pytest.approx(4.0) and got["gpu_idle_ms"] == pytest.approx(6.0)
+    assert got["streams_overlap_ms"] == pytest.approx(0.5)  # stream 7 until 2.5 ms, stream 13 from 2 ms
     assert [(k["name"], k["count"]) for k in got["top_kernels"]] == [("softmax", 1), ("gemm", 2)]
 
 
@@ -46,7 +54,8 @@ def test_a_run_on_the_tiny_model_profiles_each_request_on_the_trace_clock(tmp_pa
     assert "batch_wait_timeout_s: 0.005}" in text
     config = tmp_path / "local-steps.yaml"
     config.write_text(text.replace("batch_wait_timeout_s: 0.005}", "batch_wait_timeout_s: 0.005, scheduler: steps}"))
-    doc = main(["--config", str(config), "--requests", "1", "--audio-s", "1.5", "--chrome", "--out", str(tmp_path)])
+    doc = main(["--config", str(config), "--requests", "1", "--audio-s", "1.5", "--chrome", "--out", str(tmp_path),
+                "--sessions", "2", "--load-seconds", "0.5", "--mix", "1:1-2"])
     (req,) = doc["requests"]
     assert doc["device"] == "cpu" and "random weights" in doc["model"]
     assert req["flow_passes"] > 0 and req["flow_passes"] % 10 == 0  # ten Euler passes per chunk
@@ -58,5 +67,8 @@ def test_a_run_on_the_tiny_model_profiles_each_request_on_the_trace_clock(tmp_pa
     trace = json.loads(gzip.decompress(next(tmp_path.glob("profile-first-audio-cpu-*-trace.json.gz")).read_bytes()))
     (span,) = [e for e in trace["traceEvents"] if e.get("cat") == "Trace"]
     assert 0 <= req["first_audio_us"][0] - span["ts"] < 60e6
+    load = doc["load"]  # two sessions, their span under the profiler
+    assert load["sessions"] == 2 and load["requests"] >= 1 and load["flow_passes_whole_run"] > 0
+    assert load["profiled"]["window_ms"] > 0 and load["profiled"]["streams"] == {}
     md = next(tmp_path.glob("profile-first-audio-cpu-*.md")).read_text()
-    assert "| profile-0 |" in md and "random weights" in md
+    assert "| profile-0 |" in md and "random weights" in md and "Under load: 2 sessions" in md
