@@ -140,7 +140,7 @@ class Synthesizer:
             self.stepped = SteppedToken2Wav(self.t2w, self.compute, self._t2w_lane, clock, slack or 0.0,
                                             min(cfg.token2wav.max_batch_size,
                                                 self.runtime.details.get("max_flow_batch", cfg.token2wav.max_batch_size)),
-                                            on_fatal=self.loop.kill)
+                                            on_fatal=self.loop.kill, gather_s=cfg.token2wav.gather_ms / 1e3)
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
         self._active = 0  # synthesize() calls in progress; 0 for a while -> freed memory given back
         self.idle_trim = IdleTrim(self.runtime.device, self.compute.run, idle=lambda: self._active == 0)
@@ -262,6 +262,7 @@ class Synthesizer:
             "flow_passes_total": self.stepped.passes if self.stepped is not None else 0,
             "flow_rows_in_passes_total": self.stepped.rows_in_passes if self.stepped is not None else 0,
             "flow_rows_ready_total": self.stepped.rows_ready if self.stepped is not None else 0,
+            "flow_pass_holds_total": self.stepped.holds if self.stepped is not None else 0,
             **self.runtime.token2wav.flow_stats(),
             "cuda_cache_releases": self.idle_trim.cuda_cache_releases,
             "cuda_graph_captures_total": self.runtime.graph_captures(),

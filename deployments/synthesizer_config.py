@@ -59,6 +59,10 @@ class Token2WavBatchConfig(StrictModel):
     # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (5-6 ->
     # 21 sessions at the SLO, H200 replica simulation 2026-12-04), batch on the CPU (not measured there).
     scheduler: Literal["auto", "batch", "steps"] = "auto"
+    # With "steps": when no row in hand is due within deadline_slack_s, a flow pass waits up to this
+    # many ms for more streams' rows to share it (woken at once by a new job). 0: passes run as soon
+    # as rows are in hand. Not yet measured on a GPU (deployments/token2wav_loop.py says why to try).
+    gather_ms: float = Field(0.0, ge=0, le=50)
 
 
 class SynthesizerConfig(DeploymentKnobs):
