@@ -280,11 +280,12 @@ def test_a_failed_finish_leaves_the_cache_and_a_retry_gives_the_same_audio(monke
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_passes_equal_the_eager_padded_ones(family, dtype, tmp_path):
+def test_graphed_passes_equal_the_eager_padded_ones(family, dtype, tmp_path, monkeypatch):
     """CUDA: each bucket's graph replay gives the eager padded pass's x and convolution history.
     Random tiny weights from the project's writer: the GPU machine has no parity fixtures."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 convolutions in float32
     torch.manual_seed(0)
     tiny = build_flow(write_config_dir(tmp_path, family, _TINY[family]).flow).eval()
     reqs = [(_prompt(20, 1), _tokens(120, 1), 0), (_prompt(25, 2), _tokens(150, 2), 25)]
@@ -311,13 +312,20 @@ def test_graphed_passes_equal_the_eager_padded_ones(family, dtype, tmp_path):
         else:  # graphs off: eager by design, not a miss
             assert (replays, eager, missed) == (0, n + 1, 0)
         out[graphs, max_batch] = [(r.x.float().cpu(), r.new_convs[-1].float().cpu()) for r in rows]
-    # The largest gaps are in the message: on the H100 (2026-12-05) three of the four variants
-    # failed here or in the counts above, and the time limit cut the failure text.
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    # Graphed against eager over the same buckets: the same kernels. The batches-of-one arm runs
+    # its two-row passes at their exact shape, not padded: other reductions, so in bfloat16 up to
+    # about an ulp of the values apart (on the CPU, 2026-12-05: 3.1e-2 at |x| ~ 4.5, one bf16 ulp
+    # there; float32 2e-6). On the H100 three variants failed with one bf16 tolerance for both and
+    # cuDNN's TF32 convolutions in float32 (the time limit cut the text: that is the likely cause).
     for other in ((True, 4), (True, 1)):
         for (xa, ha), (xb, hb) in zip(out[False, 4], out[other]):
+            scale = max(xa.abs().max().item(), ha.abs().max().item(), 1.0)
+            if dtype == torch.float32:
+                tol = 1e-4
+            else:
+                tol = 2e-2 if other == (True, 4) else 2 * torch.finfo(torch.bfloat16).eps * scale
             gaps = ((xa - xb).abs().max().item(), (ha - hb).abs().max().item())
-            assert max(gaps) <= tol, (other, gaps)
+            assert max(gaps) <= tol, (other, gaps, tol)
 
 
 def test_a_voices_prompt_prefix_is_solved_once_for_all_its_requests():
