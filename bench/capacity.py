@@ -275,11 +275,14 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
             return result
         return probe
 
-    entry = run.search(mode, "sessions")
-    entry["capacity"], _ = sessions_search(probe_fn("sessions", entry, run.work), run.slo, start=args.start,
-                                           ceiling=args.max_sessions, tolerance=args.tolerance)
-    run.write()
-    if not any(p["load"] == 1 for p in entry["probes"]):  # first audio at one stream, for latest.json
+    probes: list[dict] = []
+    if args.sessions:
+        entry = run.search(mode, "sessions")
+        entry["capacity"], _ = sessions_search(probe_fn("sessions", entry, run.work), run.slo, start=args.start,
+                                               ceiling=args.max_sessions, tolerance=args.tolerance)
+        probes = entry["probes"]
+        run.write()
+    if not any(p["load"] == 1 for p in probes):  # first audio at one stream, for latest.json
         short = Workload(run.work.mix, run.work.seed, window_s=args.c1_window_s, ramp_s=0.0)
         one = run.search(mode, "one-session")
         asyncio.run(probe_fn("sessions", one, short)(1))
@@ -297,31 +300,35 @@ def latest_path(out: Path, family: str) -> Path:
 
 def update_latest(run: Run) -> dict:
     """Add this level's capacity figures (the best mode's) to the family's ``latest.json`` (a
-    ``--timed`` run's are not GPU figures: returned, not written). Each level's figure carries its
-    own device and date: the levels (and the throughput benchmark, whose ``device`` and ``date``
-    the file's top level keeps, with the replica level's) may come from different machines and days."""
+    ``--timed`` run's are not GPU figures: returned, not written): sessions at the SLO and the
+    Poisson rate, each under the level's key (``slo_streams``, ``slo_rate_rps``; ``_serve`` and
+    ``_in_process`` for the other levels) with its own device and date: the levels (and the
+    throughput benchmark, whose ``device`` and ``date`` the file's top level keeps, with the replica
+    level's) may come from different machines and days."""
     path = latest_path(run.out, run.args.family)
     latest = json.loads(path.read_text()) if path.exists() and not run.args.timed else {}
-    sessions = [s for s in run.searches if s["kind"] == "sessions" and s["capacity"] is not None]
-    if not sessions:
+    level = run.args.level
+    suffix = {"replica": "", "serve": "_serve", "synth": "_in_process"}[level]
+    update: dict = {}
+    for kind, name in (("sessions", "slo_streams"), ("rate", "slo_rate_rps")):
+        found = [s for s in run.searches if s["kind"] == kind and s["capacity"] is not None]
+        if not found:
+            continue
+        best = max(found, key=lambda s: s["capacity"])
+        key = name + suffix
+        update.update({key: best["capacity"], f"{key}_mode": best["mode"], f"{key}_device": run.device,
+                       f"{key}_date": run.date, f"capacity_report_{level}": f"{run.stem}.md"})
+        if kind == "sessions" and level == "replica":
+            at_cap = next((p for p in best["probes"] if p["load"] == best["capacity"]), {})
+            update["throughput_x_realtime_at_slo"] = at_cap.get("throughput_x_realtime")
+    if not update:
         return latest
-    best = max(sessions, key=lambda s: s["capacity"])
-    at_cap = next((p for p in best["probes"] if p["load"] == best["capacity"]), {})
-    one = [p for s in run.searches if s["mode"] == best["mode"] for p in s["probes"] if p["load"] == 1
-           and s["kind"] != "rate"]
-    key = {"replica": "slo_streams", "serve": "slo_streams_serve", "synth": "slo_streams_in_process"}[run.args.level]
-    update = {key: best["capacity"], f"{key}_mode": best["mode"], f"{key}_device": run.device, f"{key}_date": run.date,
-              "workload": run.workload(), f"capacity_report_{run.args.level}": f"{run.stem}.md"}
-    if run.args.level == "replica":
+    modes = [update.get(f"slo_streams{suffix}_mode"), update.get(f"slo_rate_rps{suffix}_mode")]
+    one = [p for s in run.searches if s["kind"] != "rate" and s["mode"] in modes for p in s["probes"] if p["load"] == 1]
+    update["ttfb_p50_ms_c1" + suffix] = one[0]["ttfa_p50_ms"] if one else None
+    update["workload"] = run.workload()
+    if level == "replica":
         update.update(device=run.device, date=run.date)
-        update["throughput_x_realtime_at_slo"] = at_cap.get("throughput_x_realtime")
-        update["ttfb_p50_ms_c1"] = one[0]["ttfa_p50_ms"] if one else None
-        rates = [s for s in run.searches if s["kind"] == "rate" and s["mode"] == best["mode"]]
-        if rates:
-            update["slo_rate_rps"] = rates[0]["capacity"]
-    else:
-        update[f"ttfb_p50_ms_c1_{'serve' if run.args.level == 'serve' else 'in_process'}"] = (
-            one[0]["ttfa_p50_ms"] if one else None)
     latest.update(update)
     if not run.args.timed:
         path.write_text(json.dumps(latest, indent=1, default=str))
@@ -349,6 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--start", type=int, default=4, help="sessions of the first probe")
     ap.add_argument("--max-sessions", type=int, default=256)
     ap.add_argument("--tolerance", type=float, default=0.1, help="bisection stops within this fraction")
+    ap.add_argument("--sessions", action=argparse.BooleanOptionalAction, default=True,
+                    help="search the sessions at the SLO (--no-sessions: the one-session probe and the rate only)")
     ap.add_argument("--open-loop", action=argparse.BooleanOptionalAction, default=True,
                     help="also search the Poisson arrival rate")
     ap.add_argument("--rate-start", type=float, default=1.0)

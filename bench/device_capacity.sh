@@ -7,7 +7,8 @@
 #   REPLICA_S=500 MODES=pytorch-bf16-allgraphs-early-edf,pytorch-bf16-allgraphs-early-edf-prio bash bench/device_capacity.sh
 #   REPLICA_S=0 SERVE_S=520 bash bench/device_capacity.sh
 #   REPLICA_S=0 SYNTH_S=250 SERVE_S=300 ...: the config's deployments in-process first, then over Serve
-#   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call
+#   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call;
+#   CAP_ARGS="--no-sessions --rate-start 4" searches the Poisson rate alone (slo_rate_rps*)
 #   FAMILY=cosyvoice3 measures CosyVoice3 at both levels (default cosyvoice2)
 #   TESTS_S=200 runs the GPU-marked tests first (bench/device_gpu_tests.sh; no parity fixtures needed;
 #   on the H200 2026-12-05, 70 s ran 11 of the 19)

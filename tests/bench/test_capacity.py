@@ -540,6 +540,33 @@ def test_a_cosyvoice3_run_is_named_apart_and_each_level_keeps_its_device(tmp_pat
     assert stems == [f"capacity-serve-cosyvoice3-nvidia-h100-{run.date}.json", f"capacity-serve-nvidia-h100-{run.date}.json"]
 
 
+def test_no_sessions_searches_only_the_rate_and_latest_json_takes_it_per_level(tmp_path, monkeypatch):
+    """--no-sessions: the one-session probe and the Poisson rate (a lease call's time for the rate
+    alone); the rate goes to latest.json under the level's key with its device, and first audio
+    at one session with it."""
+    class QuickTarget:  # every request: 40 ms to first audio, 10 ms of audio
+        async def counters(self):
+            return {}
+
+        async def synthesize(self, rid, audio_s, submitted_s):
+            trace = RequestTrace(submitted_s=submitted_s)
+            trace.add_chunk(submitted_s + 0.04, 240)
+            return trace
+
+    searched = []
+    monkeypatch.setattr(capacity_mod, "sessions_search", lambda *a, **k: searched.append("sessions") or (9, []))
+    monkeypatch.setattr(capacity_mod, "rate_search", lambda *a, **k: searched.append("rate") or (2.5, []))
+    args = parse_args(["--out", str(tmp_path), "--level", "serve", "--no-sessions", "--c1-window-s", "0.05"])
+    run = Run(args, Workload(Mix.parse("1:1-2"), window_s=1, ramp_s=0), SLO, "NVIDIA H100")
+    _searches(args, run, "single-gpu", QuickTarget(), sampler=None)
+    run.write()
+    assert searched == ["rate"] and [s["kind"] for s in run.searches] == ["one-session", "rate"]
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert latest["slo_rate_rps_serve"] == 2.5 and latest["slo_rate_rps_serve_device"] == "NVIDIA H100"
+    assert latest["ttfb_p50_ms_c1_serve"] == pytest.approx(40.0) and "slo_streams_serve" not in latest
+    assert "slo_rate_rps" not in latest  # the replica level's key is its own
+
+
 def test_streams_in_flight_follow_littles_law():
     one = _trace(chunks=((0.1, 1.0), (2.0, 1.0)))  # open for 2 s
     assert Probe(1, [one] * 30, window_s=60).summary(SLO)["streams_in_flight_mean"] == 1.0
