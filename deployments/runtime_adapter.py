@@ -275,6 +275,12 @@ def token2wav_scheduler(configured: str, device) -> str:
     return "steps" if str(device).startswith("cuda") else "batch"
 
 
+def llm_compile_backend(mode: str, llm_compile: bool, device) -> str | None:
+    """The ``torch.compile`` backend of the LLM decode step: inductor in mode torchscript or with
+    ``llm_compile``, on CUDA only (its graphs are what it pays for); else none."""
+    return "inductor" if (mode == "torchscript" or llm_compile) and str(device).startswith("cuda") else None
+
+
 def streamed_flow(configured: str, device) -> str:
     """``token2wav.cv2_flow`` / ``cv3_flow`` resolved once per replica: "auto" is "incremental" on
     CUDA (where it was measured), else "recompute"."""
@@ -384,9 +390,9 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     graphs = capture_graphs(model, cfg, mode, limits, min_first, stepper=scheduler == "steps",
                             incremental=flow == "incremental")
     rate = model.spec.token_frame_rate
-    # Mode torchscript compiles the decode step too (CUDA only: its graphs are what it pays for).
+    llm_backend = llm_compile_backend(mode, cfg.llm_compile, device)
     engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
-                                compile_backend="inductor" if mode == "torchscript" and device.type == "cuda" else None)
+                                compile_backend=llm_backend)
     return SynthesisRuntime(
         engine=engine,
         token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first, cv3_vocoder=cfg.token2wav.cv3_vocoder,
@@ -397,7 +403,8 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
         device=str(device), graph_captures=captured_total, graph_misses=missed_total,
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
                  "t2w_scheduler": scheduler, "flow": flow,
-                 "compiled": report["compiled"], "estimator": report["estimator"], **graphs,
+                 "compiled": report["compiled"] + (["llm decode step"] if llm_backend else []),
+                 "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),
                  "random_weights": is_random_weight_model(model_dir),  # the tiny test model: noise, not speech

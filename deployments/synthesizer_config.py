@@ -84,6 +84,11 @@ class SynthesizerConfig(DeploymentKnobs):
     # the CV2 vocoder replayed as CUDA graphs, captured at start-up (about 0.6 s per flow-solve graph
     # on an H200); vocoder lengths first met in traffic are captured when they recur.
     cuda_graphs: bool = True
+    # CUDA replicas: the LLM decode step through torch.compile (inductor) under its CUDA graphs, as
+    # mode torchscript does, without compiling the flow (whose ~570 graphs over compiled modules
+    # start minutes later). A bf16 step at batch 1 is 3.4 ms on an H200 (2026-12-02), launch-bound:
+    # fused kernels could shorten first audio and free GPU time. Not yet measured; off by default.
+    llm_compile: bool = False
     # LLM steps and token2wav batches on two threads (each with its own CUDA stream) instead of one,
     # so neither waits for the other; None: on for CUDA replicas, off on the CPU (two cores are
     # already shared by torch's intra-op threads).

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deployments.protocol import VoicePrompt
-from deployments.runtime_adapter import load_synthesis_runtime
+from deployments.runtime_adapter import llm_compile_backend, load_synthesis_runtime
 from deployments.synthesizer_config import SynthesizerConfig
 
 
@@ -78,6 +78,15 @@ def test_cosyvoice3_replicas_vocode_incrementally_with_the_same_audio(tmp_path):
     for inc, ref in zip(runs["incremental"], runs["recompute"]):
         assert inc.shape == ref.shape and inc.size > 0
         assert float(np.abs(inc - ref).max()) < 1e-4
+
+
+def test_the_llm_decode_step_is_compiled_on_cuda_in_mode_torchscript_or_with_llm_compile(model_dir):
+    assert llm_compile_backend("pytorch", True, "cuda:0") == "inductor"
+    assert llm_compile_backend("torchscript", False, "cuda") == "inductor"
+    assert llm_compile_backend("pytorch", False, "cuda") is None
+    assert llm_compile_backend("pytorch", True, "cpu") is None  # graphs are what it pays for: CUDA only
+    runtime = load_synthesis_runtime(SynthesizerConfig(device="cpu", warmup=False, llm_compile=True), model_dir)
+    assert "llm decode step" not in runtime.details["compiled"]
 
 
 def test_unknown_knob_is_rejected():
