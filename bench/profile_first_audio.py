@@ -74,6 +74,15 @@ def shared_ms(streams: dict[str, list[tuple[float, float]]]) -> float:
     return total / 1e3
 
 
+def trace_time_us(doc: dict, epoch_ns: int) -> float:
+    """``time.time_ns()`` on a Chrome trace's clock: its timestamps are microseconds after
+    ``baseTimeNanoseconds`` of the epoch (PyTorch's profiler, checked on the CPU)."""
+    if "baseTimeNanoseconds" not in doc:
+        raise RuntimeError("the trace has no baseTimeNanoseconds: this torch's profiler puts its events on a "
+                           "clock this tool cannot place a request on")
+    return (epoch_ns - int(doc["baseTimeNanoseconds"])) / 1e3
+
+
 def summarize(events: list[dict], window: tuple[float, float]) -> dict:
     """The kernels of a Chrome trace's ``events`` inside ``window`` (microseconds, the trace's
     clock; a kernel crossing an edge counts for its part inside): per stream their number, kernel
@@ -119,7 +128,7 @@ def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path |
         doc = json.loads(path.read_text())
         if chrome is not None:
             chrome.write_bytes(gzip.compress(path.read_bytes()))
-    start = (submitted_ns - int(doc.get("baseTimeNanoseconds", 0))) / 1e3
+    start = trace_time_us(doc, submitted_ns)
     events = doc["traceEvents"]
     passes = after["flow_passes"] - before["flow_passes"]
     whole = summarize(events, (start, start + 1e6 * (trace.chunk_times_s[-1] - submitted_s)))
@@ -167,8 +176,7 @@ def profile_load(target, sessions: int, seconds: float, mix: str, cuda: bool) ->
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         doc = json.loads(path.read_text())
-    base = int(doc.get("baseTimeNanoseconds", 0))
-    got = summarize(doc["traceEvents"], ((span["start_ns"] - base) / 1e3, (span["end_ns"] - base) / 1e3))
+    got = summarize(doc["traceEvents"], (trace_time_us(doc, span["start_ns"]), trace_time_us(doc, span["end_ns"])))
     summary = probe.summary(Slo())
     return {"sessions": sessions, "seconds": seconds, "requests": summary["requests"],
             "ttfa_p50_ms": summary["ttfa_p50_ms"], "ttfa_p99_ms": summary["ttfa_p99_ms"],
