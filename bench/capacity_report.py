@@ -49,7 +49,9 @@ def markdown(doc: dict, plots: list[str]) -> str:
                 "only the finishing vocoder batches: its flow passes are queued without a wait and not timed here."
                 if w["level"] == "replica" else "")
              + " `graph misses`: token2wav calls that ran eagerly on the GPU because no captured CUDA graph holds "
-               "their shape (calls longer than `flow_graph_max_s`, a vocoder length not captured yet).")
+               "their shape (calls longer than `flow_graph_max_s`, a vocoder length not captured yet)."
+             + " `rows ready per pass`: the rows the stepped token2wav had in hand when it picked each pass; "
+               "above `rows per pass`, it split them (by urgency, kind or length) rather than having few.")
     lines = [f"# Streaming capacity at the SLO: {w['level']} level, {w['family']}, {doc['device']}, {doc['date']}", "",
              intro, "", "| mode | search | capacity |", "|---|---|---|"]
     for s in doc["searches"]:
