@@ -320,9 +320,11 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     bucket, batches up to the replica's largest and calls up to ``flow_graph_max_s`` of audio
     (prompt included); with ``incremental`` (``cv2_flow`` / ``cv3_flow``), the incremental pass per
     (batch, new frames, cached frames) bucket, cached frames up to the same length. Vocoder
-    (``vocoder_graphs``, CosyVoice2): the lengths of every streamed
+    (``vocoder_graphs``), CosyVoice2: the lengths of every streamed
     call after the first, for every batch bucket, every first-chunk length for batches of 1 and
     2, and every last-chunk length for a batch of 1; other lengths are captured when they recur (:mod:`cosyvoice_runtime.hift.graphs`).
+    CosyVoice3 with ``cv3_vocoder: incremental``: the body per padded (batch, frames) bucket up to
+    the longest streamed window (:mod:`cosyvoice_runtime.hift.causal_graphs`; not yet timed on a GPU).
 
     Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-allgraphs.md): with
     the solve graphs and the early first chunk, first audio at one stream fell from 1.11 s (LLM
@@ -335,6 +337,7 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     if not cfg.cuda_graphs or mode not in ("pytorch", "torchscript") or model.device.type != "cuda":
         return {"flow_graphs": 0, "vocoder_graphs": 0}
     from cosyvoice_runtime.flow.graph_setup import capture_flow_graphs, enable_flow_graphs
+    from cosyvoice_runtime.hift.causal_graphs import graph_causal_body, streaming_window_frames
     from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
 
     spec = model.spec
@@ -344,10 +347,14 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio, stepper=stepper,
                        incremental=incremental)
     n_flow = capture_flow_graphs(model.flow)
-    n_vocoder = 0
-    if not spec.hift.causal:  # the CV2 vocoder (the CV3 one has no graphs)
+    if not spec.hift.causal:  # the CV2 vocoder: exact lengths
         n_vocoder = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,
                                             first_chunk_min_tokens).num_graphs
+    elif cfg.token2wav.cv3_vocoder == "incremental":  # the CV3 body over padded buckets of streamed windows
+        n_vocoder = graph_causal_body(model.hift, limits.max_flow_batch,
+                                      streaming_window_frames(model.hift, spec)).num_graphs
+    else:  # the recompute vocodes whole accumulated mels: too long for graphs
+        n_vocoder = 0
     logger.info("captured %d flow and %d vocoder CUDA graphs (batch <= %d, flow calls <= %.0f s) in %.1f s",
                 n_flow, n_vocoder, limits.max_flow_batch, max_s, time.perf_counter() - started)
     return {"flow_graphs": n_flow, "vocoder_graphs": n_vocoder}

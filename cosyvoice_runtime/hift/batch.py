@@ -34,7 +34,10 @@ def decode_padded(hift, mel: torch.Tensor, lengths: Sequence[int],
     n_frames = frames_per_mel * mel.shape[2] + 1
     stft = [F.pad(hift.source_stft(src), (0, n_frames - frames_per_mel * t - 1))
             for src, t in zip(sources, lengths)]
-    head = hift.body(hift.conv_pre(mel), torch.cat(stft, dim=0))
+    stft = torch.cat(stft, dim=0)
+    # the CUDA graphs of the body per padded bucket where a replica turned them on (causal_graphs)
+    graphed = getattr(hift, "graphed_body", None)
+    head = graphed(mel, stft) if graphed is not None else hift.body(hift.conv_pre(mel), stft)
     limit = hift.spec.audio_limit
     return [torch.clamp(hift.istft(head[i:i + 1, :, : frames_per_mel * t + 1]), -limit, limit)
             for i, t in enumerate(lengths)]

@@ -219,6 +219,8 @@ class CausalHiFTGenerator(_HiFTBase):
         self.flow_spec = flow
         self.conv_pre_look_right = spec.conv_pre_look_right
         self.auto_load_noise = True
+        # batched decode through CUDA graphs (cosyvoice_runtime.hift.causal_graphs); None: eager
+        self.graphed_body: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def f0_look_right(self) -> int:

@@ -7,6 +7,7 @@ calls in the official non-final mode) or the recorded fixtures (CV2, whose sourc
 """
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.hift.batch import causal_decode_batch
+from cosyvoice_runtime.hift.causal_graphs import graph_causal_body
 from cosyvoice_runtime.hift.incremental import left_context_frames
 from cosyvoice_runtime.hift.streaming import VocoderCall, VocoderStream, vocode_batch, vocode_chunk
 from tests.runtime.parity.common import assert_matches, load_cases
@@ -165,11 +167,17 @@ def test_cv3_incremental_stream_equals_the_official_recompute():
     assert float((a - b).abs().max()) < TOL
 
 
-def test_cv3_batched_incremental_streams_equal_the_official_recompute():
+@pytest.mark.parametrize("graphed_body", [False, True])
+def test_cv3_batched_incremental_streams_equal_the_official_recompute(graphed_body):
     """Three incremental streams vocoded together (different lengths and schedules, chunks below
-    the lag, a stream that ends early) equal each request's official full recompute."""
+    the lag, a stream that ends early) equal each request's official full recompute; also with
+    the body run over zero-padded (batch, frames) buckets as its CUDA graphs run it (eagerly here),
+    windows past the largest bucket at their own size."""
     case, mels = _mels("cosyvoice3")
     spec, hift = load_hift(case.model_dir)
+    if graphed_body:
+        hift = copy.deepcopy(hift)
+        body = graph_causal_body(hift, max_batch=2, max_frames=96, capture=False, use_graphs=False)
     long_mel = torch.cat([mels[0], mels[2], mels[1]], dim=2)  # 380 frames
     schedules = [_split(long_mel, [20, 5, 30, 17, 60, 11, 90]), _split(mels[1], [3, 30, 40, 1, 12, 6, 10]),
                  _split(mels[2], [60, 20])]
@@ -186,6 +194,9 @@ def test_cv3_batched_incremental_streams_equal_the_official_recompute():
         a, b = torch.cat(ref_out[k], dim=1), torch.cat(inc_out[k], dim=1)
         assert a.shape[1] == 480 * mel.shape[2] and float((a - b).abs().max()) < TOL, k
     assert all(st.finished for st in inc)
+    if graphed_body:  # three rows: past the 2-row buckets; one and two rows padded to 16-frame steps
+        assert body.replays > 0 and body.eager_calls > 0
+        assert set(body._buckets) <= {(b, t) for b in (1, 2) for t in range(16, 97, 16)} and body._buckets
 
 
 def test_cv3_a_batch_may_mix_strategies():

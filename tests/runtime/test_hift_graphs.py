@@ -1,4 +1,5 @@
-"""CV2 vocoder graphs (cosyvoice_runtime.hift.graphs) and the graph-safe iSTFT.
+"""CV2 vocoder graphs (cosyvoice_runtime.hift.graphs), the CV3 body's (hift.causal_graphs) and the
+graph-safe iSTFT.
 
 On CPU the graph buckets run eagerly (``use_graphs=False``): that checks the batch padding,
 the static buffers, the capture policy and the streamed audio end to end against the plain
@@ -12,6 +13,8 @@ import copy
 import pytest
 import torch
 
+from cosyvoice_runtime.hift.batch import causal_decode_batch
+from cosyvoice_runtime.hift.causal_graphs import graph_causal_body
 from cosyvoice_runtime.hift.generator import build_hift, overlap_add_istft
 from cosyvoice_runtime.hift.graphs import enable_graphs
 from cosyvoice_runtime.hift.streaming import VocoderStream
@@ -148,3 +151,28 @@ def test_cuda_graphs_equal_eager(tmp_path):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert g.num_graphs == 3 + 1  # 58 frames x 3 buckets at start, 90 frames at its second call
     assert g.replays == 4 and g.eager_calls == 1
+
+
+@pytest.mark.gpu
+def test_cv3_body_graphs_over_padded_buckets_equal_the_eager_batched_decode(tmp_path):
+    """CUDA: the CosyVoice3 body replayed over zero-padded (batch, frames) buckets gives the eager
+    batched decode's samples (random tiny weights); a window past the largest bucket runs eagerly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    spec = write_config_dir(tmp_path, "cosyvoice3", _TINY["cosyvoice3"])
+    torch.manual_seed(0)
+    hift = build_hift(spec.hift, spec.flow)
+    hift.remove_weight_norm()
+    hift = hift.eval().cuda()
+    graphed = copy.deepcopy(hift)
+    body = graph_causal_body(graphed, max_batch=4, max_frames=128)
+    assert body.num_graphs == 3 * 8  # batch buckets 1, 2, 4 x frames 16..128
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for lengths in ((37,), (50, 61, 44), (120, 9), (130, 20)):
+        mels = [torch.randn(1, spec.hift.in_channels, t, device="cuda", generator=gen) for t in lengths]
+        with torch.inference_mode():
+            want = causal_decode_batch(hift, mels)
+            got = causal_decode_batch(graphed, mels)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert body.replays == 3 and body.eager_calls == 1  # 130 frames: past the largest bucket
