@@ -130,16 +130,22 @@ def test_graphed_streams_equal_plain_streams():
     assert g.replays == 3 and g.eager_calls == 3
 
 
-@pytest.mark.gpu
-def test_cuda_graphs_equal_eager(tmp_path):
+def _cuda_hift_and_copy(tmp_path, family: str):
+    """The tiny random-weight vocoder of ``family`` on CUDA and a copy to graph (the GPU machine
+    has no parity fixtures); skips without CUDA."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    spec = write_config_dir(tmp_path, "cosyvoice2", _TINY["cosyvoice2"])
+    spec = write_config_dir(tmp_path, family, _TINY[family])
     torch.manual_seed(0)
     hift = build_hift(spec.hift, spec.flow)
     hift.remove_weight_norm()
     hift = hift.eval().cuda()
-    graphed = copy.deepcopy(hift)
+    return spec, hift, copy.deepcopy(hift)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_equal_eager(tmp_path):
+    spec, hift, graphed = _cuda_hift_and_copy(tmp_path, "cosyvoice2")
     g = enable_graphs(graphed, max_batch=4, max_frames=256, capture_frames=[58])
     gen = torch.Generator(device="cuda").manual_seed(1)
     for rows, frames in ((3, 58), (1, 58), (2, 90), (2, 90), (2, 90)):
@@ -157,14 +163,7 @@ def test_cuda_graphs_equal_eager(tmp_path):
 def test_cv3_body_graphs_over_padded_buckets_equal_the_eager_batched_decode(tmp_path):
     """CUDA: the CosyVoice3 body replayed over zero-padded (batch, frames) buckets gives the eager
     batched decode's samples (random tiny weights); a window past the largest bucket runs eagerly."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    spec = write_config_dir(tmp_path, "cosyvoice3", _TINY["cosyvoice3"])
-    torch.manual_seed(0)
-    hift = build_hift(spec.hift, spec.flow)
-    hift.remove_weight_norm()
-    hift = hift.eval().cuda()
-    graphed = copy.deepcopy(hift)
+    spec, hift, graphed = _cuda_hift_and_copy(tmp_path, "cosyvoice3")
     body = graph_causal_body(graphed, max_batch=4, max_frames=128)
     assert body.num_graphs == 3 * 8  # batch buckets 1, 2, 4 x frames 16..128
     gen = torch.Generator(device="cuda").manual_seed(1)
