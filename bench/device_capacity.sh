@@ -7,6 +7,7 @@
 #   REPLICA_S=500 MODES=pytorch-bf16-allgraphs-early-edf,pytorch-bf16-allgraphs-early-edf-prio bash bench/device_capacity.sh
 #   REPLICA_S=0 SERVE_S=520 bash bench/device_capacity.sh
 #   REPLICA_S=0 SYNTH_S=250 SERVE_S=300 ...: the config's deployments in-process first, then over Serve
+#   SYNTH_CONFIGS="configs/single-gpu.yaml /tmp/b.yaml" SYNTH_S=170: one in-process run per config (A/B)
 #   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call;
 #   CAP_ARGS="--no-sessions --rate-start 4" searches the Poisson rate alone (slo_rate_rps*)
 #   FAMILY=cosyvoice3 measures CosyVoice3 at both levels (default cosyvoice2)
@@ -60,11 +61,17 @@ if [ "${PROFILE_S:-0}" -gt 0 ]; then
 fi
 if [ "${SYNTH_S:-0}" -gt 0 ]; then  # the config's frontend + synthesizer in this process: no Ray, no HTTP
   full_model
-  FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$SYNTH_S" python3 -m bench.capacity --level synth --family "$F" \
-    --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" ${TAG:+--tag "$TAG"} ${CAP_ARGS:-} 2>&1 \
-    | grep -v Warning > "$W/synth.log"
-  grep -E '"kind"|done in|Error|error' "$W/synth.log" | cut -c1-900 | tail -20
-  pack
+  # SYNTH_CONFIGS="a.yaml b.yaml": one in-process run per config, SYNTH_S each, tagged with its name
+  # (A/B arms on one machine in one call; each run also writes latest.json: keep the arm you mean)
+  for C in ${SYNTH_CONFIGS:-${CONFIG:-configs/single-gpu.yaml}}; do
+    T=${TAG:-}
+    [ -n "${SYNTH_CONFIGS:-}" ] && T="${T:+$T-}$(basename "$C" .yaml)"
+    echo "== $C" >> "$W/synth.log"
+    FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$SYNTH_S" python3 -m bench.capacity --level synth --family "$F" \
+      --config "$C" --out "$W/results" ${T:+--tag "$T"} ${CAP_ARGS:-} 2>&1 | grep -v Warning >> "$W/synth.log"
+    pack
+  done
+  grep -E '^==|"kind"|done in|Error|error' "$W/synth.log" | cut -c1-900 | tail -30
 fi
 if [ "${SERVE_S:-0}" -gt 0 ]; then
   full_model
