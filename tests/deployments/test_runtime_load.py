@@ -53,6 +53,21 @@ def test_early_first_chunk_is_the_default_and_can_be_turned_off(model_dir):
     assert early.details["llm_params_m"] == round(params / 1e6, 1) and 0 < params < 50e6
 
 
+def _two_cv3_streams(rt) -> list[np.ndarray]:
+    """Two CosyVoice3 utterances (120 and 90 tokens) streamed chunk by chunk, batched together."""
+    voice = VoicePrompt(**{**_voice(rt).__dict__, "family": "cosyvoice3"})
+    states = [rt.token2wav.new_stream(voice, stream=True, speed=1.0, seed=0) for _ in range(2)]
+    tokens = [list(range(7, 127)), list(range(40, 130))]
+    audio = [[], []]
+    while not all(st.finished for st in states):
+        jobs = [(k, rt.token2wav.next_job(st, tokens[k], llm_done=True)) for k, st in enumerate(states)]
+        jobs = [(k, j) for k, j in jobs if j is not None]
+        for (k, _), a in zip(jobs, rt.token2wav.run_batch([j for _, j in jobs])):
+            audio[k].append(a)
+    assert min(len(a) for a in audio) >= 3  # streamed in several chunks
+    return [np.concatenate(a) for a in audio]
+
+
 def test_cosyvoice3_replicas_vocode_incrementally_with_the_same_audio(tmp_path):
     """token2wav.cv3_vocoder reaches the runtime: the default (incremental) and the official full
     recompute stream the same utterance to the same samples (float noise), two streams batched."""
@@ -63,21 +78,28 @@ def test_cosyvoice3_replicas_vocode_incrementally_with_the_same_audio(tmp_path):
     for strategy in ("incremental", "recompute"):
         knobs = {} if strategy == "incremental" else {"cv3_vocoder": "recompute"}
         rt = load_synthesis_runtime(SynthesizerConfig(device="cpu", warmup=False, token2wav=knobs), cv3)
-        voice = VoicePrompt(**{**_voice(rt).__dict__, "family": "cosyvoice3"})
-        states = [rt.token2wav.new_stream(voice, stream=True, speed=1.0, seed=0) for _ in range(2)]
-        assert all(st.vocoder.strategy == strategy for st in states)
-        tokens = [list(range(7, 127)), list(range(40, 130))]  # 120 and 90 tokens: several chunks each
-        audio = [[], []]
-        while not all(st.finished for st in states):
-            jobs = [(k, rt.token2wav.next_job(st, tokens[k], llm_done=True)) for k, st in enumerate(states)]
-            jobs = [(k, j) for k, j in jobs if j is not None]
-            for (k, _), a in zip(jobs, rt.token2wav.run_batch([j for _, j in jobs])):
-                audio[k].append(a)
-        assert min(len(a) for a in audio) >= 3  # streamed in several chunks
-        runs[strategy] = [np.concatenate(a) for a in audio]
+        assert rt.token2wav.t2w.cv3_vocoder == strategy
+        runs[strategy] = _two_cv3_streams(rt)
     for inc, ref in zip(runs["incremental"], runs["recompute"]):
         assert inc.shape == ref.shape and inc.size > 0
         assert float(np.abs(inc - ref).max()) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_cosyvoice3_replica_vocodes_through_graphs_with_the_eager_audio(tmp_path):
+    """A CUDA CosyVoice3 replica captures its vocoder body's graphs (hift.causal_graphs) and
+    streams the samples of a replica without graphs."""
+    from cosyvoice_runtime.tiny_model import write_tiny_model
+
+    cv3 = str(write_tiny_model(tmp_path / "cv3", "cosyvoice3"))
+    cfg = {"device": "cuda", "warmup": False, "flow_graph_max_s": 8.0}
+    graphed = load_synthesis_runtime(SynthesizerConfig(**cfg), cv3)
+    eager = load_synthesis_runtime(SynthesizerConfig(**cfg, cuda_graphs=False), cv3)
+    assert graphed.details["vocoder_graphs"] > 0 and eager.details["vocoder_graphs"] == 0
+    for a, b in zip(_two_cv3_streams(graphed), _two_cv3_streams(eager)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=1e-3, rtol=1e-3)
 
 
 def test_the_llm_decode_step_is_compiled_on_cuda_in_mode_torchscript_or_with_llm_compile(model_dir):
