@@ -44,7 +44,7 @@ from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, InProce
 from bench.gpu_bench import make_model, make_voice, mode_setup, parse_mode
 from bench.load import register_voices, synthetic_prompt_wav
 from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
-from bench.report import _slug
+from bench.report import _slug, latest_path
 from bench.soak import config_env, start_local, wait_idle
 from bench.timed_runtime import PROFILES
 from deployments.frontend import TextFrontend
@@ -291,11 +291,6 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
         rates["capacity"], _ = rate_search(probe_fn("rate", rates, run.work), run.slo, start=args.rate_start,
                                            tolerance=args.tolerance)
         run.write()
-
-
-def latest_path(out: Path, family: str) -> Path:
-    """``latest.json`` for CosyVoice2, ``<family>-latest.json`` for another family (as the throughput benchmark's)."""
-    return out / ("latest.json" if family == "cosyvoice2" else f"{family}-latest.json")
 
 
 def update_latest(run: Run) -> dict:

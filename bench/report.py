@@ -1,4 +1,4 @@
-"""Benchmark report: a markdown table, two plots and ``latest.json``."""
+"""Benchmark report: a markdown table, two plots and ``latest.json`` (``<family>-latest.json`` for CosyVoice3)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -58,6 +58,12 @@ def plots(out: Path, stem: str, rows: list[dict], baseline: dict | None) -> list
     return names
 
 
+def latest_path(out: Path, family: str) -> Path:
+    """``latest.json`` for CosyVoice2, ``<family>-latest.json`` for another family: one family's
+    run never replaces the other's figures (the benchmarks and the capacity tool share the files)."""
+    return out / ("latest.json" if family == "cosyvoice2" else f"{family}-latest.json")
+
+
 def write_report(out: Path, device: str, family: str, n_tokens: int, baseline: dict, rows: list[dict],
                  date: str | None = None, notes: str = "", tag: str = "") -> Path:
     out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +107,7 @@ def write_report(out: Path, device: str, family: str, n_tokens: int, baseline: d
         "ttfb_p50_ms_c1": c1.get("ttfa_p50_ms"), "ttfb_p99_ms_c16": c16.get("ttfa_p99_ms"),
         "underruns_c16": c16.get("underruns"), "report": md.name, "rows": rows, "baseline": baseline,
     }
-    path = out / "latest.json"
+    path = latest_path(out, family)
     kept = json.loads(path.read_text()) if path.exists() else {}  # other tools' keys (capacity) stay
     path.write_text(json.dumps({**kept, **latest}, indent=1))
     return md

@@ -43,7 +43,8 @@ def test_tiny_cosyvoice3_benchmark_with_the_incremental_vocoder(tmp_path):
     main(["--family", "cosyvoice3", "--size", "tiny", "--device", "cpu", "--modes", ",".join(modes),
           "--concurrency", "2", "--tokens", "60", "--min-requests", "2", "--baseline-requests", "1",
           "--out", str(tmp_path)])
-    latest = json.loads((tmp_path / "latest.json").read_text())
+    latest = json.loads((tmp_path / "cosyvoice3-latest.json").read_text())  # not CosyVoice2's latest.json
+    assert not (tmp_path / "latest.json").exists()
     assert latest["family"] == "cosyvoice3" and [r["mode"] for r in latest["rows"]] == modes
     for r in latest["rows"]:
         assert r["errors"] == 0 and abs(r["audio_s"] - r["requests"] * 60 / 25) < 1e-6, r
