@@ -111,10 +111,25 @@ def summarize(events: list[dict], window: tuple[float, float]) -> dict:
     }
 
 
+def _profiler(cuda: bool):
+    """A profiler of CUDA activity on a GPU (the module docstring says why), of CPU ops elsewhere."""
+    return profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU])
+
+
+def _exported(prof, chrome: Path | None = None) -> dict:
+    """A stopped profiler's Chrome trace as JSON; with ``chrome``, also written there (gzip)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        if chrome is not None:
+            chrome.write_bytes(gzip.compress(path.read_bytes()))
+        return json.loads(path.read_text())
+
+
 def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path | None) -> dict:
     """One request under the profiler: its first-audio stages, flow passes and GPU summaries."""
     before = asyncio.run(target.counters())
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+    with _profiler(cuda) as prof:
         submitted_ns, submitted_s = time.time_ns(), time.perf_counter()
         trace = asyncio.run(target.synthesize(rid, audio_s, submitted_s))
         if cuda:
@@ -122,12 +137,7 @@ def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path |
     after = asyncio.run(target.counters())
     if trace.error:
         raise RuntimeError(f"request {rid} failed: {trace.error}")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        doc = json.loads(path.read_text())
-        if chrome is not None:
-            chrome.write_bytes(gzip.compress(path.read_bytes()))
+    doc = _exported(prof, chrome)
     start = trace_time_us(doc, submitted_ns)
     events = doc["traceEvents"]
     passes = after["flow_passes"] - before["flow_passes"]
@@ -142,7 +152,7 @@ def profile_load(target, sessions: int, seconds: float, mix: str, cuda: bool) ->
     """``sessions`` closed-loop voice-agent sessions; once they have all started, ``seconds`` of
     them under the profiler. The kernels of that span, and the requests that finished in it."""
     work = Workload(Mix.parse(mix), window_s=seconds + 2.0, ramp_s=3.0)
-    prof = profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU])
+    prof = _profiler(cuda)
     span = {}
 
     async def drive():
@@ -172,10 +182,7 @@ def profile_load(target, sessions: int, seconds: float, mix: str, cuda: bool) ->
     before = asyncio.run(target.counters())
     probe = asyncio.run(drive())
     after = asyncio.run(target.counters())
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        doc = json.loads(path.read_text())
+    doc = _exported(prof)
     got = summarize(doc["traceEvents"], (trace_time_us(doc, span["start_ns"]), trace_time_us(doc, span["end_ns"])))
     summary = probe.summary(Slo())
     return {"sessions": sessions, "seconds": seconds, "requests": summary["requests"],
