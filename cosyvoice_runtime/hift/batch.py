@@ -36,7 +36,7 @@ def decode_padded(hift, mel: torch.Tensor, lengths: Sequence[int],
             for src, t in zip(sources, lengths)]
     stft = torch.cat(stft, dim=0)
     # the CUDA graphs of the body per padded bucket where a replica turned them on (causal_graphs)
-    graphed = getattr(hift, "graphed_body", None)
+    graphed = hift.graphed_body
     head = graphed(mel, stft) if graphed is not None else hift.body(hift.conv_pre(mel), stft)
     limit = hift.spec.audio_limit
     return [torch.clamp(hift.istft(head[i:i + 1, :, : frames_per_mel * t + 1]), -limit, limit)

@@ -19,7 +19,6 @@ Graphs share one memory pool: replays run one at a time (lock) and the output is
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -28,8 +27,6 @@ import torch
 from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 from cosyvoice_runtime.hift.incremental import left_context_frames
-
-logger = logging.getLogger(__name__)
 
 FRAME_STEP = 16  # mel frames per bucket step
 
