@@ -93,6 +93,9 @@ class GraphOwner:
     token2wav owners; the LLM runners run on the engine thread only), and counters of replays
     and eager calls."""
 
+    # What the log line of a miss suggests (an owner whose buckets another setting bounds says so)
+    miss_hint = "longer prompts or text pieces than synthesizer.flow_graph_max_s covers?"
+
     def __init__(self) -> None:
         self._buckets: dict = {}
         self._pool = None
@@ -110,8 +113,7 @@ class GraphOwner:
             _missed += 1
             if _missed & (_missed - 1) == 0:  # 1, 2, 4, ...: seen in the log, bounded volume
                 logger.warning("%d calls ran eagerly on the GPU so far (this one: %s), shapes beyond the captured CUDA "
-                               "graphs: longer prompts or text pieces than synthesizer.flow_graph_max_s covers?",
-                               _missed, type(self).__name__)
+                               "graphs: %s", _missed, type(self).__name__, self.miss_hint)
 
     @property
     def num_graphs(self) -> int:

@@ -49,6 +49,11 @@ class GraphedCausalBody(graph_capture.GraphOwner):
         use_graphs: False runs the same padded buckets eagerly (CPU tests of the padding).
     """
 
+    # Its buckets end at the longest incremental window; the recompute strategy (speed-changed
+    # requests) re-vocodes the whole accumulated mel, past them after a few seconds.
+    miss_hint = ("CosyVoice3 vocoder windows past the captured frames: speed-changed requests re-vocode the "
+                 "whole mel (token2wav.cv3_vocoder: recompute)")
+
     def __init__(self, hift, max_batch: int = 16, max_frames: int = 320, use_graphs: bool = True) -> None:
         super().__init__()
         self.hift = hift

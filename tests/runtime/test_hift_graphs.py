@@ -9,10 +9,12 @@ weights (the GPU machine has no ../shared data).
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
 
+from cosyvoice_runtime import graph_capture
 from cosyvoice_runtime.hift.batch import causal_decode_batch
 from cosyvoice_runtime.hift.causal_graphs import graph_causal_body
 from cosyvoice_runtime.hift.generator import build_hift, overlap_add_istft
@@ -175,3 +177,17 @@ def test_cv3_body_graphs_over_padded_buckets_equal_the_eager_batched_decode(tmp_
         for w, g in zip(want, got):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert body.replays == 3 and body.eager_calls == 1  # 130 frames: past the largest bucket
+
+
+def test_a_cv3_vocoder_miss_names_the_vocoder_not_the_flow_graphs(tmp_path, caplog, monkeypatch):
+    """CosyVoice3's vocoder buckets end at the longest streamed window, not at flow_graph_max_s: the
+    log line of its misses (speed-changed requests re-vocoding whole mels) must not send an operator
+    to the flow's knob."""
+    spec = write_config_dir(tmp_path, "cosyvoice3", _TINY["cosyvoice3"])
+    body = graph_causal_body(build_hift(spec.hift, spec.flow), max_batch=2, max_frames=32, capture=False)
+    monkeypatch.setattr(graph_capture, "_missed", 0)  # the next miss is the first: logged
+    with caplog.at_level(logging.WARNING, logger="cosyvoice_runtime.graph_capture"):
+        body._ran_eagerly(on_cuda=True)
+    (record,) = caplog.records
+    assert "GraphedCausalBody" in record.getMessage() and "cv3_vocoder" in record.getMessage()
+    assert "flow_graph_max_s" not in record.getMessage()
