@@ -121,8 +121,8 @@ class FlowStepper(SolverBuckets):
             bucket.spks[i] = r.spks
             bucket.t[i:i + 1] = t_steps[r.step:r.step + 1]
             bucket.dt[i:i + 1] = dts[r.step:r.step + 1]
-            if r.streaming:
-                bucket.streaming[i] = True
+            if r.streaming:  # a slice: assigning to the 0-d element copies a host scalar (a wait)
+                bucket.streaming[i:i + 1] = True
 
     def _run(self, bucket: _Bucket) -> torch.Tensor:
         """One guided pass over the bucket's rows, as :meth:`CFMSolver.forward` runs each step."""

@@ -43,6 +43,7 @@ from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.hift.batch import causal_decode_batch, decode_padded, pad_mels
 from cosyvoice_runtime.hift.incremental import IncrementalState, plan_window, window_samples, window_source
+from cosyvoice_runtime.host_copy import to_device
 
 STRATEGIES = ("recompute", "incremental")  # of CV3 streams; CV2 streams always use their overlap caches
 
@@ -186,8 +187,11 @@ def _check(call: VocoderCall) -> None:
 def crossfade_window(fade_len: int, device: torch.device | None = None) -> torch.Tensor:
     """``np.hamming(2 · fade_len)`` (symmetric) as float64: first half fades in, second fades out.
     Made once per device and never written: a copy per chunk from host memory would wait for the
-    work queued on the stream (:mod:`cosyvoice_runtime.host_copy`)."""
-    return torch.from_numpy(np.hamming(2 * fade_len)).to(device)
+    work queued on the stream (:mod:`cosyvoice_runtime.host_copy`), and so would this one-time copy
+    if it were not queued through pinned memory (the first chunk that cross-fades makes it: the sync
+    debug test caught it on an H100, 2026-12-05)."""
+    window = torch.from_numpy(np.hamming(2 * fade_len))
+    return window if device is None else to_device(window, device)
 
 
 def crossfade(speech: torch.Tensor, previous_tail: torch.Tensor, window: torch.Tensor) -> torch.Tensor:

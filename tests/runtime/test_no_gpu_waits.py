@@ -5,7 +5,7 @@ synchronize the stream: the thread stalls until the flow pass in flight (and the
 it) has run, and the GPU's token2wav lane then idles until the next launch
 (:mod:`cosyvoice_runtime.host_copy`). PyTorch's sync debug mode raises on every such call, so a
 chunk's start (encoder, rows), passes and finish (vocoder, caches) run under it here, after a
-first chunk that makes the one-time copies (fixed noise, cross-fade window, pinned buffers).
+first chunk that makes the one-time copies (fixed noise, pinned buffers).
 Eager passes and vocoder: a replay cannot wait, the host code around it is what is checked.
 The last copy of the audio to the host (deployments.runtime_adapter) is outside, by design.
 GPU only."""
