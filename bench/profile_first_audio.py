@@ -29,8 +29,9 @@ import gzip
 import json
 import logging
 import tempfile
+import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -83,10 +84,38 @@ def trace_time_us(doc: dict, epoch_ns: int) -> float:
     return (epoch_ns - int(doc["baseTimeNanoseconds"])) / 1e3
 
 
-def summarize(events: list[dict], window: tuple[float, float]) -> dict:
+def thread_names() -> dict[int, str]:
+    """This process's thread names under every id a trace may give a thread: CUPTI's runtime events
+    carry the launching thread's pthread id cut to 32 bits (an H100 trace, 2026-12-05), CPU ops its
+    native id."""
+    names = {}
+    for t in threading.enumerate():
+        for key in (t.ident, (t.ident or 0) & 0xFFFFFFFF, t.native_id):
+            if key is not None:
+                names[key] = t.name
+    return names
+
+
+def stream_lanes(events: list[dict], threads: dict[int, str]) -> dict[str, str]:
+    """Each stream's lane: the thread that launched most of its kernels (a kernel and the runtime
+    call that launched it share a correlation id). Stream ids alone do not say which lane is which:
+    an unnamed report once took the LLM's stream for the flow's."""
+    launcher = {e["args"]["correlation"]: e.get("tid") for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    votes: dict[str, Counter] = defaultdict(Counter)
+    for e in events:
+        tid = launcher.get(e.get("args", {}).get("correlation")) if e.get("cat") == "kernel" else None
+        if tid is not None:
+            votes[str(e["args"].get("stream", "?"))][threads.get(tid, f"thread {tid}")] += 1
+    return {stream: count.most_common(1)[0][0] for stream, count in votes.items()}
+
+
+def summarize(events: list[dict], window: tuple[float, float], lanes: dict[str, str] | None = None) -> dict:
     """The kernels of a Chrome trace's ``events`` inside ``window`` (microseconds, the trace's
     clock; a kernel crossing an edge counts for its part inside): per stream their number, kernel
-    time and union of busy time, the time no stream ran one, and the kernels that took the most."""
+    time, union of busy time and lane (``lanes``: :func:`stream_lanes`), the time no stream ran
+    one, and the kernels that took the most."""
+    lanes = lanes or {}
     lo, hi = window
     streams: dict[str, list[tuple[float, float]]] = defaultdict(list)
     by_name: dict[str, list[float]] = defaultdict(list)
@@ -106,7 +135,7 @@ def summarize(events: list[dict], window: tuple[float, float]) -> dict:
         "gpu_idle_ms": (hi - lo) / 1e3 - union_ms(every),
         "streams_overlap_ms": shared_ms(streams),
         "streams": {s: {"kernels": len(spans), "kernel_ms": sum(b - a for a, b in spans) / 1e3,
-                        "busy_ms": union_ms(spans)} for s, spans in sorted(streams.items())},
+                        "busy_ms": union_ms(spans), "lane": lanes.get(s, "?")} for s, spans in sorted(streams.items())},
         "top_kernels": [{"name": name[:90], "count": len(d), "ms": sum(d) / 1e3} for name, d in top],
     }
 
@@ -140,11 +169,12 @@ def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path |
     doc = _exported(prof, chrome)
     start = trace_time_us(doc, submitted_ns)
     events = doc["traceEvents"]
+    lanes = stream_lanes(events, thread_names())
     passes = after["flow_passes"] - before["flow_passes"]
-    whole = summarize(events, (start, start + 1e6 * (trace.chunk_times_s[-1] - submitted_s)))
+    whole = summarize(events, (start, start + 1e6 * (trace.chunk_times_s[-1] - submitted_s)), lanes)
     window = (start, start + 1e6 * trace.ttfa_s)
     return {"request": rid, "ttfa_ms": 1e3 * trace.ttfa_s, "audio_s": trace.audio_s, "stages_ms": trace.stages_ms,
-            "flow_passes": passes, "first_audio_us": window, "first_audio": summarize(events, window),
+            "flow_passes": passes, "first_audio_us": window, "first_audio": summarize(events, window, lanes),
             "whole_request": whole}
 
 
@@ -183,7 +213,8 @@ def profile_load(target, sessions: int, seconds: float, mix: str, cuda: bool) ->
     probe = asyncio.run(drive())
     after = asyncio.run(target.counters())
     doc = _exported(prof)
-    got = summarize(doc["traceEvents"], (trace_time_us(doc, span["start_ns"]), trace_time_us(doc, span["end_ns"])))
+    got = summarize(doc["traceEvents"], (trace_time_us(doc, span["start_ns"]), trace_time_us(doc, span["end_ns"])),
+                    stream_lanes(doc["traceEvents"], thread_names()))
     summary = probe.summary(Slo())
     return {"sessions": sessions, "seconds": seconds, "requests": summary["requests"],
             "ttfa_p50_ms": summary["ttfa_p50_ms"], "ttfa_p99_ms": summary["ttfa_p99_ms"],
@@ -191,28 +222,32 @@ def profile_load(target, sessions: int, seconds: float, mix: str, cuda: bool) ->
             "profiled": got}
 
 
+def _per_stream(streams: dict, fmt: str) -> str:
+    return "; ".join(f"{s} {v.get('lane', '?')}: {v['kernels']}, {v['busy_ms']:{fmt}}" for s, v in streams.items())
+
+
 def markdown(doc: dict) -> str:
     lines = [f"# What the GPU does before first audio: {doc['config']}, {doc['device']}, {doc['date']}", "",
              (f"Model: {doc['model']}. One request at a time, {doc['audio_s']} s answers, the benchmark's "
              "registered voice; CUDA activity only. `busy`: the union of kernel time on a stream; `idle`: no "
-             "kernel on any stream. Stream ids are the trace's: the LLM lane's stream runs the sampling "
-             "kernels, the token2wav lane's the estimator's."), "",
+             "kernel on any stream. Streams are the trace's ids, each named by the thread that launched its "
+             "kernels (`engine-step`: the LLM; `compute-token2wav`: flow and vocoder)."), "",
              "| request | first audio ms | GPU busy / idle ms before it | per stream: kernels, busy ms | stages ms |",
              "|---|---|---|---|---|"]
     for r in doc["requests"]:
         fa = r["first_audio"]
-        per = "; ".join(f"{s}: {v['kernels']}, {v['busy_ms']:.1f}" for s, v in fa["streams"].items())
+        per = _per_stream(fa["streams"], ".1f")
         stages = ", ".join(f"{k} {v:.0f}" for k, v in r["stages_ms"].items())
         lines.append(f"| {r['request']} | {r['ttfa_ms']:.1f} | {fa['gpu_busy_ms']:.1f} / {fa['gpu_idle_ms']:.1f} | "
                      f"{per} | {stages} |")
     lines += ["", "Whole requests (all their chunks):", "",
-              "| request | audio s | flow passes | GPU busy / idle ms | per stream: kernels, busy ms | kernels per pass |",
+              "| request | audio s | flow passes | GPU busy / idle ms | per stream: kernels, busy ms | token2wav kernels per pass (vocoder and encoder included) |",
               "|---|---|---|---|---|---|"]
     for r in doc["requests"]:
         w = r["whole_request"]
-        per = "; ".join(f"{s}: {v['kernels']}, {v['busy_ms']:.1f}" for s, v in w["streams"].items())
-        most = max(w["streams"].values(), key=lambda v: v["kernels"], default={"kernels": 0})
-        per_pass = f"{most['kernels'] / r['flow_passes']:.0f} (busiest stream)" if most["kernels"] and r["flow_passes"] else "-"
+        per = _per_stream(w["streams"], ".1f")
+        flow = [v["kernels"] for v in w["streams"].values() if "token2wav" in v.get("lane", "")]
+        per_pass = f"{flow[0] / r['flow_passes']:.0f}" if len(flow) == 1 and r["flow_passes"] else "-"
         lines.append(f"| {r['request']} | {r['audio_s']:.2f} | {r['flow_passes']:.0f} | {w['gpu_busy_ms']:.1f} / "
                      f"{w['gpu_idle_ms']:.1f} | {per} | {per_pass} |")
     if load := doc.get("load"):
@@ -225,7 +260,7 @@ def markdown(doc: dict) -> str:
                   "| GPU busy ms | idle ms | two or more streams busy ms | per stream: kernels, busy ms |",
                   "|---|---|---|---|",
                   f"| {got['gpu_busy_ms']:.0f} | {got['gpu_idle_ms']:.0f} | {got['streams_overlap_ms']:.0f} | "
-                  + "; ".join(f"{s}: {v['kernels']}, {v['busy_ms']:.0f}" for s, v in got["streams"].items()) + " |",
+                  + _per_stream(got["streams"], ".0f") + " |",
                   "", "| kernel (under load) | count | ms |", "|---|---|---|"]
         lines += [f"| `{k['name']}` | {k['count']} | {k['ms']:.1f} |" for k in got["top_kernels"]]
     last = doc["requests"][-1]["first_audio"]["top_kernels"]

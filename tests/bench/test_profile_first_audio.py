@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
 from pathlib import Path
 
 import pytest
 
-from bench.profile_first_audio import main, shared_ms, summarize, union_ms
+from bench.profile_first_audio import main, shared_ms, stream_lanes, summarize, thread_names, union_ms
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _kernel(name, stream, ts, dur):
-    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+def _kernel(name, stream, ts, dur, correlation=None):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream, "correlation": correlation}}
+
+
+def _launch(tid, correlation, name="cudaGraphLaunch"):
+    return {"cat": "cuda_runtime", "name": name, "ph": "X", "tid": tid, "ts": 0, "dur": 5,
+            "args": {"cbid": 311, "correlation": correlation}}
 
 
 def test_busy_time_is_the_union_of_spans():
@@ -42,11 +48,46 @@ def test_kernels_are_counted_per_stream_and_clipped_to_the_window():
     ]
     got = summarize(events, (1000, 11000))
     assert got["window_ms"] == pytest.approx(10.0)
-    assert got["streams"] == {"13": {"kernels": 1, "kernel_ms": pytest.approx(3.0), "busy_ms": pytest.approx(3.0)},
-                              "7": {"kernels": 2, "kernel_ms": pytest.approx(2.0), "busy_ms": pytest.approx(1.5)}}
+    assert got["streams"] == {
+        "13": {"kernels": 1, "kernel_ms": pytest.approx(3.0), "busy_ms": pytest.approx(3.0), "lane": "?"},
+        "7": {"kernels": 2, "kernel_ms": pytest.approx(2.0), "busy_ms": pytest.approx(1.5), "lane": "?"}}
     assert got["gpu_busy_ms"] == pytest.approx(4.0) and got["gpu_idle_ms"] == pytest.approx(6.0)
     assert got["streams_overlap_ms"] == pytest.approx(0.5)  # stream 7 until 2.5 ms, stream 13 from 2 ms
     assert [(k["name"], k["count"]) for k in got["top_kernels"]] == [("softmax", 1), ("gemm", 2)]
+
+
+def test_each_stream_is_named_by_the_thread_that_launched_most_of_its_kernels():
+    """An H100 trace's runtime events carry the launching thread's pthread id cut to 32 bits; the
+    kernels, the correlation id of their launch. The report once took the LLM's stream (706 kernels
+    per decode step) for the flow's; now each stream says whose it is."""
+    llm, t2w = 641730880, 905972032  # the 2026-12-05 trace's two launching threads
+    events = [_launch(llm, 1), _launch(llm, 2), _launch(t2w, 3), _launch(t2w, 4, "cudaLaunchKernel"),
+              _kernel("gemv", 14, 0, 5, correlation=1), _kernel("gemv", 14, 5, 5, correlation=2),
+              _kernel("sdpa", 37, 0, 9, correlation=3), _kernel("sdpa", 37, 9, 9, correlation=3),
+              _kernel("add", 37, 18, 1, correlation=4),
+              _kernel("stray", 14, 20, 1, correlation=4),  # one kernel of the other thread: outvoted
+              _kernel("orphan", 99, 0, 1, correlation=42)]  # no launch recorded: no name
+    lanes = stream_lanes(events, {llm: "engine-step", t2w: "compute-token2wav"})
+    assert lanes == {"14": "engine-step", "37": "compute-token2wav"}
+    got = summarize(events, (0, 100), lanes)
+    assert {s: v["lane"] for s, v in got["streams"].items()} == {"14": "engine-step", "37": "compute-token2wav",
+                                                                 "99": "?"}
+    assert stream_lanes(events, {})["14"] == f"thread {llm}"  # an unknown thread keeps its id
+
+
+def test_this_process_threads_are_found_under_each_id_a_trace_may_use():
+    started, release = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (started.set(), release.wait()), name="compute-token2wav")
+    worker.start()
+    started.wait()
+    try:
+        names = thread_names()
+    finally:
+        release.set()
+        worker.join()
+    for key in (worker.ident, worker.ident & 0xFFFFFFFF, worker.native_id):
+        assert names[key] == "compute-token2wav"
+    assert names[threading.main_thread().native_id] == threading.main_thread().name
 
 
 def test_a_run_on_the_tiny_model_profiles_each_request_on_the_trace_clock(tmp_path):
