@@ -275,10 +275,11 @@ def token2wav_scheduler(configured: str, device) -> str:
     return "steps" if str(device).startswith("cuda") else "batch"
 
 
-def llm_compile_backend(mode: str, llm_compile: bool, device) -> str | None:
-    """The ``torch.compile`` backend of the LLM decode step: inductor in mode torchscript or with
-    ``llm_compile``, on CUDA only (its graphs are what it pays for); else none."""
-    return "inductor" if (mode == "torchscript" or llm_compile) and str(device).startswith("cuda") else None
+def torch_compile_backend(mode: str, knob: bool, device) -> str | None:
+    """The ``torch.compile`` backend of the LLM decode step (``llm_compile``) or of the incremental
+    flow pass (``flow_compile``): inductor in mode torchscript or with the knob, on CUDA only (the
+    graphs replaying the fused kernels are what it pays for); else none."""
+    return "inductor" if (mode == "torchscript" or knob) and str(device).startswith("cuda") else None
 
 
 def streamed_flow(configured: str, device) -> str:
@@ -312,7 +313,7 @@ def flow_cache_budget(configured: int, device, max_mem_gb: float | None = None) 
 
 
 def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | None,
-                   stepper: bool = False, incremental: bool = False) -> dict[str, int]:
+                   stepper: bool = False, incremental: bool = False, incremental_compile: str | None = None) -> dict[str, int]:
     """Capture the token2wav CUDA graphs of a CUDA replica (pytorch, torchscript): how many of each.
 
     Flow (``flow_graphs``): the whole CFM solve (``stepper``: one Euler pass of it, for the
@@ -345,7 +346,7 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     max_s = min(cfg.flow_graph_max_s, limits.max_total_s)
     started = time.perf_counter()
     enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio, stepper=stepper,
-                       incremental=incremental)
+                       incremental=incremental, incremental_compile=incremental_compile)
     n_flow = capture_flow_graphs(model.flow)
     if not spec.hift.causal:  # the CV2 vocoder: exact lengths
         n_vocoder = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,
@@ -394,10 +395,11 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     scheduler = token2wav_scheduler(cfg.token2wav.scheduler, device)
     cv2_flow, cv3_flow = streamed_flow(cfg.token2wav.cv2_flow, device), streamed_flow(cfg.token2wav.cv3_flow, device)
     flow = cv2_flow if model.spec.family == "cosyvoice2" else cv3_flow
+    flow_backend = torch_compile_backend(mode, cfg.flow_compile, device) if flow == "incremental" and cfg.cuda_graphs else None
     graphs = capture_graphs(model, cfg, mode, limits, min_first, stepper=scheduler == "steps",
-                            incremental=flow == "incremental")
+                            incremental=flow == "incremental", incremental_compile=flow_backend)
     rate = model.spec.token_frame_rate
-    llm_backend = llm_compile_backend(mode, cfg.llm_compile, device)
+    llm_backend = torch_compile_backend(mode, cfg.llm_compile, device)
     engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
                                 compile_backend=llm_backend)
     return SynthesisRuntime(
@@ -410,7 +412,8 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
         device=str(device), graph_captures=captured_total, graph_misses=missed_total,
         details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
                  "t2w_scheduler": scheduler, "flow": flow,
-                 "compiled": report["compiled"] + (["llm decode step"] if llm_backend else []),
+                 "compiled": report["compiled"] + (["llm decode step"] if llm_backend else [])
+                 + (["incremental flow pass"] if flow_backend else []),
                  "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),

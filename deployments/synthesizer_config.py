@@ -89,6 +89,13 @@ class SynthesizerConfig(DeploymentKnobs):
     # start minutes later). A bf16 step at batch 1 is 3.4 ms on an H200 (2026-12-02), launch-bound:
     # fused kernels could shorten first audio and free GPU time. Not yet measured; off by default.
     llm_compile: bool = False
+    # CUDA replicas with an incremental flow: its pass (the walk over the estimator's blocks) through
+    # torch.compile (inductor) under its CUDA graphs, as mode torchscript does too. A CosyVoice2 pass
+    # runs ~1,300 small kernels (H100 profile, 2026-12-05: the token2wav lane is bound by their
+    # number at small batches); fused, they are fewer. But the whole estimator compiled and graphed
+    # took 3.83 ms against 3.74 graphed alone at batch 2 x 256 frames (H200, 2026-12-03): fusion may
+    # not pay there. Start-up compiles the walk before capturing the graphs. Not yet measured; off.
+    flow_compile: bool = False
     # LLM steps and token2wav batches on two threads (each with its own CUDA stream) instead of one,
     # so neither waits for the other; None: on for CUDA replicas, off on the CPU (two cores are
     # already shared by torch's intra-op threads).

@@ -19,6 +19,7 @@ from cosyvoice_runtime.flow.cfm import CFMSolver
 from cosyvoice_runtime.flow.dit import DiT
 from cosyvoice_runtime.flow.encoder import PreLookaheadLayer, UpsampleConformerEncoder
 from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalRow, IncrementalStepper
+from cosyvoice_runtime.flow.incremental_walk import plain_estimator
 from cosyvoice_runtime.flow.stepper import FlowStepper, SolveRow
 from cosyvoice_runtime.flow.unet import CausalUNet
 from cosyvoice_runtime.host_copy import to_device
@@ -170,8 +171,9 @@ class Flow(nn.Module):
     @property
     def incremental_capable(self) -> bool:
         """Whether streamed jobs can be solved incrementally (:mod:`cosyvoice_runtime.flow.incremental`):
-        chunk masks, and the PyTorch estimator (not a TensorRT engine)."""
-        return isinstance(self.estimator, (CausalUNet, DiT)) and self._attention_chunk() > 0
+        chunk masks, and the PyTorch estimator (not a TensorRT engine; compiled by mode torchscript
+        or not)."""
+        return isinstance(plain_estimator(self.estimator), (CausalUNet, DiT)) and self._attention_chunk() > 0
 
     def can_solve_incrementally(self, item: FlowItem) -> bool:
         return self.incremental_capable and bool(item.streaming)

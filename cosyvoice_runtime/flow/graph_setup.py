@@ -18,14 +18,15 @@ from cosyvoice_runtime.flow.stepper import FlowStepper
 
 def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, capture: bool = False,
                        use_graphs: bool = True, encoder: bool = True, stepper: bool = False,
-                       incremental: bool = False) -> GraphedSolver:
+                       incremental: bool = False, incremental_compile: str | None = None) -> GraphedSolver:
     """Solve (and, for CosyVoice2 with ``encoder``, encode) through CUDA graphs per padded
     bucket from now on; with ``stepper``, the step-by-step solve too (one graph per pass); with
     ``incremental``, the incremental streamed solve (one graph per pass and
     (batch, new frames, cached frames) bucket, cached frames up to ``max_frames``).
 
     ``capture`` captures every bucket now (replica start-up) instead of on first use;
-    ``use_graphs=False`` runs the padded buckets eagerly (CPU tests).
+    ``use_graphs=False`` runs the padded buckets eagerly (CPU tests); ``incremental_compile``: the
+    ``torch.compile`` backend of the incremental pass (its graphs then replay fused kernels).
     """
     flow.graphed_solver = GraphedSolver(flow.decoder, max_batch=max_batch, max_frames=max_frames,
                                         use_graphs=use_graphs)
@@ -34,7 +35,7 @@ def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, 
     flow.incremental = None
     if incremental and flow.incremental_capable:
         flow.incremental = IncrementalStepper(flow.decoder, max_batch=max_batch, max_cached=max_frames, padded=True,
-                                              use_graphs=use_graphs)
+                                              use_graphs=use_graphs, compile_backend=incremental_compile)
     flow.graphed_encoder = None
     if encoder and flow.spec.family == "cosyvoice2":
         ratio = flow.spec.token_mel_ratio

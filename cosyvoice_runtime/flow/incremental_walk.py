@@ -39,6 +39,15 @@ from cosyvoice_runtime.fused import fused_linear
 _KV_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _kv(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``cat([to_k(x), to_v(x)], -1)``. Compiled (``IncrementalStepper(compile_backend=...)``), the
+    global cache is not even looked up: dynamo guarded on the weak dictionary's keys, and a guard
+    on a key that had been collected failed to build (CPU, 2026-12-05)."""
+    if torch.compiler.is_compiling():
+        return torch.cat([attn.to_k(x), attn.to_v(x)], dim=-1)
+    return fused_linear(x, (attn.to_k, attn.to_v), _KV_FUSED.setdefault(attn, {}))
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where an estimator's cached state sits: causal convolutions by channel offset in one
@@ -155,7 +164,7 @@ def _unet_attention(block: TransformerBlock, h: torch.Tensor, bias: torch.Tensor
     b, n, _ = normed.shape
     normed_all = p.block_input(block, normed)
     q = attn.to_q(normed).view(b, n, attn.heads, attn.head_dim).transpose(1, 2)
-    kv = fused_linear(normed_all, (attn.to_k, attn.to_v), _KV_FUSED.setdefault(attn, {}))
+    kv = _kv(attn, normed_all)
     k, v = kv.view(b, -1, 2, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None])
     h = h + attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
@@ -204,7 +213,7 @@ def _dit_block(block: DiTBlock, h: torch.Tensor, temb: torch.Tensor, bias: torch
     attn = block.attn
     b, n, _ = normed.shape
     q = apply_rotary(attn.to_q(normed), freqs_q)
-    k, v = fused_linear(normed_all, (attn.to_k, attn.to_v), _KV_FUSED.setdefault(attn, {})).chunk(2, dim=-1)
+    k, v = _kv(attn, normed_all).chunk(2, dim=-1)
     k = apply_rotary(k, freqs_k)
 
     def heads(y: torch.Tensor) -> torch.Tensor:
@@ -245,6 +254,14 @@ def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks:
     scale, shift = dit.norm_out.linear(F.silu(temb)).chunk(2, dim=1)
     h = dit.norm_out.norm(h) * (1 + scale[:, None]) + shift[:, None]
     return dit.proj_out(h).transpose(1, 2)
+
+
+def plain_estimator(estimator: nn.Module) -> nn.Module:
+    """The estimator module itself where mode torchscript wrapped it in ``torch.compile``: the
+    incremental pass walks its blocks (and compiles the walk instead, :class:`IncrementalStepper`).
+    The wrapper is no ``CausalUNet`` or ``DiT``, so the flow took it for a TensorRT engine and
+    solved every streamed chunk by recomputing, without a word (found 2026-12-05)."""
+    return getattr(estimator, "_orig_mod", estimator)
 
 
 def estimator_pass(estimator: nn.Module, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,

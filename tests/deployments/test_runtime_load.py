@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deployments.protocol import VoicePrompt
-from deployments.runtime_adapter import llm_compile_backend, load_synthesis_runtime
+from deployments.runtime_adapter import load_synthesis_runtime, torch_compile_backend
 from deployments.synthesizer_config import SynthesizerConfig
 
 
@@ -102,13 +102,15 @@ def test_cuda_cosyvoice3_replica_vocodes_through_graphs_with_the_eager_audio(tmp
         np.testing.assert_allclose(a, b, atol=1e-3, rtol=1e-3)
 
 
-def test_the_llm_decode_step_is_compiled_on_cuda_in_mode_torchscript_or_with_llm_compile(model_dir):
-    assert llm_compile_backend("pytorch", True, "cuda:0") == "inductor"
-    assert llm_compile_backend("torchscript", False, "cuda") == "inductor"
-    assert llm_compile_backend("pytorch", False, "cuda") is None
-    assert llm_compile_backend("pytorch", True, "cpu") is None  # graphs are what it pays for: CUDA only
-    runtime = load_synthesis_runtime(SynthesizerConfig(device="cpu", warmup=False, llm_compile=True), model_dir)
+def test_the_llm_step_and_flow_pass_are_compiled_on_cuda_in_mode_torchscript_or_with_their_knob(model_dir):
+    assert torch_compile_backend("pytorch", True, "cuda:0") == "inductor"
+    assert torch_compile_backend("torchscript", False, "cuda") == "inductor"
+    assert torch_compile_backend("pytorch", False, "cuda") is None
+    assert torch_compile_backend("pytorch", True, "cpu") is None  # graphs are what it pays for: CUDA only
+    runtime = load_synthesis_runtime(SynthesizerConfig(device="cpu", warmup=False, llm_compile=True,
+                                                       flow_compile=True), model_dir)
     assert "llm decode step" not in runtime.details["compiled"]
+    assert "incremental flow pass" not in runtime.details["compiled"]
 
 
 def test_unknown_knob_is_rejected():

@@ -4,6 +4,8 @@ dynamo tracing without inductor) run through the graph buckets' padding eagerly;
 compiles with inductor and captures real graphs."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import types
 
 import pytest
@@ -16,6 +18,8 @@ from cosyvoice_runtime.hift.graphs import enable_graphs
 from cosyvoice_runtime.modes import compile_model
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from tests.runtime.test_flow_batch import JOBS, _item
+from tests.runtime.test_flow_incremental_batch import _caches_after, _prompt, _tokens
+from tests.runtime.test_flow_incremental_batch import _item as _incremental_item
 
 
 def _tiny(tmp_path, device: str):
@@ -74,3 +78,59 @@ def test_compiled_modules_through_the_graph_buckets_on_cpu(tmp_path):  # ~25 s o
 def test_graphs_captured_over_compiled_modules_equal_eager(tmp_path):
     # inductor reorders fp32 reductions: a looser tolerance than graphs over eager modules
     _check(tmp_path, "cuda", backend="inductor", use_graphs=True, tol=2e-3)
+
+
+def _incremental_passes(tmp_path, family: str, device: str, backend: str, use_graphs: bool, dtype=torch.float32):
+    """Two requests' next jobs solved through padded incremental passes (staggered, so buckets of
+    one and two rows) by an eager flow and by one whose estimator mode torchscript wrapped and whose
+    pass walk is compiled with ``backend``: the rows' x and last convolution history of each."""
+    torch.manual_seed(0)
+    tiny = build_flow(write_config_dir(tmp_path, family, _TINY[family]).flow).eval()
+    reqs = [(dataclasses.replace(p, family=family), t, e) for p, t, e in
+            [(_prompt(20, 1), _tokens(120, 1), 0), (_prompt(25, 2), _tokens(150, 2), 25)]]
+    la = tiny.spec.pre_lookahead_len
+    out = []
+    for compiled in (False, True):
+        flow = copy.deepcopy(tiny).to(device, dtype)
+        if compiled:  # what mode torchscript does to the estimator
+            flow.decoder.estimator = torch.compile(flow.decoder.estimator, dynamic=True, backend=backend)
+        enable_flow_graphs(flow, max_batch=4, max_frames=512, use_graphs=use_graphs and compiled, incremental=True,
+                           incremental_compile=backend if compiled else None)
+        assert flow.incremental is not None and flow.incremental.compiled == compiled
+        if use_graphs and compiled:
+            assert capture_flow_graphs(flow) > 0
+        caches = _caches_after(flow, reqs)
+        rows = flow.start_incremental_rows([_incremental_item(p, t[:70 + la], False) for p, t, _ in reqs], caches, [0, 1])
+        flow.incremental.advance([rows[1]])
+        flow.incremental.solve(rows)
+        out.append([(r.x.float().cpu(), r.new_convs[-1].float().cpu()) for r in rows])
+    return out
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_mode_torchscript_keeps_the_incremental_flow_and_compiles_its_pass_on_cpu(family, tmp_path):
+    """The estimator wrapped by torch.compile once hid the U-Net / DiT from the flow, which then
+    recomputed every streamed chunk without a word; now the pass walks the module inside and is
+    traced whole by dynamo (eager backend: no inductor on the CPU CI; no graph breaks, so inductor
+    fuses the whole pass on a GPU)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager, compiled = _incremental_passes(tmp_path, family, "cpu", backend="eager", use_graphs=False)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for (xa, ha), (xb, hb) in zip(eager, compiled):
+        assert torch.equal(xa, xb) and torch.equal(ha, hb)  # the same ops, traced
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_graphed_compiled_incremental_passes_equal_eager(family, tmp_path, monkeypatch):
+    """CUDA: the incremental pass compiled by inductor and captured per bucket (``flow_compile``,
+    mode torchscript) gives the eager padded passes' x and convolution history (float32; inductor
+    reorders reductions, so not bit for bit)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    eager, compiled = _incremental_passes(tmp_path, family, "cuda", backend="inductor", use_graphs=True)
+    for (xa, ha), (xb, hb) in zip(eager, compiled):
+        torch.testing.assert_close(xb, xa, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(hb, ha, atol=1e-3, rtol=1e-3)
