@@ -276,7 +276,13 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
         return probe
 
     probes: list[dict] = []
-    if args.sessions:
+    if args.loads:  # A/B arms at fixed loads: every load probed, nothing searched, no capacity claimed
+        entry = run.search(mode, "loads")
+        for load in args.loads:
+            asyncio.run(probe_fn("sessions", entry, run.work)(load))
+        probes = entry["probes"]
+        run.write()
+    elif args.sessions:
         entry = run.search(mode, "sessions")
         entry["capacity"], _ = sessions_search(probe_fn("sessions", entry, run.work), run.slo, start=args.start,
                                                ceiling=args.max_sessions, tolerance=args.tolerance)
@@ -355,6 +361,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="search the sessions at the SLO (--no-sessions: the one-session probe and the rate only)")
     ap.add_argument("--open-loop", action=argparse.BooleanOptionalAction, default=True,
                     help="also search the Poisson arrival rate")
+    ap.add_argument("--loads", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                    help="probe exactly these session counts (comma-separated) instead of searching: A/B arms "
+                         "on one machine (a missed probe does not send the search down and use the arm's time)")
     ap.add_argument("--rate-start", type=float, default=1.0)
     ap.add_argument("--c1-window-s", type=float, default=20.0, help="window of the one-session probe")
     ap.add_argument("--max-batch", type=int, default=64, help="replica level: LLM engine batch")

@@ -30,7 +30,7 @@ def _cell(value, fmt: str) -> str:
 
 def markdown(doc: dict, plots: list[str]) -> str:
     w = doc["workload"]
-    unit = {"sessions": "sessions", "rate": "requests/s", "one-session": "session"}
+    unit = {"sessions": "sessions", "loads": "sessions", "rate": "requests/s", "one-session": "session"}
     intro = (f"SLO: every request succeeds, p99 time to first audio <= {w['slo_ttfa_p99_ms']:.0f} ms, "
              f"{w['slo_underruns']} underruns (a client that plays from the first chunk with no extra buffer). "
              f"Utterance mix: {w['mix']} of audio; registered-voice prompt of {w['prompt_s']:.2f} s; seed "
@@ -110,14 +110,16 @@ def plot(out: Path, stem: str, doc: dict) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    searches = [s for s in doc["searches"] if s["kind"] in ("sessions", "rate") and s["probes"]]
+    # sessions searched or at fixed loads (--loads) share the sessions axis
+    axis = {"sessions": "sessions", "loads": "sessions", "rate": "rate"}
+    searches = [s for s in doc["searches"] if s["kind"] in axis and s["probes"]]
     if not searches:
         return []
     names = []
-    fig, axes = plt.subplots(1, len({s["kind"] for s in searches}), figsize=(11, 4.2), squeeze=False)
-    for ax, kind in zip(axes[0], sorted({s["kind"] for s in searches}, reverse=True)):
+    fig, axes = plt.subplots(1, len({axis[s["kind"]] for s in searches}), figsize=(11, 4.2), squeeze=False)
+    for ax, kind in zip(axes[0], sorted({axis[s["kind"]] for s in searches}, reverse=True)):
         twin = ax.twinx()
-        for s in (s for s in searches if s["kind"] == kind):
+        for s in (s for s in searches if axis[s["kind"]] == kind):
             ps = sorted(s["probes"], key=lambda p: p["load"])
             xs = [p["load"] for p in ps]
             ax.plot(xs, [p["ttfa_p50_ms"] for p in ps], marker="o", label=f"{s['mode']} p50")
@@ -132,7 +134,7 @@ def plot(out: Path, stem: str, doc: dict) -> list[str]:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     names.append(_save(plt, fig, out / f"{stem}-latency.png"))
-    util = [s for s in searches if s["kind"] == "sessions" and any(p.get("gpu_util_pct") for p in s["probes"])]
+    util = [s for s in searches if axis[s["kind"]] == "sessions" and any(p.get("gpu_util_pct") for p in s["probes"])]
     # the one-session probe extends the sweep down to one stream
     single = {s["mode"]: s["probes"] for s in doc["searches"] if s["kind"] == "one-session"}
     if util:

@@ -10,6 +10,7 @@
 #   SYNTH_CONFIGS="configs/single-gpu.yaml /tmp/b.yaml" SYNTH_S=170: one in-process run per config (A/B)
 #   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call;
 #   CAP_ARGS="--no-sessions --rate-start 4" searches the Poisson rate alone (slo_rate_rps*)
+#   CAP_ARGS="--loads 52 --no-open-loop" probes fixed loads, no search (A/B arms with SYNTH_CONFIGS)
 #   FAMILY=cosyvoice3 measures CosyVoice3 at both levels (default cosyvoice2)
 #   TESTS_S=200 runs the GPU-marked tests first (bench/device_gpu_tests.sh; no parity fixtures needed;
 #   on the H200 2026-12-05, 70 s ran 11 of the 19)

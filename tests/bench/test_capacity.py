@@ -567,6 +567,33 @@ def test_no_sessions_searches_only_the_rate_and_latest_json_takes_it_per_level(t
     assert "slo_rate_rps" not in latest  # the replica level's key is its own
 
 
+def test_loads_probes_each_given_load_and_claims_no_capacity(tmp_path, monkeypatch):
+    """--loads 8,4: A/B arms at fixed loads (a night A/B's arms spent their time bisecting down
+    from a missed 56): each load probed once, in order, whatever its verdict, then the one-session
+    probe; no search runs and latest.json gets no capacity from them."""
+    class SlowTarget:  # every request: 400 ms to first audio (misses the SLO), 10 ms of audio
+        async def counters(self):
+            return {}
+
+        async def synthesize(self, rid, audio_s, submitted_s):
+            trace = RequestTrace(submitted_s=submitted_s)
+            trace.add_chunk(submitted_s + 0.4, 240)
+            return trace
+
+    monkeypatch.setattr(capacity_mod, "sessions_search", lambda *a, **k: pytest.fail("no search with --loads"))
+    args = parse_args(["--out", str(tmp_path), "--level", "synth", "--loads", "8,4", "--no-open-loop",
+                       "--c1-window-s", "0.05"])
+    run = Run(args, Workload(Mix.parse("1:1-2"), window_s=0.2, ramp_s=0), SLO, "NVIDIA H100")
+    _searches(args, run, "arm-a", SlowTarget(), sampler=None)
+    run.write()
+    loads, one = run.searches
+    assert loads["kind"] == "loads" and [p["load"] for p in loads["probes"]] == [8, 4]
+    assert not any(p["meets_slo"] for p in loads["probes"]) and loads["capacity"] is None
+    assert one["kind"] == "one-session" and [p["load"] for p in one["probes"]] == [1]
+    assert not (tmp_path / "latest.json").exists()  # nothing measured a capacity: nothing written
+    assert "| arm-a | loads | - |" in (tmp_path / f"{run.stem}.md").read_text()
+
+
 def test_streams_in_flight_follow_littles_law():
     one = _trace(chunks=((0.1, 1.0), (2.0, 1.0)))  # open for 2 s
     assert Probe(1, [one] * 30, window_s=60).summary(SLO)["streams_in_flight_mean"] == 1.0
