@@ -212,9 +212,25 @@ class _Bucket:
     hist_idx: torch.Tensor  # (2B, 1, 2 hist) long: which input frames are the history at the kept end and the mark
     hist_in: torch.Tensor  # (2B, channels, hist)
     hist_out: torch.Tensor  # (2B, channels, 2 hist)
-    attn_in: torch.Tensor | None  # (blocks, 2B, P, C); None for P = 0
-    attn_out: torch.Tensor  # (blocks, 2B, N, C)
+    # (blocks, 2B, P + N, C): each block's normed inputs, the P cached frames then the N new ones, in
+    # one buffer so that a block attends over it as it is (a concatenation per block copied every
+    # cached frame on every pass)
+    attn: torch.Tensor
     out: torch.Tensor | None = None  # (B, 80, N): x after the pass
+
+    @property
+    def cached(self) -> int:
+        return self.attn.shape[2] - self.x.shape[2]
+
+    @property
+    def attn_in(self) -> torch.Tensor | None:
+        """(blocks, 2B, P, C) the cached frames' part of :attr:`attn`; None for P = 0."""
+        return self.attn[:, :, :self.cached] if self.cached else None
+
+    @property
+    def attn_out(self) -> torch.Tensor:
+        """(blocks, 2B, N, C) the new frames' part of :attr:`attn`."""
+        return self.attn[:, :, self.cached:]
 
 
 class IncrementalStepper(SolverGraphs):
@@ -246,7 +262,7 @@ class IncrementalStepper(SolverGraphs):
         self.max_cached = math.ceil(max_cached / CACHED_FRAME_STEP) * CACHED_FRAME_STEP
         self.max_new = math.ceil(max_new / NEW_FRAME_STEP) * NEW_FRAME_STEP
         self.passes = 0
-        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None  # flat attn_in / attn_out of all buckets
+        self._staging: torch.Tensor | None = None  # the flat attn of all buckets
         self._hist_range = torch.arange(self.layout.hist, device=self.device)
         # the causal zero padding at frame 0 of a row with nothing cached
         self._no_history = torch.zeros(2, self.layout.conv_channels, self.layout.hist, device=self.device,
@@ -368,38 +384,30 @@ class IncrementalStepper(SolverGraphs):
 
     def _run(self, bucket: _Bucket) -> torch.Tensor:
         b, _, new = bucket.x.shape
-        cached = 0 if bucket.attn_in is None else bucket.attn_in.shape[2]
         zeros = torch.zeros_like(bucket.mu)
-        bias = pass_bias(bucket.p_len, bucket.n_len, cached, new, self.layout.chunk, bucket.x.dtype)
-        p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn_in, bucket.attn_out,
-                 bucket.p_len)
+        bias = pass_bias(bucket.p_len, bucket.n_len, bucket.cached, new, self.layout.chunk, bucket.x.dtype)
+        p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn, bucket.cached, bucket.p_len)
         x_in = torch.cat([bucket.x, bucket.x])
         v = self._walk(self.estimator, x_in, torch.cat([bucket.mu, zeros]), bucket.t.repeat(2),
                            torch.cat([bucket.spks, torch.zeros_like(bucket.spks)]), torch.cat([bucket.cond, zeros]),
                            bias, p)
         return euler_update(bucket.x, v, bucket.dt.view(b, 1, 1), 1.0, self.solver.spec.inference_cfg_rate)
 
-    def _staged(self, b: int, new: int, cached: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """attn_in / attn_out of a bucket: views of one staging pair shared by every bucket (passes
-        run one at a time under the lock), sized for the largest bucket on first use."""
+    def _staged(self, b: int, new: int, cached: int) -> torch.Tensor:
+        """A bucket's ``attn``: a view of one staging buffer shared by every bucket (passes run one
+        at a time under the lock), sized for the largest bucket on first use."""
         nb, dim = self.layout.n_blocks, self.layout.dim
         if self._staging is None:
             rows = 2 * self.batch_buckets[-1] * nb * dim
-            self._staging = (torch.zeros(rows * self.max_cached, device=self.device, dtype=self.dtype),
-                             torch.zeros(rows * self.max_new, device=self.device, dtype=self.dtype))
-        flat_in, flat_out = self._staging
-        attn_in = flat_in[:nb * 2 * b * cached * dim].view(nb, 2 * b, cached, dim) if cached else None
-        return attn_in, flat_out[:nb * 2 * b * new * dim].view(nb, 2 * b, new, dim)
+            self._staging = torch.zeros(rows * (self.max_cached + self.max_new), device=self.device, dtype=self.dtype)
+        return self._staging[:nb * 2 * b * (cached + new) * dim].view(nb, 2 * b, cached + new, dim)
 
     def _new_bucket(self, b: int, new: int, cached: int, staged: bool = False) -> _Bucket:
         dev, dtype = self.device, self.dtype
         n_mels, nb, dim = self.solver.spec.output_size, self.layout.n_blocks, self.layout.dim
         channels, hist = self.layout.conv_channels, self.layout.hist
-        if staged:
-            attn_in, attn_out = self._staged(b, new, cached)
-        else:
-            attn_in = torch.zeros(nb, 2 * b, cached, dim, device=dev, dtype=dtype) if cached else None
-            attn_out = torch.zeros(nb, 2 * b, new, dim, device=dev, dtype=dtype)
+        attn = self._staged(b, new, cached) if staged else torch.zeros(nb, 2 * b, cached + new, dim, device=dev,
+                                                                        dtype=dtype)
 
         def z(*shape, dt=dtype):
             return torch.zeros(*shape, device=dev, dtype=dt)
@@ -407,7 +415,7 @@ class IncrementalStepper(SolverGraphs):
         return _Bucket(graph=None, x=z(b, n_mels, new), mu=z(b, n_mels, new), cond=z(b, n_mels, new),
                        spks=z(b, n_mels), t=z(b), dt=z(b), p_len=z(b, dt=torch.long), n_len=z(b, dt=torch.long),
                        hist_idx=z(2 * b, 1, 2 * hist, dt=torch.long), hist_in=z(2 * b, channels, hist),
-                       hist_out=z(2 * b, channels, 2 * hist), attn_in=attn_in, attn_out=attn_out)
+                       hist_out=z(2 * b, channels, 2 * hist), attn=attn)
 
     def _get(self, key: tuple[int, int, int]) -> _Bucket:
         bucket = self._buckets.get(key)

@@ -133,15 +133,15 @@ class Pass:
         hist_in: (2B, channels, hist) each row's convolution history; hist_out: (2B, channels,
             2 hist), filled with the history at the row's kept end, then at its mark.
         hist_idx: (2B, 1, 2 hist) long: the frames of ``[history, new]`` that history is.
-        attn_in: (blocks, 2B, cached, dim) cached normed block inputs, None with nothing cached;
-        attn_out: (blocks, 2B, new, dim), filled with the new frames' normed block inputs.
+        attn: (blocks, 2B, cached + new, dim) normed block inputs: the cached frames', then the new
+            frames' (filled by the pass); cached: how many are cached.
         p_len: (B,) long cached frames per row (the DiT's rotary positions start there).
     """
 
     def __init__(self, layout: Layout, hist_in: torch.Tensor, hist_out: torch.Tensor, hist_idx: torch.Tensor,
-                 attn_in: torch.Tensor | None, attn_out: torch.Tensor, p_len: torch.Tensor) -> None:
+                 attn: torch.Tensor, cached: int, p_len: torch.Tensor) -> None:
         self.layout, self.hist_in, self.hist_out, self.hist_idx = layout, hist_in, hist_out, hist_idx
-        self.attn_in, self.attn_out, self.p_len = attn_in, attn_out, p_len
+        self.attn, self.cached, self.p_len = attn, cached, p_len
 
     def conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
         """A causal convolution of new frames (2B, C, n) after each row's cached history."""
@@ -152,10 +152,11 @@ class Pass:
         return nn.Conv1d.forward(conv, full)
 
     def block_input(self, block: nn.Module, normed: torch.Tensor) -> torch.Tensor:
-        """Record the new frames' normed input (2B, n, D) of an attention block; cached then new."""
+        """Record the new frames' normed input (2B, n, D) of an attention block behind its cached
+        ones; all of them, cached then new (a view: nothing copied but the new frames)."""
         i = self.layout.block_index[id(block)]
-        self.attn_out[i] = normed
-        return normed if self.attn_in is None else torch.cat([self.attn_in[i], normed], dim=1)
+        self.attn[i, :, self.cached:] = normed
+        return self.attn[i]
 
 
 def _unet_attention(block: TransformerBlock, h: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
@@ -244,7 +245,7 @@ def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks:
     c = pos.conv2[1](p.conv(pos.conv2[0], c))
     h = c.transpose(1, 2) + h
     n = x.shape[-1]
-    cached = 0 if p.attn_in is None else p.attn_in.shape[2]
+    cached = p.cached
     p_len = p.p_len.repeat(2)
     q_pos = p_len[:, None] + torch.arange(n, device=x.device)[None, :]
     k_pos = torch.cat([torch.arange(cached, device=x.device)[None, :].expand(len(p_len), -1), q_pos], dim=1)
