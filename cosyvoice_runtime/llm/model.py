@@ -150,9 +150,13 @@ class Qwen2MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self._fused: dict = {}  # gate/up as one weight (cosyvoice_runtime.fused; checkpoint keys unchanged)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # gate and up as one GEMM: a kernel fewer per layer in a launch-bound decode step (~706
+        # kernels per bf16 step at batch 1, one every ~2.9 ms, H100 profile 2026-12-05)
+        gate, up = fused_linear(x, (self.gate_proj, self.up_proj), self._fused).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Qwen2DecoderLayer(nn.Module):
