@@ -46,13 +46,15 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE; cos/sin computed in float32 from absolute positions."""
+    """Rotate-half RoPE; cos/sin computed in float32 from absolute positions.
+
+    HF applies it as ``x·cos + rotate_half(x)·sin`` with ``rotate_half(x) = cat(-x2, x1)``: a
+    negation, a concatenation, two products and a sum, per layer. ``rotate_half(x)`` is
+    ``roll(x, half)`` with its first half negated, so with that sign folded into ``sin`` once per
+    forward (:meth:`forward` returns it so) each layer runs a product, a roll and one fused
+    multiply-add (:func:`apply_rotary`): two kernels fewer per layer of a launch-bound decode step.
+    """
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -60,10 +62,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, T) long -> cos, sin (B, 1, T, head_dim)."""
+        """positions (B, T) long -> cos, signed sin (B, 1, T, head_dim): sin with its first half
+        negated (:func:`apply_rotary`)."""
         freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+        sin = emb.sin()
+        sin[..., :freqs.shape[-1]].neg_()
+        return emb.cos().to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x·cos + rotate_half(x)·sin`` as ``x·cos + roll(x, half)·signed_sin`` (:class:`RotaryEmbedding`)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class Qwen2Attention(nn.Module):
@@ -79,8 +89,8 @@ class Qwen2Attention(nn.Module):
         self.o_proj = nn.Linear(spec.num_heads * d, h, bias=False)
         self._fused: dict = {}  # q/k/v as one weight (cosyvoice_runtime.fused; checkpoint keys unchanged)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: _AttnContext) -> torch.Tensor:
-        """x (B, T, H) -> (B, T, H)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, attn: _AttnContext) -> torch.Tensor:
+        """x (B, T, H) -> (B, T, H); cos and signed sin from :class:`RotaryEmbedding`."""
         b, t, _ = x.shape
         nq, nkv = self.num_heads, self.num_kv_heads
         # One GEMM for q, k and v, and one rotation for q and k together: 4 kernels fewer per layer
@@ -88,7 +98,7 @@ class Qwen2Attention(nn.Module):
         qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self._fused)
         qkv = qkv.view(b, t, nq + 2 * nkv, self.head_dim).transpose(1, 2)
         qk = qkv[:, : nq + nkv]
-        qk = qk * cos + rotate_half(qk) * sin
+        qk = apply_rotary(qk, cos, signed_sin)
         q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
         if attn.cache is not None:
             k, v = attn.store(k, v)

@@ -6,7 +6,7 @@ import torch
 
 from cosyvoice_runtime.config import LLMSpec, Qwen2Spec
 from cosyvoice_runtime.llm.kv_cache import KVCache
-from cosyvoice_runtime.llm.model import build_llm
+from cosyvoice_runtime.llm.model import RotaryEmbedding, apply_rotary, build_llm
 
 
 def tiny(num_heads=4, num_kv_heads=2, family="cosyvoice2", tie=True):
@@ -114,3 +114,22 @@ def test_fused_qkv_follows_new_weights_and_dtype():
         model.to(torch.float64)
         other.to(torch.float64)
         torch.testing.assert_close(model(x.double()), other(x.double()), atol=0, rtol=0)
+
+
+def test_rotary_as_a_roll_and_a_signed_sin_equals_rotate_half():
+    """RoPE applied as x·cos + roll(x, half)·signed_sin (two kernels fewer per layer) is HF's
+    x·cos + cat(-x2, x1)·sin: to float64 rounding in float64 (the fused multiply-add may round
+    once where the composite rounds twice), within float32 rounding in float32."""
+    rope = RotaryEmbedding(head_dim=16, theta=10000.0)
+    positions = torch.tensor([[0, 1, 5, 300], [7, 8, 9, 2000]])
+    freqs = positions.float()[..., None] * rope.inv_freq.float()  # HF's angles, in float32
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+    got_cos, signed = rope(positions, torch.float32)
+    assert torch.equal(got_cos, cos) and torch.equal(signed[..., 8:], sin[..., 8:])
+    assert torch.equal(signed[..., :8], -sin[..., :8])
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        x = torch.randn(2, 3, 4, 16, dtype=dtype)
+        c, s_, ss = cos.to(dtype), sin.to(dtype), signed.to(dtype)
+        want = x * c + torch.cat((-x[..., 8:], x[..., :8]), dim=-1) * s_
+        torch.testing.assert_close(apply_rotary(x, c, ss), want, atol=tol, rtol=tol)
