@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cosyvoice_runtime.config import LLMSpec, Qwen2Spec
 from cosyvoice_runtime.llm.kv_cache import KVCache
-from cosyvoice_runtime.llm.model import RotaryEmbedding, apply_rotary, build_llm
+from cosyvoice_runtime.llm.model import RotaryEmbedding, _AttnContext, apply_rotary, build_llm
 
 
 def tiny(num_heads=4, num_kv_heads=2, family="cosyvoice2", tie=True):
@@ -133,3 +134,19 @@ def test_rotary_as_a_roll_and_a_signed_sin_equals_rotate_half():
         c, s_, ss = cos.to(dtype), sin.to(dtype), signed.to(dtype)
         want = x * c + torch.cat((-x[..., 8:], x[..., :8]), dim=-1) * s_
         torch.testing.assert_close(apply_rotary(x, c, ss), want, atol=tol, rtol=tol)
+
+
+def test_the_folded_attention_bias_gives_the_boolean_masks_attention():
+    """The decode mask goes to attention as an additive bias built once per forward (attention
+    converted the boolean mask in every layer, three kernels each): the same output, exactly."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(3, 1, 1, 40, generator=g) > 0.4
+    mask[..., 0] = True  # every row sees key 0, as the decode step's positions guarantee
+    group, heads, d = 3, 2, 16
+    q = torch.randn(3, heads, group, d, generator=g)
+    k, v = torch.randn(3, heads, 40, d, generator=g), torch.randn(3, heads, 40, d, generator=g)
+    ctx = _AttnContext(None, None, torch.zeros(3, 1, dtype=torch.long), mask, None)
+    bias = ctx.folded_mask(group, q.dtype)
+    assert bias.dtype == q.dtype and ctx.folded_mask(group, q.dtype) is bias  # built once
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, group, 1))
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=bias), want)
