@@ -540,25 +540,31 @@ def test_a_cosyvoice3_run_is_named_apart_and_each_level_keeps_its_device(tmp_pat
     assert stems == [f"capacity-serve-cosyvoice3-nvidia-h100-{run.date}.json", f"capacity-serve-nvidia-h100-{run.date}.json"]
 
 
+class _FixedTarget:
+    """Every request: its first (and only) 10 ms of audio ``first_audio_s`` after submission."""
+
+    def __init__(self, first_audio_s: float) -> None:
+        self.first_audio_s = first_audio_s
+
+    async def counters(self):
+        return {}
+
+    async def synthesize(self, rid, audio_s, submitted_s):
+        trace = RequestTrace(submitted_s=submitted_s)
+        trace.add_chunk(submitted_s + self.first_audio_s, 240)
+        return trace
+
+
 def test_no_sessions_searches_only_the_rate_and_latest_json_takes_it_per_level(tmp_path, monkeypatch):
     """--no-sessions: the one-session probe and the Poisson rate (a lease call's time for the rate
     alone); the rate goes to latest.json under the level's key with its device, and first audio
     at one session with it."""
-    class QuickTarget:  # every request: 40 ms to first audio, 10 ms of audio
-        async def counters(self):
-            return {}
-
-        async def synthesize(self, rid, audio_s, submitted_s):
-            trace = RequestTrace(submitted_s=submitted_s)
-            trace.add_chunk(submitted_s + 0.04, 240)
-            return trace
-
     searched = []
     monkeypatch.setattr(capacity_mod, "sessions_search", lambda *a, **k: searched.append("sessions") or (9, []))
     monkeypatch.setattr(capacity_mod, "rate_search", lambda *a, **k: searched.append("rate") or (2.5, []))
     args = parse_args(["--out", str(tmp_path), "--level", "serve", "--no-sessions", "--c1-window-s", "0.05"])
     run = Run(args, Workload(Mix.parse("1:1-2"), window_s=1, ramp_s=0), SLO, "NVIDIA H100")
-    _searches(args, run, "single-gpu", QuickTarget(), sampler=None)
+    _searches(args, run, "single-gpu", _FixedTarget(first_audio_s=0.04), sampler=None)
     run.write()
     assert searched == ["rate"] and [s["kind"] for s in run.searches] == ["one-session", "rate"]
     latest = json.loads((tmp_path / "latest.json").read_text())
@@ -571,20 +577,11 @@ def test_loads_probes_each_given_load_and_claims_no_capacity(tmp_path, monkeypat
     """--loads 8,4: A/B arms at fixed loads (a night A/B's arms spent their time bisecting down
     from a missed 56): each load probed once, in order, whatever its verdict, then the one-session
     probe; no search runs and latest.json gets no capacity from them."""
-    class SlowTarget:  # every request: 400 ms to first audio (misses the SLO), 10 ms of audio
-        async def counters(self):
-            return {}
-
-        async def synthesize(self, rid, audio_s, submitted_s):
-            trace = RequestTrace(submitted_s=submitted_s)
-            trace.add_chunk(submitted_s + 0.4, 240)
-            return trace
-
     monkeypatch.setattr(capacity_mod, "sessions_search", lambda *a, **k: pytest.fail("no search with --loads"))
     args = parse_args(["--out", str(tmp_path), "--level", "synth", "--loads", "8,4", "--no-open-loop",
                        "--c1-window-s", "0.05"])
     run = Run(args, Workload(Mix.parse("1:1-2"), window_s=0.2, ramp_s=0), SLO, "NVIDIA H100")
-    _searches(args, run, "arm-a", SlowTarget(), sampler=None)
+    _searches(args, run, "arm-a", _FixedTarget(first_audio_s=0.4), sampler=None)  # misses the SLO
     run.write()
     loads, one = run.searches
     assert loads["kind"] == "loads" and [p["load"] for p in loads["probes"]] == [8, 4]
