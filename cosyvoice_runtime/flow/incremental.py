@@ -386,7 +386,7 @@ class IncrementalStepper(SolverGraphs):
         b, _, new = bucket.x.shape
         zeros = torch.zeros_like(bucket.mu)
         bias = pass_bias(bucket.p_len, bucket.n_len, bucket.cached, new, self.layout.chunk, bucket.x.dtype)
-        p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn, bucket.cached, bucket.p_len)
+        p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn, bucket.p_len)
         x_in = torch.cat([bucket.x, bucket.x])
         v = self._walk(self.estimator, x_in, torch.cat([bucket.mu, zeros]), bucket.t.repeat(2),
                            torch.cat([bucket.spks, torch.zeros_like(bucket.spks)]), torch.cat([bucket.cond, zeros]),

@@ -134,14 +134,14 @@ class Pass:
             2 hist), filled with the history at the row's kept end, then at its mark.
         hist_idx: (2B, 1, 2 hist) long: the frames of ``[history, new]`` that history is.
         attn: (blocks, 2B, cached + new, dim) normed block inputs: the cached frames', then the new
-            frames' (filled by the pass); cached: how many are cached.
+            frames' (filled by the pass); how many are new is the pass's input length.
         p_len: (B,) long cached frames per row (the DiT's rotary positions start there).
     """
 
     def __init__(self, layout: Layout, hist_in: torch.Tensor, hist_out: torch.Tensor, hist_idx: torch.Tensor,
-                 attn: torch.Tensor, cached: int, p_len: torch.Tensor) -> None:
+                 attn: torch.Tensor, p_len: torch.Tensor) -> None:
         self.layout, self.hist_in, self.hist_out, self.hist_idx = layout, hist_in, hist_out, hist_idx
-        self.attn, self.cached, self.p_len = attn, cached, p_len
+        self.attn, self.p_len = attn, p_len
 
     def conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
         """A causal convolution of new frames (2B, C, n) after each row's cached history."""
@@ -155,7 +155,7 @@ class Pass:
         """Record the new frames' normed input (2B, n, D) of an attention block behind its cached
         ones; all of them, cached then new (a view: nothing copied but the new frames)."""
         i = self.layout.block_index[id(block)]
-        self.attn[i, :, self.cached:] = normed
+        self.attn[i, :, -normed.shape[1]:] = normed
         return self.attn[i]
 
 
@@ -245,7 +245,7 @@ def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks:
     c = pos.conv2[1](p.conv(pos.conv2[0], c))
     h = c.transpose(1, 2) + h
     n = x.shape[-1]
-    cached = p.cached
+    cached = p.attn.shape[2] - x.shape[-1]
     p_len = p.p_len.repeat(2)
     q_pos = p_len[:, None] + torch.arange(n, device=x.device)[None, :]
     k_pos = torch.cat([torch.arange(cached, device=x.device)[None, :].expand(len(p_len), -1), q_pos], dim=1)

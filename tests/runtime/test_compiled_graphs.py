@@ -104,7 +104,7 @@ def _incremental_passes(tmp_path, family: str, device: str, backend: str, use_gr
         flow.incremental.advance([rows[1]])
         flow.incremental.solve(rows)
         out.append([(r.x.float().cpu(), r.new_convs[-1].float().cpu()) for r in rows])
-    return out
+    return out, flow, reqs
 
 
 @pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
@@ -114,11 +114,21 @@ def test_mode_torchscript_keeps_the_incremental_flow_and_compiles_its_pass_on_cp
     traced whole by dynamo (eager backend: no inductor on the CPU CI; no graph breaks, so inductor
     fuses the whole pass on a GPU)."""
     torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    eager, compiled = _incremental_passes(tmp_path, family, "cpu", backend="eager", use_graphs=False)
-    assert not torch._dynamo.utils.counters["graph_break"]
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    (eager, compiled), flow, reqs = _incremental_passes(tmp_path, family, "cpu", backend="eager", use_graphs=False)
+    assert not counters["graph_break"]
     for (xa, ha), (xb, hb) in zip(eager, compiled):
         assert torch.equal(xa, xb) and torch.equal(ha, hb)  # the same ops, traced
+    # two rows over another cached bucket (256 -> 512 frames) reuse the compiled walks: no compile
+    # per cached length (a replica captures ~430 buckets; dynamo stops compiling after 8 per frame)
+    graphs = counters["stats"]["unique_graphs"]
+    later = [(p, t, e + 150) for p, t, e in reqs]
+    rows = flow.start_incremental_rows([_incremental_item(p, t[:e + 20], False) for p, t, e in later],
+                                       _caches_after(flow, later), [0, 1])
+    assert flow.incremental.bucket_of(2, max(r.frames for r in rows), max(r.start for r in rows))[2] == 512
+    flow.incremental.solve(rows)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.gpu
@@ -130,7 +140,7 @@ def test_graphed_compiled_incremental_passes_equal_eager(family, tmp_path, monke
     reorders reductions, so not bit for bit)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    eager, compiled = _incremental_passes(tmp_path, family, "cuda", backend="inductor", use_graphs=True)
+    (eager, compiled), _, _ = _incremental_passes(tmp_path, family, "cuda", backend="inductor", use_graphs=True)
     for (xa, ha), (xb, hb) in zip(eager, compiled):
         torch.testing.assert_close(xb, xa, atol=1e-3, rtol=1e-3)
         torch.testing.assert_close(hb, ha, atol=1e-3, rtol=1e-3)
