@@ -22,7 +22,9 @@
 #   instead of Serve's HTTP proxy actor (docs/tuning.md, "The HTTP path")
 set -u
 W=/tmp/capacity
-mkdir -p "$W/results"
+# a fresh folder per call: a warm machine keeps /tmp, and the night's third call packed and printed
+# the second's results again (H100 2026-12-05)
+rm -rf "$W" && mkdir -p "$W/results"
 cp bench/results/latest.json "$W/results/"  # the tool adds its keys to the throughput benchmark's
 pack() { tar -czf "$OUT/capacity.tgz" -C "$W" .; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$W/gpu.txt"
