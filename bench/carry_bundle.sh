@@ -30,6 +30,9 @@ python3 -m pip install -q --no-deps --no-compile --target "$WORK/site" --python-
   --only-binary :all: "${keep[@]}"
 rm -rf "$WORK/site/ray/jars" "$WORK/site/ray/rllib" "$WORK/site/bin"
 find "$WORK/site" -name '*.js.map' -delete
+# virtualenv (a Ray dependency) only seeds new environments from its embedded pip/setuptools
+# wheels: never here, and ~5 MB of the 64 MiB a device call carries (with the tracked tree).
+rm -rf "$WORK/site/virtualenv/seed/wheels/embed"/*.whl "$WORK"/site/*.dist-info/sboms
 mkdir -p "$OUT"
 tar -C "$WORK/site" -cf - . | xz -T2 -6 > "$OUT/site312.tar.xz"
 ls -la "$OUT/site312.tar.xz"
