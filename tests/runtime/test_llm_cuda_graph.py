@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cosyvoice_runtime.graph_capture import GraphOwner, batch_buckets, missed_total
 from cosyvoice_runtime.llm.cuda_graph import DecodeRunner, default_key_buckets
@@ -73,6 +74,42 @@ def test_static_decode_equals_eager_decode_for_a_mixed_batch(family, window):
         for s, n in zip(slots, lengths):
             for a, b in ((eager_cache.k, static_cache.k), (eager_cache.v, static_cache.v)):
                 assert (a[layer][s, :, :n + 1] - b[layer][s, :, :n + 1]).abs().max() < 1e-5
+
+
+class _IndexSelects(TorchDispatchMode):
+    """The dtypes of the index_select calls made under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.index_select.default:
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_static_step_gathers_keys_and_values_once_per_layer_in_8_byte_words():
+    # The slot gather was the top kernel of a loaded H100 decode step (two bf16 gathers a layer).
+    model = tiny_model("cosyvoice2")
+    with torch.inference_mode():
+        cache = _filled_cache(model, [4, 9], 4, 64, [2, 0])
+        with _IndexSelects() as seen:
+            model.decode_static(torch.tensor([1, 7]), cache, torch.tensor([2, 0]), torch.tensor([4, 9]), 16)
+    assert seen.dtypes == [torch.int64] * model.backbone_spec.num_layers
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(3, torch.float32), (6, torch.bfloat16), (4, torch.float32)])
+def test_the_window_gather_equals_the_slots_slices_at_any_row_width(head_dim, dtype):
+    # 12 and 12 bytes a row cannot be read as 8-byte words (element gather); 16 bytes can.
+    cache = KVCache(num_layers=1, num_slots=5, max_len=8, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
+    cache.kv[0].copy_(torch.randn(cache.kv[0].shape))
+    slot_index, positions = torch.tensor([3, 1, 3]), torch.tensor([2, 5, 2])
+    k, v = torch.randn(3, 2, 1, head_dim).to(dtype), torch.randn(3, 2, 1, head_dim).to(dtype)
+    keys, values = cache.write_at(0, slot_index, positions, k, v, window=6)
+    assert keys.shape == values.shape == (3, 2, 6, head_dim)
+    assert torch.equal(keys[1], cache.k[0][1, :, :6]) and torch.equal(values[0], cache.v[0][3, :, :6])
+    assert torch.equal(cache.k[0][1, :, 5], k[1, :, 0]) and torch.equal(cache.v[0][1, :, 5], v[1, :, 0])
 
 
 def test_runner_step_eagerly_advances_lengths_and_returns_the_batch():
@@ -175,3 +212,27 @@ def test_cuda_graph_engine_equals_eager_engine(dtype, backend):
     for rid in tok_e:
         assert tok_e[rid] == tok_g[rid], rid
         assert (log_e[rid].float() - log_g[rid].float()).abs().max() < tol, rid
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_over_the_gathered_key_value_views_equals_contiguous_copies(dtype):
+    # The gathered window's keys and values are views into one (B, 2, heads, window, dim) buffer
+    # (batch stride twice a contiguous tensor's); several SDPA backends have mishandled strides.
+    # The model's real shapes: 14 query heads over 2 kv heads, head_dim 64, an additive key mask.
+    cache = KVCache(num_layers=1, num_slots=9, max_len=512, num_kv_heads=2, head_dim=64, device="cuda", dtype=dtype)
+    cache.kv[0].normal_()
+    slot_index = torch.tensor([5, 0, 8, 3, 8], device="cuda")
+    positions = torch.tensor([300, 17, 0, 255, 0], device="cuda")
+    new = torch.randn(2, 5, 2, 1, 64, device="cuda", dtype=dtype)
+    k, v = cache.write_at(0, slot_index, positions, new[0], new[1], window=512)
+    assert k.stride(0) == 2 * k[0].numel()
+    q = torch.randn(5, 2, 7, 64, device="cuda", dtype=dtype)
+    hidden = torch.arange(512, device="cuda")[None, :] > positions[:, None]
+    bias = torch.zeros(5, 1, 7, 512, device="cuda", dtype=dtype).masked_fill_(hidden[:, None, None], float("-inf"))
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=bias)
+    # Strides may steer SDPA to another kernel: equal up to rounding, not bit for bit.
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
