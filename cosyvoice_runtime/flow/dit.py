@@ -101,6 +101,11 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(spec.dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, spec.dim)])
         self._fused: dict = {}  # q/k/v as one weight (cosyvoice_runtime.fused; checkpoint keys unchanged)
+        self._fused_kv: dict = {}  # k/v alone, for the incremental pass (flow/incremental_walk.py)
+
+    def kv(self, x: torch.Tensor) -> torch.Tensor:
+        """``cat([to_k(x), to_v(x)], -1)`` as one GEMM (the incremental pass's cached frames)."""
+        return fused_linear(x, (self.to_k, self.to_v), self._fused_kv)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """x (B, T, D); mask (B, 1, T, T) bool."""

@@ -16,7 +16,6 @@ Every estimator activation of a valid new frame is then the full forward's, up t
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,20 +31,6 @@ from cosyvoice_runtime.flow.unet import (
     TransformerBlock,
     sinusoidal_embedding,
 )
-from cosyvoice_runtime.fused import fused_linear
-
-# to_k and to_v of each attention module as one weight (fused_linear's cache, per module; the
-# module's own q/k/v cache serves the full path)
-_KV_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _kv(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``cat([to_k(x), to_v(x)], -1)``. Compiled (``IncrementalStepper(compile_backend=...)``), the
-    global cache is not even looked up: dynamo guarded on the weak dictionary's keys, and a guard
-    on a key that had been collected failed to build (CPU, 2026-12-05)."""
-    if torch.compiler.is_compiling():
-        return torch.cat([attn.to_k(x), attn.to_v(x)], dim=-1)
-    return fused_linear(x, (attn.to_k, attn.to_v), _KV_FUSED.setdefault(attn, {}))
 
 
 @dataclass(frozen=True)
@@ -165,7 +150,7 @@ def _unet_attention(block: TransformerBlock, h: torch.Tensor, bias: torch.Tensor
     b, n, _ = normed.shape
     normed_all = p.block_input(block, normed)
     q = attn.to_q(normed).view(b, n, attn.heads, attn.head_dim).transpose(1, 2)
-    kv = _kv(attn, normed_all)
+    kv = attn.kv(normed_all)
     k, v = kv.view(b, -1, 2, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None])
     h = h + attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
@@ -214,7 +199,7 @@ def _dit_block(block: DiTBlock, h: torch.Tensor, temb: torch.Tensor, bias: torch
     attn = block.attn
     b, n, _ = normed.shape
     q = apply_rotary(attn.to_q(normed), freqs_q)
-    k, v = _kv(attn, normed_all).chunk(2, dim=-1)
+    k, v = attn.kv(normed_all).chunk(2, dim=-1)
     k = apply_rotary(k, freqs_k)
 
     def heads(y: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,11 @@ class SelfAttention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
         self._fused: dict = {}  # q/k/v as one weight (cosyvoice_runtime.fused; checkpoint keys unchanged)
+        self._fused_kv: dict = {}  # k/v alone, for the incremental pass (flow/incremental_walk.py)
+
+    def kv(self, x: torch.Tensor) -> torch.Tensor:
+        """``cat([to_k(x), to_v(x)], -1)`` as one GEMM (the incremental pass's cached frames)."""
+        return fused_linear(x, (self.to_k, self.to_v), self._fused_kv)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """x: (B, T, C); bias: (B, T, T) additive -> (B, T, C)."""
