@@ -84,7 +84,7 @@ class GraphedCausalBody(graph_capture.GraphOwner):
         on_gpu = mel.device.type == "cuda"
         if key is None or (self.use_graphs and not on_gpu):
             self._ran_eagerly(on_gpu)
-            return self.hift.body(self.hift.conv_pre(mel), stft)
+            return self._body(mel, stft)
         with self._lock:
             bucket = self._get(key)
             # zeros past every item's end: what its own finalize run sees (module docstring)
@@ -93,14 +93,14 @@ class GraphedCausalBody(graph_capture.GraphOwner):
             bucket.mel[:b, :, :t].copy_(mel)
             bucket.stft[:b, :, :stft.shape[2]].copy_(stft)
             if bucket.graph is None:
-                bucket.out = self._run(bucket)
+                bucket.out = self._body(bucket.mel, bucket.stft)
             else:
                 bucket.graph.replay()
             self.replays += 1
             return bucket.out[:b, :, :stft.shape[2]].clone()
 
-    def _run(self, bucket: _Bucket) -> torch.Tensor:
-        return self.hift.body(self.hift.conv_pre(bucket.mel), bucket.stft)
+    def _body(self, mel: torch.Tensor, stft: torch.Tensor) -> torch.Tensor:
+        return self.hift.body(self.hift.conv_pre(mel), stft)
 
     def _get(self, key: tuple[int, int]) -> _Bucket:
         bucket = self._buckets.get(key)
@@ -113,7 +113,7 @@ class GraphedCausalBody(graph_capture.GraphOwner):
                          stft=torch.zeros(b, self.hift.n_fft + 2, self.frames_per_mel * t + 1, device=param.device,
                                           dtype=param.dtype))
         if self.use_graphs and param.device.type == "cuda":
-            bucket.graph, bucket.out = self._capture(lambda: self._run(bucket), param.device)
+            bucket.graph, bucket.out = self._capture(lambda: self._body(bucket.mel, bucket.stft), param.device)
         self._buckets[key] = bucket
         return bucket
 
