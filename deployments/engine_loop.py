@@ -33,6 +33,15 @@ like an add, the step thread hands it to the engine (``feed_text``) before its n
 bistream request waiting for text is parked in the engine and is no work, so an idle step
 thread sleeps on ``_work`` until the text comes.
 
+Giving way to token2wav (``token2wav.give_way_ms``, :class:`GiveWay`): the LLM lane runs on a
+high-priority CUDA stream, so a stream's first chunk, solved on the token2wav lane, shares the GPU
+with every decode step meanwhile; at one stream on an H100 (2026-12-05 profile) the two lanes ran
+at once for 29 of the 148 ms before first audio, the LLM decoding tokens that would be played a
+second later. With a :class:`GiveWay`, before each step the step thread waits while token2wav has
+a job that is already due (a first chunk, or a late one) and no consumer waiting for tokens is
+due within the slack: each consumer tells when its next chunk is due (``due`` of
+:meth:`EngineLoop.generate`; a first chunk is due at once, so a new request is never held).
+
 Failure isolation: an error in one request fails that request only.
 
 * The engine names a request it cannot go on with (a :class:`TokenEvent` with ``error``, e.g.
@@ -50,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -73,6 +83,23 @@ def is_fatal(exc: BaseException) -> bool:
     memory access or a device-side assert as sticky: every later call fails too). CUDA out of memory
     is not one (``torch.cuda.OutOfMemoryError`` says "CUDA out of memory")."""
     return not isinstance(exc, Exception) or "CUDA error" in str(exc)
+
+
+@dataclass(frozen=True)
+class GiveWay:
+    """When the step thread waits for token2wav instead of stepping (module docstring).
+
+    ``overdue``: whether token2wav holds a job that is due already (thread-safe); ``slack_s``: a
+    consumer due within this long keeps the LLM stepping; ``max_s``: the longest one wait (woken
+    early by new work and by :meth:`EngineLoop.wake`), after which the step thread looks again;
+    ``clock``: the clock the consumers' ``due`` times are on; ``wait``: ``Event.wait`` (tests pass
+    one that records the wait instead of sleeping)."""
+
+    overdue: Callable[[], bool]
+    slack_s: float
+    max_s: float
+    clock: Callable[[], float]
+    wait: Callable[[threading.Event, float], object] = threading.Event.wait
 
 
 @dataclass
@@ -127,13 +154,18 @@ class _Mailbox:
 class EngineLoop:
     """Owns the engine of one replica; see the module docstring."""
 
-    def __init__(self, engine: TokenEngine, compute: ComputeExecutor, lane: str | None = MAIN) -> None:
+    def __init__(self, engine: TokenEngine, compute: ComputeExecutor, lane: str | None = MAIN,
+                 give_way: GiveWay | None = None) -> None:
         """``lane``: where the engine's calls run; None = on the step thread itself, for a
         replica whose token2wav has a lane of its own (GPU), which saves two thread hand-overs
-        per step; with one lane (CPU) the main lane serialises steps with token2wav batches."""
+        per step; with one lane (CPU) the main lane serialises steps with token2wav batches.
+        ``give_way``: hold steps while token2wav has a job due (module docstring); None: never."""
         self.engine = engine
         self.compute = compute
         self._lane = lane
+        self._give_way = give_way
+        self._due: dict[str, float] = {}  # under _lock: when each consumer waiting for tokens needs them
+        self.gave_way = 0  # waits of the step thread for token2wav (give_way)
         self._boxes: dict[str, _Mailbox] = {}  # event loop only
         self._lock = threading.Lock()  # guards the two pending collections (event loop <-> step thread)
         self._pending_adds: dict[str, LMRequest | BistreamLMRequest] = {}
@@ -157,7 +189,8 @@ class EngineLoop:
     # ---------------------------------------------------------------- request side
     async def generate(self, request_id: str, request: LMRequest | BistreamLMRequest,
                        need: Callable[[], int | None] | None = None, text: TextSource | None = None,
-                       on_first_token: Callable[[], None] | None = None) -> AsyncIterator[TokenEvent]:
+                       on_first_token: Callable[[], None] | None = None,
+                       due: Callable[[], float] | None = None) -> AsyncIterator[TokenEvent]:
         """Yield this request's tokens until it finishes; abort it if abandoned.
 
         ``need``: how many tokens in all the consumer can use next (None from it: nothing before
@@ -166,6 +199,8 @@ class EngineLoop:
         text of a bistream request (required for one, refused for others); an error while
         reading it fails the request. ``on_first_token``: called once, on the event loop, when
         the first token arrives (the consumer may sleep until ``need`` is met; stage timing).
+        ``due``: when the consumer's next chunk is due to play, read whenever it starts waiting
+        for tokens (for :class:`GiveWay`; without it the consumer counts as due at once).
         """
         if (text is not None) != isinstance(request, BistreamLMRequest):
             raise ValueError("a bistream request needs its text source, and only a bistream request takes one")
@@ -179,6 +214,7 @@ class EngineLoop:
         self._loop = asyncio.get_running_loop()
         with self._lock:
             self._pending_adds[request_id] = request
+            self._due[request_id] = -math.inf if due is None else due()
             self._ensure_running()
         self._work.set()
         feeder = asyncio.ensure_future(self._feed(request_id, text, box)) if text is not None else None
@@ -186,9 +222,15 @@ class EngineLoop:
         try:
             while True:
                 if not box.ready():
+                    if self._give_way is not None:
+                        with self._lock:
+                            self._due[request_id] = -math.inf if due is None else due()
+                        self._work.set()  # a held step thread looks again
                     box.waiter = asyncio.get_running_loop().create_future()
                     await box.waiter
                     box.waiter = None
+                with self._lock:
+                    self._due.pop(request_id, None)  # busy with its tokens: not waiting
                 if box.error is not None:
                     done = True
                     raise box.error
@@ -201,6 +243,8 @@ class EngineLoop:
             if feeder is not None:
                 feeder.cancel()
             self._boxes.pop(request_id, None)
+            with self._lock:
+                self._due.pop(request_id, None)
             if not done:
                 # Abandoned (cancelled, closed, or the consumer raised): free the slot.
                 with self._lock:
@@ -297,6 +341,8 @@ class EngineLoop:
                     if self._idle_too_long():
                         return
                     continue
+                if self._give_way is not None and self._held():
+                    continue  # adds, aborts and text that came meanwhile first, then look again
                 try:
                     events = self.compute.call(self.engine.step, lane=self._lane)
                 except Exception as exc:
@@ -334,6 +380,24 @@ class EngineLoop:
         self._step_failures = 0
         error = RequestFailedError(f"speech token generation failed: {type(exc).__name__}: {exc}")
         self._post(self._fail_one, (suspect, error))
+
+    def _held(self) -> bool:
+        """Whether the step thread waited for token2wav instead of stepping (:class:`GiveWay`)."""
+        gw = self._give_way
+        self._work.clear()  # before the checks: work or a wake() after them ends the wait
+        with self._lock:
+            if self._has_pending() or self._closed:
+                return False
+            due = min(self._due.values(), default=math.inf)
+        if due - gw.clock() < gw.slack_s or not gw.overdue():
+            return False
+        self.gave_way += 1
+        gw.wait(self._work, gw.max_s)
+        return True
+
+    def wake(self) -> None:
+        """From any thread: token2wav's due jobs are done; a held step thread looks again."""
+        self._work.set()
 
     def _has_pending(self) -> bool:
         """With the lock held: adds, aborts or bistream text wait for the step thread."""

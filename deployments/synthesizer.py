@@ -45,7 +45,7 @@ from cosyvoice_runtime.modes import preflight
 from deployments.compute import MAIN as MAIN_LANE
 from deployments.compute import ComputeExecutor
 from deployments.deadlines import DeadlineGate, Playback
-from deployments.engine_loop import EngineLoop, TextSource, is_fatal
+from deployments.engine_loop import EngineLoop, GiveWay, TextSource, is_fatal
 from deployments.gpu_stats import DeviceProbe
 from deployments.housekeeping import IdleTrim, cap_malloc_arenas
 from deployments.model_source import ModelSource, replica_mode
@@ -126,21 +126,27 @@ class Synthesizer:
         overlap = cfg.overlap_stages if cfg.overlap_stages is not None else self.runtime.device.startswith("cuda")
         self.compute = ComputeExecutor(cfg.compute_threads, lanes=(TOKEN2WAV_LANE,) if overlap else ())
         self._t2w_lane = TOKEN2WAV_LANE if overlap else MAIN_LANE
-        self.loop = EngineLoop(self.runtime.engine, self.compute, lane=None if overlap else MAIN_LANE)
+        slack = cfg.token2wav.deadline_slack_s
+        steps = self.runtime.details.get("t2w_scheduler") == "steps"
+        give_way = GiveWay(overdue=lambda: self.stepped.overdue(), slack_s=slack or 0.0,
+                           max_s=cfg.token2wav.give_way_ms / 1e3, clock=clock) \
+            if steps and cfg.token2wav.give_way_ms > 0 else None
+        self.loop = EngineLoop(self.runtime.engine, self.compute, lane=None if overlap else MAIN_LANE,
+                               give_way=give_way)
         self.probe = DeviceProbe(self.runtime.device)
         self.metrics = metrics or ReplicaMetrics.for_replica("synthesizer")
         self.t2w_batch_sizes: Counter[int] = Counter()
         self.t2w_splits = 0  # token2wav batches that raised and were split in halves
         self.t2w_failed_jobs = 0  # chunk jobs failed alone (an error even alone, or non-finite audio)
-        slack = cfg.token2wav.deadline_slack_s
         self.gate = DeadlineGate(slack, clock=clock) if slack is not None else None
         self.stepped: SteppedToken2Wav | None = None  # token2wav.scheduler "steps" (resolved by the runtime)
-        if self.runtime.details.get("t2w_scheduler") == "steps":
+        if steps:
             self.gate = None  # the stepped loop schedules by deadline itself
             self.stepped = SteppedToken2Wav(self.t2w, self.compute, self._t2w_lane, clock, slack or 0.0,
                                             min(cfg.token2wav.max_batch_size,
                                                 self.runtime.details.get("max_flow_batch", cfg.token2wav.max_batch_size)),
-                                            on_fatal=self.loop.kill, gather_s=cfg.token2wav.gather_ms / 1e3)
+                                            on_fatal=self.loop.kill, gather_s=cfg.token2wav.gather_ms / 1e3,
+                                            on_rows_left=self.loop.wake)
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
         self._active = 0  # synthesize() calls in progress; 0 for a while -> freed memory given back
         self.idle_trim = IdleTrim(self.runtime.device, self.compute.run, idle=lambda: self._active == 0)
@@ -263,6 +269,7 @@ class Synthesizer:
             "flow_rows_in_passes_total": self.stepped.rows_in_passes if self.stepped is not None else 0,
             "flow_rows_ready_total": self.stepped.rows_ready if self.stepped is not None else 0,
             "flow_pass_holds_total": self.stepped.holds if self.stepped is not None else 0,
+            "llm_give_way_total": self.loop.gave_way,
             **self.runtime.token2wav.flow_stats(),
             "cuda_cache_releases": self.idle_trim.cuda_cache_releases,
             "cuda_graph_captures_total": self.runtime.graph_captures(),
@@ -322,7 +329,8 @@ class Synthesizer:
         # Woken when the next chunk's tokens are there (or at the end), not on every decode step.
         async for event in self.loop.generate(f"{req.request_id}/{p}", lm, need=lambda: self.t2w.tokens_needed(state),
                                               text=text,
-                                              on_first_token=lambda: marks.setdefault("first_token", self.clock())):
+                                              on_first_token=lambda: marks.setdefault("first_token", self.clock()),
+                                              due=playback.deadline_s):
             tokens.extend(event.tokens)
             while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
                 marks.setdefault("first_chunk_tokens", self.clock())

@@ -63,6 +63,12 @@ class Token2WavBatchConfig(StrictModel):
     # many ms for more streams' rows to share it (woken at once by a new job). 0: passes run as soon
     # as rows are in hand. Not yet measured on a GPU (deployments/token2wav_loop.py says why to try).
     gather_ms: float = Field(0.0, ge=0, le=50)
+    # With "steps": while a chunk job in hand is already due (a stream's first chunk, or a late
+    # one) and no stream waiting for speech tokens is due within deadline_slack_s, the LLM step
+    # thread waits up to this many ms at a time (woken when token2wav's rows leave) instead of
+    # decoding tokens that play a second later on the same GPU (deployments/engine_loop.py). 0: the
+    # LLM never waits. Not yet measured on a GPU.
+    give_way_ms: float = Field(0.0, ge=0, le=50)
 
 
 class SynthesizerConfig(DeploymentKnobs):

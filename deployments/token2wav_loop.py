@@ -17,6 +17,10 @@ streams' rows share it. The capacity runs found ~3.5 rows per pass at capacity w
 busy, and a pass costs mostly its fixed part (H200 timed model: ~3.6 ms at one row, ~0.3 ms per
 more); held rows have slack to spare by definition. Off (0) by default until measured.
 
+:meth:`SteppedToken2Wav.overdue` tells the LLM's step thread whether a job in hand is due already
+(``token2wav.give_way_ms``, :class:`~deployments.engine_loop.GiveWay`); ``on_rows_left`` wakes it
+when rows leave.
+
 Failure isolation as the batch path's: a step that raises is retried per job, a job that fails
 alone fails its request only (:class:`RequestFailedError`), a fatal device error kills the
 replica through ``on_fatal``.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,11 +70,14 @@ class SteppedToken2Wav:
         gather_s: the most a pass of rows with slack waits for more rows (0: never).
         wait: ``wait(condition, seconds)`` while holding it (``threading.Condition.wait``; tests
             pass one that records the hold instead of sleeping).
+        on_rows_left: called on the driver thread whenever rows leave (solved, failed or
+            abandoned): what may end an LLM wait for an overdue job.
     """
 
     def __init__(self, t2w, compute: ComputeExecutor, lane: str, clock: Callable[[], float], slack_s: float,
                  max_batch: int, on_fatal: Callable[[BaseException], None], gather_s: float = 0.0,
-                 wait: Callable[[threading.Condition, float], object] = threading.Condition.wait) -> None:
+                 wait: Callable[[threading.Condition, float], object] = threading.Condition.wait,
+                 on_rows_left: Callable[[], None] | None = None) -> None:
         self.t2w = t2w
         self.compute = compute
         self.lane = lane
@@ -81,7 +89,9 @@ class SteppedToken2Wav:
         self._wait = wait
         self._lock = threading.Condition()  # notified when a job arrives (a gathering pass wakes)
         self._new: list[_Pending] = []
-        self._rows: list[_Pending] = []
+        self._rows: list[_Pending] = []  # driver thread only; replaced through _set_rows
+        self._first_due = math.inf  # under _lock: the earliest deadline among _rows
+        self.on_rows_left = on_rows_left
         self._running = False
         self._driver: asyncio.Future | None = None
         self.passes = 0
@@ -105,7 +115,21 @@ class SteppedToken2Wav:
             self._driver = asyncio.ensure_future(self.compute.run(self._drive, lane=self.lane))
         return await pending.future  # cancelled with its request: the driver drops the row
 
+    def overdue(self) -> bool:
+        """From any thread: whether a job in hand (arrived or being solved) is due already."""
+        now = self.clock()
+        with self._lock:
+            return self._first_due <= now or any(p.deadline_s <= now for p in self._new)
+
     # -- driver thread ---------------------------------------------------------------------
+    def _set_rows(self, rows: list[_Pending]) -> None:
+        left = len(rows) < len(self._rows)
+        with self._lock:
+            self._rows = rows
+            self._first_due = min((p.deadline_s for p in rows), default=math.inf)
+        if left and self.on_rows_left is not None:
+            self.on_rows_left()
+
     def _drive(self) -> None:
         try:
             held = False  # this pass has waited once already
@@ -117,7 +141,7 @@ class SteppedToken2Wav:
                         return
                 for start in range(0, len(new), self.max_batch):
                     self._isolated(self._start, new[start:start + self.max_batch])
-                self._rows = [p for p in self._rows if not p.future.cancelled()]
+                self._set_rows([p for p in self._rows if not p.future.cancelled()])
                 if self._rows and not held and self._may_gather():
                     held = True
                     self.holds += 1
@@ -133,6 +157,7 @@ class SteppedToken2Wav:
                 logger.exception("token2wav driver failed")
             with self._lock:
                 hand, self._new, self._rows = self._new + self._rows, [], []
+                self._first_due = math.inf
                 self._running = False
             for p in hand:
                 self._resolve(p, EngineDeadError(f"token2wav failed: {type(exc).__name__}"))
@@ -152,7 +177,7 @@ class SteppedToken2Wav:
             p.row = row
             if p.marks is not None:
                 p.marks.setdefault("t2w_started", now)
-        self._rows += batch
+        self._set_rows(self._rows + batch)
 
     def _pass(self) -> None:
         by_row = {id(p.row): p for p in self._rows}
@@ -165,12 +190,12 @@ class SteppedToken2Wav:
         self.rows_ready += len(by_row)
         done = [p for p in self._rows if p.row.step >= self.t2w.n_steps]
         if done:
-            self._rows = [p for p in self._rows if p.row.step < self.t2w.n_steps]
-            self._isolated(self._finish, done)
+            self._isolated(self._finish, done)  # takes the done rows out (failed ones too)
 
     def _finish(self, done: list[_Pending]) -> None:
         audios = self.t2w.finish([p.row for p in done])
         now = self.clock()
+        self._set_rows([p for p in self._rows if p not in done])  # before the audio is handed back
         for p, audio in zip(done, audios):
             if p.marks is not None:
                 p.marks.setdefault("t2w_solved", now)
@@ -197,7 +222,7 @@ class SteppedToken2Wav:
             p = batch[0]
             self.failed_jobs += 1
             logger.warning("token2wav failed for one job (%s: %s); failing its request", type(exc).__name__, exc)
-            self._rows = [q for q in self._rows if q is not p]
+            self._set_rows([q for q in self._rows if q is not p])
             self._resolve(p, RequestFailedError(f"audio generation failed: {type(exc).__name__}: {exc}"))
 
     @staticmethod

@@ -307,3 +307,42 @@ def test_an_engine_that_fails_whatever_is_removed_marks_the_loop_dead():
     assert all(isinstance(r, RequestFailedError) for r in suspects), suspects
     with pytest.raises(EngineDeadError):
         loop.raise_if_dead()  # check_health raises: Serve replaces the replica
+
+
+def _give_way_loop(due_s: float | None):
+    """A loop whose GiveWay sees token2wav overdue until the step thread's first wait (which
+    stands for token2wav's due job being done); the clock reads 100."""
+    engine, compute = fakes.FakeEngine(max_running=2, step_s=0.0), ComputeExecutor()
+    overdue, waits = [True], []
+
+    def wait(event, seconds):  # records the hold, then token2wav is done; no sleep
+        waits.append((seconds, engine.emitted("a")))
+        overdue[0] = False
+
+    give_way = engine_loop.GiveWay(overdue=lambda: overdue[0], slack_s=0.5, max_s=0.01, clock=lambda: 100.0,
+                                   wait=wait)
+    loop = EngineLoop(engine, compute, give_way=give_way)
+
+    async def main():
+        due = None if due_s is None else (lambda: due_s)
+        return [e async for e in loop.generate("a", _lm(3), need=lambda: None, due=due)]
+
+    events = asyncio.run(main())
+    compute.shutdown()
+    assert events[-1].finished and sum(len(e.tokens) for e in events) == 6  # every token, held or not
+    return loop, waits
+
+
+def test_the_step_thread_gives_way_to_a_due_token2wav_job_when_no_consumer_is_due_soon():
+    """The consumer waiting for its tokens is due in 1 s (beyond the 0.5 s slack): the first step
+    waits for token2wav's due job (once: it is done after that wait), then decoding goes on."""
+    loop, waits = _give_way_loop(due_s=101.0)
+    assert waits == [(0.01, 0)] and loop.gave_way == 1  # before any token was decoded
+
+
+@pytest.mark.parametrize("due_s", [100.3, None])
+def test_a_consumer_due_within_the_slack_keeps_the_llm_stepping(due_s):
+    """Due in 0.3 s, or due unknown (counted as due at once, like a first chunk): token2wav stays
+    overdue for the whole request and the step thread never waits."""
+    loop, waits = _give_way_loop(due_s=due_s)
+    assert waits == [] and loop.gave_way == 0

@@ -50,27 +50,32 @@ def _speak(synth: Synthesizer, reqs: list[PreparedRequest]) -> list[np.ndarray]:
 def test_steps_stream_the_batch_schedulers_audio(model_dir):
     """Three concurrent streams of different lengths through the real tiny model: the stepped
     scheduler (passes over rows at different steps) gives each the batch path's samples, with
-    CosyVoice2's flow recomputed or incremental (token2wav.cv2_flow)."""
+    CosyVoice2's flow recomputed or incremental (token2wav.cv2_flow); the LLM giving way to
+    token2wav's due jobs (token2wav.give_way_ms) changes when tokens are made, not the audio."""
     reqs = [_req(f"r{i}", n, seed=i) for i, n in enumerate((6, 11, 3))]
     out = {}
     for cv2_flow in ("recompute", "incremental"):
-        for scheduler in ("batch", "steps"):
+        for scheduler in ("batch", "steps", "steps-give-way"):
+            give_way = 5.0 if scheduler == "steps-give-way" else 0.0
+            scheduler = scheduler.removesuffix("-give-way")
             cfg = SynthesizerConfig(device="cpu", warmup=False, max_model_len=512,
-                                    token2wav={"scheduler": scheduler, "cv2_flow": cv2_flow})
+                                    token2wav={"scheduler": scheduler, "cv2_flow": cv2_flow, "give_way_ms": give_way})
             synth = Synthesizer(cfg, ModelSource(model_dir))
             if scheduler == "batch":  # outside a replica: the @serve.batch method run one job at a time
                 async def direct(job, s=synth):
                     return (await s._run_jobs([job]))[0]
                 synth._token2wav = direct
-            out[scheduler, cv2_flow] = _speak(synth, reqs)
+            out[scheduler + ("-give-way" if give_way else ""), cv2_flow] = _speak(synth, reqs)
             stats = synth.stats()
             assert stats["token2wav_scheduler"] == scheduler
+            assert (synth.loop._give_way is not None) == (give_way > 0)
             if scheduler == "steps":
                 assert synth.gate is None and stats["flow_passes_total"] > 0
                 assert stats["flow_rows_in_passes_total"] > stats["flow_passes_total"]  # passes were shared
                 assert stats["flow_rows_ready_total"] >= stats["flow_rows_in_passes_total"]
     reference = out["batch", "recompute"]
-    for key in (("steps", "recompute"), ("batch", "incremental"), ("steps", "incremental")):
+    for key in (("steps", "recompute"), ("batch", "incremental"), ("steps", "incremental"),
+                ("steps-give-way", "recompute"), ("steps-give-way", "incremental")):
         for a, b in zip(reference, out[key]):
             assert a.size == b.size > 0, key
             assert float(np.abs(a - b).max()) < 1e-4, key
@@ -263,3 +268,37 @@ def test_gather_ms_reaches_the_stepped_loop(model_dir):
     assert Synthesizer(cfg, ModelSource(model_dir)).stepped.gather_s == pytest.approx(0.004)
     with pytest.raises(ValueError, match="gather_ms"):
         SynthesizerConfig(token2wav={"gather_ms": 500})
+
+
+def test_overdue_while_a_due_job_is_in_hand_and_rows_leaving_are_reported():
+    """What the LLM's give-way reads (token2wav.give_way_ms): a job due already (deadline 100 on a
+    clock at 100: a first chunk) makes the loop overdue from its arrival until it is solved; a job
+    with audio to spare does not; every time rows leave, on_rows_left is called."""
+    t2w = _FakeT2W()
+    seen, left = [], []
+    loop = _loop(t2w)
+    advance = t2w.advance
+
+    def watching_advance(rows):
+        seen.append(([r.job.name for r in rows], loop.overdue()))
+        advance(rows)
+
+    t2w.advance = watching_advance
+    both_left = threading.Event()
+
+    def rows_left():  # on the driver thread, after the job's audio was handed back
+        left.append(loop.overdue())
+        if len(left) == 2:
+            both_left.set()
+
+    loop.on_rows_left = rows_left
+
+    async def main():
+        spare = await loop.run(_job("spare", frames=200), 103.0)  # 3 s of audio in hand
+        first = await loop.run(_job("first", frames=200), 100.0)
+        return spare, first
+
+    asyncio.run(main())
+    assert both_left.wait(timeout=60)  # a failure guard, not a synchronisation by time
+    assert seen == [(["spare"], False)] * 3 + [(["first"], True)] * 3
+    assert left == [False, False] and not loop.overdue()
