@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 MIN_KEY_WINDOW = 128
 DEFAULT_HISTORY_WIDTH = 16  # >= the yaml's win_size (10); rows with a larger window sample eagerly
 _DECODE_COLS = 3  # fed id, slot, position; the sampler's columns follow
+NONFINITE = -1  # the id a step returns for a row whose logits hold NaN/Inf (its sample is meaningless)
 
 
 def default_key_buckets(max_len: int) -> list[int]:
@@ -115,8 +116,8 @@ class DecodeRunner(graph_capture.GraphOwner):
                 inputs; rows whose params ``can_sample`` rejects get a placeholder id).
 
         Returns:
-            ids: the chosen id per row; logits: (B, V) view of a static buffer, overwritten by
-            the next step (clone to keep).
+            ids: the chosen id per row, :data:`NONFINITE` for a row whose logits are not finite;
+            logits: (B, V) view of a static buffer, overwritten by the next step (clone to keep).
         """
         n = len(slots)
         positions = [self.cache.lengths[s] for s in slots]
@@ -144,8 +145,14 @@ class DecodeRunner(graph_capture.GraphOwner):
         logits = self._decode(rows[:, 0], self.cache, rows[:, 1], rows[:, 2], window)
         self._logits[:b].copy_(logits)
         sampler_rows = rows[:, _DECODE_COLS:]
-        logp = bs.mask_min_len(logits.float().log_softmax(-1), sampler_rows, self._stop_mask)
-        self._ids[:b].copy_(bs.sample_rows(logp, sampler_rows))
+        # Rows with NaN/Inf logits are marked in the step's one copy to the host (checked after
+        # the step, they cost a reduction and a second sync every step: H100 trace, 2026-12-05)
+        # and sampled from flat log-probabilities meanwhile: NaN ones pick an index out of range,
+        # which on a GPU is a device-side assert that kills the replica, not just the request.
+        finite = torch.isfinite(logits).all(-1)
+        logp = torch.where(finite[:, None], logits.float().log_softmax(-1), 0.0)
+        logp = bs.mask_min_len(logp, sampler_rows, self._stop_mask)
+        self._ids[:b].copy_(torch.where(finite, bs.sample_rows(logp, sampler_rows), NONFINITE))
 
     # -- graphs ----------------------------------------------------------------------------
     def capture(self, batch_sizes: Sequence[int] | None = None, windows: Sequence[int] | None = None) -> int:

@@ -40,7 +40,7 @@ from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.llm import bistream
 from cosyvoice_runtime.llm.bistream import BistreamState
 from cosyvoice_runtime.llm.bistream_seq import BistreamSequence, embed_segments
-from cosyvoice_runtime.llm.cuda_graph import DEFAULT_HISTORY_WIDTH, DecodeRunner
+from cosyvoice_runtime.llm.cuda_graph import DEFAULT_HISTORY_WIDTH, NONFINITE, DecodeRunner
 from cosyvoice_runtime.llm.generate import (
     FINISH_LENGTH,
     DecodeState,
@@ -407,7 +407,7 @@ class LLMEngine:
         tokens = tokens[:len(reqs)]
         if self.return_logits:
             logits = logits.clone()  # the runner's buffer is overwritten by the next step
-        bad = _nonfinite_rows(logits[:len(reqs)])  # their in-graph samples are meaningless: those requests fail
+        bad = {i for i, tok in enumerate(tokens) if tok == NONFINITE}  # those requests fail
         for i in bad:
             tokens[i] = None
         # Rows the in-step sampler does not serve (custom sampler, official RNG, wide window).

@@ -208,17 +208,19 @@ def test_prefill_token_budget_splits_a_step_into_several_forwards(monkeypatch):
         assert tokens[rid] == reference(model, x, lo, hi, params)[0]
 
 
+@pytest.mark.parametrize("static", [False, True])  # eager decode, the static (CUDA-graph) step
 @pytest.mark.parametrize("poisoned_call", [0, 3])  # the prefill forward, a decode step
-def test_non_finite_logits_fail_that_request_alone(poisoned_call):
+def test_non_finite_logits_fail_that_request_alone(poisoned_call, static):
     """NaN logits in one row (what a numerical fault looks like) end that request with
     NONFINITE_LOGITS; sampling them would raise for the whole batch. The others decode on,
-    token for token as alone."""
+    token for token as alone. The static step marks the row in its one copy to the host."""
     from cosyvoice_runtime.llm.engine import NONFINITE_LOGITS
 
     model = tiny_model("cosyvoice3")
     xs = prompts([4, 13, 7], seed=5)
     reqs = [(f"s{i}", x, 10, 10, SamplingParams(seed=100 + i)) for i, x in enumerate(xs)]
-    engine = LLMEngine(model, max_batch_size=3, max_seq_len=32)
+    engine = LLMEngine(model, max_batch_size=3, max_seq_len=32, static_decode=static)
+    assert (engine.runner is not None) == static
     logits_of, calls = model.logits, []
 
     def poisoned(hidden):
