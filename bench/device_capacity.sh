@@ -17,7 +17,8 @@
 #   PROFILE_S=150 profiles single requests of the in-process level first (bench/profile_first_audio.py:
 #   what the GPU does before first audio, per CUDA stream; the last request's Chrome trace);
 #   PROFILE_SESSIONS=N then profiles N sessions of steady load (default none: at 56 the profiler's
-#   own overhead broke the load, p99 6.6 s, H100 2026-12-05; a few sessions stay readable)
+#   own overhead broke the load, p99 6.6 s, H100 2026-12-05; a few sessions stay readable);
+#   PROFILE_ARGS="--cpu-ops" adds the requests' CPU ops to the profile (what each thread did between kernels)
 #   SERVE_PROXY=haproxy: the serve level behind HAProxy with direct ingress (RAY_SERVE_ENABLE_HA_PROXY=1)
 #   instead of Serve's HTTP proxy actor (docs/tuning.md, "The HTTP path")
 set -u
@@ -57,7 +58,7 @@ full_model() {  # the full-size random-weight model directory of $FAMILY (serve 
 if [ "${PROFILE_S:-0}" -gt 0 ]; then
   full_model
   FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$PROFILE_S" python3 -m bench.profile_first_audio --chrome \
-    --sessions "${PROFILE_SESSIONS:-0}" \
+    --sessions "${PROFILE_SESSIONS:-0}" ${PROFILE_ARGS:-} \
     --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" ${TAG:+--tag "$TAG"} 2>&1 \
     | grep -v Warning > "$W/profile.log"
   grep -E "request [0-9]|Error|error" "$W/profile.log" | cut -c1-300 | tail -12

@@ -140,9 +140,14 @@ def summarize(events: list[dict], window: tuple[float, float], lanes: dict[str, 
     }
 
 
-def _profiler(cuda: bool):
-    """A profiler of CUDA activity on a GPU (the module docstring says why), of CPU ops elsewhere."""
-    return profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU])
+def _profiler(cuda: bool, cpu_ops: bool = False):
+    """A profiler of CUDA activity on a GPU (the module docstring says why), of CPU ops elsewhere;
+    ``cpu_ops``: CPU ops too on a GPU (slower, for the trace: what each thread did between two
+    kernels, e.g. the ~8 ms between a first chunk's tokens and its first token2wav kernel on the
+    H100, 2026-12-05)."""
+    if not cuda:
+        return profile(activities=[ProfilerActivity.CPU])
+    return profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu_ops else []))
 
 
 def _exported(prof, chrome: Path | None = None) -> dict:
@@ -155,12 +160,13 @@ def _exported(prof, chrome: Path | None = None) -> dict:
         return json.loads(path.read_text())
 
 
-def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path | None) -> dict:
+def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path | None, cpu_ops: bool = False) -> dict:
     """One request under the profiler: its first-audio stages, flow passes and GPU summaries."""
     before = asyncio.run(target.counters())
-    with _profiler(cuda) as prof:
+    with _profiler(cuda, cpu_ops) as prof:
         submitted_ns, submitted_s = time.time_ns(), time.perf_counter()
         trace = asyncio.run(target.synthesize(rid, audio_s, submitted_s))
+        threads = thread_names()  # now: a step thread that idles long enough ends itself
         if cuda:
             torch.cuda.synchronize()
     after = asyncio.run(target.counters())
@@ -169,7 +175,7 @@ def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path |
     doc = _exported(prof, chrome)
     start = trace_time_us(doc, submitted_ns)
     events = doc["traceEvents"]
-    lanes = stream_lanes(events, thread_names())
+    lanes = stream_lanes(events, threads)
     passes = after["flow_passes"] - before["flow_passes"]
     whole = summarize(events, (start, start + 1e6 * (trace.chunk_times_s[-1] - submitted_s)), lanes)
     window = (start, start + 1e6 * trace.ttfa_s)
@@ -276,6 +282,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=4, help="profiled requests, one at a time, after one warm-up")
     ap.add_argument("--audio-s", type=float, default=6.0, help="audio per answer (the capacity mix's text)")
     ap.add_argument("--chrome", action="store_true", help="also write the last request's Chrome trace (gzip)")
+    ap.add_argument("--cpu-ops", action="store_true", help="on a GPU, profile the requests' CPU ops too (the trace)")
     ap.add_argument("--sessions", type=int, default=0, help="also profile steady load of this many sessions")
     ap.add_argument("--load-seconds", type=float, default=3.0, help="seconds of that load under the profiler")
     ap.add_argument("--mix", default=DEFAULT_MIX, help="the load's utterance lengths (the capacity tool's)")
@@ -300,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = []
         for i in range(args.requests):
             chrome = out / f"{stem}-trace.json.gz" if args.chrome and i == args.requests - 1 else None
-            rows.append(profile_request(target, f"profile-{i}", args.audio_s, cuda, chrome))
+            rows.append(profile_request(target, f"profile-{i}", args.audio_s, cuda, chrome, args.cpu_ops))
             logger.info("request %d: first audio %.1f ms, GPU busy %.1f ms before it", i, rows[-1]["ttfa_ms"],
                         rows[-1]["first_audio"]["gpu_busy_ms"])
         load = profile_load(target, args.sessions, args.load_seconds, args.mix, cuda) if args.sessions else None
