@@ -61,16 +61,25 @@ def final_chunk_frames(mel_cache_len: int, token_max_hop_len: int, lookahead: in
 
 
 def pick_rows(rows: Sequence, deadline_s: dict, now_s: float, slack_s: float, max_batch: int,
-              length_ratio: float = 2.0) -> list:
+              length_ratio: float = 2.0, rider_ratio: float = 1.0) -> list:
     """The rows of the next flow pass (:mod:`cosyvoice_runtime.flow.stepper`,
     :mod:`cosyvoice_runtime.flow.incremental`; anything with ``frames`` and ``kind``): earliest
     deadline first (``deadline_s[id(row)]``).
 
     A pass runs rows of one kind (recomputed or incremental: one graph each), the most urgent
     row's. While some row of it is due within ``slack_s``, the pass is for those rows (a first
-    chunk is due at once), plus rows no longer than the longest of them (they ride in the same
-    padded bucket for almost nothing); otherwise the earliest rows. At most ``max_batch``, and at
-    most ``length_ratio`` times the frames of the most urgent row, which the pass pads to.
+    chunk is due at once), plus riders of at most ``rider_ratio`` times the longest of them (1:
+    no longer, so they ride in the same padded bucket for almost nothing); otherwise the earliest
+    rows. At most ``max_batch``, and at most ``length_ratio`` times the frames of the most urgent
+    row, which the pass pads to.
+
+    Why riders may be longer (``token2wav.rider_ratio``): at 56 sessions on an H100 (2026-12-05)
+    passes carried 3.3 rows of the 11.3 in hand, and a pass is bound by its kernel count more than
+    by its rows. CosyVoice2's streamed chunks grow (incremental rows of 50, 50, 100, then 200 new
+    frames after a kept voice prefix), so at 1 a stream's later chunks never ride with the 50-frame
+    first chunks that keep arriving under load: they wait for passes of their own. Longer riders
+    pad the urgent pass to their frames: whether that costs first audio more than the passes it
+    saves is what the ratio is for measuring.
     """
     order = sorted(rows, key=lambda r: deadline_s[id(r)])
     if not order:
@@ -79,5 +88,5 @@ def pick_rows(rows: Sequence, deadline_s: dict, now_s: float, slack_s: float, ma
     urgent = [r for r in order if deadline_s[id(r)] - now_s < slack_s]
     limit = length_ratio * order[0].frames
     if urgent:
-        limit = max(r.frames for r in urgent if r.frames <= limit)
+        limit = min(limit, rider_ratio * max(r.frames for r in urgent if r.frames <= limit))
     return [r for r in order if r.frames <= limit][:max_batch]

@@ -146,7 +146,7 @@ class Synthesizer:
                                             min(cfg.token2wav.max_batch_size,
                                                 self.runtime.details.get("max_flow_batch", cfg.token2wav.max_batch_size)),
                                             on_fatal=self.loop.kill, gather_s=cfg.token2wav.gather_ms / 1e3,
-                                            on_rows_left=self.loop.wake)
+                                            on_rows_left=self.loop.wake, rider_ratio=cfg.token2wav.rider_ratio)
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
         self._active = 0  # synthesize() calls in progress; 0 for a while -> freed memory given back
         self.idle_trim = IdleTrim(self.runtime.device, self.compute.run, idle=lambda: self._active == 0)

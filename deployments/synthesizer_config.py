@@ -69,6 +69,11 @@ class Token2WavBatchConfig(StrictModel):
     # decoding tokens that play a second later on the same GPU (deployments/engine_loop.py). 0: the
     # LLM never waits. Not yet measured on a GPU.
     give_way_ms: float = Field(0.0, ge=0, le=50)
+    # With "steps": a pass for rows due within deadline_slack_s (first chunks) also carries rows
+    # with slack of up to this many times the urgent rows' frames (1: no longer, the same padded
+    # size). CosyVoice2's later chunks are 2-4 times a first chunk's frames, so at 1 they never
+    # ride with first chunks (cosyvoice_runtime/stream_schedule.py). Not yet measured on a GPU.
+    rider_ratio: float = Field(1.0, ge=1.0, le=8.0)
 
 
 class SynthesizerConfig(DeploymentKnobs):

@@ -72,12 +72,14 @@ class SteppedToken2Wav:
             pass one that records the hold instead of sleeping).
         on_rows_left: called on the driver thread whenever rows leave (solved, failed or
             abandoned): what may end an LLM wait for an overdue job.
+        rider_ratio: riders of an urgent pass may have up to this many times the urgent rows'
+            frames (:func:`~cosyvoice_runtime.stream_schedule.pick_rows`).
     """
 
     def __init__(self, t2w, compute: ComputeExecutor, lane: str, clock: Callable[[], float], slack_s: float,
                  max_batch: int, on_fatal: Callable[[BaseException], None], gather_s: float = 0.0,
                  wait: Callable[[threading.Condition, float], object] = threading.Condition.wait,
-                 on_rows_left: Callable[[], None] | None = None) -> None:
+                 on_rows_left: Callable[[], None] | None = None, rider_ratio: float = 1.0) -> None:
         self.t2w = t2w
         self.compute = compute
         self.lane = lane
@@ -92,6 +94,7 @@ class SteppedToken2Wav:
         self._rows: list[_Pending] = []  # driver thread only; replaced through _set_rows
         self._first_due = math.inf  # under _lock: the earliest deadline among _rows
         self.on_rows_left = on_rows_left
+        self.rider_ratio = rider_ratio
         self._running = False
         self._driver: asyncio.Future | None = None
         self.passes = 0
@@ -182,7 +185,7 @@ class SteppedToken2Wav:
     def _pass(self) -> None:
         by_row = {id(p.row): p for p in self._rows}
         rows = pick_rows([p.row for p in self._rows], {k: p.deadline_s for k, p in by_row.items()}, self.clock(),
-                         self.slack_s, self.max_batch, LENGTH_RATIO)
+                         self.slack_s, self.max_batch, LENGTH_RATIO, self.rider_ratio)
         # rows advance only when their pass succeeded, so a retry is exact
         self._isolated(lambda part: self.t2w.advance([p.row for p in part]), [by_row[id(r)] for r in rows])
         self.passes += 1

@@ -94,6 +94,10 @@ def test_pick_rows_urgent_first_with_short_riders():
     # is row 0 plus the riders no longer than it (2 and 4), in deadline order
     assert [r.tag for r in pick_rows(rows, deadline, now, 0.5, 16, 2.0)] == [0, 2, 4]
     assert [r.tag for r in pick_rows(rows, deadline, now, 0.5, 2, 2.0)] == [0, 2]
+    # token2wav.rider_ratio: riders up to 1.5 x the urgent row's 200 frames (row 3's 260 rides,
+    # row 1's 1200 never does: the length ratio caps the pass at 400)
+    assert [r.tag for r in pick_rows(rows, deadline, now, 0.5, 16, 2.0, rider_ratio=1.5)] == [0, 2, 3, 4]
+    assert [r.tag for r in pick_rows(rows, deadline, now, 0.5, 16, 2.0, rider_ratio=8.0)] == [0, 2, 3, 4]
 
 
 def test_pick_rows_runs_one_kind_per_pass():
