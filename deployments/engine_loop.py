@@ -40,7 +40,9 @@ at once for 29 of the 148 ms before first audio, the LLM decoding tokens that wo
 second later. With a :class:`GiveWay`, before each step the step thread waits while token2wav has
 a job that is already due (a first chunk, or a late one) and no consumer waiting for tokens is
 due within the slack: each consumer tells when its next chunk is due (``due`` of
-:meth:`EngineLoop.generate`; a first chunk is due at once, so a new request is never held).
+:meth:`EngineLoop.generate`; a first chunk is due at once, so a new request is never held), less
+the decode steps its missing tokens still take (CosyVoice2's later chunks want 100 tokens, ~0.4 s
+of steps under load: more than the slack).
 
 Failure isolation: an error in one request fails that request only.
 
@@ -100,6 +102,17 @@ class GiveWay:
     max_s: float
     clock: Callable[[], float]
     wait: Callable[[threading.Event, float], object] = threading.Event.wait
+
+
+def _need_by(box: _Mailbox, due: Callable[[], float] | None) -> tuple[float, float]:
+    """When a consumer about to wait needs its next chunk and the tokens it still lacks for it
+    (unknown: infinitely many; no ``due``: needed at once). On the event loop."""
+    if due is None:
+        return -math.inf, math.inf
+    if box.need is None:  # woken by any token
+        return due(), 1
+    want = box.need()
+    return due(), math.inf if want is None else max(0, want - box.total)
 
 
 @dataclass
@@ -164,7 +177,9 @@ class EngineLoop:
         self.compute = compute
         self._lane = lane
         self._give_way = give_way
-        self._due: dict[str, float] = {}  # under _lock: when each consumer waiting for tokens needs them
+        # under _lock: (when its next chunk is due, tokens it still lacks) of each consumer waiting for tokens
+        self._due: dict[str, tuple[float, float]] = {}
+        self._step_s = 0.0  # step thread only: recent decode step time on the GiveWay clock (moving average)
         self.gave_way = 0  # waits of the step thread for token2wav (give_way)
         self._boxes: dict[str, _Mailbox] = {}  # event loop only
         self._lock = threading.Lock()  # guards the two pending collections (event loop <-> step thread)
@@ -214,7 +229,7 @@ class EngineLoop:
         self._loop = asyncio.get_running_loop()
         with self._lock:
             self._pending_adds[request_id] = request
-            self._due[request_id] = -math.inf if due is None else due()
+            self._due[request_id] = _need_by(box, due)
             self._ensure_running()
         self._work.set()
         feeder = asyncio.ensure_future(self._feed(request_id, text, box)) if text is not None else None
@@ -224,7 +239,7 @@ class EngineLoop:
                 if not box.ready():
                     if self._give_way is not None:
                         with self._lock:
-                            self._due[request_id] = -math.inf if due is None else due()
+                            self._due[request_id] = _need_by(box, due)
                         self._work.set()  # a held step thread looks again
                     box.waiter = asyncio.get_running_loop().create_future()
                     await box.waiter
@@ -344,7 +359,11 @@ class EngineLoop:
                 if self._give_way is not None and self._held():
                     continue  # adds, aborts and text that came meanwhile first, then look again
                 try:
+                    started = self._give_way.clock() if self._give_way is not None else 0.0
                     events = self.compute.call(self.engine.step, lane=self._lane)
+                    if self._give_way is not None:
+                        took = self._give_way.clock() - started
+                        self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
                 except Exception as exc:
                     if self._closed or is_fatal(exc):
                         raise
@@ -388,8 +407,10 @@ class EngineLoop:
         with self._lock:
             if self._has_pending() or self._closed:
                 return False
-            due = min(self._due.values(), default=math.inf)
-        if due - gw.clock() < gw.slack_s or not gw.overdue():
+            # the latest time each waiting consumer's missing tokens can still start decoding
+            latest = min((due - (missing * self._step_s if missing < math.inf else math.inf)
+                          for due, missing in self._due.values()), default=math.inf)
+        if latest - gw.clock() < gw.slack_s or not gw.overdue():
             return False
         self.gave_way += 1
         gw.wait(self._work, gw.max_s)

@@ -309,23 +309,32 @@ def test_an_engine_that_fails_whatever_is_removed_marks_the_loop_dead():
         loop.raise_if_dead()  # check_health raises: Serve replaces the replica
 
 
-def _give_way_loop(due_s: float | None):
-    """A loop whose GiveWay sees token2wav overdue until the step thread's first wait (which
-    stands for token2wav's due job being done); the clock reads 100."""
+def _give_way_loop(due_s: float | None, step_s: float = 0.0, overdue_after: int = 0):
+    """A loop whose GiveWay sees token2wav overdue once ``overdue_after`` tokens are decoded and
+    until the step thread's first wait (which stands for token2wav's due job being done); the
+    clock starts at 100 and each decode step takes ``step_s`` on it. The consumer wants all 6
+    tokens at once."""
     engine, compute = fakes.FakeEngine(max_running=2, step_s=0.0), ComputeExecutor()
-    overdue, waits = [True], []
+    now, done, waits = [100.0], [False], []
+    step = engine.step
+
+    def timed_step():
+        now[0] += step_s
+        return step()
+
+    engine.step = timed_step
 
     def wait(event, seconds):  # records the hold, then token2wav is done; no sleep
         waits.append((seconds, engine.emitted("a")))
-        overdue[0] = False
+        done[0] = True
 
-    give_way = engine_loop.GiveWay(overdue=lambda: overdue[0], slack_s=0.5, max_s=0.01, clock=lambda: 100.0,
-                                   wait=wait)
+    give_way = engine_loop.GiveWay(overdue=lambda: not done[0] and engine.emitted("a") >= overdue_after,
+                                   slack_s=0.5, max_s=0.01, clock=lambda: now[0], wait=wait)
     loop = EngineLoop(engine, compute, give_way=give_way)
 
     async def main():
         due = None if due_s is None else (lambda: due_s)
-        return [e async for e in loop.generate("a", _lm(3), need=lambda: None, due=due)]
+        return [e async for e in loop.generate("a", _lm(3), need=lambda: 6, due=due)]
 
     events = asyncio.run(main())
     compute.shutdown()
@@ -334,8 +343,9 @@ def _give_way_loop(due_s: float | None):
 
 
 def test_the_step_thread_gives_way_to_a_due_token2wav_job_when_no_consumer_is_due_soon():
-    """The consumer waiting for its tokens is due in 1 s (beyond the 0.5 s slack): the first step
-    waits for token2wav's due job (once: it is done after that wait), then decoding goes on."""
+    """The consumer waiting for its tokens is due in 1 s (beyond the 0.5 s slack) and steps take
+    no time: the first step waits for token2wav's due job (once: it is done after that wait),
+    then decoding goes on."""
     loop, waits = _give_way_loop(due_s=101.0)
     assert waits == [(0.01, 0)] and loop.gave_way == 1  # before any token was decoded
 
@@ -346,3 +356,12 @@ def test_a_consumer_due_within_the_slack_keeps_the_llm_stepping(due_s):
     overdue for the whole request and the step thread never waits."""
     loop, waits = _give_way_loop(due_s=due_s)
     assert waits == [] and loop.gave_way == 0
+
+
+@pytest.mark.parametrize("step_s, held", [(0.1, False), (0.01, True)])
+def test_the_steps_a_consumer_still_lacks_count_against_its_due_time(step_s, held):
+    """Due in 1 s, 6 tokens missing, token2wav overdue from the first token on: at 0.1 s a step
+    the tokens take 0.6 s, so the consumer is due within the slack and the LLM goes on; at
+    0.01 s a step it is not, and the LLM gives way."""
+    loop, waits = _give_way_loop(due_s=101.0, step_s=step_s, overdue_after=1)
+    assert (loop.gave_way == 1) == held and len(waits) == loop.gave_way
