@@ -64,10 +64,11 @@ class Token2WavBatchConfig(StrictModel):
     # as rows are in hand. Not yet measured on a GPU (deployments/token2wav_loop.py says why to try).
     gather_ms: float = Field(0.0, ge=0, le=50)
     # With "steps": while a chunk job in hand is already due (a stream's first chunk, or a late
-    # one) and no stream waiting for speech tokens is due within deadline_slack_s, the LLM step
-    # thread waits up to this many ms at a time (woken when token2wav's rows leave) instead of
-    # decoding tokens that play a second later on the same GPU (deployments/engine_loop.py). 0: the
-    # LLM never waits. Not yet measured on a GPU.
+    # one) and no stream waiting for speech tokens is due within deadline_slack_s (less the decode
+    # steps its missing tokens take), the LLM step thread waits up to this many ms at a time
+    # (woken when token2wav's rows leave) instead of decoding tokens that play a second later on
+    # the same GPU (deployments/engine_loop.py). 0: the LLM never waits. At one stream, 5 took first
+    # audio from 99 to 87 ms (H100, 2026-12-05); under load not measured yet.
     give_way_ms: float = Field(0.0, ge=0, le=50)
     # With "steps": a pass for rows due within deadline_slack_s (first chunks) also carries rows
     # with slack of up to this many times the urgent rows' frames (1: no longer, the same padded
