@@ -182,7 +182,7 @@ class EngineLoop:
         self._step_s = 0.0  # step thread only: recent decode step time on the GiveWay clock (moving average)
         self.gave_way = 0  # waits of the step thread for token2wav (give_way)
         self._boxes: dict[str, _Mailbox] = {}  # event loop only
-        self._lock = threading.Lock()  # guards the two pending collections (event loop <-> step thread)
+        self._lock = threading.Lock()  # guards the pending collections and _due (event loop <-> step thread)
         self._pending_adds: dict[str, LMRequest | BistreamLMRequest] = {}
         self._pending_aborts: set[str] = set()
         self._pending_feeds: dict[str, list[tuple[list[int], bool]]] = {}  # bistream text, in arrival order
@@ -359,11 +359,7 @@ class EngineLoop:
                 if self._give_way is not None and self._held():
                     continue  # adds, aborts and text that came meanwhile first, then look again
                 try:
-                    started = self._give_way.clock() if self._give_way is not None else 0.0
-                    events = self.compute.call(self.engine.step, lane=self._lane)
-                    if self._give_way is not None:
-                        took = self._give_way.clock() - started
-                        self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
+                    events = self._step()
                 except Exception as exc:
                     if self._closed or is_fatal(exc):
                         raise
@@ -399,6 +395,16 @@ class EngineLoop:
         self._step_failures = 0
         error = RequestFailedError(f"speech token generation failed: {type(exc).__name__}: {exc}")
         self._post(self._fail_one, (suspect, error))
+
+    def _step(self) -> list[TokenEvent]:
+        """One engine step on its lane; with a :class:`GiveWay`, its time joins the average."""
+        if self._give_way is None:
+            return self.compute.call(self.engine.step, lane=self._lane)
+        started = self._give_way.clock()
+        events = self.compute.call(self.engine.step, lane=self._lane)
+        took = self._give_way.clock() - started
+        self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
+        return events
 
     def _held(self) -> bool:
         """Whether the step thread waited for token2wav instead of stepping (:class:`GiveWay`)."""
