@@ -30,6 +30,7 @@ stepped scheduler.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -166,10 +167,14 @@ class TimedToken2Wav:
         for row in rows:
             row.step += 1
 
-    def finish(self, rows: list[_Row]) -> list[np.ndarray]:
+    def finish(self, rows: list[_Row]) -> Callable[[], list[np.ndarray]]:
+        """The vocoder's host share now; the function returned sleeps out its GPU share (the wait
+        for the audio, off the token2wav thread as on a GPU replica)."""
         if any(r.step < N_STEPS for r in rows):
             raise ValueError("finish() takes rows whose solve is done")
-        spend(self.times.vocoder_s(len(rows)), self.times.host_frac)
+        seconds = self.times.vocoder_s(len(rows))
+        spend(seconds * self.times.host_frac, 1.0)
+        ready_at = time.perf_counter() + seconds * (1 - self.times.host_frac)
         out = []
         for row in rows:
             job = row.tag
@@ -177,14 +182,18 @@ class TimedToken2Wav:
             job.state.calls += 1
             job.state.done = job.finalize
             out.append(np.zeros(job.tokens * SAMPLES_PER_TOKEN, np.float32))
-        return out
+
+        def collect() -> list[np.ndarray]:
+            time.sleep(max(0.0, ready_at - time.perf_counter()))
+            return out
+        return collect
 
     def run_batch(self, jobs: list[_Job]) -> list[np.ndarray]:
         """The whole solve of each job (the batch scheduler's call)."""
         rows = self.start_solves(jobs)
         for _ in range(N_STEPS):
             self.advance(rows)
-        return self.finish(rows)
+        return self.finish(rows)()
 
 
 def _timed(cfg, times: GpuTimes, name: str) -> SynthesisRuntime:

@@ -196,13 +196,32 @@ class SteppedToken2Wav:
             self._isolated(self._finish, done)  # takes the done rows out (failed ones too)
 
     def _finish(self, done: list[_Pending]) -> None:
-        audios = self.t2w.finish([p.row for p in done])
+        """Queue the vocoder for solved rows and hand the wait for their audio to the event loop's
+        executor: the driver goes on with new jobs and passes meanwhile."""
+        collect = self.t2w.finish([p.row for p in done])
+        self._set_rows([p for p in self._rows if p not in done])
+        loop = done[0].loop
+        loop.call_soon_threadsafe(self._collect, loop, collect, done)
+
+    def _collect(self, loop: asyncio.AbstractEventLoop, collect: Callable[[], list], done: list[_Pending]) -> None:
+        """On the event loop: wait for ``collect`` in the default executor, then deliver."""
+        loop.run_in_executor(None, collect).add_done_callback(lambda f: self._deliver(f, done))
+
+    def _deliver(self, collected: asyncio.Future, done: list[_Pending]) -> None:
         now = self.clock()
-        self._set_rows([p for p in self._rows if p not in done])  # before the audio is handed back
-        for p, audio in zip(done, audios):
+        exc = collected.exception()
+        if exc is not None:  # the copy back failed: a device fault (fatal) or the batch's own error
+            logger.warning("token2wav audio of %d jobs failed (%s: %s)", len(done), type(exc).__name__, exc)
+            self.failed_jobs += len(done)
+            if is_fatal(exc):
+                self.on_fatal(exc)
+            error = (EngineDeadError if is_fatal(exc) else RequestFailedError)(
+                f"audio generation failed: {type(exc).__name__}: {exc}")
+        for p, audio in zip(done, collected.result() if exc is None else [error] * len(done)):
             if p.marks is not None:
                 p.marks.setdefault("t2w_solved", now)
-            self._resolve(p, audio)
+            if not p.future.done():
+                p.future.set_result(audio)
 
     def _isolated(self, step: Callable[[list[_Pending]], None], batch: list[_Pending]) -> None:
         """``step(batch)``. On a model error: a fatal one goes up (the replica is dead); otherwise

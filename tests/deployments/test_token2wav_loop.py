@@ -148,7 +148,13 @@ class _FakeT2W:
     def finish(self, rows):
         if any(r.job.poison == "finish" for r in rows):
             raise RuntimeError("vocoder failed")
-        return [np.full(4, float(len(r.job.name)), np.float32) for r in rows]
+        audios = [np.full(4, float(len(r.job.name)), np.float32) for r in rows]
+
+        def collect():  # what waits for the audio on the host (the copy back from the GPU)
+            if any(r.job.poison == "collect" for r in rows):
+                raise RuntimeError("CUDA error: an illegal memory access" if self.fatal else "copy failed")
+            return audios
+        return collect
 
 
 def _job(name: str, frames: int = 100, poison: str | None = None):
@@ -174,6 +180,26 @@ def test_a_job_that_fails_alone_fails_only_its_request():
     assert isinstance(late, RequestFailedError) and "vocoder failed" in str(late)
     assert loop.failed_jobs == 2
     assert all("bad" not in names for names in t2w.passes)  # the failed pass was retried without it
+
+
+@pytest.mark.parametrize("fatal", [False, True])
+def test_audio_that_fails_on_its_way_back_fails_the_jobs_of_that_batch(fatal):
+    """The wait for a finished batch's audio runs off the driver thread: an error there fails
+    the batch's requests (a fatal one is reported, and its jobs name a dead replica); a job
+    finished in another batch is unaffected."""
+    reported: list = []
+    t2w = _FakeT2W(fatal=fatal)
+    loop = _loop(t2w, reported)
+
+    async def main():
+        ok = await loop.run(_job("ok"), 100.0)
+        bad = await loop.run(_job("bad", poison="collect"), 100.0)
+        return ok, bad
+
+    ok, bad = asyncio.run(main())
+    assert ok.tolist() == [2.0] * 4
+    assert isinstance(bad, EngineDeadError if fatal else RequestFailedError) and "audio generation failed" in str(bad)
+    assert loop.failed_jobs == 1 and len(reported) == fatal
 
 
 def test_a_fatal_error_fails_every_job_in_hand_and_reports_it():
