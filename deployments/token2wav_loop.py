@@ -5,9 +5,10 @@ first chunk that arrives while a batch with a late chunk of a long CosyVoice2 ut
 waits for all of it. Here every chunk job becomes a flow row
 (:mod:`cosyvoice_runtime.flow.stepper`) and one driver thread, on the replica's token2wav lane,
 repeats: start the jobs that arrived (one encoder batch), run one pass over the rows
-:func:`~cosyvoice_runtime.flow.stepper.pick_rows` picks (earliest playback deadline first; a
-first chunk is due at once), vocode the rows whose solve is done and hand their audio back. A
-first chunk joins at the next pass and long jobs with audio to spare wait. Measured in the
+:func:`~cosyvoice_runtime.stream_schedule.pick_rows` picks (earliest playback deadline first; a
+first chunk is due at once), queue the vocoder for the rows whose solve is done (the wait for
+their audio runs in the event loop's executor, which hands it back: the driver does not wait for
+the GPU there). A first chunk joins at the next pass and long jobs with audio to spare wait. Measured in the
 replica simulation on one H200 (2026-12-04, bench/results/capacity-h200-2026-12-04.md):
 sessions at the SLO 5-6 -> 11, and 21 once every last-chunk vocoder length was graphed too.
 
