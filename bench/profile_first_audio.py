@@ -143,8 +143,7 @@ def summarize(events: list[dict], window: tuple[float, float], lanes: dict[str, 
 def _profiler(cuda: bool, cpu_ops: bool = False):
     """A profiler of CUDA activity on a GPU (the module docstring says why), of CPU ops elsewhere;
     ``cpu_ops``: CPU ops too on a GPU (slower, for the trace: what each thread did between two
-    kernels, e.g. the ~8 ms between a first chunk's tokens and its first token2wav kernel on the
-    H100, 2026-12-05)."""
+    kernels)."""
     if not cuda:
         return profile(activities=[ProfilerActivity.CPU])
     return profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu_ops else []))
