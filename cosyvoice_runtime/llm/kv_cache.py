@@ -8,8 +8,9 @@ length of every slot is kept host-side (plain ints): it is the position of the n
 needed on the host anyway to size the attention window.
 
 A layer's keys and values live in one buffer ``kv[layer]`` of shape ``(num_slots, 2, heads,
-max_len, head_dim)`` (``k``/``v`` are views of it) so that the CUDA-graph decode step gathers a
-batch's windows with one kernel per layer, not two, moving 8-byte words (:meth:`KVCache.write_at`).
+max_len, head_dim)`` (``k``/``v`` are views of it) so that the CUDA-graph decode step stores a
+batch's new keys and values with one write per layer and gathers their windows with one
+index_select, moving 8-byte words (:meth:`KVCache.write_at`).
 
 The cache is request state, not model state: it is passed into
 :meth:`cosyvoice_runtime.llm.model.Qwen2Model.forward`, which writes into it and advances the
@@ -72,37 +73,35 @@ class KVCache:
                 )
 
     def write(self, layer: int, slots: list[int], slot_index: torch.Tensor | None, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+              kv: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new keys/values and return each sequence's keys/values up to its new end.
 
         Args:
             slots: the B slots, host-side.
             slot_index: the same as a long tensor on the cache device (None when B == 1).
             positions: (B, T) long, the absolute positions of the new tokens.
-            k, v: (B, num_kv_heads, T, head_dim).
+            kv: (B, 2, num_kv_heads, T, head_dim) new keys ([:, 0]) and values ([:, 1]).
             total: key positions to return, at least the longest new length of the batch.
 
         Returns:
             keys, values: (B, num_kv_heads, total, head_dim); positions past a sequence's own
             end hold stale data and must be masked.
         """
-        kv = self.kv[layer]  # indexed from the buffer: views made before a write go stale under autograd
-        t = k.shape[2]
+        cache = self.kv[layer]
+        t = kv.shape[3]
         if len(slots) == 1:
             s, start = slots[0], self.lengths[slots[0]]
-            kv[s, 0, :, start:start + t] = k[0]
-            kv[s, 1, :, start:start + t] = v[0]
-            window = kv[s:s + 1, :, :, :total]
+            cache[s, :, :, start:start + t] = kv[0]
+            window = cache[s:s + 1, :, :, :total]
         else:
-            # (B, T) advanced indices around a full slice -> index result is (B, T, heads, dim).
+            # (B, T) advanced indices around full slices -> index result is (B, T, 2, heads, dim).
             rows = slot_index[:, None].expand(-1, t)
-            kv[rows, 0, :, positions] = k.transpose(1, 2)
-            kv[rows, 1, :, positions] = v.transpose(1, 2)
-            window = kv[slot_index, :, :, :total]
+            cache[rows, :, :, positions] = kv.permute(0, 3, 1, 2, 4)
+            window = cache[slot_index, :, :, :total]
         return window[:, 0], window[:, 1]
 
-    def write_at(self, layer: int, slot_index: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_at(self, layer: int, slot_index: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                 window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one new key/value per row at tensor positions; return a fixed key window.
 
         Tensors only, no host ints, so that it can be captured in a CUDA graph.
@@ -110,38 +109,37 @@ class KVCache:
         Args:
             slot_index: (B,) long slot of each row (rows may repeat a scratch slot).
             positions: (B,) long position of each row's new token.
-            k, v: (B, num_kv_heads, 1, head_dim).
+            kv: (B, 2, num_kv_heads, 1, head_dim) the new keys ([:, 0]) and values ([:, 1]).
             window: key positions to return (static).
 
         Returns:
             keys, values: (B, num_kv_heads, window, head_dim), gathered from the slots; keys past
             a row's position are stale and must be masked.
         """
-        kv = self.kv[layer]
-        # Advanced indices at dims 0 and 2 (after the key/value select) around a full slice: the
-        # indexed shape is (B, heads, dim).
-        kv[slot_index, 0, :, positions] = k[:, :, 0]
-        kv[slot_index, 1, :, positions] = v[:, :, 0]
+        cache = self.kv[layer]
+        # Advanced indices at dims 0 and 3 around full slices: the indexed shape is (B, 2, heads,
+        # dim), keys and values in one write.
+        cache[slot_index, :, :, positions] = kv[:, :, :, 0]
         # One gather for keys and values, as 8-byte words: PyTorch's index_select moves one element
         # per thread, and two bf16 gathers per layer were the top kernel of a loaded H100 step
         # (457 of 2,710 busy ms at 56 sessions, ~200 GB/s; profile 2026-12-05).
-        src = kv[:, :, :, :window]
+        src = cache[:, :, :, :window]
         if self._words is not None:
             src = src.view(self._words)
         both = src.index_select(0, slot_index).view(self.dtype)
         return both[:, 0], both[:, 1]
 
-    def write_prefix(self, layer: int, slot_index: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store T keys/values per row at positions 0..T-1 of its slot (an empty slot's prompt).
+    def write_prefix(self, layer: int, slot_index: torch.Tensor,
+                     kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store T keys/values per row (kv: (B, 2, heads, T, dim)) at positions 0..T-1 of its slot
+        (an empty slot's prompt).
 
         Tensors only, so that it can be captured in a CUDA graph; rows may repeat a scratch slot.
-        Returns ``k, v`` themselves: a fresh prompt attends to nothing older.
+        Returns the new keys and values themselves: a fresh prompt attends to nothing older.
         """
-        t = k.shape[2]
-        self.kv[layer][:, 0, :, :t].index_copy_(0, slot_index, k)
-        self.kv[layer][:, 1, :, :t].index_copy_(0, slot_index, v)
-        return k, v
+        t = kv.shape[3]
+        self.kv[layer][:, :, :, :t].index_copy_(0, slot_index, kv)
+        return kv[:, 0], kv[:, 1]
 
     def advance(self, slots: list[int], new_tokens: int) -> None:
         for s in slots:

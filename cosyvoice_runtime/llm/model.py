@@ -71,9 +71,11 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``x·cos + rotate_half(x)·sin`` as ``x·cos + roll(x, half)·signed_sin`` (:class:`RotaryEmbedding`)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x·cos + rotate_half(x)·sin`` as ``x·cos + roll(x, half)·signed_sin`` (:class:`RotaryEmbedding`);
+    ``out`` may be ``x`` itself (both products are taken before it is written)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin, out=out)
 
 
 class Qwen2Attention(nn.Module):
@@ -97,11 +99,15 @@ class Qwen2Attention(nn.Module):
         # than three projections and two rotations (launch-bound decode steps).
         qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self._fused)
         qkv = qkv.view(b, t, nq + 2 * nkv, self.head_dim).transpose(1, 2)
+        # q and k rotated in place, so that the new keys and values stay side by side in qkv and
+        # reach the cache in one write (one kernel per layer fewer than a write each).
         qk = qkv[:, : nq + nkv]
-        qk = apply_rotary(qk, cos, signed_sin)
-        q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
+        apply_rotary(qk, cos, signed_sin, out=qk)
+        q, kv = qkv[:, :nq], qkv[:, nq:].unflatten(1, (2, nkv))  # kv: (B, 2, kv heads, T, d)
         if attn.cache is not None:
-            k, v = attn.store(k, v)
+            k, v = attn.store(kv)
+        else:
+            k, v = kv[:, 0], kv[:, 1]
         group = self.num_heads // self.num_kv_heads
         # Query head j uses kv head j // group: fold the group into the query-length axis so the
         # kv heads are never repeated in memory. Row g*T + t of the folded query is (g, t).
@@ -148,13 +154,14 @@ class _AttnContext:
             self._folded = bias.masked_fill_(~self.mask, float("-inf")).repeat(1, 1, group, 1)
         return self._folded
 
-    def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this layer's new keys/values into the cache; return the attended window."""
+    def store(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's new keys/values (B, 2, kv heads, T, d) into the cache; return the
+        attended keys and values."""
         if self.fresh:  # tensor-only prefill (CUDA-graph capturable): attend to its own keys only
-            return self.cache.write_prefix(self.layer, self.slot_index, k, v)
+            return self.cache.write_prefix(self.layer, self.slot_index, kv)
         if self.slots is None:  # tensor-only decode step (CUDA-graph capturable)
-            return self.cache.write_at(self.layer, self.slot_index, self.positions[:, 0], k, v, self.total)
-        return self.cache.write(self.layer, self.slots, self.slot_index, self.positions, k, v, self.total)
+            return self.cache.write_at(self.layer, self.slot_index, self.positions[:, 0], kv, self.total)
+        return self.cache.write(self.layer, self.slots, self.slot_index, self.positions, kv, self.total)
 
 
 class Qwen2MLP(nn.Module):
@@ -236,6 +243,7 @@ class Qwen2Model(nn.Module):
             cache.advance(slots, t)
         return hidden
 
+    @torch.no_grad()  # inference only: attention rotates q and k in place (out= takes no gradient)
     def _layers(self, x: torch.Tensor, attn: _AttnContext) -> torch.Tensor:
         """(B, T, H) embeddings through every decoder layer at ``attn.positions``, then the final norm."""
         cos, sin = self.rotary_emb(attn.positions, x.dtype)

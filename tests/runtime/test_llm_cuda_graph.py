@@ -76,27 +76,32 @@ def test_static_decode_equals_eager_decode_for_a_mixed_batch(family, window):
                 assert (a[layer][s, :, :n + 1] - b[layer][s, :, :n + 1]).abs().max() < 1e-5
 
 
-class _IndexSelects(TorchDispatchMode):
-    """The dtypes of the index_select calls made under it."""
+class _CacheOps(TorchDispatchMode):
+    """The dtypes of the index_select calls made under it, and how many index_put calls."""
 
     def __init__(self) -> None:
         super().__init__()
         self.dtypes: list[torch.dtype] = []
+        self.puts = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.index_select.default:
             self.dtypes.append(args[0].dtype)
+        self.puts += func in (torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default)
         return func(*args, **(kwargs or {}))
 
 
-def test_the_static_step_gathers_keys_and_values_once_per_layer_in_8_byte_words():
-    # The slot gather was the top kernel of a loaded H100 decode step (two bf16 gathers a layer).
+def test_the_static_step_writes_and_gathers_keys_and_values_once_per_layer():
+    # The slot gather was the top kernel of a loaded H100 decode step (two bf16 gathers a layer),
+    # and keys and values were written with one index_put each (H100 trace, 2026-12-05).
     model = tiny_model("cosyvoice2")
     with torch.inference_mode():
         cache = _filled_cache(model, [4, 9], 4, 64, [2, 0])
-        with _IndexSelects() as seen:
+        with _CacheOps() as seen:
             model.decode_static(torch.tensor([1, 7]), cache, torch.tensor([2, 0]), torch.tensor([4, 9]), 16)
-    assert seen.dtypes == [torch.int64] * model.backbone_spec.num_layers
+    layers = model.backbone_spec.num_layers
+    assert seen.dtypes == [torch.int64] * layers  # one gather of 8-byte words a layer
+    assert seen.puts == layers
 
 
 @pytest.mark.parametrize("head_dim, dtype", [(3, torch.float32), (6, torch.bfloat16), (4, torch.float32)])
@@ -105,8 +110,9 @@ def test_the_window_gather_equals_the_slots_slices_at_any_row_width(head_dim, dt
     cache = KVCache(num_layers=1, num_slots=5, max_len=8, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
     cache.kv[0].copy_(torch.randn(cache.kv[0].shape))
     slot_index, positions = torch.tensor([3, 1, 3]), torch.tensor([2, 5, 2])
-    k, v = torch.randn(3, 2, 1, head_dim).to(dtype), torch.randn(3, 2, 1, head_dim).to(dtype)
-    keys, values = cache.write_at(0, slot_index, positions, k, v, window=6)
+    kv = torch.randn(3, 2, 2, 1, head_dim).to(dtype)  # (rows, key/value, heads, 1, dim)
+    k, v = kv[:, 0], kv[:, 1]
+    keys, values = cache.write_at(0, slot_index, positions, kv, window=6)
     assert keys.shape == values.shape == (3, 2, 6, head_dim)
     assert torch.equal(keys[1], cache.k[0][1, :, :6]) and torch.equal(values[0], cache.v[0][3, :, :6])
     assert torch.equal(cache.k[0][1, :, 5], k[1, :, 0]) and torch.equal(cache.v[0][1, :, 5], v[1, :, 0])
@@ -225,8 +231,8 @@ def test_attention_over_the_gathered_key_value_views_equals_contiguous_copies(dt
     cache.kv[0].normal_()
     slot_index = torch.tensor([5, 0, 8, 3, 8], device="cuda")
     positions = torch.tensor([300, 17, 0, 255, 0], device="cuda")
-    new = torch.randn(2, 5, 2, 1, 64, device="cuda", dtype=dtype)
-    k, v = cache.write_at(0, slot_index, positions, new[0], new[1], window=512)
+    new = torch.randn(5, 2, 2, 1, 64, device="cuda", dtype=dtype)
+    k, v = cache.write_at(0, slot_index, positions, new, window=512)
     assert k.stride(0) == 2 * k[0].numel()
     q = torch.randn(5, 2, 7, 64, device="cuda", dtype=dtype)
     hidden = torch.arange(512, device="cuda")[None, :] > positions[:, None]
@@ -234,5 +240,21 @@ def test_attention_over_the_gathered_key_value_views_equals_contiguous_copies(dt
     got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=bias)
     # Strides may steer SDPA to another kernel: equal up to rounding, not bit for bit.
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_over_views_of_the_projection_equals_contiguous_copies(dtype):
+    # A prompt's keys and values are views of the q/k/v projection's output (B, T, heads, d)
+    # transposed (the rotation writes in place; the cache write takes them side by side).
+    qkv = torch.randn(3, 40, 14 + 2 * 2, 64, device="cuda", dtype=dtype).transpose(1, 2)
+    q = qkv[:, :14].reshape(3, 2, 7 * 40, 64)
+    k, v = qkv[:, 14:16], qkv[:, 16:]
+    mask = torch.ones(40, 40, dtype=torch.bool, device="cuda").tril().repeat(7, 1)
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=mask)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
