@@ -71,8 +71,8 @@ class SteppedToken2Wav:
         gather_s: the most a pass of rows with slack waits for more rows (0: never).
         wait: ``wait(condition, seconds)`` while holding it (``threading.Condition.wait``; tests
             pass one that records the hold instead of sleeping).
-        on_rows_left: called on the driver thread whenever rows leave (solved, failed or
-            abandoned): what may end an LLM wait for an overdue job.
+        on_rows_left: called whenever rows leave (solved, failed or abandoned) or a solved job's
+            audio is back (any thread): what may end an LLM wait for an overdue job.
         rider_ratio: riders of an urgent pass may have up to this many times the urgent rows'
             frames (:func:`~cosyvoice_runtime.stream_schedule.pick_rows`).
     """
@@ -94,6 +94,7 @@ class SteppedToken2Wav:
         self._new: list[_Pending] = []
         self._rows: list[_Pending] = []  # driver thread only; replaced through _set_rows
         self._first_due = math.inf  # under _lock: the earliest deadline among _rows
+        self._collecting: list[_Pending] = []  # under _lock: solved jobs whose audio is on its way back
         self.on_rows_left = on_rows_left
         self.rider_ratio = rider_ratio
         self._running = False
@@ -123,7 +124,7 @@ class SteppedToken2Wav:
         """From any thread: whether a job in hand (arrived or being solved) is due already."""
         now = self.clock()
         with self._lock:
-            return self._first_due <= now or any(p.deadline_s <= now for p in self._new)
+            return self._first_due <= now or any(p.deadline_s <= now for p in (*self._new, *self._collecting))
 
     # -- driver thread ---------------------------------------------------------------------
     def _set_rows(self, rows: list[_Pending]) -> None:
@@ -200,6 +201,8 @@ class SteppedToken2Wav:
         """Queue the vocoder for solved rows and hand the wait for their audio to the event loop's
         executor: the driver goes on with new jobs and passes meanwhile."""
         collect = self.t2w.finish([p.row for p in done])
+        with self._lock:  # overdue until their audio is back: the vocoder runs meanwhile
+            self._collecting += done
         self._set_rows([p for p in self._rows if p not in done])
         loop = done[0].loop
         loop.call_soon_threadsafe(self._collect, loop, collect, done)
@@ -209,6 +212,10 @@ class SteppedToken2Wav:
         loop.run_in_executor(None, collect).add_done_callback(lambda f: self._deliver(f, done))
 
     def _deliver(self, collected: asyncio.Future, done: list[_Pending]) -> None:
+        with self._lock:
+            self._collecting = [p for p in self._collecting if p not in done]
+        if self.on_rows_left is not None:
+            self.on_rows_left()
         now = self.clock()
         exc = collected.exception()
         if exc is not None:  # the copy back failed: a device fault (fatal) or the batch's own error

@@ -298,8 +298,9 @@ def test_gather_ms_reaches_the_stepped_loop(model_dir):
 
 def test_overdue_while_a_due_job_is_in_hand_and_rows_leaving_are_reported():
     """What the LLM's give-way reads (token2wav.give_way_ms): a job due already (deadline 100 on a
-    clock at 100: a first chunk) makes the loop overdue from its arrival until it is solved; a job
-    with audio to spare does not; every time rows leave, on_rows_left is called."""
+    clock at 100: a first chunk) makes the loop overdue from its arrival until its audio is back
+    (its rows leave when the vocoder is queued); a job with audio to spare does not; on_rows_left
+    is called when rows leave and when a job's audio is back."""
     t2w = _FakeT2W()
     seen, left = [], []
     loop = _loop(t2w)
@@ -312,9 +313,9 @@ def test_overdue_while_a_due_job_is_in_hand_and_rows_leaving_are_reported():
     t2w.advance = watching_advance
     both_left = threading.Event()
 
-    def rows_left():  # on the driver thread, after the job's audio was handed back
+    def rows_left():  # on the driver thread (rows leave), then on the event loop (audio back)
         left.append(loop.overdue())
-        if len(left) == 2:
+        if len(left) == 4:
             both_left.set()
 
     loop.on_rows_left = rows_left
@@ -327,4 +328,4 @@ def test_overdue_while_a_due_job_is_in_hand_and_rows_leaving_are_reported():
     asyncio.run(main())
     assert both_left.wait(timeout=60)  # a failure guard, not a synchronisation by time
     assert seen == [(["spare"], False)] * 3 + [(["first"], True)] * 3
-    assert left == [False, False] and not loop.overdue()
+    assert left == [False, False, True, False] and not loop.overdue()
