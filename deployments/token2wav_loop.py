@@ -204,28 +204,32 @@ class SteppedToken2Wav:
         with self._lock:  # overdue until their audio is back: the vocoder runs meanwhile
             self._collecting += done
         self._set_rows([p for p in self._rows if p not in done])
-        loop = done[0].loop
-        loop.call_soon_threadsafe(self._collect, loop, collect, done)
+        for loop in {p.loop for p in done}:  # the replica's one event loop (tests may run several)
+            loop.call_soon_threadsafe(self._collect, loop, collect, done)
 
     def _collect(self, loop: asyncio.AbstractEventLoop, collect: Callable[[], list], done: list[_Pending]) -> None:
         """On the event loop: wait for ``collect`` in the default executor, then deliver."""
-        loop.run_in_executor(None, collect).add_done_callback(lambda f: self._deliver(f, done))
+        loop.run_in_executor(None, collect).add_done_callback(lambda f: self._deliver(f, done, loop))
 
-    def _deliver(self, collected: asyncio.Future, done: list[_Pending]) -> None:
+    def _deliver(self, collected: asyncio.Future, done: list[_Pending], loop: asyncio.AbstractEventLoop) -> None:
+        """On ``loop``: the audio of its jobs of ``done`` (or the error of the wait for it)."""
         with self._lock:
-            self._collecting = [p for p in self._collecting if p not in done]
+            self._collecting = [p for p in self._collecting if p not in done or p.loop is not loop]
         if self.on_rows_left is not None:
             self.on_rows_left()
         now = self.clock()
         exc = collected.exception()
         if exc is not None:  # the copy back failed: a device fault (fatal) or the batch's own error
-            logger.warning("token2wav audio of %d jobs failed (%s: %s)", len(done), type(exc).__name__, exc)
-            self.failed_jobs += len(done)
+            mine = sum(p.loop is loop for p in done)
+            logger.warning("token2wav audio of %d jobs failed (%s: %s)", mine, type(exc).__name__, exc)
+            self.failed_jobs += mine
             if is_fatal(exc):
                 self.on_fatal(exc)
             error = (EngineDeadError if is_fatal(exc) else RequestFailedError)(
                 f"audio generation failed: {type(exc).__name__}: {exc}")
         for p, audio in zip(done, collected.result() if exc is None else [error] * len(done)):
+            if p.loop is not loop:
+                continue
             if p.marks is not None:
                 p.marks.setdefault("t2w_solved", now)
             if not p.future.done():
