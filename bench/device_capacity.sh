@@ -21,6 +21,8 @@
 #   PROFILE_ARGS="--cpu-ops" adds the requests' CPU ops to the profile (what each thread did between kernels)
 #   SERVE_PROXY=haproxy: the serve level behind HAProxy with direct ingress (RAY_SERVE_ENABLE_HA_PROXY=1)
 #   instead of Serve's HTTP proxy actor (docs/tuning.md, "The HTTP path")
+# Then, here: python -m bench.import_results <files_at>/capacity.tgz --tag <lease> [--latest]
+# (the device names reports by level, card and day only: a second lease that day would overwrite).
 set -u
 W=/tmp/capacity
 # a fresh folder per call: a warm machine keeps /tmp, and the night's third call packed and printed

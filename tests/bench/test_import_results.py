@@ -1,0 +1,63 @@
+"""bench/import_results.py: a device call's bundle lands under a tag, reports regenerated, the
+profile trace left out unless asked, latest.json's report names tagged."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from bench.import_results import import_bundle
+
+REPO = Path(__file__).resolve().parents[2]
+DEVICE_STEM = "capacity-synth-nvidia-h100-80gb-hbm3-2026-12-05"
+REPORT = REPO / "bench" / "results" / "capacity-synth-nvidia-h100-80gb-hbm3-2026-12-05-late.json"
+
+
+def _bundle(tmp_path: Path) -> Path:
+    files = {
+        f"results/{DEVICE_STEM}.json": REPORT.read_bytes(),
+        "results/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05.json": b'{"requests": []}',
+        "results/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05.md": b"# profile\n",
+        "results/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-trace.json.gz": b"\x1f\x8b big",
+        "results/latest.json": json.dumps({"slo_streams_in_process": 62,
+                                           "capacity_report_synth": f"{DEVICE_STEM}.md"}).encode(),
+        "gpu.txt": b"name, driver_version\nNVIDIA H100 80GB HBM3, 580.1\n",
+        "gpu_tests.txt": b"== runtime/test_no_gpu_waits\n4 passed\n",
+    }
+    path = tmp_path / "capacity.tgz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"./{name}")
+            info.size, info.mtime = len(data), 1796472000  # 2026-12-05 12:00 UTC
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_bundle_lands_under_its_tag_and_a_second_lease_keeps_the_first(tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    bundle = _bundle(tmp_path)
+    written = {p.name for p in import_bundle(bundle, "late", out, latest=True)}
+    assert {f"{DEVICE_STEM}-late.json", f"{DEVICE_STEM}-late.md",
+            "profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-late.json",
+            "profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-late.md",
+            "gpu-tests-nvidia-h100-80gb-hbm3-2026-12-05-late.txt", "latest.json"} <= written
+    assert not any(name.endswith(".json.gz") for name in written)  # the trace only with trace=True
+    assert (out / f"{DEVICE_STEM}-late-latency.png").exists()  # the plots regenerated under the tag
+    assert "62 sessions" in (out / f"{DEVICE_STEM}-late.md").read_text()
+    assert json.loads((out / "latest.json").read_text())["capacity_report_synth"] == f"{DEVICE_STEM}-late.md"
+    import_bundle(bundle, "night", out, trace=True)
+    assert (out / f"{DEVICE_STEM}-late.json").exists() and (out / f"{DEVICE_STEM}-night.json").exists()
+    assert (out / "profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-night-trace.json.gz").exists()
+    assert json.loads((out / "latest.json").read_text())["capacity_report_synth"] == f"{DEVICE_STEM}-late.md"
+
+
+@pytest.mark.parametrize("tag", ["", "Late", "a b", "../x"])
+def test_a_tag_is_a_plain_slug(tmp_path, tag):
+    with pytest.raises(ValueError, match="tag"):
+        import_bundle(_bundle(tmp_path), tag, tmp_path)
+    assert os.listdir(tmp_path) == ["capacity.tgz"]
