@@ -10,8 +10,9 @@ status code), which means the whole path to the first audio is known when the he
 * ``llm-first-chunk``: then to the tokens the first chunk needs (decode steps);
 * ``token2wav``: then to the first chunk's audio (flow + vocoder, waiting for a batch or a pass);
   with the stepped token2wav also in three parts (:data:`TOKEN2WAV_PARTS`): ``t2w-queue`` until the
-  driver thread took the job in, ``t2w-solve`` its encoder, passes and vocoder, ``t2w-return`` until the
-  event loop had the audio (a busy loop or a held GIL shows here);
+  driver thread took the job in, ``t2w-solve`` its encoder, passes and vocoder until the audio was
+  back on the host (stamped on the event loop), ``t2w-return`` until the request's coroutine ran
+  with it (a busy loop or a held GIL shows here);
 * ``handoff``: the synthesizer call as the ingress saw it, less the synthesizer's own time to
   first audio: Ray's hops into and out of the replica and the event loops' delays;
 * ``first-audio``: the ingress's whole time to first audio (request arrival to first chunk).
