@@ -22,12 +22,9 @@ import tempfile
 from pathlib import Path
 
 from bench.capacity_report import write_report
+from bench.report import _slug
 
 LATEST = ("latest.json", "cosyvoice3-latest.json")
-
-
-def _slug(text: str) -> str:
-    return "-".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
 
 
 def _tagged(name: str, tag: str) -> str:
