@@ -303,7 +303,8 @@ def update_latest(run: Run) -> dict:
     """Add this level's capacity figures (the best mode's) to the family's ``latest.json`` (a
     ``--timed`` run's are not GPU figures: returned, not written): sessions at the SLO and the
     Poisson rate, each under the level's key (``slo_streams``, ``slo_rate_rps``; ``_serve`` and
-    ``_in_process`` for the other levels) with its own device and date: the levels (and the
+    ``_in_process`` for the other levels) with its own device and date, and the throughput and
+    streams in flight at the sessions' capacity; the levels (and the
     throughput benchmark, whose ``device`` and ``date`` the file's top level keeps, with the replica
     level's) may come from different machines and days."""
     path = latest_path(run.out, run.args.family)
@@ -311,6 +312,7 @@ def update_latest(run: Run) -> dict:
     level = run.args.level
     suffix = {"replica": "", "serve": "_serve", "synth": "_in_process"}[level]
     update: dict = {}
+    stale: list[str] = []
     for kind, name in (("sessions", "slo_streams"), ("rate", "slo_rate_rps")):
         found = [s for s in run.searches if s["kind"] == kind and s["capacity"] is not None]
         if not found:
@@ -319,11 +321,18 @@ def update_latest(run: Run) -> dict:
         key = name + suffix
         update.update({key: best["capacity"], f"{key}_mode": best["mode"], f"{key}_device": run.device,
                        f"{key}_date": run.date, f"capacity_report_{level}": f"{run.stem}.md"})
-        if kind == "sessions" and level == "replica":
+        # A hand-written note explains the value it sat beside; a new value makes it stale (the
+        # late H100 lease's 62 kept the 52's note and throughput, 2026-12-05).
+        stale.append(f"{key}_note")
+        if kind == "sessions":
             at_cap = next((p for p in best["probes"] if p["load"] == best["capacity"]), {})
-            update["throughput_x_realtime_at_slo"] = at_cap.get("throughput_x_realtime")
+            update["throughput_x_realtime_at_slo" + suffix] = at_cap.get("throughput_x_realtime")
+            update["slo_streams_in_flight" + suffix] = at_cap.get("streams_in_flight_mean")
+            stale.append("slo_streams_in_flight" + suffix + "_note")
     if not update:
         return latest
+    for key in stale:
+        latest.pop(key, None)
     modes = [update.get(f"slo_streams{suffix}_mode"), update.get(f"slo_rate_rps{suffix}_mode")]
     one = [p for s in run.searches if s["kind"] != "rate" and s["mode"] in modes for p in s["probes"] if p["load"] == 1]
     update["ttfb_p50_ms_c1" + suffix] = one[0]["ttfa_p50_ms"] if one else None

@@ -594,3 +594,30 @@ def test_loads_probes_each_given_load_and_claims_no_capacity(tmp_path, monkeypat
 def test_streams_in_flight_follow_littles_law():
     one = _trace(chunks=((0.1, 1.0), (2.0, 1.0)))  # open for 2 s
     assert Probe(1, [one] * 30, window_s=60).summary(SLO)["streams_in_flight_mean"] == 1.0
+
+
+def test_a_new_capacity_replaces_its_throughput_in_flight_and_hand_note(tmp_path, monkeypatch):
+    """Each level writes the throughput and streams in flight at its own capacity, and drops the
+    hand-written note of the value it replaces (the late H100 lease's 62 over HTTP kept the 52's
+    note and throughput, 2026-12-05); other levels' keys stay."""
+    (tmp_path / "latest.json").write_text(json.dumps({
+        "slo_streams_serve": 52, "slo_streams_serve_note": "52 met ...", "throughput_x_realtime_at_slo_serve": 49.7,
+        "slo_streams_in_flight_serve": 12.2, "slo_streams_in_flight_serve_note": "at 52 ...",
+        "slo_streams": 42, "slo_streams_note": "replica level", "throughput_x_realtime_at_slo": 42.2}))
+
+    def search(probe, slo, **kw):  # probes two loads through the real probe, claims the one that met
+        for load in (2, 3):
+            asyncio.run(probe(load))
+        return 2, []
+
+    monkeypatch.setattr(capacity_mod, "sessions_search", search)
+    args = parse_args(["--out", str(tmp_path), "--level", "serve", "--no-open-loop", "--c1-window-s", "0.05"])
+    run = Run(args, Workload(Mix.parse("1:1-2"), window_s=0.5, ramp_s=0), SLO, "NVIDIA H100")
+    _searches(args, run, "single-gpu", _FixedTarget(first_audio_s=0.04), sampler=None)
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    at_two = run.searches[0]["probes"][0]
+    assert at_two["load"] == 2 and latest["slo_streams_serve"] == 2
+    assert latest["throughput_x_realtime_at_slo_serve"] == at_two["throughput_x_realtime"] != 49.7
+    assert latest["slo_streams_in_flight_serve"] == at_two["streams_in_flight_mean"] != 12.2
+    assert "slo_streams_serve_note" not in latest and "slo_streams_in_flight_serve_note" not in latest
+    assert latest["slo_streams_note"] == "replica level" and latest["throughput_x_realtime_at_slo"] == 42.2
