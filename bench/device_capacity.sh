@@ -37,7 +37,11 @@ if [ "${TESTS_S:-0}" -gt 0 ]; then
   pack
 fi
 # Both levels import the serving stack's config types (pydantic), which the lent image lacks.
-mkdir -p /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz
+# Extracted once per machine and carry (~10 s each time; several calls of one lease chain on a warm machine).
+stamp=$(md5sum < .carry/site312.tar.xz)
+if [ "$(cat /tmp/site/.stamp 2>/dev/null)" != "$stamp" ]; then
+  rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz && echo "$stamp" > /tmp/site/.stamp
+fi
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 # The lent image has no PyAV and its wheel does not fit the carry: an empty `av` module makes the
 # ingress report mp3/opus/aac/flac unsupported; the capacity probes stream PCM, which needs none.
