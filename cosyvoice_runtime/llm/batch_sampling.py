@@ -36,6 +36,7 @@ import torch
 from cosyvoice_runtime.llm.sampling import SamplingParams
 
 GREEDY, RAS, TOP_K_TOP_P = 0, 1, 2
+NONFINITE = -1  # the id chosen for a row whose logits hold NaN/Inf (its sample is meaningless)
 _METHOD_CODE = {"greedy": GREEDY, "ras": RAS, "top_k_top_p": TOP_K_TOP_P}
 C_METHOD, C_TOPK, C_WIN, C_REPMIN, C_MINLEN, C_TOPP, C_TEMP, C_U0, C_U1, C_HIST = range(10)
 NUM_FIXED_COLS = C_HIST
@@ -183,3 +184,17 @@ def sample_rows(logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     redraw = inverse_cdf(logp.scatter(1, pick[:, None], -float("inf")).softmax(-1), u_fallback)
     pick = torch.where(fallback, redraw, pick)
     return torch.where(method == GREEDY, logp.argmax(-1), pick)
+
+
+def choose_ids(logits: torch.Tensor, rows: torch.Tensor, stop_mask: torch.Tensor) -> torch.Tensor:
+    """The tail of a static step (decode or prefill): (B, V) logits -> (B,) ids, :data:`NONFINITE`
+    for a row whose logits are not finite. Tensor ops only: it runs inside a CUDA graph.
+
+    Rows with NaN/Inf logits are marked in the step's one copy to the host (checked after the
+    step, they cost a reduction and a second sync every step: H100 trace, 2026-12-05) and sampled
+    from flat log-probabilities meanwhile: NaN ones pick an index out of range, which on a GPU is a
+    device-side assert that kills the replica, not just the request.
+    """
+    finite = torch.isfinite(logits).all(-1)
+    logp = torch.where(finite[:, None], logits.float().log_softmax(-1), 0.0)
+    return torch.where(finite, sample_rows(mask_min_len(logp, rows, stop_mask), rows), NONFINITE)

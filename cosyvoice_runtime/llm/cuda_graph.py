@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 MIN_KEY_WINDOW = 128
 DEFAULT_HISTORY_WIDTH = 16  # >= the yaml's win_size (10); rows with a larger window sample eagerly
 _DECODE_COLS = 3  # fed id, slot, position; the sampler's columns follow
-NONFINITE = -1  # the id a step returns for a row whose logits hold NaN/Inf (its sample is meaningless)
+NONFINITE = bs.NONFINITE  # the id a step returns for a row whose logits hold NaN/Inf
 
 
 def default_key_buckets(max_len: int) -> list[int]:
@@ -98,13 +98,12 @@ class DecodeRunner(graph_capture.GraphOwner):
         self._stop_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
         self._stop_mask[list(stop_mask_ids)] = True
         # Padding row: scratch slot, position 0 (key 0 is visible, so its softmax is finite), greedy.
-        pad = bs.pack_rows([_PAD_PARAMS], [[]], [0], [0], [False], history_width)[0]
-        self._pad_row = torch.tensor([0, pad_slot, 0] + pad.tolist(), dtype=torch.long)
+        self._pad_row = torch.tensor([0, pad_slot, 0] + pad_sampler_row(history_width), dtype=torch.long)
 
     # -- the step --------------------------------------------------------------------------
     def can_sample(self, params) -> bool:
         """Whether the in-step sampler serves these params (else the caller samples from the logits)."""
-        return not params.official_rng and (params.method != "ras" or params.win_size <= self.history_width)
+        return in_step_sampler_serves(params, self.history_width)
 
     def step(self, tokens: Sequence[int], slots: Sequence[int], states: Sequence) -> tuple[list[int], torch.Tensor]:
         """Feed one id per running slot, advance the slots, choose the next ids.
@@ -128,8 +127,7 @@ class DecodeRunner(graph_capture.GraphOwner):
         host = self._host_np
         host[n:b] = self._pad_row.numpy()
         host[:n, 0], host[:n, 1], host[:n, 2] = tokens, slots, positions
-        served = [st if self.can_sample(st.params) else _PadState for st in states]
-        pack_states(served, self.history_width, out=host[:n, _DECODE_COLS:])
+        pack_sampler_rows(states, self.history_width, host[:n, _DECODE_COLS:])
         self._rows[:b].copy_(self._host[:b], non_blocking=True)
         if graph is not None:
             graph.replay()
@@ -145,14 +143,7 @@ class DecodeRunner(graph_capture.GraphOwner):
         logits = self._decode(rows[:, 0], self.cache, rows[:, 1], rows[:, 2], window)
         self._logits[:b].copy_(logits)
         sampler_rows = rows[:, _DECODE_COLS:]
-        # Rows with NaN/Inf logits are marked in the step's one copy to the host (checked after
-        # the step, they cost a reduction and a second sync every step: H100 trace, 2026-12-05)
-        # and sampled from flat log-probabilities meanwhile: NaN ones pick an index out of range,
-        # which on a GPU is a device-side assert that kills the replica, not just the request.
-        finite = torch.isfinite(logits).all(-1)
-        logp = torch.where(finite[:, None], logits.float().log_softmax(-1), 0.0)
-        logp = bs.mask_min_len(logp, sampler_rows, self._stop_mask)
-        self._ids[:b].copy_(torch.where(finite, bs.sample_rows(logp, sampler_rows), NONFINITE))
+        self._ids[:b].copy_(bs.choose_ids(logits, sampler_rows, self._stop_mask))
 
     # -- graphs ----------------------------------------------------------------------------
     def capture(self, batch_sizes: Sequence[int] | None = None, windows: Sequence[int] | None = None) -> int:
@@ -178,3 +169,21 @@ class DecodeRunner(graph_capture.GraphOwner):
 # Sampler inputs of a row the in-step sampler does not serve (a greedy placeholder).
 _PAD_PARAMS = SamplingParams(method="greedy", top_k=1, win_size=0, tau_r=0.0)
 _PadState = DecodeState(min_len=0, max_len=1, params=_PAD_PARAMS, rng_seed=0)
+
+
+def in_step_sampler_serves(params: SamplingParams, history_width: int) -> bool:
+    """Whether a static step's sampler (:func:`~cosyvoice_runtime.llm.batch_sampling.choose_ids`)
+    serves these params: not the official RNG stream, and a RAS window it can see."""
+    return not params.official_rng and (params.method != "ras" or params.win_size <= history_width)
+
+
+def pad_sampler_row(history_width: int) -> list[int]:
+    """The sampler columns of a padding row (greedy)."""
+    return bs.pack_rows([_PAD_PARAMS], [[]], [0], [0], [False], history_width)[0].tolist()
+
+
+def pack_sampler_rows(states: Sequence[DecodeState], history_width: int, out) -> None:
+    """Each row's sampler inputs into ``out`` (rows the in-step sampler does not serve get a
+    greedy placeholder: their caller samples them from the logits)."""
+    served = [st if in_step_sampler_serves(st.params, history_width) else _PadState for st in states]
+    pack_states(served, history_width, out=out)

@@ -126,7 +126,9 @@ class LLMEngine:
                                        history_width=history_width, use_graphs=graphs,
                                        compile_backend=compile_backend)
             if prefill_graphs:
-                self.prefill_runner = PrefillRunner(model, self.cache, pad_slot=max_batch_size, use_graphs=graphs)
+                self.prefill_runner = PrefillRunner(model, self.cache, pad_slot=max_batch_size,
+                                                    stop_mask_ids=min_len_mask_ids(self.spec, official_quirks),
+                                                    history_width=history_width, use_graphs=graphs)
         self._requests: dict[str, _Request] = {}
         self._bistream: dict[str, BistreamSequence] = {}
 
@@ -315,17 +317,21 @@ class LLMEngine:
             req.state.slot = s.slot
             self.cache.reset(s.slot)
         seqs = [self._bistream[s.request_id] for s in extends]
-        parts = []
+        parts, tokens = [], []
         if reqs:
             fresh, slots = [r.lm_input for r in reqs], [s.slot for s in prefill]
-            graphed = self.prefill_runner is not None and self.prefill_runner.fits([len(x) for x in fresh])
-            parts.append(self.prefill_runner.run(fresh, slots) if graphed else self._forward_padded(fresh, slots))
+            if self.prefill_runner is not None and self.prefill_runner.fits([len(x) for x in fresh]):
+                ids, logits = self.prefill_runner.run(fresh, slots, [r.state for r in reqs])
+                tokens = self._settle(reqs, ids, logits, self.prefill_runner.can_sample)
+            else:
+                logits = self._forward_padded(fresh, slots)
+                tokens = self._select(reqs, logits)
+            parts.append(logits)
         if seqs:
             parts.append(self._forward_padded([embed_segments(self.model, seq.take_input(), self.device)
                                                for seq in seqs], [s.slot for s in extends]))
-        logits = torch.cat(parts)
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         n = len(reqs)
-        tokens = self._select(reqs, logits[:n]) if reqs else []
         events = []
         for i, req in enumerate(reqs):
             req.lm_input = req.lm_input[:0]  # the prompt now lives in the cache
@@ -402,23 +408,24 @@ class LLMEngine:
     def _static_decode(self, reqs: list[_Request], slots: list[int], fed: list[int],
                        n_bistream: int) -> tuple[list[int | None], torch.Tensor]:
         """The runner's step; rows past ``reqs`` are bistream rows, whose ids the caller chooses."""
-        states = [r.state for r in reqs]
-        tokens, logits = self.runner.step(fed, slots, states + [_SAMPLED_OUTSIDE] * n_bistream)
-        tokens = tokens[:len(reqs)]
+        ids, logits = self.runner.step(fed, slots, [r.state for r in reqs] + [_SAMPLED_OUTSIDE] * n_bistream)
         if self.return_logits:
             logits = logits.clone()  # the runner's buffer is overwritten by the next step
-        bad = {i for i, tok in enumerate(tokens) if tok == NONFINITE}  # those requests fail
-        for i in bad:
-            tokens[i] = None
-        # Rows the in-step sampler does not serve (custom sampler, official RNG, wide window).
-        rest = [i for i, r in enumerate(reqs) if i not in bad and (r.sample_fn is not default_sample_fn
-                or not self.runner.can_sample(r.state.params))]
+        return self._settle(reqs, ids[:len(reqs)], logits, self.runner.can_sample), logits
+
+    def _settle(self, reqs: list[_Request], ids: list[int], logits: torch.Tensor, can_sample) -> list[int | None]:
+        """Tokens from a static step's in-graph choice: None for a row marked :data:`NONFINITE`
+        (that request fails), and rows its sampler does not serve (custom sampler, official RNG,
+        wide window; ``can_sample``) sampled here from their logits."""
+        tokens: list[int | None] = [None if tok == NONFINITE else tok for tok in ids]
+        rest = [i for i, r in enumerate(reqs) if tokens[i] is not None and (r.sample_fn is not default_sample_fn
+                or not can_sample(r.state.params))]
         if rest:
-            picked = select_tokens(self.spec, logits[rest], [states[i] for i in rest], [reqs[i].sample_fn for i in rest],
-                                   self.official_quirks)
+            picked = select_tokens(self.spec, logits[rest], [reqs[i].state for i in rest],
+                                   [reqs[i].sample_fn for i in rest], self.official_quirks)
             for i, tok in zip(rest, picked):
                 tokens[i] = tok
-        return tokens, logits
+        return tokens
 
     def _commit(self, req: _Request, token: int, logits: torch.Tensor) -> TokenEvent:
         state = req.state
