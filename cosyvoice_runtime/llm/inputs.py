@@ -27,11 +27,12 @@ class LMInput:
     max_len: int
 
 
-def _as_ids(ids, device: torch.device) -> torch.Tensor:
-    """Accept (T,), (1, T), lists or None; return (T,) long on ``device``."""
+def _as_ids(ids) -> torch.Tensor:
+    """Accept (T,), (1, T), lists or None; return (T,) long on the host (checked there: a check of
+    ids on the GPU is a kernel, a copy back and a sync per bound)."""
     if ids is None:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    t = torch.as_tensor(ids, device=device)
+        return torch.zeros(0, dtype=torch.long)
+    t = torch.as_tensor(ids).cpu()
     if t.dim() == 2:
         if t.shape[0] != 1:
             raise InvalidInputError(f"expected one id sequence, got shape {tuple(t.shape)}")
@@ -78,19 +79,22 @@ def build_lm_input(model, text_ids, prompt_text_ids=None, prompt_speech_ids=None
     """
     spec: LLMSpec = model.spec
     device = model.speech_embedding.weight.device
-    text = _as_ids(text_ids, device)
-    prompt_text = _as_ids(prompt_text_ids, device)
-    prompt_speech = _as_ids(prompt_speech_ids, device)
+    text = _as_ids(text_ids)
+    prompt_text = _as_ids(prompt_text_ids)
+    prompt_speech = _as_ids(prompt_speech_ids)
     if text.numel() == 0:
         raise InvalidInputError("text has no tokens")
-    _check_range("text", torch.cat([prompt_text, text]), spec.backbone.vocab_size)
+    all_text = torch.cat([prompt_text, text])
+    _check_range("text", all_text, spec.backbone.vocab_size)
     _check_range("prompt speech token", prompt_speech, spec.speech_token_size)
     check_endofprompt(spec, prompt_text, text)
+    # One copy to the device for both id kinds (each pageable copy waits for the stream).
+    ids = torch.cat([all_text, prompt_speech]).to(device)
     embeds = torch.cat([
         model.sos_embedding()[None],
-        model.embed_text(torch.cat([prompt_text, text])),
+        model.embed_text(ids[:all_text.numel()]),
         model.task_id_embedding()[None],
-        model.embed_speech(prompt_speech),
+        model.embed_speech(ids[all_text.numel():]),
     ])
     min_len, max_len = length_limits(spec, text.numel())
     return LMInput(embeds=embeds, min_len=min_len, max_len=max_len)
