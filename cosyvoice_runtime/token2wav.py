@@ -25,7 +25,8 @@ import logging
 import math
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -47,6 +48,8 @@ from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 logger = logging.getLogger(__name__)
 
+PROMPT_VOICES = 256  # voice prompts kept on the device (~60 KB each for a 3.5 s CosyVoice2 prompt in bf16)
+
 
 @dataclass
 class StreamState:
@@ -54,13 +57,15 @@ class StreamState:
 
     ``prompt_tokens`` / ``prompt_feat`` / ``prompt_embedding`` are the voice prompt as the flow
     takes it, on the flow's device: (1, Lp) int32, (1, 2 * Lp, n_mels) and (1, spk_dim) in the
-    flow's dtype (made once per stream by :meth:`Token2Wav.new_stream`).
+    flow's dtype, shared by the streams of one voice and never written (:meth:`Token2Wav.new_stream`);
+    ``prompt_key`` identifies that content (:func:`prompt_key`).
     """
 
     prompt: VoicePrompt
     prompt_tokens: torch.Tensor = field(repr=False)
     prompt_feat: torch.Tensor = field(repr=False)
     prompt_embedding: torch.Tensor = field(repr=False)
+    prompt_key: bytes = field(repr=False)
     stream: bool
     speed: float
     hop_len: int
@@ -128,6 +133,7 @@ class Token2Wav:
         self.spec = spec
         # what this family's streamed flow calls do
         self.flow_mode = cv2_flow if spec.family == "cosyvoice2" else cv3_flow
+        self._prompts = _PromptTensors(PROMPT_VOICES)
         self.prompt_prefixes = (PromptPrefixes(prompt_cache_bytes)
                                 if prompt_cache_bytes > 0 and self.flow_mode == "incremental" else None)
         self.flow_cache_bytes = flow_cache_bytes
@@ -150,16 +156,20 @@ class Token2Wav:
             raise InvalidInputError(f"speed must be within [0.5, 2.0], got {speed}")
         if stream and speed != 1.0:
             raise InvalidInputError("speed != 1 is only supported without streaming")
-        weight = next(self.flow.parameters())
-        # torch.tensor copies: arrays unpickled from a handle call are read-only.
+        key = prompt_key(prompt)
+        tokens, feat, embedding = self._prompts.get(key, lambda: self._prompt_tensors(prompt))
         return StreamState(
-            prompt=prompt,
-            prompt_tokens=torch.tensor(prompt.speech_tokens, dtype=torch.int32, device=weight.device).reshape(1, -1),
-            prompt_feat=torch.tensor(prompt.mel, dtype=weight.dtype, device=weight.device)[None],
-            prompt_embedding=torch.tensor(prompt.embedding, dtype=weight.dtype, device=weight.device).reshape(1, -1),
+            prompt=prompt, prompt_tokens=tokens, prompt_feat=feat, prompt_embedding=embedding, prompt_key=key,
             stream=stream, speed=speed, hop_len=self.spec.stream.token_hop_len,
             vocoder=VocoderStream.create(self.spec, strategy=self.cv3_vocoder), generator=generator,
         )
+
+    def _prompt_tensors(self, prompt: VoicePrompt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        weight = next(self.flow.parameters())
+        # torch.tensor copies: arrays unpickled from a handle call are read-only.
+        return (torch.tensor(prompt.speech_tokens, dtype=torch.int32, device=weight.device).reshape(1, -1),
+                torch.tensor(prompt.mel, dtype=weight.dtype, device=weight.device)[None],
+                torch.tensor(prompt.embedding, dtype=weight.dtype, device=weight.device).reshape(1, -1))
 
     def _next_hop(self, state: StreamState) -> int:
         if state.token_offset == 0:
@@ -250,7 +260,7 @@ class Token2Wav:
             state, mark = job.state, 0
             if state.flow_cache is None:
                 prefixes = self.prompt_prefixes
-                prefix = prefixes.get(_prompt_key(state)) if prefixes is not None else None
+                prefix = prefixes.get(state.prompt_key) if prefixes is not None else None
                 state.flow_cache = FlowCache() if prefix is None else prefix.shared()
                 with self._live_lock:
                     self._live_caches.add(state.flow_cache)
@@ -269,7 +279,7 @@ class Token2Wav:
             raise RuntimeError(f"flow cache of {start} frames is past the job's first new frame")
         state.flow_frames += row.frames
         if row.mark and self.prompt_prefixes is not None:
-            self.prompt_prefixes.put(_prompt_key(state), row.cache.prefix(start + row.mark, row.mark_convs))
+            self.prompt_prefixes.put(state.prompt_key, row.cache.prefix(start + row.mark, row.mark_convs))
         row.commit()
         return row.x[None, :, first:].float()
 
@@ -415,13 +425,41 @@ class Token2Wav:
         return chunks
 
 
-def _prompt_key(state: StreamState) -> bytes:
+def prompt_key(prompt: VoicePrompt) -> bytes:
     """What identifies a voice prompt to the flow: its speech tokens, mel and speaker embedding."""
     h = hashlib.blake2b(digest_size=16)
-    for arr in (state.prompt.speech_tokens, state.prompt.mel, state.prompt.embedding):
+    for arr in (prompt.speech_tokens, prompt.mel, prompt.embedding):
         h.update(str(arr.dtype).encode() + str(arr.shape).encode())
         h.update(arr.tobytes())
     return h.digest()
+
+
+class _PromptTensors:
+    """Voice prompts on the flow's device by content (:func:`prompt_key`), the least recently used
+    out past ``max_voices``. Why: each request copied its prompt's tokens, mel and speaker
+    embedding from pageable memory, three copies that each waited for the stream: ~1 ms on the
+    event loop before a one-stream request reached the LLM (H100 trace, 2026-12-05). Readers never
+    write them. Thread-safe (new_stream runs on the event loop, the VC path on compute lanes)."""
+
+    def __init__(self, max_voices: int) -> None:
+        self.max_voices = max_voices
+        self._items: OrderedDict[bytes, tuple] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes, make: Callable[[], tuple]) -> tuple:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        value = make()  # outside the lock: a copy to the device may wait for the stream
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.max_voices:
+                self._items.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 @contextlib.contextmanager

@@ -200,3 +200,30 @@ def test_a_token2wav_failure_leaves_the_streams_as_they_were(model, monkeypatch,
     for a, b in zip(clean, retried):
         assert a.shape == b.shape and a.numel() > 0
         assert torch.equal(a, b)
+
+
+def test_streams_of_one_voice_share_its_device_prompt_and_give_the_same_audio(model, monkeypatch):
+    """new_stream copies a voice prompt to the device once (three pageable copies per request
+    were ~1 ms on the event loop, H100 2026-12-05): a second stream of the same content shares
+    the tensors, another voice gets its own, the least recently used voice leaves past the
+    bound; the shared prompt leaves each stream's audio as a fresh copy gives it."""
+    import cosyvoice_runtime.token2wav as t2w_mod
+
+    monkeypatch.setattr(t2w_mod, "PROMPT_VOICES", 2)
+    t2w = Token2Wav(model.spec, model.flow, model.hift)
+    tokens = torch.randint(0, 6561, (60,), generator=torch.Generator().manual_seed(5)).tolist()
+    a1, a2 = _prompt(model, 20, 1), _prompt(model, 20, 1)  # equal content, distinct objects
+    s1 = t2w.new_stream(a1, stream=False, generator=torch.Generator().manual_seed(0))
+    s2 = t2w.new_stream(a2, stream=False, generator=torch.Generator().manual_seed(0))
+    assert s1.prompt_feat is s2.prompt_feat and s1.prompt_tokens is s2.prompt_tokens and s1.prompt_key == s2.prompt_key
+    assert torch.equal(s1.prompt_feat[0].float(), torch.from_numpy(a1.mel).to(s1.prompt_feat.dtype).float())
+    b = t2w.new_stream(_prompt(model, 20, 2), stream=False)
+    assert b.prompt_feat is not s1.prompt_feat and len(t2w._prompts) == 2
+    t2w.new_stream(_prompt(model, 20, 3), stream=False)  # a third voice: the least recently used (a) leaves
+    s3 = t2w.new_stream(a1, stream=False, generator=torch.Generator().manual_seed(0))
+    assert s3.prompt_feat is not s1.prompt_feat and len(t2w._prompts) == 2
+    # the same audio from the shared tensors (s1, after s2 used them) and from a fresh copy (s3)
+    out1 = t2w.run(t2w.next_job(s2, tokens, llm_done=True))
+    out1 = t2w.run(t2w.next_job(s1, tokens, llm_done=True))
+    out3 = t2w.run(t2w.next_job(s3, tokens, llm_done=True))
+    assert np.array_equal(out1, out3)
