@@ -286,6 +286,7 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
         entry = run.search(mode, "sessions")
         entry["capacity"], _ = sessions_search(probe_fn("sessions", entry, run.work), run.slo, start=args.start,
                                                ceiling=args.max_sessions, tolerance=args.tolerance)
+        entry["at_ceiling"] = entry["capacity"] == args.max_sessions  # a lower bound, not the capacity
         probes = entry["probes"]
         run.write()
     if not any(p["load"] == 1 for p in probes):  # first audio at one stream, for latest.json
@@ -320,7 +321,8 @@ def update_latest(run: Run) -> dict:
         best = max(found, key=lambda s: s["capacity"])
         key = name + suffix
         update.update({key: best["capacity"], f"{key}_mode": best["mode"], f"{key}_device": run.device,
-                       f"{key}_date": run.date, f"capacity_report_{level}": f"{run.stem}.md"})
+                       f"{key}_date": run.date, f"capacity_report_{level}": f"{run.stem}.md",
+                       f"{key}_lower_bound": bool(best.get("at_ceiling"))})
         # A hand-written note explains the value it sat beside; a new value makes it stale (the
         # late H100 lease's 62 kept the 52's note and throughput, 2026-12-05).
         stale.append(f"{key}_note")
@@ -331,11 +333,12 @@ def update_latest(run: Run) -> dict:
             stale.append("slo_streams_in_flight" + suffix + "_note")
     if not update:
         return latest
-    for key in stale:
-        latest.pop(key, None)
     modes = [update.get(f"slo_streams{suffix}_mode"), update.get(f"slo_rate_rps{suffix}_mode")]
     one = [p for s in run.searches if s["kind"] != "rate" and s["mode"] in modes for p in s["probes"] if p["load"] == 1]
     update["ttfb_p50_ms_c1" + suffix] = one[0]["ttfa_p50_ms"] if one else None
+    stale.append("ttfb_p50_ms_c1" + suffix + "_note")
+    for key in stale:
+        latest.pop(key, None)
     update["workload"] = run.workload()
     if level == "replica":
         update.update(device=run.device, date=run.date)

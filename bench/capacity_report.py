@@ -57,6 +57,8 @@ def markdown(doc: dict, plots: list[str]) -> str:
     for s in doc["searches"]:
         if s["kind"] != "one-session":
             cap = "failed" if s.get("error") else "-" if s["capacity"] is None else f"{s['capacity']} {unit[s['kind']]}"
+            if s.get("at_ceiling"):  # every probe up to the ceiling met the SLO: a lower bound
+                cap = f">= {cap} (the search's ceiling)"
             lines.append(f"| {s['mode']} | {s['kind']} | {cap} |")
     for s in doc["searches"]:
         lines += ["", f"## {s['mode']}: {s['kind']} (load in {unit[s['kind']]})", ""]

@@ -68,8 +68,9 @@ class Token2WavBatchConfig(StrictModel):
     # steps its missing tokens take), the LLM step thread waits up to this many ms at a time
     # (woken when token2wav's rows leave) instead of decoding tokens that play a second later on
     # the same GPU (deployments/engine_loop.py). 0: the LLM never waits. At one stream, 5 took first
-    # audio from 99 to 87 ms (H100, 2026-12-05); under load not measured yet.
-    give_way_ms: float = Field(0.0, ge=0, le=50)
+    # audio from 99 to 87 ms (H100, 2026-12-05); under load (60 s windows, same H100 and call,
+    # 2026-12-06) 0 underran at 62 sessions, 5 held 62 and 68 (p99 267 / 294 ms).
+    give_way_ms: float = Field(5.0, ge=0, le=50)
     # With "steps": a pass for rows due within deadline_slack_s (first chunks) also carries rows
     # with slack of up to this many times the urgent rows' frames (1: no longer, the same padded
     # size). CosyVoice2's later chunks are 2-4 times a first chunk's frames, so at 1 they never

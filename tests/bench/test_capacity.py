@@ -621,3 +621,21 @@ def test_a_new_capacity_replaces_its_throughput_in_flight_and_hand_note(tmp_path
     assert latest["slo_streams_in_flight_serve"] == at_two["streams_in_flight_mean"] != 12.2
     assert "slo_streams_serve_note" not in latest and "slo_streams_in_flight_serve_note" not in latest
     assert latest["slo_streams_note"] == "replica level" and latest["throughput_x_realtime_at_slo"] == 42.2
+    assert latest["slo_streams_serve_lower_bound"] is False
+
+
+def test_a_search_that_passes_its_ceiling_reports_a_lower_bound(tmp_path, monkeypatch):
+    """--max-sessions 3 and every probe met the SLO: the capacity is at least 3, not 3 (a lease's
+    62 -> 68 search passed both, 2026-12-06); the report and latest.json say so."""
+    def search(probe, slo, ceiling, **kw):
+        asyncio.run(probe(ceiling))
+        return ceiling, []
+
+    monkeypatch.setattr(capacity_mod, "sessions_search", search)
+    args = parse_args(["--out", str(tmp_path), "--level", "synth", "--no-open-loop", "--max-sessions", "3",
+                       "--c1-window-s", "0.05"])
+    run = Run(args, Workload(Mix.parse("1:1-2"), window_s=0.5, ramp_s=0), SLO, "NVIDIA H100")
+    _searches(args, run, "arm", _FixedTarget(first_audio_s=0.04), sampler=None)
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert latest["slo_streams_in_process"] == 3 and latest["slo_streams_in_process_lower_bound"] is True
+    assert "| arm | sessions | >= 3 sessions (the search's ceiling) |" in (tmp_path / f"{run.stem}.md").read_text()
