@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update
 from cosyvoice_runtime.flow.graphs import SolverGraphs
@@ -233,6 +234,24 @@ class _Bucket:
         return self.attn[:, :, self.cached:]
 
 
+def _compiled_walk(backend: str):
+    """:func:`estimator_pass` through ``torch.compile`` with dynamic shapes and without duck sizing.
+
+    Duck sizing gives equal sizes one symbol (a bucket's cached and new frames both 256, its
+    cached frames and the keys of another), and each such coincidence among the ~430 buckets was
+    a recompile: 4 compiled walks for 27 tiny buckets, each an inductor build of minutes on the
+    real model; the replica had not started after 280 s (H100, 2026-12-05). Without it the walk
+    compiles 2 (CosyVoice2) or 4 (CosyVoice3) times over every bucket: a batch of one, and
+    nothing cached, are specialised (``tests/runtime/test_compiled_graphs.py``).
+    """
+    compiled = torch.compile(estimator_pass, dynamic=True, backend=backend)
+
+    def walk(*args):
+        with fx_config.patch(use_duck_shape=False):  # read while tracing: a replay never gets here
+            return compiled(*args)
+    return walk
+
+
 class IncrementalStepper(SolverGraphs):
     """Passes of the incremental solve over :class:`IncrementalRow` batches.
 
@@ -256,7 +275,7 @@ class IncrementalStepper(SolverGraphs):
         self.estimator = plain_estimator(solver.estimator)
         self.layout = layout_of(self.estimator)
         self.compiled = compile_backend is not None
-        self._walk = torch.compile(estimator_pass, dynamic=True, backend=compile_backend) if self.compiled else estimator_pass
+        self._walk = _compiled_walk(compile_backend) if self.compiled else estimator_pass
         self.padded = padded or use_graphs
         self.batch_buckets = batch_buckets(max_batch)
         self.max_cached = math.ceil(max_cached / CACHED_FRAME_STEP) * CACHED_FRAME_STEP

@@ -75,6 +75,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``x·cos + rotate_half(x)·sin`` as ``x·cos + roll(x, half)·signed_sin`` (:class:`RotaryEmbedding`);
     ``out`` may be ``x`` itself (both products are taken before it is written)."""
+    if out is not None and torch.compiler.is_compiling():
+        # Dynamo cannot trace out= here (a graph break in every layer: 24 per decode step, each
+        # resume a recompile, and the compiled step never started, H100 2026-12-06); compiled, the
+        # copy into ``out`` is fused with the rotation anyway.
+        return out.copy_(torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin))
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin, out=out)
 
 
@@ -116,7 +121,7 @@ class Qwen2Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True) if group == 1 else \
                 F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(t, x.device).repeat(group, 1))
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.folded_mask(group, q.dtype))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.bias)
         out = out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
         return self.o_proj(out)
 
@@ -142,17 +147,18 @@ class _AttnContext:
         self.total = total
         self.fresh = fresh  # tensor-only prefill of empty slots: keys are written from position 0
         self.layer = 0
-        self._folded: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None  # the mask as attention takes it (fold_mask)
 
-    def folded_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """The key mask as an additive bias (0 visible, -inf hidden) repeated for the query rows of
-        a kv head's group; built once per forward (every layer shares it). Given the boolean mask,
-        attention turned it into that bias in every layer: three kernels per layer of a decode
-        step (H100 profile 2026-12-05). Every row sees at least key 0, so no row is all -inf."""
-        if self._folded is None:
+    def fold_mask(self, group: int, dtype: torch.dtype) -> None:
+        """``bias``: the key mask as an additive bias (0 visible, -inf hidden) repeated for the
+        query rows of a kv head's group, built once per forward before the layers (every layer
+        shares it; built lazily by the first layer, it made dynamo recompile the compiled step).
+        Given the boolean mask, attention turned it into that bias in every layer: three kernels
+        per layer of a decode step (H100 profile 2026-12-05). Every row sees at least key 0, so no
+        row is all -inf."""
+        if self.mask is not None:
             bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self._folded = bias.masked_fill_(~self.mask, float("-inf")).repeat(1, 1, group, 1)
-        return self._folded
+            self.bias = bias.masked_fill_(~self.mask, float("-inf")).repeat(1, 1, group, 1)
 
     def store(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this layer's new keys/values (B, 2, kv heads, T, d) into the cache; return the
@@ -247,6 +253,7 @@ class Qwen2Model(nn.Module):
     def _layers(self, x: torch.Tensor, attn: _AttnContext) -> torch.Tensor:
         """(B, T, H) embeddings through every decoder layer at ``attn.positions``, then the final norm."""
         cos, sin = self.rotary_emb(attn.positions, x.dtype)
+        attn.fold_mask(self.spec.num_heads // self.spec.num_kv_heads, x.dtype)
         for i, layer in enumerate(self.layers):
             attn.layer = i
             x = layer(x, cos, sin, attn)

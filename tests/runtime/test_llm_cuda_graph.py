@@ -171,6 +171,30 @@ def test_compiled_static_step_equals_reference():
     assert_matches_reference(model, schedule, *run_engine(engine, schedule))
 
 
+def test_compiled_decode_step_is_one_graph_over_every_bucket():
+    """The decode step compiles whole (fullgraph: a graph break raises) and, with dynamic shapes,
+    into at most two graphs over every (batch, key window) bucket: batch 1 and the rest. The
+    rotation's out= broke the graph in each of the 24 layers, and the lazily built mask bias made
+    every bucket recompile: the compiled step hit dynamo's recompile limit and never started on
+    an H100 (2026-12-06)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("cosyvoice2")
+    cache = KVCache.for_model(model, 9, 512)
+    runner = DecodeRunner(model, cache, 8, pad_slot=8, stop_mask_ids=min_len_mask_ids(model.spec), use_graphs=False)
+    runner._decode = torch.compile(model.decode_static, dynamic=True, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.inference_mode():
+        for b in runner.batch_buckets:
+            for window in runner.key_buckets:
+                runner._rows[:b].copy_(runner._pad_row.expand(b, -1))
+                runner._body(b, window)
+    assert len(runner.batch_buckets) * len(runner.key_buckets) == 12
+    assert counters["stats"]["unique_graphs"] <= 2
+    assert not counters["graph_break"]
+
+
 def test_static_engine_hands_official_rng_and_custom_samplers_to_the_eager_path():
     model = tiny_model("cosyvoice3")
     xs = prompts([4, 7, 6], seed=8)
