@@ -21,6 +21,9 @@
 #   PROFILE_ARGS="--cpu-ops" adds the requests' CPU ops to the profile (what each thread did between kernels)
 #   SERVE_PROXY=haproxy: the serve level behind HAProxy with direct ingress (RAY_SERVE_ENABLE_HA_PROXY=1)
 #   instead of Serve's HTTP proxy actor (docs/tuning.md, "The HTTP path")
+# Timing on an H100 (2026-12-06): an in-process arm starts in 65-92 s (model, 430 flow + 143 vocoder
+# + 71 decode graphs), a 60 s probe takes ~80 s, a one-session probe ~15 s + its window: an arm of
+# one-session probe alone needs SYNTH_S >= 120 (95 s cut it), a compiled arm more (not known yet).
 # Then, here: python -m bench.import_results <files_at>/capacity.tgz --tag <lease> [--latest]
 # (the device names reports by level, card and day only: a second lease that day would overwrite).
 set -u
