@@ -89,7 +89,7 @@ class Run:
 
     def workload(self) -> dict:
         return {"mix": self.work.mix.describe(), "seed": self.work.seed, "window_s": self.work.window_s,
-                "ramp_s": self.work.ramp_s, "prompt_s": PROMPT_SPEECH / TOKENS_PER_S, "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
+                "ramp_s": self.work.ramp_s, "c1_window_s": self.args.c1_window_s, "prompt_s": PROMPT_SPEECH / TOKENS_PER_S, "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
                 "slo_underruns": self.slo.max_underruns, "family": self.args.family, "level": self.args.level,
                 "model": self.model, "random_weights": self.random_weights, "timing_model": self.args.timed,
                 "http_proxy": self.http_proxy, "notes": self.notes}
@@ -290,7 +290,7 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
         probes = entry["probes"]
         run.write()
     if not any(p["load"] == 1 for p in probes):  # first audio at one stream, for latest.json
-        short = Workload(run.work.mix, run.work.seed, window_s=args.c1_window_s, ramp_s=0.0)
+        short = Workload(run.work.mix, run.work.seed, window_s=args.c1_window_s, ramp_s=0.0, wait_playback=False)
         one = run.search(mode, "one-session")
         asyncio.run(probe_fn("sessions", one, short)(1))
     if args.open_loop:

@@ -70,6 +70,10 @@ class Workload:
     seed: int = 0
     window_s: float = 60.0  # steady-load window whose requests are judged
     ramp_s: float = 5.0  # mean span over which session starts (or the open loop's warm-up) spread
+    # A session waits out its answer's playback before the next request, as a voice agent does;
+    # False sends them back to back (the one-session latency probe: waiting, a 15 s window held
+    # two requests, H100 2026-12-06).
+    wait_playback: bool = True
 
 
 class Target(Protocol):
@@ -186,7 +190,7 @@ async def closed_loop(target: Target, sessions: int, work: Workload, slo: Slo, c
             trace = await target.synthesize(f"s{i}-{n}", audio_s, clock.now())
             judge.done(trace)
             n += 1
-            at = trace.playback_deadline_s() if trace.chunk_times_s else clock.now()
+            at = trace.playback_deadline_s() if trace.chunk_times_s and work.wait_playback else clock.now()
 
     await asyncio.gather(*(session(i) for i in range(sessions)))
     return Probe(sessions, judge.judged, window_s=work.window_s, aborted=judge.reason, span=judge.window)

@@ -36,7 +36,10 @@ def markdown(doc: dict, plots: list[str]) -> str:
              f"Utterance mix: {w['mix']} of audio; registered-voice prompt of {w['prompt_s']:.2f} s; seed "
              f"{w['seed']}; each probe judges the requests submitted in {w['window_s']:.0f} s of steady load "
              f"(sessions start over ~{w['ramp_s']:.0f} s, exponential gaps) and stops at the first failed or "
-             f"underrun request. Model: {w.get('model', 'not recorded')}."
+             f"underrun request."
+             + (f" The one-session probe (first audio at one stream) sends its requests back to back for "
+                f"{w['c1_window_s']:.0f} s, without waiting out their playback." if "c1_window_s" in w else "")
+             + f" Model: {w.get('model', 'not recorded')}."
              + (f" HTTP path: {w['http_proxy']}." if w.get("http_proxy") else "")
              + "".join(f" **Note**: {note}." for note in w.get("notes", []))
              + (f" **No model ran**: the synthesizer slept the GPU times of `bench/timed_runtime.py` (profile "

@@ -235,6 +235,30 @@ def test_closed_loop_sessions_wait_out_playback_and_only_the_window_is_judged():
     assert len(set(starts)) == 3 and starts[-1] == t0  # staggered; the window opens at the last start
 
 
+class _BusyTarget(FakeTarget):
+    """Each answer takes 0.4 s to make (virtual time), then plays for its audio's length."""
+
+    async def synthesize(self, rid, audio_s, submitted_s):
+        await asyncio.sleep(0.4)
+        return await super().synthesize(rid, audio_s, submitted_s)
+
+
+@pytest.mark.parametrize("wait_playback", [True, False])
+def test_one_session_probe_sends_back_to_back_without_waiting_out_playback(wait_playback):
+    """The one-session latency probe (wait_playback False) submits each request when the previous
+    answer is made, not when it has played out: a 15 s window held two requests on an H100
+    (2026-12-06); sessions under load still wait out their playback."""
+    target = _BusyTarget()
+    work = Workload(Mix.parse("1:2-4"), seed=3, window_s=10, ramp_s=0, wait_playback=wait_playback)
+    probe = run_virtual(closed_loop(target, 1, work, SLO, clock=FakeClock()))
+    gaps = [b[1] - a[1] for a, b in itertools.pairwise(target.calls)]
+    if wait_playback:
+        assert all(g >= 2.1 for g in gaps) and len(probe.traces) <= 5
+    else:
+        assert all(g == pytest.approx(0.4) for g in gaps) and len(probe.traces) >= 24  # 10 s / 0.4 s
+    assert probe.summary(SLO)["meets_slo"]
+
+
 def test_closed_loop_stops_at_the_first_underrun_in_the_window():
     target = FakeTarget(underrun_at="s0-3")
     work = Workload(Mix.parse("1:2-4"), seed=3, window_s=60, ramp_s=1)
