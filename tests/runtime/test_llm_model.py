@@ -146,7 +146,9 @@ def test_the_folded_attention_bias_gives_the_boolean_masks_attention():
     q = torch.randn(3, heads, group, d, generator=g)
     k, v = torch.randn(3, heads, 40, d, generator=g), torch.randn(3, heads, 40, d, generator=g)
     ctx = _AttnContext(None, None, torch.zeros(3, 1, dtype=torch.long), mask, None)
-    bias = ctx.folded_mask(group, q.dtype)
-    assert bias.dtype == q.dtype and ctx.folded_mask(group, q.dtype) is bias  # built once
+    assert ctx.bias is None  # built by the forward before its layers, not lazily by the first one
+    ctx.fold_mask(group, q.dtype)
+    bias = ctx.bias
+    assert bias.dtype == q.dtype
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, group, 1))
     assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=bias), want)
