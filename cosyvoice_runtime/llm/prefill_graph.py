@@ -60,8 +60,9 @@ class PrefillRunner(graph_capture.GraphOwner):
     CUDA-graph replay on CUDA.
 
     Why the sampler is inside: chosen eagerly after the replay, a first token took ~90 small
-    launches and two pageable copies with their syncs, ~2 ms of a one-stream first audio on an
-    H100 (profile 2026-12-05) that every running stream's next decode step waited behind too.
+    launches and two pageable copies with their syncs (~2 ms under the profiler in an H100 trace of
+    2026-12-05, older code; at one stream without the profiler no gain was visible, 2026-12-06), on
+    the step thread that every running stream's next decode step waits behind.
 
     Args:
         model: :class:`~cosyvoice_runtime.llm.model.SpeechLM` (eval, on the cache's device).
