@@ -297,15 +297,20 @@ class LLMEngine:
         slots = [s.slot for s in decode] + [s.slot for s in feeds]
         fed = [r.state.tokens[-1] for r in reqs] + [seq.take_input()[0][1][0] for seq in seqs]
         n = len(reqs)
+        bad_bistream = None  # the bistream rows with NaN/Inf logits, when the step marked them
         if self.runner is None:
             ids = torch.tensor(fed, device=self.device)
             logits = self.model.logits(self.model.decode(self.model.embed_speech(ids), self.cache, slots))
             tokens = self._select(reqs, logits[:n]) if reqs else []
         else:
-            tokens, logits = self._static_decode(reqs, slots, fed, len(seqs))
+            ids, logits = self.runner.step(fed, slots, [r.state for r in reqs] + [_SAMPLED_OUTSIDE] * len(seqs))
+            if self.return_logits:
+                logits = logits.clone()  # the runner's buffer is overwritten by the next step
+            tokens = self._settle(reqs, ids[:n], logits, self.runner.can_sample)
+            bad_bistream = {i for i, tok in enumerate(ids[n:]) if tok == NONFINITE}
         events = [self._commit(r, tok, logits[i]) if tok is not None else self._fail(r)
                   for i, (r, tok) in enumerate(zip(reqs, tokens))]
-        return events + self._choose_bistream(feeds, seqs, logits[n:])
+        return events + self._choose_bistream(feeds, seqs, logits[n:], bad_bistream)
 
     def _prefill(self, prefill: list, extends: list) -> list[TokenEvent]:
         """The admitted requests' prompts (through the prefill graphs when they fit) and the
@@ -358,11 +363,14 @@ class LLMEngine:
             groups[-1].append(i)
         return groups
 
-    def _choose_bistream(self, scheduled: list, seqs: list[BistreamSequence], logits: torch.Tensor) -> list[TokenEvent]:
-        """Each bistream row's next id from its logits rows (bistream_decode's log-softmax and masks)."""
+    def _choose_bistream(self, scheduled: list, seqs: list[BistreamSequence], logits: torch.Tensor,
+                         bad: set[int] | None = None) -> list[TokenEvent]:
+        """Each bistream row's next id from its logits rows (bistream_decode's log-softmax and masks);
+        ``bad``: the rows with NaN/Inf logits, when the static step marked them in its one copy to
+        the host (else found here, one more reduction and sync)."""
         if not seqs:
             return []
-        bad = _nonfinite_rows(logits)
+        bad = _nonfinite_rows(logits) if bad is None else bad
         logp = logits.float().log_softmax(dim=-1)
         events = []
         for i, (s, seq) in enumerate(zip(scheduled, seqs)):
@@ -404,14 +412,6 @@ class LLMEngine:
         self._requests.pop(req.request_id, None)
         self.scheduler.finish(req.request_id)
         return TokenEvent(req.request_id, [], True, NONFINITE_LOGITS)
-
-    def _static_decode(self, reqs: list[_Request], slots: list[int], fed: list[int],
-                       n_bistream: int) -> tuple[list[int | None], torch.Tensor]:
-        """The runner's step; rows past ``reqs`` are bistream rows, whose ids the caller chooses."""
-        ids, logits = self.runner.step(fed, slots, [r.state for r in reqs] + [_SAMPLED_OUTSIDE] * n_bistream)
-        if self.return_logits:
-            logits = logits.clone()  # the runner's buffer is overwritten by the next step
-        return self._settle(reqs, ids[:len(reqs)], logits, self.runner.can_sample), logits
 
     def _settle(self, reqs: list[_Request], ids: list[int], logits: torch.Tensor, can_sample) -> list[int | None]:
         """Tokens from a static step's in-graph choice: None for a row marked :data:`NONFINITE`

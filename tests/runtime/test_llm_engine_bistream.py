@@ -207,3 +207,50 @@ def test_slot_full_finishes_with_length_and_bad_input_is_refused(model):
     engine.feed_text("e", [], end=True)
     with pytest.raises(InvalidInputError):
         engine.feed_text("e", [[1]])
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_bistream_row_with_nonfinite_logits_fails_alone(model, static, monkeypatch):
+    """NaN logits in the bistream row of a decode step end that request with NONFINITE_LOGITS; the
+    normal request beside it decodes on as alone. The static step reads the mark from its one
+    copy to the host: no second reduction and sync for its bistream rows (the eager path keeps it)."""
+    import cosyvoice_runtime.llm.engine as engine_mod
+    from cosyvoice_runtime.llm.engine import NONFINITE_LOGITS
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, model.spec.llm_input_size, generator=g)
+    normal_ref = decode_all(model, x, DecodeState(min_len=30, max_len=30, params=SamplingParams(method="greedy")))
+    checked = []
+    rows_check = engine_mod._nonfinite_rows
+    monkeypatch.setattr(engine_mod, "_nonfinite_rows", lambda logits: checked.append(len(logits)) or rows_check(logits))
+    logits_of, calls = model.logits, []
+
+    def poisoned(hidden):
+        out = logits_of(hidden)
+        calls.append(out.shape[0])
+        if out.shape[0] == 2 and len(calls) > 12 and not any(c == -1 for c in calls):
+            out = out.clone()
+            out[1, 3] = float("nan")  # the bistream row: decode rows are the normal ones, then bistream
+            calls.append(-1)
+        return out
+
+    monkeypatch.setattr(model, "logits", poisoned)
+    engine = LLMEngine(model, max_batch_size=3, max_seq_len=1024, static_decode=static)
+    padded, forward_padded = [], engine._forward_padded
+    monkeypatch.setattr(engine, "_forward_padded", lambda *a: padded.append(1) or forward_padded(*a))
+    engine.add_bistream_request("b", prompt_text(model), PROMPT_SPEECH, sample_fn=greedy_then_eos(model.spec, 6))
+    engine.add_request("n", x, 30, 30, SamplingParams(method="greedy"))
+    assert engine.feed_text("b", [[t] for t in TEXT], True)
+    tokens, reasons = {"b": [], "n": []}, {}
+    for _ in range(500):
+        if len(reasons) == 2:
+            break
+        for ev in engine.step():
+            tokens[ev.request_id].extend(ev.tokens)
+            if ev.finished:
+                reasons[ev.request_id] = ev.finish_reason
+    assert -1 in calls and reasons["b"] == NONFINITE_LOGITS and reasons["n"] != NONFINITE_LOGITS
+    assert tokens["n"] == normal_ref
+    # The static path checks only the eager forwards' bistream rows (prompt groups, fills); the
+    # eager path checks every decode step's bistream rows too.
+    assert len(checked) == len(padded) if static else len(checked) > len(padded) + 10
