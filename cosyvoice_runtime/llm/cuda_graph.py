@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 MIN_KEY_WINDOW = 128
 DEFAULT_HISTORY_WIDTH = 16  # >= the yaml's win_size (10); rows with a larger window sample eagerly
 _DECODE_COLS = 3  # fed id, slot, position; the sampler's columns follow
-NONFINITE = bs.NONFINITE  # the id a step returns for a row whose logits hold NaN/Inf
 
 
 def default_key_buckets(max_len: int) -> list[int]:
@@ -115,7 +114,7 @@ class DecodeRunner(graph_capture.GraphOwner):
                 inputs; rows whose params ``can_sample`` rejects get a placeholder id).
 
         Returns:
-            ids: the chosen id per row, :data:`NONFINITE` for a row whose logits are not finite;
+            ids: the chosen id per row, ``batch_sampling.NONFINITE`` for a row whose logits are not finite;
             logits: (B, V) view of a static buffer, overwritten by the next step (clone to keep).
         """
         n = len(slots)

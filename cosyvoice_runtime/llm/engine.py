@@ -38,9 +38,10 @@ import torch
 
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.llm import bistream
+from cosyvoice_runtime.llm.batch_sampling import NONFINITE
 from cosyvoice_runtime.llm.bistream import BistreamState
 from cosyvoice_runtime.llm.bistream_seq import BistreamSequence, embed_segments
-from cosyvoice_runtime.llm.cuda_graph import DEFAULT_HISTORY_WIDTH, NONFINITE, DecodeRunner
+from cosyvoice_runtime.llm.cuda_graph import DEFAULT_HISTORY_WIDTH, DecodeRunner
 from cosyvoice_runtime.llm.generate import (
     FINISH_LENGTH,
     DecodeState,
