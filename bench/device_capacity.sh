@@ -85,7 +85,8 @@ if [ "${SYNTH_S:-0}" -gt 0 ]; then  # the config's frontend + synthesizer in thi
       --config "$C" --out "$W/results" ${T:+--tag "$T"} ${CAP_ARGS:-} 2>&1 | grep -v Warning >> "$W/synth.log"
     pack
   done
-  grep -E '^==|"kind"|done in|Error|error' "$W/synth.log" | cut -c1-900 | tail -30
+  # start-up too: an arm cut before its first probe leaves only these lines (H100 2026-12-06)
+  grep -E '^==|"kind"|done in|Error|error|ready on|captured|recompile_limit' "$W/synth.log" | cut -c1-900 | tail -30
 fi
 if [ "${SERVE_S:-0}" -gt 0 ]; then
   full_model
