@@ -242,7 +242,7 @@ def _audio_later(chunks: list) -> Callable[[], list[np.ndarray]]:
     import torch
 
     if not chunks:
-        return list
+        return list  # list() is the empty batch's audio
     flat = torch.cat([a.detach().reshape(-1).float() for a in chunks])
     splits = np.cumsum([a.numel() for a in chunks])[:-1]
     if flat.device.type != "cuda":

@@ -114,6 +114,13 @@ def pack_rows(params: Sequence[SamplingParams], histories: Sequence[Sequence[int
     return out
 
 
+def stop_mask(ids, vocab: int, device) -> torch.Tensor:
+    """(V,) bool: the ids :func:`mask_min_len` hides from rows below their min length."""
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    mask[list(ids)] = True
+    return mask
+
+
 def mask_min_len(logp: torch.Tensor, rows: torch.Tensor, stop_mask: torch.Tensor) -> torch.Tensor:
     """-inf at the ``stop_mask`` (V,) ids of the rows flagged in column ``C_MINLEN``."""
     return logp.masked_fill((rows[:, C_MINLEN] != 0)[:, None] & stop_mask[None], -float("inf"))

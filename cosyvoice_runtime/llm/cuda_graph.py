@@ -94,8 +94,7 @@ class DecodeRunner(graph_capture.GraphOwner):
         vocab = model.llm_decoder.out_features
         self._logits = torch.zeros(rows, vocab, dtype=cache.dtype, device=dev)
         self._ids = torch.zeros(rows, dtype=torch.long, device=dev)
-        self._stop_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
-        self._stop_mask[list(stop_mask_ids)] = True
+        self._stop_mask = bs.stop_mask(stop_mask_ids, vocab, dev)
         # Padding row: scratch slot, position 0 (key 0 is visible, so its softmax is finite), greedy.
         self._pad_row = torch.tensor([0, pad_slot, 0] + pad_sampler_row(history_width), dtype=torch.long)
 

@@ -101,8 +101,7 @@ class PrefillRunner(graph_capture.GraphOwner):
         self._pad_row = torch.tensor([pad_slot, 0] + pad_sampler_row(history_width), dtype=torch.long)
         self._logits = torch.zeros(max_batch, vocab, dtype=cache.dtype, device=dev)
         self._ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self._stop_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
-        self._stop_mask[list(stop_mask_ids)] = True
+        self._stop_mask = bs.stop_mask(stop_mask_ids, vocab, dev)
         self.forwards = 0  # groups run (replayed or eager)
 
     @property
@@ -134,7 +133,7 @@ class PrefillRunner(graph_capture.GraphOwner):
             got, out = self._run_group(inputs[group], slots[group], states[group])
             ids += got
             logits.append(out)
-        return ids, torch.cat(logits)
+        return ids, logits[0] if len(logits) == 1 else torch.cat(logits)  # each group's is a fresh tensor
 
     def _run_group(self, inputs: Sequence[torch.Tensor], slots: Sequence[int],
                    states: Sequence[DecodeState]) -> tuple[list[int], torch.Tensor]:
