@@ -7,7 +7,8 @@
 #   REPLICA_S=500 MODES=pytorch-bf16-allgraphs-early-edf,pytorch-bf16-allgraphs-early-edf-prio bash bench/device_capacity.sh
 #   REPLICA_S=0 SERVE_S=520 bash bench/device_capacity.sh
 #   REPLICA_S=0 SYNTH_S=250 SERVE_S=300 ...: the config's deployments in-process first, then over Serve
-#   SYNTH_CONFIGS="configs/single-gpu.yaml /tmp/b.yaml" SYNTH_S=170: one in-process run per config (A/B)
+#   SYNTH_CONFIGS="configs/single-gpu.yaml /tmp/b.yaml" SYNTH_S=170: one in-process run per config (A/B);
+#   SYNTH_CONFIGS="configs/single-gpu.yaml@120 /tmp/b.yaml@200" gives each arm its own limit
 #   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call;
 #   CAP_ARGS="--no-sessions --rate-start 4" searches the Poisson rate alone (slo_rate_rps*)
 #   CAP_ARGS="--loads 52 --no-open-loop" probes fixed loads, no search (A/B arms with SYNTH_CONFIGS)
@@ -78,10 +79,13 @@ if [ "${SYNTH_S:-0}" -gt 0 ]; then  # the config's frontend + synthesizer in thi
   # SYNTH_CONFIGS="a.yaml b.yaml": one in-process run per config, SYNTH_S each, tagged with its name
   # (A/B arms on one machine in one call; each run also writes latest.json: keep the arm you mean)
   for C in ${SYNTH_CONFIGS:-${CONFIG:-configs/single-gpu.yaml}}; do
+    # "a.yaml@190": this arm's own limit (a compiled arm compiles before its probes; the others
+    # need less), else SYNTH_S
+    S=$SYNTH_S; case $C in *@*) S=${C##*@}; C=${C%@*};; esac
     T=${TAG:-}
     [ -n "${SYNTH_CONFIGS:-}" ] && T="${T:+$T-}$(basename "$C" .yaml)"
     echo "== $C" >> "$W/synth.log"
-    FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$SYNTH_S" python3 -m bench.capacity --level synth --family "$F" \
+    FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$S" python3 -m bench.capacity --level synth --family "$F" \
       --config "$C" --out "$W/results" ${T:+--tag "$T"} ${CAP_ARGS:-} 2>&1 | grep -v Warning >> "$W/synth.log"
     pack
   done
