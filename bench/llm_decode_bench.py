@@ -132,6 +132,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--device", default="cuda", help="cpu: smoke run of the script itself")
     ap.add_argument("--tiny", action="store_true", help="the tiny architecture (smoke runs)")
+    ap.add_argument("--compile", default=None, metavar="BACKEND",
+                    help="also time the graphed step compiled with this torch.compile backend (inductor), "
+                         "as the synthesizer's llm_compile does")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -140,6 +143,8 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "checks": [], "timings": [],
               "errors": []}
     n_tokens = args.warmup + args.steps + 4
+    # eager, graphed, and with --compile graphed over the compiled step (its first steps compile)
+    variants = [(False, None), (True, None)] + ([(True, args.compile)] if args.compile else [])
     for dname in args.dtypes.split(","):
         model = build_model(args.family, DTYPES[dname], args.tiny)
         with torch.inference_mode():
@@ -153,11 +158,12 @@ def main() -> None:
                 for b in batches:
                     if prompt_len == args.long_prompt_len and b != batches[-1]:
                         continue  # the long-context point only at the largest batch
-                    for graphs in (False, True):
+                    for graphs, backend in variants:
                         for sampling in ("ras",):
                             try:
                                 engine = LLMEngine(model, max_batch_size=max(batches), max_seq_len=prompt_len + n_tokens + 8,
-                                                   max_prefills_per_step=64, use_cuda_graphs=graphs, static_decode=graphs)
+                                                   max_prefills_per_step=64, use_cuda_graphs=graphs, static_decode=graphs,
+                                                   compile_backend=backend)
                                 fill(engine, b, prompt_len, n_tokens, sampling)
                                 t0 = time.perf_counter()
                                 # All buckets once (the serving-startup cost), else this batch's only.
@@ -166,43 +172,48 @@ def main() -> None:
                                     engine.runner.capture([b])
                                 cap_s = time.perf_counter() - t0
                                 row = {"dtype": dname, "batch": b, "prompt_len": prompt_len, "graphs": graphs,
+                                       "compile": backend,
                                        "sampling": sampling, **time_steps(engine, args.warmup, args.steps),
                                        "graphs_captured": n_graphs, "capture_s": round(cap_s, 2)}
                                 result["timings"].append(row)
                                 logger.info("%s", row)
                                 del engine
                             except Exception:  # noqa: BLE001
-                                result["errors"].append(f"time {dname} b={b} graphs={graphs}: {traceback.format_exc()}")
+                                result["errors"].append(f"time {dname} b={b} graphs={graphs} compile={backend}: "
+                                                        f"{traceback.format_exc()}")
                                 logger.error(result["errors"][-1])
                             torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    logger.info("%-5s %-6s %-6s %-7s %10s %10s", "dtype", "batch", "ctx", "graphs", "wall ms", "event ms")
+    logger.info("%-5s %-6s %-6s %-7s %-8s %10s %10s", "dtype", "batch", "ctx", "graphs", "compile", "wall ms", "event ms")
     for r in result["timings"]:
-        logger.info("%-5s %-6d %-6d %-7s %10.3f %10.3f", r["dtype"], r["batch"], r["prompt_len"], r["graphs"],
-                    r["wall_ms"], r["event_ms"])
+        logger.info("%-5s %-6d %-6d %-7s %-8s %10.3f %10.3f", r["dtype"], r["batch"], r["prompt_len"], r["graphs"],
+                    r["compile"] or "-", r["wall_ms"], r["event_ms"])
     logger.info("errors: %d", len(result["errors"]))
     with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
         f.write(markdown(result))
 
 
 def markdown(result: dict) -> str:
-    """The result as a markdown table (eager vs graphs side by side)."""
+    """The result as a markdown table (eager, graphs and, if timed, compiled graphs side by side)."""
     lines = [f"Device: {result['device']}, torch {result['torch']}", "",
-             "| dtype | batch | context | eager ms/step | graphs ms/step | speed-up | graphs event ms | graphs p90 ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    rows = {(r["dtype"], r["batch"], r["prompt_len"], r["graphs"]): r for r in result["timings"]}
-    for (d, b, c, g), r in rows.items():
+             ("| dtype | batch | context | eager ms/step | graphs ms/step | speed-up | graphs event ms | graphs p90 ms "
+             "| compiled graphs ms/step | compiled event ms |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = {(r["dtype"], r["batch"], r["prompt_len"], r["graphs"], r.get("compile")): r for r in result["timings"]}
+    for (d, b, c, g, _), r in rows.items():
         if g:
             continue
-        gr = rows.get((d, b, c, True))
+        gr = rows.get((d, b, c, True, None))
+        cr = next((v for (d2, b2, c2, g2, k), v in rows.items() if (d2, b2, c2, g2) == (d, b, c, True) and k), None)
+        compiled = f"{cr['wall_ms']:.3f} | {cr['event_ms']:.3f}" if cr else "- | -"
         if gr is None:
-            lines.append(f"| {d} | {b} | {c} | {r['wall_ms']:.2f} | - | - | - | - |")
+            lines.append(f"| {d} | {b} | {c} | {r['wall_ms']:.2f} | - | - | - | - | {compiled} |")
         else:
             lines.append(f"| {d} | {b} | {c} | {r['wall_ms']:.2f} | {gr['wall_ms']:.3f} | "
-                         f"{r['wall_ms'] / gr['wall_ms']:.1f}x | {gr['event_ms']:.3f} | {gr['wall_p90_ms']:.3f} |")
+                         f"{r['wall_ms'] / gr['wall_ms']:.1f}x | {gr['event_ms']:.3f} | {gr['wall_p90_ms']:.3f} | {compiled} |")
     lines += ["", "Checks (graphs vs eager engine, full-size model, 24 steps, 2 greedy + 2 RAS requests):", ""]
     lines += [f"- {c}" for c in result["checks"]]
     lines += [f"- capture: {r['graphs_captured']} graphs in {r['capture_s']} s ({r['dtype']})"

@@ -5,7 +5,7 @@ job), and the time of one pass per (batch, frames) bucket against one whole solv
 With ``--incremental`` (CosyVoice2) also the incremental pass (cosyvoice_runtime.flow.incremental):
 a graphed two-job stream against the whole solve of the same tokens (max error), and the time of
 one pass of ``--new`` frames over each cached length against the recomputed pass over
-cached + new frames (what each replaces).
+cached + new frames (what each replaces); ``--flow-compile inductor`` compiles that pass first.
 
     python -m bench.stepper_check --family cosyvoice2 --device cuda --incremental --out /tmp/stepper.json
 """
@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cached", default="0,512,1024", help="timed cached lengths of the incremental pass")
     ap.add_argument("--new", type=int, default=128, help="new frames of the timed incremental pass")
     ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--flow-compile", default=None, metavar="BACKEND",
+                    help="the incremental pass through torch.compile with this backend (inductor), as "
+                         "token2wav.flow_compile does; graphed either way")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     model = cast(make_model(args.family, args.size, args.device), DTYPES[args.dtype])
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     cached = [int(c) for c in args.cached.split(",")]
     # the recomputed passes the incremental ones are timed against (cached + new frames) are graphed too
     max_frames = max(1024, max(cached) + args.new) if args.incremental else 1024
-    enable_flow_graphs(flow, max_batch=16, max_frames=max_frames, stepper=True, incremental=args.incremental)
+    enable_flow_graphs(flow, max_batch=16, max_frames=max_frames, stepper=True, incremental=args.incremental,
+                       incremental_compile=args.flow_compile)
     items = _items(model, 8, seed=3)
     whole = flow.inference_batch(items)
     rng = random.Random(1)
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
             pass_ms = _timed(one_pass)
             solve_ms = _timed(lambda base=base: flow.inference_batch(base))
             timing.append({"batch": b, "frames": frames, "pass_ms": round(pass_ms, 2), "whole_solve_ms": round(solve_ms, 2)})
-    doc = {"family": args.family, "dtype": args.dtype, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    doc = {"family": args.family, "dtype": args.dtype, "flow_compile": args.flow_compile, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "max_err_per_job": errors, "output_scale": scale, "replays": flow.stepper.replays,
            "eager_passes": flow.stepper.eager_calls, "timing": timing}
     if args.incremental:
