@@ -98,16 +98,20 @@ class SynthesizerConfig(DeploymentKnobs):
     # on an H200); vocoder lengths first met in traffic are captured when they recur.
     cuda_graphs: bool = True
     # CUDA replicas: the LLM decode step through torch.compile (inductor) under its CUDA graphs, as
-    # mode torchscript does, without compiling the flow (whose ~570 graphs over compiled modules
-    # start minutes later). A bf16 step at batch 1 is 3.4 ms on an H200 (2026-12-02), launch-bound:
-    # fused kernels could shorten first audio and free GPU time. Not yet measured; off by default.
+    # mode torchscript does, without compiling the flow. Measured, it does not pay: a bf16 step at
+    # batch 1 took 1.857 ms compiled against 1.890 graphed alone (H100, 2026-12-06,
+    # bench/results/llm-decode-compile-h100-2026-12-06.md): most of its time sits in ~100 GEMM and
+    # attention kernels in sequence (the 2026-12-05 profile), which inductor does not merge, not in
+    # the elementwise ones it fuses; compiling took 93 s per bucket, and a replica had not started 116 s after its flow
+    # graphs. Off by default.
     llm_compile: bool = False
     # CUDA replicas with an incremental flow: its pass (the walk over the estimator's blocks) through
     # torch.compile (inductor) under its CUDA graphs, as mode torchscript does too. A CosyVoice2 pass
     # runs ~1,300 small kernels (H100 profile, 2026-12-05: the token2wav lane is bound by their
     # number at small batches); fused, they are fewer. But the whole estimator compiled and graphed
     # took 3.83 ms against 3.74 graphed alone at batch 2 x 256 frames (H200, 2026-12-03): fusion may
-    # not pay there. Start-up compiles the walk before capturing the graphs. Not yet measured; off.
+    # not pay there. Start-up compiles the walk before capturing the graphs: on an H100 (2026-12-06)
+    # it was still compiling 3 minutes after the model loaded, so its speed is not measured. Off.
     flow_compile: bool = False
     # LLM steps and token2wav batches on two threads (each with its own CUDA stream) instead of one,
     # so neither waits for the other; None: on for CUDA replicas, off on the CPU (two cores are
