@@ -120,7 +120,7 @@ def check_equal(model, dtype_name: str, batch: int = 4, n: int = 24) -> dict:
             "exact": te == tg}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="llm_decode.json")
     ap.add_argument("--family", default="cosyvoice2")
@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--compile", default=None, metavar="BACKEND",
                     help="also time the graphed step compiled with this torch.compile backend (inductor), "
                          "as the synthesizer's llm_compile does")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     global DEVICE
     DEVICE = args.device
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -194,6 +194,7 @@ def main() -> None:
     logger.info("errors: %d", len(result["errors"]))
     with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
         f.write(markdown(result))
+    return result
 
 
 def markdown(result: dict) -> str:

@@ -177,7 +177,7 @@ def _incremental(model, batches: list[int], cached_lengths: list[int], new: int)
             timing.append({"batch": b, "cached": cached, "new": new, "incremental_pass_ms": round(_timed(inc_pass), 2),
                            "recomputed_pass_ms": round(_timed(full_pass), 2)})
     return {"max_err_per_stream": errors, "replays": stepper.replays, "eager_passes": stepper.eager_calls,
-            "graphs": stepper.num_graphs, "timing": timing}
+            "graphs": stepper.num_graphs, "compiled": stepper.compiled, "timing": timing}
 
 
 if __name__ == "__main__":

@@ -22,3 +22,16 @@ def test_stepper_check_runs_both_passes_on_the_tiny_model(tmp_path, family):
     assert [(t["batch"], t["cached"]) for t in inc["timing"]] == [(1, 0), (1, 256), (2, 0), (2, 256)]
     assert all(t["incremental_pass_ms"] > 0 and t["recomputed_pass_ms"] > 0 for t in inc["timing"])
     assert inc["replays"] == 0 and inc["eager_passes"] > 0  # no CUDA: the padded buckets run eagerly
+    assert inc["compiled"] is False
+
+
+def test_stepper_check_compiles_the_incremental_pass_on_request(tmp_path):
+    """``--flow-compile``: the incremental pass through torch.compile (the "eager" backend here:
+    dynamo's trace without code generation) gives the same mel as the whole solve."""
+    doc = main(["--family", "cosyvoice2", "--size", "tiny", "--device", "cpu", "--dtype", "fp32", "--frames", "256",
+                "--batches", "1", "--incremental", "--cached", "0,64", "--new", "32", "--flow-compile", "eager"])
+    assert doc["flow_compile"] == "eager"
+    inc = doc["incremental"]
+    assert inc["compiled"] is True
+    assert max(inc["max_err_per_stream"]) < 1e-4 * max(1.0, doc["output_scale"])
+    assert [(t["batch"], t["cached"]) for t in inc["timing"]] == [(1, 0), (1, 64)]
