@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
     DEVICE = args.device
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     batches = [int(b) for b in args.batches.split(",")]
-    result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "checks": [], "timings": [],
-              "errors": []}
+    result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+              "compile": args.compile, "checks": [], "timings": [], "errors": []}
     n_tokens = args.warmup + args.steps + 4
     # eager, graphed, and with --compile graphed over the compiled step (its first steps compile)
     variants = [(False, None), (True, None)] + ([(True, args.compile)] if args.compile else [])
@@ -208,7 +208,7 @@ def markdown(result: dict) -> str:
         if g:
             continue
         gr = rows.get((d, b, c, True, None))
-        cr = next((v for (d2, b2, c2, g2, k), v in rows.items() if (d2, b2, c2, g2) == (d, b, c, True) and k), None)
+        cr = rows.get((d, b, c, True, result.get("compile"))) if result.get("compile") else None
         compiled = f"{cr['wall_ms']:.3f} | {cr['event_ms']:.3f}" if cr else "- | -"
         if gr is None:
             lines.append(f"| {d} | {b} | {c} | {r['wall_ms']:.2f} | - | - | - | - | {compiled} |")
