@@ -102,8 +102,8 @@ class SynthesizerConfig(DeploymentKnobs):
     # batch 1 took 1.857 ms compiled against 1.890 graphed alone (H100, 2026-12-06,
     # bench/results/llm-decode-compile-h100-2026-12-06.md): most of its time sits in ~100 GEMM and
     # attention kernels in sequence (the 2026-12-05 profile), which inductor does not merge, not in
-    # the elementwise ones it fuses; compiling took 93 s per bucket, and a replica had not started 116 s after its flow
-    # graphs. Off by default.
+    # the elementwise ones it fuses; compiling took 93 s per bucket, and a replica had not started
+    # 116 s after its flow graphs. Off by default.
     llm_compile: bool = False
     # CUDA replicas with an incremental flow: its pass (the walk over the estimator's blocks) through
     # torch.compile (inductor) under its CUDA graphs, as mode torchscript does too. A CosyVoice2 pass
