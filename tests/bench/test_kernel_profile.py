@@ -1,0 +1,49 @@
+"""bench/kernel_profile.py: the per-step tables from a trace (synthetic events), and a CPU smoke
+run of both targets on the tiny model (the GPU run is what counts kernels)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.kernel_profile import category, kernel_table, main
+
+
+@pytest.mark.parametrize(("name", "cat"), [
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", "attention"),
+    ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "gemm"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>", "norm"),
+    ("void at::native::index_elementwise_kernel<128, 4>", "copy/index"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+    ("void cudnn::cnn::conv1d_kernel", "convolution"),
+    ("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel", "sampling"),
+    ("something_new", "other"),
+])
+def test_kernels_fall_into_categories_by_name(name, cat):
+    assert category(name) == cat
+
+
+def test_kernel_table_divides_by_the_steps_and_orders_by_time():
+    events = [{"cat": "kernel", "name": "nvjet_a", "dur": 10.0}] * 4 + \
+             [{"cat": "kernel", "name": "vectorized_layer_norm_kernel", "dur": 2.0}] * 8 + \
+             [{"cat": "cuda_runtime", "name": "cudaGraphLaunch", "dur": 50.0},  # not a kernel
+              {"cat": "kernel", "name": "no duration"}]
+    t = kernel_table(events, reps=2)
+    assert t["kernels_per_step"] == 6 and t["kernel_us_per_step"] == 28.0
+    assert list(t["categories"]) == ["gemm", "norm"]
+    assert t["categories"]["gemm"] == {"count": 2.0, "us": 20.0}
+    assert [k["name"] for k in t["top"]] == ["nvjet_a", "vectorized_layer_norm_kernel"]
+    assert t["top"][1]["per_step"] == 4.0 and t["top"][1]["us_each"] == 2.0
+
+
+def test_cpu_smoke_run_profiles_both_targets_and_writes_the_report(tmp_path):
+    doc = main(["--device", "cpu", "--size", "tiny", "--dtype", "fp32", "--reps", "2", "--out", str(tmp_path),
+                "--tag", "t"])
+    assert json.loads((tmp_path / "kernel-profile-t.json").read_text()) == doc
+    assert set(doc["targets"]) == {"decode", "flow"}
+    for t in doc["targets"].values():
+        assert t["kernels_per_step"] > 0 and t["event_ms_per_step"] > 0 and t["gap_us_per_step"] is None
+        assert sum(c["count"] for c in t["categories"].values()) == pytest.approx(t["kernels_per_step"])
+    # the CPU trace names aten ops: the flow pass runs its attention and its convolutions
+    assert "attention" in doc["targets"]["flow"]["categories"] and "convolution" in doc["targets"]["flow"]["categories"]
+    assert "## decode" in (tmp_path / "kernel-profile-t.md").read_text()
