@@ -15,6 +15,7 @@ kernels: the tables then count top-level ops, which is what the CPU tests check.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -24,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import bench.llm_decode_bench as decode_bench
 from bench.gpu_bench import DTYPES, cast, make_model
@@ -152,6 +154,10 @@ def flow_pass(args: argparse.Namespace, cuda: bool) -> dict:
     return {"batch": args.batch, "cached": args.cached, "new": args.new, **profiled(one_pass, args.reps, cuda)}
 
 
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
+
+
 def markdown(doc: dict) -> str:
     lines = [f"# Kernels per graphed step: {doc['device']}, {doc['dtype']}, {doc['size']} model", "",
              (f"Command: `{doc['command']}`. Per step: kernels (profiler trace over {doc['reps']} steps), CUDA-event "
@@ -167,6 +173,7 @@ def markdown(doc: dict) -> str:
         lines += [f"| `{k['name']}` | {k['category']} | {k['per_step']:.1f} | {k['us_per_step']:.1f} | "
                   f"{k['us_each']:.2f} |" for k in t["top"]]
         lines.append("")
+    lines += [f"{name}: {err}" for name, err in doc["errors"].items()]
     return "\n".join(lines)
 
 
@@ -181,6 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cached", type=int, default=150, help="flow: cached frames (a 3.5 s prompt's first 3 chunks)")
     ap.add_argument("--new", type=int, default=50, help="flow: new frames (one attention chunk)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sdpa", default="default",
+                    help="comma-separated attention backends to profile each target under: default (PyTorch's "
+                         f"choice), {', '.join(BACKENDS)}; a backend that cannot serve a target is reported as such")
     ap.add_argument("--out", default=None, help="folder for kernel-profile-<tag>.json and .md")
     ap.add_argument("--tag", default="run")
     args = ap.parse_args(argv)
@@ -188,12 +198,21 @@ def main(argv: list[str] | None = None) -> dict:
     targets = {"decode": decode_step, "flow": flow_pass}
     doc = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "dtype": args.dtype,
            "size": args.size, "reps": args.reps, "command": "python -m bench.kernel_profile " + " ".join(sys.argv[1:] if argv is None else argv),
-           "targets": {}}
+           "targets": {}, "errors": {}}
     for what in args.what.split(","):
         if what not in targets:
             raise SystemExit(f"--what: unknown {what!r} (decode, flow)")
-        doc["targets"][what] = targets[what](args, cuda)
-        print(what, json.dumps({k: v for k, v in doc["targets"][what].items() if k != "top"}), flush=True)
+        for backend in args.sdpa.split(","):
+            name = what if backend == "default" else f"{what} ({backend} attention)"
+            try:
+                # graphs are captured inside: the backend chosen at capture is the one replayed
+                with sdpa_kernel([BACKENDS[backend]]) if backend != "default" else contextlib.nullcontext():
+                    doc["targets"][name] = targets[what](args, cuda)
+            except RuntimeError as exc:  # e.g. a backend without attention masks
+                doc["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print(name, "failed:", doc["errors"][name], flush=True)
+                continue
+            print(name, json.dumps({k: v for k, v in doc["targets"][name].items() if k != "top"}), flush=True)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -47,3 +47,14 @@ def test_cpu_smoke_run_profiles_both_targets_and_writes_the_report(tmp_path):
     # the CPU trace names aten ops: the flow pass runs its attention and its convolutions
     assert "attention" in doc["targets"]["flow"]["categories"] and "convolution" in doc["targets"]["flow"]["categories"]
     assert "## decode" in (tmp_path / "kernel-profile-t.md").read_text()
+
+
+def test_attention_backends_are_profiled_apart_and_a_refusing_one_is_reported(tmp_path):
+    """``--sdpa``: each target once per backend; on the CPU the math backend serves the flow's
+    masked attention and cuDNN's cannot (the error is kept, the run goes on)."""
+    doc = main(["--device", "cpu", "--size", "tiny", "--dtype", "fp32", "--reps", "2", "--what", "flow",
+                "--sdpa", "default,math,cudnn"])
+    assert set(doc["targets"]) == {"flow", "flow (math attention)"}
+    assert set(doc["errors"]) == {"flow (cudnn attention)"}
+    # the math backend spells attention out in ops: more of them than the fused CPU kernel
+    assert doc["targets"]["flow (math attention)"]["kernels_per_step"] > doc["targets"]["flow"]["kernels_per_step"]
