@@ -1,4 +1,5 @@
-"""Several linear layers over the same input as one GEMM, without changing checkpoint keys.
+"""Several linear layers over the same input as one GEMM, and a causal convolution as one GEMM,
+without changing checkpoint keys.
 
 Launch-bound steps (an LLM decode step, one estimator call of the flow) spend their time per
 kernel, not per FLOP: q, k and v projections as one matrix product are two launches fewer. The
@@ -32,3 +33,25 @@ def fused_linear(x: torch.Tensor, layers: tuple[nn.Linear, ...], cache: dict) ->
             cache.clear()
             cache.update(key=key, weight=torch.cat([layer.weight for layer in layers]), bias=bias)
     return F.linear(x, cache["weight"], cache["bias"])
+
+
+def causal_conv_gemm(full: torch.Tensor, conv: nn.Conv1d, cache: dict) -> torch.Tensor:
+    """A causal ``conv`` (stride 1, no padding, no dilation) over channels-last frames.
+
+    ``full`` (B, k - 1 + n, C): each row's k - 1 history frames, then its n new ones -> (B, n, C_out).
+    The k-frame windows are rows of k·C consecutive values of ``full`` (overlapping: one copy
+    gathers them) against the weight laid out (C_out, k·C) once, frame-major: two kernels where
+    cuDNN's channels-first convolution of the same frames took four, two of them layout transforms
+    of the input and weight on every call (H100 profile of the incremental flow pass, 2026-12-06).
+    """
+    k = conv.kernel_size[0]
+    b, frames, c = full.shape
+    windows = full.as_strided((b, frames - k + 1, k * c), (full.stride(0), c, 1))
+    if torch.compiler.is_compiling():
+        return F.linear(windows, conv.weight.permute(0, 2, 1).reshape(conv.out_channels, -1), conv.bias)
+    key = (*_key(conv.weight), *_key(conv.bias))
+    if cache.get("key") != key:
+        with torch.no_grad():
+            cache.clear()
+            cache.update(key=key, weight=conv.weight.permute(0, 2, 1).reshape(conv.out_channels, -1).contiguous())
+    return F.linear(windows, cache["weight"], conv.bias)

@@ -51,7 +51,17 @@ import torch.fx.experimental._config as fx_config
 
 from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update
 from cosyvoice_runtime.flow.graphs import SolverGraphs
-from cosyvoice_runtime.flow.incremental_walk import Layout, Pass, estimator_pass, layout_of, pass_bias, plain_estimator
+from cosyvoice_runtime.flow.incremental_walk import (
+    Layout,
+    Pass,
+    estimator_pass,
+    layout_of,
+    pass_bias,
+    plain_estimator,
+    resnets_of,
+    unet_time_table,
+)
+from cosyvoice_runtime.flow.unet import CausalUNet
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 from cosyvoice_runtime.host_copy import to_device
 
@@ -208,6 +218,7 @@ class _Bucket:
     spks: torch.Tensor  # (B, 80)
     t: torch.Tensor  # (B,)
     dt: torch.Tensor  # (B,)
+    step: torch.Tensor  # (B,) long: each row's ODE step (the U-Net's time table row)
     p_len: torch.Tensor  # (B,) long
     n_len: torch.Tensor  # (B,) long
     hist_idx: torch.Tensor  # (2B, 1, 2 hist) long: which input frames are the history at the kept end and the mark
@@ -286,6 +297,10 @@ class IncrementalStepper(SolverGraphs):
         # the causal zero padding at frame 0 of a row with nothing cached
         self._no_history = torch.zeros(2, self.layout.conv_channels, self.layout.hist, device=self.device,
                                        dtype=self.dtype)
+        # U-Net: the resnets' time shifts per ODE step (unet_time_table), one buffer that captured
+        # graphs read; refilled in place when the weights it was made from change (_time_rows_of)
+        self._time_table: torch.Tensor | None = None
+        self._time_key: tuple | None = None
 
     @property
     def frame_bytes(self) -> int:
@@ -320,6 +335,8 @@ class IncrementalStepper(SolverGraphs):
 
     def capture(self) -> int:
         """Capture every bucket now (replica start-up); how many graphs exist."""
+        with self._lock:
+            self._refresh_time_table()
         for b in self.batch_buckets:
             for new in range(NEW_FRAME_STEP, self.max_new + 1, NEW_FRAME_STEP):
                 for cached in range(0, self.max_cached + 1, CACHED_FRAME_STEP):
@@ -340,6 +357,7 @@ class IncrementalStepper(SolverGraphs):
         shape = (len(rows), max(r.frames for r in rows), max(r.start for r in rows))
         key = self.bucket_of(*shape)
         with self._lock:
+            self._refresh_time_table()
             bucket = self._new_bucket(*shape) if key is None else self._get(key)
             self._load(bucket, rows)
             self._execute(bucket)
@@ -366,6 +384,7 @@ class IncrementalStepper(SolverGraphs):
         bucket.n_len[:k] = n_len
         bucket.t[:k] = t_steps[step]
         bucket.dt[:k] = dts[step]
+        bucket.step[:k] = step
         # padded frames and rows keep finite values (zeros, or what earlier passes left): masked or causal-after
         for name in ("x", "mu", "cond"):
             frames = torch.nn.utils.rnn.pad_sequence([getattr(r, name).T for r in rows], batch_first=True)
@@ -405,12 +424,36 @@ class IncrementalStepper(SolverGraphs):
         b, _, new = bucket.x.shape
         zeros = torch.zeros_like(bucket.mu)
         bias = pass_bias(bucket.p_len, bucket.n_len, bucket.cached, new, self.layout.chunk, bucket.x.dtype)
-        p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn, bucket.p_len)
+        if self._time_table is None:  # a pass run without advance() or capture() (tests)
+            self._refresh_time_table()
+        time_rows = None if self._time_table is None else self._time_table[bucket.step].repeat(2, 1)
+        p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn, bucket.p_len, time_rows)
         x_in = torch.cat([bucket.x, bucket.x])
         v = self._walk(self.estimator, x_in, torch.cat([bucket.mu, zeros]), bucket.t.repeat(2),
                            torch.cat([bucket.spks, torch.zeros_like(bucket.spks)]), torch.cat([bucket.cond, zeros]),
                            bias, p)
         return euler_update(bucket.x, v, bucket.dt.view(b, 1, 1), 1.0, self.solver.spec.inference_cfg_rate)
+
+    def _refresh_time_table(self) -> None:
+        """The U-Net's time table (:func:`unet_time_table`), made on the first pass and made again
+        into the same buffer when a weight it reads was replaced or changed in place (a checkpoint
+        loaded after the stepper was made); nothing for the DiT."""
+        if not isinstance(self.estimator, CausalUNet):
+            return
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in self._time_weights())
+        if key == self._time_key:
+            return
+        with torch.inference_mode():
+            table = unet_time_table(self.estimator, self.schedule()[0])
+            if self._time_table is None:
+                self._time_table = table
+            else:
+                self._time_table.copy_(table)
+        self._time_key = key
+
+    def _time_weights(self) -> list[torch.Tensor]:
+        return [p for m in (self.estimator.time_mlp, *(r.mlp for r in resnets_of(self.estimator)))
+                for p in m.parameters()]
 
     def _staged(self, b: int, new: int, cached: int) -> torch.Tensor:
         """A bucket's ``attn``: a view of one staging buffer shared by every bucket (passes run one
@@ -432,7 +475,7 @@ class IncrementalStepper(SolverGraphs):
             return torch.zeros(*shape, device=dev, dtype=dt)
 
         return _Bucket(graph=None, x=z(b, n_mels, new), mu=z(b, n_mels, new), cond=z(b, n_mels, new),
-                       spks=z(b, n_mels), t=z(b), dt=z(b), p_len=z(b, dt=torch.long), n_len=z(b, dt=torch.long),
+                       spks=z(b, n_mels), t=z(b), dt=z(b), step=z(b, dt=torch.long), p_len=z(b, dt=torch.long), n_len=z(b, dt=torch.long),
                        hist_idx=z(2 * b, 1, 2 * hist, dt=torch.long), hist_in=z(2 * b, channels, hist),
                        hist_out=z(2 * b, channels, 2 * hist), attn=attn)
 

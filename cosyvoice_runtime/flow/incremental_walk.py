@@ -16,7 +16,7 @@ Every estimator activation of a valid new frame is then the full forward's, up t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +26,13 @@ from cosyvoice_runtime.flow.dit import DiT, DiTBlock, apply_rotary
 from cosyvoice_runtime.flow.masks import to_bias
 from cosyvoice_runtime.flow.unet import (
     CausalBlock1D,
+    CausalConv1d,
     CausalResnetBlock1D,
     CausalUNet,
     TransformerBlock,
     sinusoidal_embedding,
 )
+from cosyvoice_runtime.fused import causal_conv_gemm
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,15 @@ class Layout:
     block_index: dict  # id(block) -> index
     dim: int
     chunk: int  # attention chunk in mel frames
+    shift_offset: dict = field(default_factory=dict)  # U-Net: id(resnet) -> first column of its time shift
 
     @property
     def n_blocks(self) -> int:
         return len(self.block_index)
 
 
-def _make_layout(convs: list[nn.Conv1d], blocks: list[nn.Module], dim: int, chunk: int) -> Layout:
+def _make_layout(convs: list[nn.Conv1d], blocks: list[nn.Module], dim: int, chunk: int,
+                 resnets: list[CausalResnetBlock1D] = ()) -> Layout:
     hist = {c.kernel_size[0] - 1 for c in convs}
     if len(hist) != 1 or any(c.padding != (0,) and c.padding != 0 for c in convs):
         raise ValueError("the incremental flow expects unpadded causal convolutions of one kernel size")
@@ -58,7 +62,11 @@ def _make_layout(convs: list[nn.Conv1d], blocks: list[nn.Module], dim: int, chun
     for conv in convs:
         offsets[id(conv)] = total
         total += conv.in_channels
-    return Layout(offsets, total, hist.pop(), {id(b): i for i, b in enumerate(blocks)}, dim, chunk)
+    shifts, column = {}, 0
+    for resnet in resnets:
+        shifts[id(resnet)] = column
+        column += resnet.mlp[1].out_features
+    return Layout(offsets, total, hist.pop(), {id(b): i for i, b in enumerate(blocks)}, dim, chunk, shifts)
 
 
 def layout_of(estimator: nn.Module) -> Layout:
@@ -84,7 +92,8 @@ def layout_of(estimator: nn.Module) -> Layout:
     resnet, tblocks, up = estimator.up_blocks[0]
     stage(resnet, tblocks)
     convs += [up, estimator.final_block.block[0]]
-    return _make_layout(convs, blocks, estimator.spec.channels[0], estimator.spec.static_chunk_size)
+    return _make_layout(convs, blocks, estimator.spec.channels[0], estimator.spec.static_chunk_size,
+                        resnets_of(estimator))
 
 
 def pass_bias(p_len: torch.Tensor, n_len: torch.Tensor, cached: int, new: int, chunk: int,
@@ -121,12 +130,13 @@ class Pass:
         attn: (blocks, 2B, cached + new, dim) normed block inputs: the cached frames', then the new
             frames' (filled by the pass); how many are new is the pass's input length.
         p_len: (B,) long cached frames per row (the DiT's rotary positions start there).
+        time_rows: (2B, shift channels) U-Net: each row's line of :func:`unet_time_table`.
     """
 
     def __init__(self, layout: Layout, hist_in: torch.Tensor, hist_out: torch.Tensor, hist_idx: torch.Tensor,
-                 attn: torch.Tensor, p_len: torch.Tensor) -> None:
+                 attn: torch.Tensor, p_len: torch.Tensor, time_rows: torch.Tensor | None = None) -> None:
         self.layout, self.hist_in, self.hist_out, self.hist_idx = layout, hist_in, hist_out, hist_idx
-        self.attn, self.p_len = attn, p_len
+        self.attn, self.p_len, self.time_rows = attn, p_len, time_rows
 
     def conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
         """A causal convolution of new frames (2B, C, n) after each row's cached history."""
@@ -135,6 +145,21 @@ class Pass:
         full = torch.cat([self.hist_in[:, off:off + c], x], dim=-1)
         self.hist_out[:, off:off + c] = full.gather(2, self.hist_idx.expand(-1, c, -1))
         return nn.Conv1d.forward(conv, full)
+
+    def conv_gemm(self, conv: CausalConv1d, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`conv` of channels-last new frames x (2B, n, C) -> (2B, n, C_out), as one GEMM
+        (:func:`~cosyvoice_runtime.fused.causal_conv_gemm`); the history stays channels-first."""
+        c, hist = x.shape[-1], self.layout.hist
+        off = self.layout.conv_offset[id(conv)]
+        full = torch.cat([self.hist_in[:, off:off + c].transpose(1, 2), x], dim=1)
+        idx = self.hist_idx.view(-1, 2 * hist, 1).expand(-1, -1, c)
+        self.hist_out[:, off:off + c] = full.gather(1, idx).transpose(1, 2)
+        return causal_conv_gemm(full, conv, conv._gemm)
+
+    def time_shift(self, resnet: CausalResnetBlock1D) -> torch.Tensor:
+        """(2B, C) what ``resnet`` adds for the rows' time embeddings (:attr:`time_rows`)."""
+        off = self.layout.shift_offset[id(resnet)]
+        return self.time_rows[:, off:off + resnet.mlp[1].out_features]
 
     def block_input(self, block: nn.Module, normed: torch.Tensor) -> torch.Tensor:
         """Record the new frames' normed input (2B, n, D) of an attention block behind its cached
@@ -157,38 +182,63 @@ def _unet_attention(block: TransformerBlock, h: torch.Tensor, bias: torch.Tensor
     return h + block.ff(block.norm3(h))
 
 
+# The U-Net walk keeps its activations channels-last, (2B, n, C), as the transformer blocks take
+# them: the LayerNorms over channels then read contiguous rows, the convolutions are GEMMs
+# (Pass.conv_gemm), the 1x1 convolutions plain linear layers, and no block copies its input into
+# or out of a transposed layout (~150 kernels fewer per pass than the channels-first walk; H100
+# profile 2026-12-06: ~1,170 kernels, each pass's time their launches in sequence).
 def _block(block: CausalBlock1D, x: torch.Tensor, p: Pass) -> torch.Tensor:
-    return block.block[1:](p.conv(block.block[0], x))
+    conv, _, norm, _, mish = block.block
+    return mish(norm(p.conv_gemm(conv, x)))
 
 
-def _resnet(resnet: CausalResnetBlock1D, x: torch.Tensor, temb: torch.Tensor, p: Pass) -> torch.Tensor:
-    h = _block(resnet.block1, x, p) + resnet.mlp(temb).unsqueeze(-1)
-    return _block(resnet.block2, h, p) + resnet.res_conv(x)
+def _pointwise(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """A 1x1 convolution of channels-last frames."""
+    return F.linear(x, conv.weight[:, :, 0], conv.bias)
+
+
+def _resnet(resnet: CausalResnetBlock1D, x: torch.Tensor, p: Pass) -> torch.Tensor:
+    h = _block(resnet.block1, x, p) + p.time_shift(resnet)[:, None, :]
+    return _block(resnet.block2, h, p) + _pointwise(resnet.res_conv, x)
 
 
 def _attend(x: torch.Tensor, blocks: nn.ModuleList, bias: torch.Tensor, p: Pass) -> torch.Tensor:
-    h = x.transpose(1, 2)
     for block in blocks:
-        h = _unet_attention(block, h, bias, p)
-    return h.transpose(1, 2)
+        x = _unet_attention(block, x, bias, p)
+    return x
+
+
+def unet_time_table(unet: CausalUNet, t: torch.Tensor) -> torch.Tensor:
+    """(steps, shift channels) what every resnet adds for its time embedding at each ODE time
+    ``t`` (steps,): ``mlp(time_mlp(sinusoid(t)))``, the resnets' in :attr:`Layout.shift_offset`
+    order. It depends on the time alone, the same ten values every pass of every request: a
+    table read once per pass replaces ~40 kernels of it."""
+    temb = unet.time_mlp(sinusoidal_embedding(t, unet.spec.in_channels).to(t.dtype))
+    return torch.cat([resnet.mlp(temb) for resnet in resnets_of(unet)], dim=-1)
+
+
+def resnets_of(unet: CausalUNet) -> list[CausalResnetBlock1D]:
+    """The U-Net's resnets in walk order (down, mid, up)."""
+    return [unet.down_blocks[0][0], *(mid[0] for mid in unet.mid_blocks), unet.up_blocks[0][0]]
 
 
 def unet_pass(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
               cond: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
-    """:meth:`CausalUNet.forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n)."""
-    temb = unet.time_mlp(sinusoidal_embedding(t, unet.spec.in_channels).to(t.dtype))
-    h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)
+    """:meth:`CausalUNet.forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n);
+    the time enters through ``p.time_rows`` (:func:`unet_time_table`), not ``t``."""
+    h = torch.cat([x.transpose(1, 2), mu.transpose(1, 2), spks[:, None, :].expand(-1, x.shape[-1], -1),
+                   cond.transpose(1, 2)], dim=-1)
     resnet, blocks, down = unet.down_blocks[0]
-    h = _attend(_resnet(resnet, h, temb, p), blocks, bias, p)
+    h = _attend(_resnet(resnet, h, p), blocks, bias, p)
     skip = h
-    h = p.conv(down, h)
+    h = p.conv_gemm(down, h)
     for resnet, blocks in unet.mid_blocks:
-        h = _attend(_resnet(resnet, h, temb, p), blocks, bias, p)
+        h = _attend(_resnet(resnet, h, p), blocks, bias, p)
     resnet, blocks, up = unet.up_blocks[0]
-    h = torch.cat([h, skip], dim=1)
-    h = p.conv(up, _attend(_resnet(resnet, h, temb, p), blocks, bias, p))
+    h = torch.cat([h, skip], dim=-1)
+    h = p.conv_gemm(up, _attend(_resnet(resnet, h, p), blocks, bias, p))
     h = _block(unet.final_block, h, p)
-    return unet.final_proj(h)
+    return _pointwise(unet.final_proj, h).transpose(1, 2)
 
 
 def _dit_block(block: DiTBlock, h: torch.Tensor, temb: torch.Tensor, bias: torch.Tensor, freqs_q: torch.Tensor,

@@ -192,6 +192,22 @@ def test_unaligned_end_caches_only_up_to_the_chunk_boundary(cv2):
     assert inc.shape[-1] == 2 * (20 + 80) - 50 and torch.allclose(inc, ref[:, :, 10:], atol=1e-5)
 
 
+def test_time_table_follows_weights_changed_in_place(flow64):
+    """The pass reads the resnets' time shifts from a table made once (IncrementalStepper): a
+    time-MLP weight changed in place after the first pass (a checkpoint loaded later) is in the
+    next pass, which still equals the whole solve."""
+    flow = copy.deepcopy(flow64)
+    prompt, tokens = _prompt(20, 4), torch.tensor([_tokens(40, 4)], dtype=torch.int32)
+    item = _item(prompt, tokens, finalize=True)
+    incremental_mel(flow, item, FlowCache())
+    with torch.no_grad():
+        flow.decoder.estimator.time_mlp.linear_2.weight.mul_(3.0)
+        flow.decoder.estimator.mid_blocks[0][0].mlp[1].bias.add_(0.5)
+    inc = incremental_mel(flow, item, FlowCache())[:, :, 40:]  # nothing cached: from the prompt's start
+    ref = flow.inference_batch([item])[0]
+    assert inc.shape == ref.shape and torch.allclose(inc, ref, atol=1e-9)
+
+
 def test_switch_is_validated_and_cosyvoice3_ignores_it():
     cv3 = _model("cosyvoice3")
     with pytest.raises(ValueError):

@@ -2,10 +2,11 @@
 traceable as one graph by torch.compile (mode torchscript)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from cosyvoice_runtime.fused import fused_linear
+from cosyvoice_runtime.fused import causal_conv_gemm, fused_linear
 
 
 class _Three(nn.Module):
@@ -43,3 +44,22 @@ def test_compiles_without_graph_breaks():
     x = torch.randn(3, 8)
     compiled = torch.compile(m, backend="eager", fullgraph=True)  # a graph break would raise
     torch.testing.assert_close(compiled(x), m.plain(x))
+
+
+@pytest.mark.parametrize("kernel", [3, 31])
+def test_causal_conv_gemm_is_the_convolution_of_history_then_new_frames(kernel):
+    """Channels-last frames with their k - 1 history frames in front: the same output as
+    ``Conv1d`` over the channels-first sequence (float32, GEMM rounding), and the weight is laid
+    out again after an in-place update."""
+    torch.manual_seed(0)
+    conv = nn.Conv1d(12, 20, kernel)
+    full = torch.randn(3, kernel - 1 + 9, 12)
+    cache: dict = {}
+    want = conv(full.transpose(1, 2)).transpose(1, 2)
+    got = causal_conv_gemm(full, conv, cache)
+    assert got.shape == (3, 9, 20)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        conv.weight.mul_(-2.0)
+    torch.testing.assert_close(causal_conv_gemm(full, conv, cache), conv(full.transpose(1, 2)).transpose(1, 2),
+                               rtol=1e-5, atol=1e-5)
