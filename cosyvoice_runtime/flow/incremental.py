@@ -58,10 +58,9 @@ from cosyvoice_runtime.flow.incremental_walk import (
     layout_of,
     pass_bias,
     plain_estimator,
-    resnets_of,
-    unet_time_table,
+    time_table,
+    time_weights,
 )
-from cosyvoice_runtime.flow.unet import CausalUNet
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 from cosyvoice_runtime.host_copy import to_device
 
@@ -297,8 +296,8 @@ class IncrementalStepper(SolverGraphs):
         # the causal zero padding at frame 0 of a row with nothing cached
         self._no_history = torch.zeros(2, self.layout.conv_channels, self.layout.hist, device=self.device,
                                        dtype=self.dtype)
-        # U-Net: the resnets' time shifts per ODE step (unet_time_table), one buffer that captured
-        # graphs read; refilled in place when the weights it was made from change (_time_rows_of)
+        # what depends on the ODE time alone, per step (incremental_walk.time_table): one buffer that
+        # captured graphs read, filled again in place when a weight it was made from changes
         self._time_table: torch.Tensor | None = None
         self._time_key: tuple | None = None
 
@@ -426,7 +425,7 @@ class IncrementalStepper(SolverGraphs):
         bias = pass_bias(bucket.p_len, bucket.n_len, bucket.cached, new, self.layout.chunk, bucket.x.dtype)
         if self._time_table is None:  # a pass run without advance() or capture() (tests)
             self._refresh_time_table()
-        time_rows = None if self._time_table is None else self._time_table[bucket.step].repeat(2, 1)
+        time_rows = self._time_table[bucket.step].repeat(2, 1)
         p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn, bucket.p_len, time_rows)
         x_in = torch.cat([bucket.x, bucket.x])
         v = self._walk(self.estimator, x_in, torch.cat([bucket.mu, zeros]), bucket.t.repeat(2),
@@ -435,25 +434,19 @@ class IncrementalStepper(SolverGraphs):
         return euler_update(bucket.x, v, bucket.dt.view(b, 1, 1), 1.0, self.solver.spec.inference_cfg_rate)
 
     def _refresh_time_table(self) -> None:
-        """The U-Net's time table (:func:`unet_time_table`), made on the first pass and made again
-        into the same buffer when a weight it reads was replaced or changed in place (a checkpoint
-        loaded after the stepper was made); nothing for the DiT."""
-        if not isinstance(self.estimator, CausalUNet):
-            return
-        key = tuple((w.data_ptr(), w._version, w.dtype) for w in self._time_weights())
+        """The estimator's :func:`time_table`, made on the first pass and made again into the same
+        buffer when a weight it reads was replaced or changed in place (a checkpoint loaded after
+        the stepper was made)."""
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in time_weights(self.estimator))
         if key == self._time_key:
             return
         with torch.inference_mode():
-            table = unet_time_table(self.estimator, self.schedule()[0])
+            table = time_table(self.estimator, self.schedule()[0])
             if self._time_table is None:
                 self._time_table = table
             else:
                 self._time_table.copy_(table)
         self._time_key = key
-
-    def _time_weights(self) -> list[torch.Tensor]:
-        return [p for m in (self.estimator.time_mlp, *(r.mlp for r in resnets_of(self.estimator)))
-                for p in m.parameters()]
 
     def _staged(self, b: int, new: int, cached: int) -> torch.Tensor:
         """A bucket's ``attn``: a view of one staging buffer shared by every bucket (passes run one

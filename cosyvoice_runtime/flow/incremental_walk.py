@@ -46,7 +46,7 @@ class Layout:
     block_index: dict  # id(block) -> index
     dim: int
     chunk: int  # attention chunk in mel frames
-    shift_offset: dict = field(default_factory=dict)  # U-Net: id(resnet) -> first column of its time shift
+    time_offset: dict = field(default_factory=dict)  # id(layer) -> first column of its output in the time table
 
     @property
     def n_blocks(self) -> int:
@@ -54,7 +54,7 @@ class Layout:
 
 
 def _make_layout(convs: list[nn.Conv1d], blocks: list[nn.Module], dim: int, chunk: int,
-                 resnets: list[CausalResnetBlock1D] = ()) -> Layout:
+                 time_layers: list[nn.Linear]) -> Layout:
     hist = {c.kernel_size[0] - 1 for c in convs}
     if len(hist) != 1 or any(c.padding != (0,) and c.padding != 0 for c in convs):
         raise ValueError("the incremental flow expects unpadded causal convolutions of one kernel size")
@@ -62,11 +62,11 @@ def _make_layout(convs: list[nn.Conv1d], blocks: list[nn.Module], dim: int, chun
     for conv in convs:
         offsets[id(conv)] = total
         total += conv.in_channels
-    shifts, column = {}, 0
-    for resnet in resnets:
-        shifts[id(resnet)] = column
-        column += resnet.mlp[1].out_features
-    return Layout(offsets, total, hist.pop(), {id(b): i for i, b in enumerate(blocks)}, dim, chunk, shifts)
+    columns, column = {}, 0
+    for layer in time_layers:
+        columns[id(layer)] = column
+        column += layer.out_features
+    return Layout(offsets, total, hist.pop(), {id(b): i for i, b in enumerate(blocks)}, dim, chunk, columns)
 
 
 def layout_of(estimator: nn.Module) -> Layout:
@@ -74,7 +74,7 @@ def layout_of(estimator: nn.Module) -> Layout:
     if isinstance(estimator, DiT):
         pos = estimator.input_embed.conv_pos_embed
         return _make_layout([pos.conv1[0], pos.conv2[0]], list(estimator.transformer_blocks), estimator.spec.dim,
-                            estimator.spec.static_chunk_size)
+                            estimator.spec.static_chunk_size, time_layers(estimator))
     if not isinstance(estimator, CausalUNet):
         raise TypeError(f"no incremental pass for {type(estimator).__name__}")
     convs: list[nn.Conv1d] = []
@@ -93,7 +93,7 @@ def layout_of(estimator: nn.Module) -> Layout:
     stage(resnet, tblocks)
     convs += [up, estimator.final_block.block[0]]
     return _make_layout(convs, blocks, estimator.spec.channels[0], estimator.spec.static_chunk_size,
-                        resnets_of(estimator))
+                        time_layers(estimator))
 
 
 def pass_bias(p_len: torch.Tensor, n_len: torch.Tensor, cached: int, new: int, chunk: int,
@@ -130,7 +130,7 @@ class Pass:
         attn: (blocks, 2B, cached + new, dim) normed block inputs: the cached frames', then the new
             frames' (filled by the pass); how many are new is the pass's input length.
         p_len: (B,) long cached frames per row (the DiT's rotary positions start there).
-        time_rows: (2B, shift channels) U-Net: each row's line of :func:`unet_time_table`.
+        time_rows: (2B, columns) each row's line of the :func:`time_table` (what depends on its ODE time alone).
     """
 
     def __init__(self, layout: Layout, hist_in: torch.Tensor, hist_out: torch.Tensor, hist_idx: torch.Tensor,
@@ -156,10 +156,10 @@ class Pass:
         self.hist_out[:, off:off + c] = full.gather(1, idx).transpose(1, 2)
         return causal_conv_gemm(full, conv, conv._gemm)
 
-    def time_shift(self, resnet: CausalResnetBlock1D) -> torch.Tensor:
-        """(2B, C) what ``resnet`` adds for the rows' time embeddings (:attr:`time_rows`)."""
-        off = self.layout.shift_offset[id(resnet)]
-        return self.time_rows[:, off:off + resnet.mlp[1].out_features]
+    def timed(self, layer: nn.Linear) -> torch.Tensor:
+        """(2B, out features) a :func:`time_layers` layer's output for the rows' ODE times."""
+        off = self.layout.time_offset[id(layer)]
+        return self.time_rows[:, off:off + layer.out_features]
 
     def block_input(self, block: nn.Module, normed: torch.Tensor) -> torch.Tensor:
         """Record the new frames' normed input (2B, n, D) of an attention block behind its cached
@@ -198,7 +198,7 @@ def _pointwise(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
 
 
 def _resnet(resnet: CausalResnetBlock1D, x: torch.Tensor, p: Pass) -> torch.Tensor:
-    h = _block(resnet.block1, x, p) + p.time_shift(resnet)[:, None, :]
+    h = _block(resnet.block1, x, p) + p.timed(resnet.mlp[1])[:, None, :]
     return _block(resnet.block2, h, p) + _pointwise(resnet.res_conv, x)
 
 
@@ -208,16 +208,33 @@ def _attend(x: torch.Tensor, blocks: nn.ModuleList, bias: torch.Tensor, p: Pass)
     return x
 
 
-def unet_time_table(unet: CausalUNet, t: torch.Tensor) -> torch.Tensor:
-    """(steps, shift channels) what every resnet adds for its time embedding at each ODE time
-    ``t`` (steps,): ``mlp(time_mlp(sinusoid(t)))``, the resnets' in :attr:`Layout.shift_offset`
-    order. It depends on the time alone, the same ten values every pass of every request: a
-    table read once per pass replaces ~40 kernels of it."""
-    temb = unet.time_mlp(sinusoidal_embedding(t, unet.spec.in_channels).to(t.dtype))
-    return torch.cat([resnet.mlp(temb) for resnet in resnets_of(unet)], dim=-1)
+def time_layers(estimator: nn.Module) -> list[nn.Linear]:
+    """The layers whose output depends on the ODE time alone, in :func:`time_table` order: each
+    U-Net resnet's time projection; each DiT block's modulation, then the output norm's."""
+    if isinstance(estimator, DiT):
+        return [*(block.attn_norm.linear for block in estimator.transformer_blocks), estimator.norm_out.linear]
+    return [resnet.mlp[1] for resnet in _resnets(estimator)]
 
 
-def resnets_of(unet: CausalUNet) -> list[CausalResnetBlock1D]:
+def time_weights(estimator: nn.Module) -> list[torch.Tensor]:
+    """Every parameter :func:`time_table` reads."""
+    embed = estimator.time_embed if isinstance(estimator, DiT) else estimator.time_mlp
+    return [*embed.parameters(), *(p for layer in time_layers(estimator) for p in layer.parameters())]
+
+
+def time_table(estimator: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """(steps, columns) the :func:`time_layers` outputs at each ODE time ``t`` (steps,), side by
+    side (:attr:`Layout.time_offset`). They depend on the time alone, the same ten values in every
+    pass of every request: read from this table, a pass launches ~40 (U-Net: sinusoid, time MLP,
+    14 resnet projections) or ~50 (DiT: 22 block modulations) kernels fewer."""
+    if isinstance(estimator, DiT):
+        act = F.silu(estimator.time_embed(t))
+    else:  # a resnet's mlp is Mish then its projection
+        act = F.mish(estimator.time_mlp(sinusoidal_embedding(t, estimator.spec.in_channels).to(t.dtype)))
+    return torch.cat([layer(act) for layer in time_layers(estimator)], dim=-1)
+
+
+def _resnets(unet: CausalUNet) -> list[CausalResnetBlock1D]:
     """The U-Net's resnets in walk order (down, mid, up)."""
     return [unet.down_blocks[0][0], *(mid[0] for mid in unet.mid_blocks), unet.up_blocks[0][0]]
 
@@ -225,7 +242,7 @@ def resnets_of(unet: CausalUNet) -> list[CausalResnetBlock1D]:
 def unet_pass(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
               cond: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
     """:meth:`CausalUNet.forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n);
-    the time enters through ``p.time_rows`` (:func:`unet_time_table`), not ``t``."""
+    the time enters through ``p.time_rows`` (:func:`time_table`), not ``t``."""
     h = torch.cat([x.transpose(1, 2), mu.transpose(1, 2), spks[:, None, :].expand(-1, x.shape[-1], -1),
                    cond.transpose(1, 2)], dim=-1)
     resnet, blocks, down = unet.down_blocks[0]
@@ -241,9 +258,9 @@ def unet_pass(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, t: torch.Tens
     return _pointwise(unet.final_proj, h).transpose(1, 2)
 
 
-def _dit_block(block: DiTBlock, h: torch.Tensor, temb: torch.Tensor, bias: torch.Tensor, freqs_q: torch.Tensor,
-               freqs_k: torch.Tensor, p: Pass) -> torch.Tensor:
-    shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = block.attn_norm.linear(F.silu(temb)).chunk(6, dim=1)
+def _dit_block(block: DiTBlock, h: torch.Tensor, bias: torch.Tensor, freqs_q: torch.Tensor, freqs_k: torch.Tensor,
+               p: Pass) -> torch.Tensor:
+    shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = p.timed(block.attn_norm.linear).chunk(6, dim=1)
     normed = block.attn_norm.norm(h) * (1 + scale_a[:, None]) + shift_a[:, None]
     normed_all = p.block_input(block, normed)
     attn = block.attn
@@ -270,8 +287,8 @@ def _angles(dit: DiT, positions: torch.Tensor) -> torch.Tensor:
 
 def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
              cond: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
-    """:meth:`DiT.forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n)."""
-    temb = dit.time_embed(t)
+    """:meth:`DiT.forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n); the
+    time enters through ``p.time_rows`` (:func:`time_table`), not ``t``."""
     emb = dit.input_embed
     h = emb.proj(torch.cat([x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
                             spks[:, None].expand(-1, x.shape[-1], -1)], dim=-1))
@@ -286,8 +303,8 @@ def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks:
     k_pos = torch.cat([torch.arange(cached, device=x.device)[None, :].expand(len(p_len), -1), q_pos], dim=1)
     freqs_q, freqs_k = _angles(dit, q_pos), _angles(dit, k_pos)
     for block in dit.transformer_blocks:
-        h = _dit_block(block, h, temb, bias, freqs_q, freqs_k, p)
-    scale, shift = dit.norm_out.linear(F.silu(temb)).chunk(2, dim=1)
+        h = _dit_block(block, h, bias, freqs_q, freqs_k, p)
+    scale, shift = p.timed(dit.norm_out.linear).chunk(2, dim=1)
     h = dit.norm_out.norm(h) * (1 + scale[:, None]) + shift[:, None]
     return dit.proj_out(h).transpose(1, 2)
 

@@ -197,6 +197,7 @@ def test_time_table_follows_weights_changed_in_place(flow64):
     time-MLP weight changed in place after the first pass (a checkpoint loaded later) is in the
     next pass, which still equals the whole solve."""
     flow = copy.deepcopy(flow64)
+    flow.incremental = None  # a stepper of its own (a copied one's layout names the original's modules)
     prompt, tokens = _prompt(20, 4), torch.tensor([_tokens(40, 4)], dtype=torch.int32)
     item = _item(prompt, tokens, finalize=True)
     incremental_mel(flow, item, FlowCache())
