@@ -35,23 +35,14 @@ def fused_linear(x: torch.Tensor, layers: tuple[nn.Linear, ...], cache: dict) ->
     return F.linear(x, cache["weight"], cache["bias"])
 
 
-def causal_conv_gemm(full: torch.Tensor, conv: nn.Conv1d, cache: dict) -> torch.Tensor:
+def causal_conv_gemm(full: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
     """A causal ``conv`` (stride 1, no padding, no dilation) over channels-last frames.
 
-    ``full`` (B, k - 1 + n, C): each row's k - 1 history frames, then its n new ones -> (B, n, C_out).
-    The k-frame windows are rows of k·C consecutive values of ``full`` (overlapping: one copy
-    gathers them) against the weight laid out (C_out, k·C) once, frame-major: two kernels where
-    cuDNN's channels-first convolution of the same frames took four, two of them layout transforms
-    of the input and weight on every call (H100 profile of the incremental flow pass, 2026-12-06).
+    ``full`` (B, k - 1 + n, C), any strides: each row's k - 1 history frames, then its n new ones
+    -> (B, n, C_out). The k-frame windows, gathered by one copy (they overlap), against the
+    weight (C_out, C·k) as it is stored: two kernels where cuDNN's channels-first convolution of
+    the same frames took four, two of them layout transforms of the input and the weight on every
+    call (H100 profile of the incremental flow pass, 2026-12-06).
     """
-    k = conv.kernel_size[0]
-    b, frames, c = full.shape
-    windows = full.as_strided((b, frames - k + 1, k * c), (full.stride(0), c, 1))
-    if torch.compiler.is_compiling():
-        return F.linear(windows, conv.weight.permute(0, 2, 1).reshape(conv.out_channels, -1), conv.bias)
-    key = (*_key(conv.weight), *_key(conv.bias))
-    if cache.get("key") != key:
-        with torch.no_grad():
-            cache.clear()
-            cache.update(key=key, weight=conv.weight.permute(0, 2, 1).reshape(conv.out_channels, -1).contiguous())
-    return F.linear(windows, cache["weight"], conv.bias)
+    windows = full.unfold(1, conv.kernel_size[0], 1).flatten(2)  # (B, n, C, k) -> (B, n, C·k)
+    return F.linear(windows, conv.weight.flatten(1), conv.bias)

@@ -61,6 +61,7 @@ from cosyvoice_runtime.flow.incremental_walk import (
     time_table,
     time_weights,
 )
+from cosyvoice_runtime.flow.unet import CausalUNet
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 from cosyvoice_runtime.host_copy import to_device
 
@@ -227,6 +228,9 @@ class _Bucket:
     # one buffer so that a block attends over it as it is (a concatenation per block copied every
     # cached frame on every pass)
     attn: torch.Tensor
+    # (2B, hist + N, channels) U-Net: the convolutions' channels-last inputs behind their history
+    # (a view of one staging buffer shared by the buckets, as attn); None for the DiT
+    conv_frames: torch.Tensor | None = None
     out: torch.Tensor | None = None  # (B, 80, N): x after the pass
 
     @property
@@ -292,6 +296,8 @@ class IncrementalStepper(SolverGraphs):
         self.max_new = math.ceil(max_new / NEW_FRAME_STEP) * NEW_FRAME_STEP
         self.passes = 0
         self._staging: torch.Tensor | None = None  # the flat attn of all buckets
+        self._conv_staging: torch.Tensor | None = None  # the flat conv_frames of all buckets (U-Net)
+        self._conv_frames = isinstance(self.estimator, CausalUNet)  # its walk runs channels-last
         self._hist_range = torch.arange(self.layout.hist, device=self.device)
         # the causal zero padding at frame 0 of a row with nothing cached
         self._no_history = torch.zeros(2, self.layout.conv_channels, self.layout.hist, device=self.device,
@@ -426,7 +432,8 @@ class IncrementalStepper(SolverGraphs):
         if self._time_table is None:  # a pass run without advance() or capture() (tests)
             self._refresh_time_table()
         time_rows = self._time_table[bucket.step].repeat(2, 1)
-        p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn, bucket.p_len, time_rows)
+        p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn, bucket.p_len, time_rows,
+                 bucket.conv_frames)
         x_in = torch.cat([bucket.x, bucket.x])
         v = self._walk(self.estimator, x_in, torch.cat([bucket.mu, zeros]), bucket.t.repeat(2),
                            torch.cat([bucket.spks, torch.zeros_like(bucket.spks)]), torch.cat([bucket.cond, zeros]),
@@ -448,29 +455,37 @@ class IncrementalStepper(SolverGraphs):
                 self._time_table.copy_(table)
         self._time_key = key
 
-    def _staged(self, b: int, new: int, cached: int) -> torch.Tensor:
-        """A bucket's ``attn``: a view of one staging buffer shared by every bucket (passes run one
-        at a time under the lock), sized for the largest bucket on first use."""
-        nb, dim = self.layout.n_blocks, self.layout.dim
+    def _staged(self, b: int, new: int, cached: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A bucket's ``attn`` and ``conv_frames``: views of staging buffers shared by every bucket
+        (passes run one at a time under the lock), sized for the largest bucket on first use."""
+        nb, dim, hist, channels = self.layout.n_blocks, self.layout.dim, self.layout.hist, self.layout.conv_channels
+        rows = 2 * self.batch_buckets[-1]
         if self._staging is None:
-            rows = 2 * self.batch_buckets[-1] * nb * dim
-            self._staging = torch.zeros(rows * (self.max_cached + self.max_new), device=self.device, dtype=self.dtype)
-        return self._staging[:nb * 2 * b * (cached + new) * dim].view(nb, 2 * b, cached + new, dim)
+            self._staging = self._zeros(rows * nb * dim * (self.max_cached + self.max_new))
+            if self._conv_frames:
+                self._conv_staging = self._zeros(rows * (hist + self.max_new) * channels)
+        attn = self._staging[:nb * 2 * b * (cached + new) * dim].view(nb, 2 * b, cached + new, dim)
+        if self._conv_staging is None:
+            return attn, None
+        return attn, self._conv_staging[:2 * b * (hist + new) * channels].view(2 * b, hist + new, channels)
+
+    def _zeros(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros(*shape, device=self.device, dtype=dtype or self.dtype)
 
     def _new_bucket(self, b: int, new: int, cached: int, staged: bool = False) -> _Bucket:
-        dev, dtype = self.device, self.dtype
         n_mels, nb, dim = self.solver.spec.output_size, self.layout.n_blocks, self.layout.dim
         channels, hist = self.layout.conv_channels, self.layout.hist
-        attn = self._staged(b, new, cached) if staged else torch.zeros(nb, 2 * b, cached + new, dim, device=dev,
-                                                                        dtype=dtype)
-
-        def z(*shape, dt=dtype):
-            return torch.zeros(*shape, device=dev, dtype=dt)
-
+        if staged:
+            attn, conv_frames = self._staged(b, new, cached)
+        else:
+            attn = self._zeros(nb, 2 * b, cached + new, dim)
+            conv_frames = self._zeros(2 * b, hist + new, channels) if self._conv_frames else None
+        z, long = self._zeros, torch.long
         return _Bucket(graph=None, x=z(b, n_mels, new), mu=z(b, n_mels, new), cond=z(b, n_mels, new),
-                       spks=z(b, n_mels), t=z(b), dt=z(b), step=z(b, dt=torch.long), p_len=z(b, dt=torch.long), n_len=z(b, dt=torch.long),
-                       hist_idx=z(2 * b, 1, 2 * hist, dt=torch.long), hist_in=z(2 * b, channels, hist),
-                       hist_out=z(2 * b, channels, 2 * hist), attn=attn)
+                       spks=z(b, n_mels), t=z(b), dt=z(b), step=z(b, dtype=long), p_len=z(b, dtype=long),
+                       n_len=z(b, dtype=long), hist_idx=z(2 * b, 1, 2 * hist, dtype=long),
+                       hist_in=z(2 * b, channels, hist), hist_out=z(2 * b, channels, 2 * hist), attn=attn,
+                       conv_frames=conv_frames)
 
     def _get(self, key: tuple[int, int, int]) -> _Bucket:
         bucket = self._buckets.get(key)

@@ -131,12 +131,15 @@ class Pass:
             frames' (filled by the pass); how many are new is the pass's input length.
         p_len: (B,) long cached frames per row (the DiT's rotary positions start there).
         time_rows: (2B, columns) each row's line of the :func:`time_table` (what depends on its ODE time alone).
+        conv_frames: (2B, hist + new, channels) the U-Net's channels-last convolution inputs, every
+            convolution's by its channel offset, behind the rows' history (:meth:`conv_gemm`).
     """
 
     def __init__(self, layout: Layout, hist_in: torch.Tensor, hist_out: torch.Tensor, hist_idx: torch.Tensor,
-                 attn: torch.Tensor, p_len: torch.Tensor, time_rows: torch.Tensor | None = None) -> None:
+                 attn: torch.Tensor, p_len: torch.Tensor, time_rows: torch.Tensor,
+                 conv_frames: torch.Tensor | None = None) -> None:
         self.layout, self.hist_in, self.hist_out, self.hist_idx = layout, hist_in, hist_out, hist_idx
-        self.attn, self.p_len, self.time_rows = attn, p_len, time_rows
+        self.attn, self.p_len, self.time_rows, self.conv_frames = attn, p_len, time_rows, conv_frames
 
     def conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
         """A causal convolution of new frames (2B, C, n) after each row's cached history."""
@@ -146,15 +149,26 @@ class Pass:
         self.hist_out[:, off:off + c] = full.gather(2, self.hist_idx.expand(-1, c, -1))
         return nn.Conv1d.forward(conv, full)
 
+    # The U-Net's convolutions read and record their history through :attr:`conv_frames`: one
+    # copy in and one gather out for all 31 of them, where each convolution's own concatenation,
+    # gather and write were three kernels.
+    def load_history(self) -> None:
+        """Before the U-Net's first convolution: every row's history in front of the new frames."""
+        self.conv_frames[:, :self.layout.hist] = self.hist_in.transpose(1, 2)
+
     def conv_gemm(self, conv: CausalConv1d, x: torch.Tensor) -> torch.Tensor:
         """:meth:`conv` of channels-last new frames x (2B, n, C) -> (2B, n, C_out), as one GEMM
-        (:func:`~cosyvoice_runtime.fused.causal_conv_gemm`); the history stays channels-first."""
+        (:func:`~cosyvoice_runtime.fused.causal_conv_gemm`) over x behind the loaded history."""
         c, hist = x.shape[-1], self.layout.hist
         off = self.layout.conv_offset[id(conv)]
-        full = torch.cat([self.hist_in[:, off:off + c].transpose(1, 2), x], dim=1)
-        idx = self.hist_idx.view(-1, 2 * hist, 1).expand(-1, -1, c)
-        self.hist_out[:, off:off + c] = full.gather(1, idx).transpose(1, 2)
-        return causal_conv_gemm(full, conv, conv._gemm)
+        full = self.conv_frames[:, :, off:off + c]
+        full[:, hist:] = x
+        return causal_conv_gemm(full, conv)
+
+    def store_history(self) -> None:
+        """After the U-Net's last convolution: the history at each row's kept end and mark."""
+        idx = self.hist_idx.view(-1, 2 * self.layout.hist, 1).expand(-1, -1, self.conv_frames.shape[-1])
+        self.hist_out.copy_(self.conv_frames.gather(1, idx).transpose(1, 2))
 
     def timed(self, layer: nn.Linear) -> torch.Tensor:
         """(2B, out features) a :func:`time_layers` layer's output for the rows' ODE times."""
@@ -245,6 +259,7 @@ def unet_pass(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, t: torch.Tens
     the time enters through ``p.time_rows`` (:func:`time_table`), not ``t``."""
     h = torch.cat([x.transpose(1, 2), mu.transpose(1, 2), spks[:, None, :].expand(-1, x.shape[-1], -1),
                    cond.transpose(1, 2)], dim=-1)
+    p.load_history()
     resnet, blocks, down = unet.down_blocks[0]
     h = _attend(_resnet(resnet, h, p), blocks, bias, p)
     skip = h
@@ -255,6 +270,7 @@ def unet_pass(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, t: torch.Tens
     h = torch.cat([h, skip], dim=-1)
     h = p.conv_gemm(up, _attend(_resnet(resnet, h, p), blocks, bias, p))
     h = _block(unet.final_block, h, p)
+    p.store_history()
     return _pointwise(unet.final_proj, h).transpose(1, 2)
 
 

@@ -25,10 +25,6 @@ def sinusoidal_embedding(t: torch.Tensor, dim: int, scale: float = 1000.0) -> to
 
 
 class CausalConv1d(nn.Conv1d):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._gemm: dict = {}  # its weight as one GEMM's (cosyvoice_runtime.fused; the incremental pass)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
 

@@ -48,18 +48,18 @@ def test_compiles_without_graph_breaks():
 
 @pytest.mark.parametrize("kernel", [3, 31])
 def test_causal_conv_gemm_is_the_convolution_of_history_then_new_frames(kernel):
-    """Channels-last frames with their k - 1 history frames in front: the same output as
-    ``Conv1d`` over the channels-first sequence (float32, GEMM rounding), and the weight is laid
-    out again after an in-place update."""
+    """Channels-last frames with their k - 1 history frames in front (a strided slice of a wider
+    buffer): the same output as ``Conv1d`` over the channels-first sequence (float32, GEMM
+    rounding), before and after an in-place weight update."""
     torch.manual_seed(0)
     conv = nn.Conv1d(12, 20, kernel)
-    full = torch.randn(3, kernel - 1 + 9, 12)
-    cache: dict = {}
+    wide = torch.randn(3, kernel - 1 + 9, 30)
+    full = wide[:, :, 5:17]  # a slice of a wider channels-last buffer, as the incremental pass hands it
     want = conv(full.transpose(1, 2)).transpose(1, 2)
-    got = causal_conv_gemm(full, conv, cache)
+    got = causal_conv_gemm(full, conv)
     assert got.shape == (3, 9, 20)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         conv.weight.mul_(-2.0)
-    torch.testing.assert_close(causal_conv_gemm(full, conv, cache), conv(full.transpose(1, 2)).transpose(1, 2),
+    torch.testing.assert_close(causal_conv_gemm(full, conv), conv(full.transpose(1, 2)).transpose(1, 2),
                                rtol=1e-5, atol=1e-5)
