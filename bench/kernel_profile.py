@@ -126,9 +126,9 @@ def decode_step(args: argparse.Namespace, cuda: bool) -> dict:
 
 
 def flow_pass(args: argparse.Namespace, cuda: bool) -> dict:
-    """One graphed incremental CosyVoice2 flow pass of ``--new`` frames over ``--cached`` ones
-    (a first chunk after a voice's cached prompt prefix), both CFG halves."""
-    model = cast(make_model("cosyvoice2", args.size, args.device), DTYPES[args.dtype])
+    """One graphed incremental flow pass of ``--new`` frames over ``--cached`` ones (a first chunk
+    after a voice's cached prompt prefix), both CFG halves."""
+    model = cast(make_model(args.family, args.size, args.device), DTYPES[args.dtype])
     flow = model.flow
     enable_flow_graphs(flow, max_batch=max(args.batch, 1), max_frames=args.cached + args.new, incremental=True,
                        use_graphs=cuda)
@@ -151,7 +151,8 @@ def flow_pass(args: argparse.Namespace, cuda: bool) -> dict:
             r.step, r.new_convs = 0, []
         stepper.advance(rows)
 
-    return {"batch": args.batch, "cached": args.cached, "new": args.new, **profiled(one_pass, args.reps, cuda)}
+    return {"family": args.family, "batch": args.batch, "cached": args.cached, "new": args.new,
+            **profiled(one_pass, args.reps, cuda)}
 
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--size", default="full", choices=["full", "tiny"])
     ap.add_argument("--what", default="decode,flow", help="comma-separated: decode, flow")
+    ap.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice3"],
+                    help="the flow's estimator (the decode step is CosyVoice2's LLM either way)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=150, help="decode: tokens in the cache")
     ap.add_argument("--cached", type=int, default=150, help="flow: cached frames (a 3.5 s prompt's first 3 chunks)")

@@ -60,3 +60,12 @@ def test_attention_backends_are_profiled_apart_and_a_refusing_one_is_reported(tm
     assert set(doc["errors"]) == {"flow (cudnn attention)"}
     # the math backend spells attention out in ops: more of them than the fused CPU kernel
     assert doc["targets"]["flow (math attention)"]["kernels_per_step"] > doc["targets"]["flow"]["kernels_per_step"]
+
+
+def test_cosyvoice3_flow_pass_is_profiled_too():
+    doc = main(["--device", "cpu", "--size", "tiny", "--dtype", "fp32", "--reps", "2", "--what", "flow",
+                "--family", "cosyvoice3"])
+    flow = doc["targets"]["flow"]
+    assert flow["family"] == "cosyvoice3" and flow["kernels_per_step"] > 0
+    # the DiT's position embedding is a grouped convolution: still cuDNN's (CPU: aten's) convolution
+    assert "convolution" in flow["categories"] and "attention" in flow["categories"]
