@@ -107,8 +107,8 @@ class SynthesizerConfig(DeploymentKnobs):
     llm_compile: bool = False
     # CUDA replicas with an incremental flow: its pass (the walk over the estimator's blocks) through
     # torch.compile (inductor) under its CUDA graphs, as mode torchscript does too. A CosyVoice2 pass
-    # runs ~1,300 small kernels (H100 profile, 2026-12-05: the token2wav lane is bound by their
-    # number at small batches); fused, they are fewer. But the whole estimator compiled and graphed
+    # runs ~930 small kernels (H100 kernel profile, 2026-12-06; 1,173 before its channels-last walk):
+    # at small batches its time is their launches in sequence; fused, they are fewer. But the whole estimator compiled and graphed
     # took 3.83 ms against 3.74 graphed alone at batch 2 x 256 frames (H200, 2026-12-03): fusion may
     # not pay there. Start-up compiles the walk before capturing the graphs: on an H100 (2026-12-06)
     # it was still compiling 3 minutes after the model loaded, so its speed is not measured. Off.

@@ -277,9 +277,9 @@ class IncrementalStepper(SolverGraphs):
         use_graphs: capture each bucket as a CUDA graph (CUDA only).
         compile_backend: ``torch.compile`` the pass's walk over the estimator with this backend
             (``dynamic``: one compiled walk serves the buckets' shapes; three on the CPU tiny model).
-            A pass launches its kernels one by one inside its graph, ~1,300 of them for a CosyVoice2
-            pass, which bound its time at small batches (H100 profile 2026-12-05): fused kernels
-            are fewer. None: eager.
+            A pass launches its kernels one by one inside its graph, ~930 of them for a CosyVoice2
+            pass, which bound its time at small batches (H100 kernel profile 2026-12-06): fused
+            kernels are fewer. None: eager.
     """
 
     def __init__(self, solver: CFMSolver, max_batch: int = 16, max_cached: int = 1024,
