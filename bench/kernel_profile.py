@@ -117,12 +117,14 @@ def decode_step(args: argparse.Namespace, cuda: bool) -> dict:
     model = decode_bench.build_model("cosyvoice2", DTYPES[args.dtype], tiny=args.size == "tiny")
     n_tokens = 3 + 2 * args.reps + 8
     engine = LLMEngine(model, max_batch_size=max(args.batch, 1), max_seq_len=args.context + n_tokens + 8,
-                       max_prefills_per_step=64, use_cuda_graphs=cuda, static_decode=cuda)
+                       max_prefills_per_step=64, use_cuda_graphs=cuda, static_decode=True,
+                       compile_backend=args.compile)
     with torch.inference_mode():
         decode_bench.fill(engine, args.batch, args.context, n_tokens, "ras")
         if cuda:
             engine.runner.capture([args.batch])
-        return {"batch": args.batch, "context": args.context, **profiled(engine.step, args.reps, cuda)}
+        return {"batch": args.batch, "context": args.context, "compile": args.compile,
+                **profiled(engine.step, args.reps, cuda)}
 
 
 def flow_pass(args: argparse.Namespace, cuda: bool) -> dict:
@@ -187,6 +189,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice3"],
                     help="the flow's estimator (the decode step is CosyVoice2's LLM either way)")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--compile", default=None, metavar="BACKEND",
+                    help="decode: the step's model part through torch.compile with this backend (inductor), as "
+                         "synthesizer.llm_compile does: which kernels fusing leaves (it did not shorten the step, "
+                         "H100 2026-12-06)")
     ap.add_argument("--context", type=int, default=150, help="decode: tokens in the cache")
     ap.add_argument("--cached", type=int, default=150, help="flow: cached frames (a 3.5 s prompt's first 3 chunks)")
     ap.add_argument("--new", type=int, default=50, help="flow: new frames (one attention chunk)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from torch._dynamo.utils import counters
 
 from bench.kernel_profile import category, kernel_table, main
 
@@ -69,3 +71,15 @@ def test_cosyvoice3_flow_pass_is_profiled_too():
     assert flow["family"] == "cosyvoice3" and flow["kernels_per_step"] > 0
     # the DiT's position embedding is a grouped convolution: still cuDNN's (CPU: aten's) convolution
     assert "convolution" in flow["categories"] and "attention" in flow["categories"]
+
+
+def test_the_decode_step_can_be_profiled_compiled():
+    """``--compile``: the engine's static step through torch.compile (the "eager" backend here:
+    dynamo's trace without code generation), reported as such."""
+    torch._dynamo.reset()
+    counters.clear()
+    doc = main(["--device", "cpu", "--size", "tiny", "--dtype", "fp32", "--reps", "2", "--what", "decode",
+                "--compile", "eager"])
+    decode = doc["targets"]["decode"]
+    assert decode["compile"] == "eager" and decode["kernels_per_step"] > 0
+    assert counters["stats"]["unique_graphs"] >= 1  # the step was traced, not only labelled
