@@ -307,6 +307,13 @@ class IncrementalStepper(SolverGraphs):
         self._time_table: torch.Tensor | None = None
         self._time_key: tuple | None = None
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy`` of a flow with this stepper) names its own estimator's modules:
+        the layout is keyed by module identity, and the copied one named the original's (a pass of
+        the copy raised KeyError)."""
+        super().__setstate__(state)
+        self.layout = layout_of(self.estimator)
+
     @property
     def frame_bytes(self) -> int:
         """Bytes one cached frame takes in a request's cache (every ODE step, both CFG rows)."""
