@@ -216,9 +216,8 @@ class _Bucket:
     mu: torch.Tensor
     cond: torch.Tensor
     spks: torch.Tensor  # (B, 80)
-    t: torch.Tensor  # (B,)
     dt: torch.Tensor  # (B,)
-    step: torch.Tensor  # (B,) long: each row's ODE step (the U-Net's time table row)
+    step: torch.Tensor  # (B,) long: each row's ODE step (its line of the time table)
     p_len: torch.Tensor  # (B,) long
     n_len: torch.Tensor  # (B,) long
     hist_idx: torch.Tensor  # (2B, 1, 2 hist) long: which input frames are the history at the kept end and the mark
@@ -384,7 +383,7 @@ class IncrementalStepper(SolverGraphs):
     # engine's, Serve's) wait for. So each field is one call for all rows (the per-row loops run
     # in C++); per row only the views a list of copies needs.
     def _load(self, bucket: _Bucket, rows: Sequence[IncrementalRow]) -> None:
-        t_steps, dts = self.schedule()
+        dts = self.schedule()[1]
         k, b, hist = len(rows), bucket.x.shape[0], self.layout.hist
         channels = self.layout.conv_channels
         # start, frames, step, keep, mark per row: one host -> device copy, never a wait on the GPU
@@ -394,7 +393,6 @@ class IncrementalStepper(SolverGraphs):
         bucket.n_len.zero_()
         bucket.p_len[:k] = p_len
         bucket.n_len[:k] = n_len
-        bucket.t[:k] = t_steps[step]
         bucket.dt[:k] = dts[step]
         bucket.step[:k] = step
         # padded frames and rows keep finite values (zeros, or what earlier passes left): masked or causal-after
@@ -442,9 +440,8 @@ class IncrementalStepper(SolverGraphs):
         p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn, bucket.p_len, time_rows,
                  bucket.conv_frames)
         x_in = torch.cat([bucket.x, bucket.x])
-        v = self._walk(self.estimator, x_in, torch.cat([bucket.mu, zeros]), bucket.t.repeat(2),
-                           torch.cat([bucket.spks, torch.zeros_like(bucket.spks)]), torch.cat([bucket.cond, zeros]),
-                           bias, p)
+        v = self._walk(self.estimator, x_in, torch.cat([bucket.mu, zeros]),
+                       torch.cat([bucket.spks, torch.zeros_like(bucket.spks)]), torch.cat([bucket.cond, zeros]), bias, p)
         return euler_update(bucket.x, v, bucket.dt.view(b, 1, 1), 1.0, self.solver.spec.inference_cfg_rate)
 
     def _refresh_time_table(self) -> None:
@@ -489,7 +486,7 @@ class IncrementalStepper(SolverGraphs):
             conv_frames = self._zeros(2 * b, hist + new, channels) if self._conv_frames else None
         z, long = self._zeros, torch.long
         return _Bucket(graph=None, x=z(b, n_mels, new), mu=z(b, n_mels, new), cond=z(b, n_mels, new),
-                       spks=z(b, n_mels), t=z(b), dt=z(b), step=z(b, dtype=long), p_len=z(b, dtype=long),
+                       spks=z(b, n_mels), dt=z(b), step=z(b, dtype=long), p_len=z(b, dtype=long),
                        n_len=z(b, dtype=long), hist_idx=z(2 * b, 1, 2 * hist, dtype=long),
                        hist_in=z(2 * b, channels, hist), hist_out=z(2 * b, channels, 2 * hist), attn=attn,
                        conv_frames=conv_frames)

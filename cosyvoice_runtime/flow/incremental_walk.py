@@ -253,10 +253,10 @@ def _resnets(unet: CausalUNet) -> list[CausalResnetBlock1D]:
     return [unet.down_blocks[0][0], *(mid[0] for mid in unet.mid_blocks), unet.up_blocks[0][0]]
 
 
-def unet_pass(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+def unet_pass(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
               cond: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
     """:meth:`CausalUNet.forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n);
-    the time enters through ``p.time_rows`` (:func:`time_table`), not ``t``."""
+    the ODE time enters through ``p.time_rows`` (:func:`time_table`)."""
     h = torch.cat([x.transpose(1, 2), mu.transpose(1, 2), spks[:, None, :].expand(-1, x.shape[-1], -1),
                    cond.transpose(1, 2)], dim=-1)
     p.load_history()
@@ -301,10 +301,10 @@ def _angles(dit: DiT, positions: torch.Tensor) -> torch.Tensor:
     return torch.stack((freqs, freqs), dim=-1).flatten(-2)
 
 
-def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
              cond: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
     """:meth:`DiT.forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n); the
-    time enters through ``p.time_rows`` (:func:`time_table`), not ``t``."""
+    ODE time enters through ``p.time_rows`` (:func:`time_table`)."""
     emb = dit.input_embed
     h = emb.proj(torch.cat([x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
                             spks[:, None].expand(-1, x.shape[-1], -1)], dim=-1))
@@ -333,8 +333,8 @@ def plain_estimator(estimator: nn.Module) -> nn.Module:
     return getattr(estimator, "_orig_mod", estimator)
 
 
-def estimator_pass(estimator: nn.Module, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+def estimator_pass(estimator: nn.Module, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
                    cond: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
     """The pass of either family's estimator (see :func:`unet_pass`, :func:`dit_pass`)."""
     walk = dit_pass if isinstance(estimator, DiT) else unet_pass
-    return walk(estimator, x, mu, t, spks, cond, bias, p)
+    return walk(estimator, x, mu, spks, cond, bias, p)
