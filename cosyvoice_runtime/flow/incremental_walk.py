@@ -199,8 +199,9 @@ def _unet_attention(block: TransformerBlock, h: torch.Tensor, bias: torch.Tensor
 # The U-Net walk keeps its activations channels-last, (2B, n, C), as the transformer blocks take
 # them: the LayerNorms over channels then read contiguous rows, the convolutions are GEMMs
 # (Pass.conv_gemm), the 1x1 convolutions plain linear layers, and no block copies its input into
-# or out of a transposed layout (~150 kernels fewer per pass than the channels-first walk; H100
-# profile 2026-12-06: ~1,170 kernels, each pass's time their launches in sequence).
+# or out of a transposed layout. With the frame buffer and the time table: 926 kernels a pass
+# instead of 1,173, and a pass at batch 1 is the launches of its kernels in sequence (H100 kernel
+# profile, bench/results/kernel-profile-h100-2026-12-06-walk-*.md).
 def _block(block: CausalBlock1D, x: torch.Tensor, p: Pass) -> torch.Tensor:
     conv, _, norm, _, mish = block.block
     return mish(norm(p.conv_gemm(conv, x)))
