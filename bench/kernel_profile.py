@@ -133,7 +133,7 @@ def flow_pass(args: argparse.Namespace, cuda: bool) -> dict:
     model = cast(make_model(args.family, args.size, args.device), DTYPES[args.dtype])
     flow = model.flow
     enable_flow_graphs(flow, max_batch=max(args.batch, 1), max_frames=args.cached + args.new, incremental=True,
-                       use_graphs=cuda)
+                       use_graphs=cuda, incremental_fused_norms=args.fused_norms)
     stepper = flow.incremental
     dev, dtype = model.device, next(flow.parameters()).dtype
     rows = []
@@ -154,7 +154,7 @@ def flow_pass(args: argparse.Namespace, cuda: bool) -> dict:
         stepper.advance(rows)
 
     return {"family": args.family, "batch": args.batch, "cached": args.cached, "new": args.new,
-            **profiled(one_pass, args.reps, cuda)}
+            "fused_norms": args.fused_norms, **profiled(one_pass, args.reps, cuda)}
 
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "synthesizer.llm_compile does: which kernels fusing leaves (it did not shorten the step, "
                          "H100 2026-12-06)")
     ap.add_argument("--context", type=int, default=150, help="decode: tokens in the cache")
+    ap.add_argument("--fused-norms", action="store_true",
+                    help="flow: the Triton add + LayerNorm kernels (synthesizer.fused_norms)")
     ap.add_argument("--cached", type=int, default=150, help="flow: cached frames (a 3.5 s prompt's first 3 chunks)")
     ap.add_argument("--new", type=int, default=50, help="flow: new frames (one attention chunk)")
     ap.add_argument("--reps", type=int, default=20)

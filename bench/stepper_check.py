@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--flow-compile", default=None, metavar="BACKEND",
                     help="the incremental pass through torch.compile with this backend (inductor), as "
                          "token2wav.flow_compile does; graphed either way")
+    ap.add_argument("--fused-norms", action="store_true",
+                    help="the incremental pass with the Triton add + LayerNorm kernels (synthesizer.fused_norms)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     model = cast(make_model(args.family, args.size, args.device), DTYPES[args.dtype])
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     # the recomputed passes the incremental ones are timed against (cached + new frames) are graphed too
     max_frames = max(1024, max(cached) + args.new) if args.incremental else 1024
     enable_flow_graphs(flow, max_batch=16, max_frames=max_frames, stepper=True, incremental=args.incremental,
-                       incremental_compile=args.flow_compile)
+                       incremental_compile=args.flow_compile, incremental_fused_norms=args.fused_norms)
     items = _items(model, 8, seed=3)
     whole = flow.inference_batch(items)
     rng = random.Random(1)
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
             pass_ms = _timed(one_pass)
             solve_ms = _timed(lambda base=base: flow.inference_batch(base))
             timing.append({"batch": b, "frames": frames, "pass_ms": round(pass_ms, 2), "whole_solve_ms": round(solve_ms, 2)})
-    doc = {"family": args.family, "dtype": args.dtype, "flow_compile": args.flow_compile, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    doc = {"family": args.family, "dtype": args.dtype, "flow_compile": args.flow_compile,
+           "fused_norms": args.fused_norms, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "max_err_per_job": errors, "output_scale": scale, "replays": flow.stepper.replays,
            "eager_passes": flow.stepper.eager_calls, "timing": timing}
     if args.incremental:

@@ -365,7 +365,8 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     max_s = min(cfg.flow_graph_max_s, limits.max_total_s)
     started = time.perf_counter()
     enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio, stepper=stepper,
-                       incremental=incremental, incremental_compile=incremental_compile)
+                       incremental=incremental, incremental_compile=incremental_compile,
+                       incremental_fused_norms=cfg.fused_norms)
     n_flow = capture_flow_graphs(model.flow)
     if not spec.hift.causal:  # the CV2 vocoder: exact lengths
         n_vocoder = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,
@@ -390,6 +391,7 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     """
     import torch
 
+    from cosyvoice_runtime import kernels
     from cosyvoice_runtime.graph_capture import captured_total, missed_total
     from cosyvoice_runtime.model import load_model
     from cosyvoice_runtime.modes import apply_mode, preflight
@@ -433,6 +435,9 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                  "t2w_scheduler": scheduler, "flow": flow,
                  "compiled": report["compiled"] + (["llm decode step"] if llm_backend else [])
                  + (["incremental flow pass"] if flow_backend else []),
+                 # the Triton add + LayerNorm kernels in use (fused_norms, and Triton and a GPU here)
+                 "fused_norms": bool(cfg.fused_norms and flow == "incremental" and graphs["flow_graphs"]
+                                     and kernels.AVAILABLE),
                  "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),

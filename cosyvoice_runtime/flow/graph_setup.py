@@ -18,7 +18,8 @@ from cosyvoice_runtime.flow.stepper import FlowStepper
 
 def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, capture: bool = False,
                        use_graphs: bool = True, encoder: bool = True, stepper: bool = False,
-                       incremental: bool = False, incremental_compile: str | None = None) -> GraphedSolver:
+                       incremental: bool = False, incremental_compile: str | None = None,
+                       incremental_fused_norms: bool = False) -> GraphedSolver:
     """Solve (and, for CosyVoice2 with ``encoder``, encode) through CUDA graphs per padded
     bucket from now on; with ``stepper``, the step-by-step solve too (one graph per pass); with
     ``incremental``, the incremental streamed solve (one graph per pass and
@@ -26,7 +27,8 @@ def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, 
 
     ``capture`` captures every bucket now (replica start-up) instead of on first use;
     ``use_graphs=False`` runs the padded buckets eagerly (CPU tests); ``incremental_compile``: the
-    ``torch.compile`` backend of the incremental pass (its graphs then replay fused kernels).
+    ``torch.compile`` backend of the incremental pass (its graphs then replay fused kernels);
+    ``incremental_fused_norms``: its hand-written add + LayerNorm kernels (cosyvoice_runtime.kernels).
     """
     flow.graphed_solver = GraphedSolver(flow.decoder, max_batch=max_batch, max_frames=max_frames,
                                         use_graphs=use_graphs)
@@ -35,7 +37,8 @@ def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, 
     flow.incremental = None
     if incremental and flow.incremental_capable:
         flow.incremental = IncrementalStepper(flow.decoder, max_batch=max_batch, max_cached=max_frames, padded=True,
-                                              use_graphs=use_graphs, compile_backend=incremental_compile)
+                                              use_graphs=use_graphs, compile_backend=incremental_compile,
+                                              fused_norms=incremental_fused_norms)
     flow.graphed_encoder = None
     if encoder and flow.spec.family == "cosyvoice2":
         ratio = flow.spec.token_mel_ratio

@@ -279,15 +279,19 @@ class IncrementalStepper(SolverGraphs):
             A pass launches its kernels one by one inside its graph, ~930 of them for a CosyVoice2
             pass, which bound its time at small batches (H100 kernel profile 2026-12-06): fused
             kernels are fewer. None: eager.
+        fused_norms: the U-Net walk's residual adds, LayerNorms and cache-slot writes as one
+            Triton kernel each where one can run (:func:`~cosyvoice_runtime.kernels.add_layer_norm`:
+            154 kernels fewer a pass); not yet timed on a GPU.
     """
 
     def __init__(self, solver: CFMSolver, max_batch: int = 16, max_cached: int = 1024,
                  max_new: int = MAX_NEW_FRAMES, padded: bool = False, use_graphs: bool = False,
-                 compile_backend: str | None = None) -> None:
+                 compile_backend: str | None = None, fused_norms: bool = False) -> None:
         super().__init__(solver, use_graphs)
         self.estimator = plain_estimator(solver.estimator)
         self.layout = layout_of(self.estimator)
         self.compiled = compile_backend is not None
+        self.fused_norms = fused_norms
         self._walk = _compiled_walk(compile_backend) if self.compiled else estimator_pass
         self.padded = padded or use_graphs
         self.batch_buckets = batch_buckets(max_batch)
@@ -438,7 +442,7 @@ class IncrementalStepper(SolverGraphs):
             self._refresh_time_table()
         time_rows = self._time_table[bucket.step].repeat(2, 1)
         p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn, bucket.p_len, time_rows,
-                 bucket.conv_frames)
+                 bucket.conv_frames, self.fused_norms)
         x_in = torch.cat([bucket.x, bucket.x])
         v = self._walk(self.estimator, x_in, torch.cat([bucket.mu, zeros]),
                        torch.cat([bucket.spks, torch.zeros_like(bucket.spks)]), torch.cat([bucket.cond, zeros]), bias, p)

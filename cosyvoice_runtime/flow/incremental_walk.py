@@ -33,6 +33,7 @@ from cosyvoice_runtime.flow.unet import (
     sinusoidal_embedding,
 )
 from cosyvoice_runtime.fused import causal_conv_gemm
+from cosyvoice_runtime.kernels import add_layer_norm
 
 
 @dataclass(frozen=True)
@@ -133,13 +134,16 @@ class Pass:
         time_rows: (2B, columns) each row's line of the :func:`time_table` (what depends on its ODE time alone).
         conv_frames: (2B, hist + new, channels) the U-Net's channels-last convolution inputs, every
             convolution's by its channel offset, behind the rows' history (:meth:`conv_gemm`).
+        fused_norms: the U-Net's residual adds, LayerNorms and cache-slot writes as one Triton
+            kernel each (:func:`~cosyvoice_runtime.kernels.add_layer_norm`) where it can run.
     """
 
     def __init__(self, layout: Layout, hist_in: torch.Tensor, hist_out: torch.Tensor, hist_idx: torch.Tensor,
                  attn: torch.Tensor, p_len: torch.Tensor, time_rows: torch.Tensor,
-                 conv_frames: torch.Tensor | None = None) -> None:
+                 conv_frames: torch.Tensor | None = None, fused_norms: bool = False) -> None:
         self.layout, self.hist_in, self.hist_out, self.hist_idx = layout, hist_in, hist_out, hist_idx
         self.attn, self.p_len, self.time_rows, self.conv_frames = attn, p_len, time_rows, conv_frames
+        self.fused_norms = fused_norms
 
     def conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
         """A causal convolution of new frames (2B, C, n) after each row's cached history."""
@@ -175,6 +179,14 @@ class Pass:
         off = self.layout.time_offset[id(layer)]
         return self.time_rows[:, off:off + layer.out_features]
 
+    def block_slot(self, block: nn.Module, n: int) -> torch.Tensor:
+        """(2B, n, D) where a block's new frames' normed inputs go, behind its cached ones."""
+        return self.attn[self.layout.block_index[id(block)], :, -n:]
+
+    def block_frames(self, block: nn.Module) -> torch.Tensor:
+        """(2B, cached + n, D) a block's normed inputs, cached then new (its keys and values)."""
+        return self.attn[self.layout.block_index[id(block)]]
+
     def block_input(self, block: nn.Module, normed: torch.Tensor) -> torch.Tensor:
         """Record the new frames' normed input (2B, n, D) of an attention block behind its cached
         ones; all of them, cached then new (a view: nothing copied but the new frames)."""
@@ -183,17 +195,23 @@ class Pass:
         return self.attn[i]
 
 
-def _unet_attention(block: TransformerBlock, h: torch.Tensor, bias: torch.Tensor, p: Pass) -> torch.Tensor:
+def _unet_attention(block: TransformerBlock, h: torch.Tensor, normed: torch.Tensor, bias: torch.Tensor, p: Pass,
+                    following: TransformerBlock | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A transformer block over new frames h (2B, n, C), given their normed input (already in the
+    block's cache slot). Returns the block's output and, when a ``following`` block comes, that
+    output normed for it (and in its slot)."""
     attn = block.attn1
-    normed = block.norm1(h)
-    b, n, _ = normed.shape
-    normed_all = p.block_input(block, normed)
+    b, n, _ = h.shape
     q = attn.to_q(normed).view(b, n, attn.heads, attn.head_dim).transpose(1, 2)
-    kv = attn.kv(normed_all)
+    kv = attn.kv(p.block_frames(block))
     k, v = kv.view(b, -1, 2, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None])
-    h = h + attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
-    return h + block.ff(block.norm3(h))
+    h, normed = add_layer_norm(h, attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1)), block.norm3,
+                               fused=p.fused_norms)
+    ff = block.ff(normed)
+    if following is None:
+        return h + ff, None
+    return add_layer_norm(h, ff, following.norm1, slot=p.block_slot(following, n), fused=p.fused_norms)
 
 
 # The U-Net walk keeps its activations channels-last, (2B, n, C), as the transformer blocks take
@@ -218,8 +236,13 @@ def _resnet(resnet: CausalResnetBlock1D, x: torch.Tensor, p: Pass) -> torch.Tens
 
 
 def _attend(x: torch.Tensor, blocks: nn.ModuleList, bias: torch.Tensor, p: Pass) -> torch.Tensor:
-    for block in blocks:
-        x = _unet_attention(block, x, bias, p)
+    """A stage's transformer blocks. Each LayerNorm is taken with the residual add before it and
+    its output also written into the block's cache slot (:func:`add_layer_norm`: one kernel for
+    the three with ``fused_norms``, where they were three)."""
+    _, normed = add_layer_norm(x, None, blocks[0].norm1, slot=p.block_slot(blocks[0], x.shape[1]),
+                               fused=p.fused_norms)
+    for i, block in enumerate(blocks):
+        x, normed = _unet_attention(block, x, normed, bias, p, blocks[i + 1] if i + 1 < len(blocks) else None)
     return x
 
 

@@ -113,6 +113,31 @@ def test_the_llm_step_and_flow_pass_are_compiled_on_cuda_in_mode_torchscript_or_
     assert "incremental flow pass" not in runtime.details["compiled"]
 
 
+def test_fused_norms_are_reported_only_where_they_run(model_dir):
+    """``fused_norms`` asks for the Triton kernels of the incremental flow pass; a CPU replica has
+    no graphed incremental pass to put them in, and /health's details say so."""
+    runtime = load_synthesis_runtime(SynthesizerConfig(device="cpu", warmup=False, fused_norms=True), model_dir)
+    assert runtime.details["fused_norms"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_replica_with_fused_norms_streams_the_same_audio(model_dir):
+    cfg = {"device": "cuda", "warmup": False, "flow_graph_max_s": 8.0,
+           "token2wav": {"scheduler": "steps", "cv2_flow": "incremental"}}
+    fused = load_synthesis_runtime(SynthesizerConfig(**cfg, fused_norms=True), model_dir)
+    plain = load_synthesis_runtime(SynthesizerConfig(**cfg), model_dir)
+    assert fused.details["fused_norms"] is True and plain.details["fused_norms"] is False
+    voice = _voice(plain)
+    outs = []
+    for rt in (fused, plain):
+        state = rt.token2wav.new_stream(voice, stream=True, speed=1.0, seed=0)
+        job = rt.token2wav.next_job(state, list(range(60)), llm_done=False)
+        outs.append(rt.token2wav.run_batch([job])[0])
+    assert outs[0].shape == outs[1].shape
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-3, rtol=1e-3)
+
+
 def test_unknown_knob_is_rejected():
     with pytest.raises(ValueError):
         SynthesizerConfig(token2wav={"early_first_chunks": True})
