@@ -115,6 +115,7 @@ def decode_step(args: argparse.Namespace, cuda: bool) -> dict:
     """The graphed LLM decode step (``LLMEngine.step``, sampling and its one sync included)."""
     decode_bench.DEVICE = args.device
     model = decode_bench.build_model("cosyvoice2", DTYPES[args.dtype], tiny=args.size == "tiny")
+    model.backbone.fused_norms = args.fused_norms
     n_tokens = 3 + 2 * args.reps + 8
     engine = LLMEngine(model, max_batch_size=max(args.batch, 1), max_seq_len=args.context + n_tokens + 8,
                        max_prefills_per_step=64, use_cuda_graphs=cuda, static_decode=True,
@@ -123,7 +124,7 @@ def decode_step(args: argparse.Namespace, cuda: bool) -> dict:
         decode_bench.fill(engine, args.batch, args.context, n_tokens, "ras")
         if cuda:
             engine.runner.capture([args.batch])
-        return {"batch": args.batch, "context": args.context, "compile": args.compile,
+        return {"batch": args.batch, "context": args.context, "compile": args.compile, "fused_norms": args.fused_norms,
                 **profiled(engine.step, args.reps, cuda)}
 
 
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "H100 2026-12-06)")
     ap.add_argument("--context", type=int, default=150, help="decode: tokens in the cache")
     ap.add_argument("--fused-norms", action="store_true",
-                    help="flow: the Triton add + LayerNorm kernels (synthesizer.fused_norms)")
+                    help="the Triton add + norm kernels (synthesizer.fused_norms) in the decode step and the flow pass")
     ap.add_argument("--cached", type=int, default=150, help="flow: cached frames (a 3.5 s prompt's first 3 chunks)")
     ap.add_argument("--new", type=int, default=50, help="flow: new frames (one attention chunk)")
     ap.add_argument("--reps", type=int, default=20)

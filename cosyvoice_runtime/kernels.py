@@ -2,9 +2,11 @@
 it replaces, which serves wherever the kernel cannot (no CUDA, no Triton, switched off).
 
 A graphed incremental flow pass at one stream is the launches of its ~930 kernels in sequence
-(H100 kernel profile, 2026-12-06: 2.8 ms of kernels, 4.3 ms a pass), so a kernel fewer is
-~2.5 us fewer whatever its work. :func:`add_layer_norm` is three of them in one: a residual
-add, the LayerNorm of its result, and the copy of that into the attention block's cache slot.
+(H100 kernel profile, 2026-12-06: 2.8 ms of kernels, 4.3 ms a pass), and an LLM decode step of
+its 521 (1.6 ms of kernels, 2.0 ms a step), so a kernel fewer is ~2.5 us fewer whatever its work.
+:func:`add_layer_norm` is three of them in one: a residual add, the LayerNorm of its result, and
+the copy of that into the attention block's cache slot; :func:`add_rms_norm` the add and the
+RMSNorm of a decoder layer.
 
 Triton is optional: CUDA builds of torch bring it, the CPU wheel does not. The kernel's numbers
 are checked against the composite under Triton's interpreter on the CPU where Triton is
@@ -45,6 +47,22 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.LayerNo
     return s, normed
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + delta`` and ``rms_norm(s) * weight`` (statistics and the gain in float32, one
+    rounding, as ``F.rms_norm``); one kernel under the conditions of :func:`add_layer_norm`.
+    x, delta: (..., D). Returns ``(s, normed)``."""
+    if fused and AVAILABLE and _can_launch(x):
+        x, delta = x.contiguous(), delta.contiguous()  # a prefill graph's input is a slice of its buffer
+        d = x.shape[-1]
+        s, normed = torch.empty_like(x), torch.empty_like(x)
+        _add_ln_kernel[(x.numel() // d,)](x, delta, s, normed, normed, weight, weight, 1, 0, 0, d, eps,
+                                          BLOCK=triton.next_power_of_2(d), HAS_DELTA=True, HAS_SLOT=False, RMS=True)
+        return s, normed
+    s = x + delta
+    return s, F.rms_norm(s, weight.shape, weight, eps)
+
+
 def _can_launch(x: torch.Tensor) -> bool:
     """On CUDA, or anywhere under Triton's interpreter (TRITON_INTERPRET=1: the CPU tests)."""
     knobs = getattr(triton, "knobs", None)
@@ -65,7 +83,8 @@ def _fused(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.LayerNorm,
     out = normed if slot is None else slot
     _add_ln_kernel[(b * t,)](
         x, x if delta is None else delta, s, normed, out, norm.weight, norm.bias, t, out.stride(0), out.stride(1),
-        d, norm.eps, BLOCK=triton.next_power_of_2(d), HAS_DELTA=delta is not None, HAS_SLOT=slot is not None)
+        d, norm.eps, BLOCK=triton.next_power_of_2(d), HAS_DELTA=delta is not None, HAS_SLOT=slot is not None,
+        RMS=False)
     return s, normed
 
 
@@ -73,9 +92,10 @@ if AVAILABLE:
     @triton.jit
     def _add_ln_kernel(x_ptr, delta_ptr, s_ptr, y_ptr, slot_ptr, w_ptr, b_ptr, rows_per_batch, slot_stride_b,
                        slot_stride_t, n_cols, eps, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
-                       HAS_SLOT: tl.constexpr):
-        """One row per program: s = x + delta (stored, rounded to its dtype), y = LayerNorm(s), and
-        y again into the slot at the row's (batch, frame) strides."""
+                       HAS_SLOT: tl.constexpr, RMS: tl.constexpr):
+        """One row per program: s = x + delta (stored, rounded to its dtype), y = LayerNorm(s)
+        (with ``RMS``: RMSNorm, no centring and no bias), and y again into the slot at the row's
+        (batch, frame) strides."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -85,12 +105,14 @@ if AVAILABLE:
             v = v.to(s_ptr.dtype.element_ty)
             tl.store(s_ptr + row * n_cols + cols, v, mask=mask)
         v = v.to(tl.float32)
-        mean = tl.sum(v, axis=0) / n_cols
-        centred = tl.where(mask, v - mean, 0.0)
-        rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        bias = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (centred * rstd * w + bias).to(y_ptr.dtype.element_ty)
+        if RMS:
+            y = v * tl.rsqrt(tl.sum(v * v, axis=0) / n_cols + eps) * w
+        else:
+            centred = tl.where(mask, v - tl.sum(v, axis=0) / n_cols, 0.0)
+            rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
+            y = centred * rstd * w + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * n_cols + cols, y, mask=mask)
         if HAS_SLOT:
             frame = row % rows_per_batch

@@ -403,6 +403,8 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     device = resolve_device(cfg.device)
     dtype = getattr(torch, _DTYPES[cfg.dtype])
     model = load_model(model_dir, device=device, dtype=dtype)
+    # the LLM's add + RMSNorm kernels (fused_norms): before any decode or prefill graph is captured
+    model.llm.backbone.fused_norms = bool(cfg.fused_norms and kernels.AVAILABLE and model.device.type == "cuda")
     limits = replica_limits(cfg, model, dtype_bytes=torch.finfo(dtype).bits // 8)
     trt_estimator = None
     if mode == "trt":
@@ -435,9 +437,10 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                  "t2w_scheduler": scheduler, "flow": flow,
                  "compiled": report["compiled"] + (["llm decode step"] if llm_backend else [])
                  + (["incremental flow pass"] if flow_backend else []),
-                 # the Triton add + LayerNorm kernels in use (fused_norms, and Triton and a GPU here)
-                 "fused_norms": bool(cfg.fused_norms and flow == "incremental" and graphs["flow_graphs"]
-                                     and kernels.AVAILABLE),
+                 # where the Triton add + norm kernels run (fused_norms, and Triton and a GPU here)
+                 "fused_norms": (["llm"] if model.llm.backbone.fused_norms else [])
+                 + (["incremental flow pass"] if cfg.fused_norms and flow == "incremental" and graphs["flow_graphs"]
+                    and kernels.AVAILABLE else []),
                  "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),

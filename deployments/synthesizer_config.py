@@ -113,11 +113,12 @@ class SynthesizerConfig(DeploymentKnobs):
     # not pay there. Start-up compiles the walk before capturing the graphs: on an H100 (2026-12-06)
     # it was still compiling 3 minutes after the model loaded, so its speed is not measured. Off.
     flow_compile: bool = False
-    # CUDA replicas with an incremental CosyVoice2 flow: the pass's residual adds, LayerNorms and
-    # cache-slot writes as one hand-written Triton kernel each (cosyvoice_runtime/kernels.py): 154
-    # kernels fewer of ~930 a pass, whose time at one stream is their launches in sequence. Needs
-    # Triton (CUDA builds of torch bring it; without it the PyTorch ops run). Its numbers checked
-    # against PyTorch's under Triton's interpreter; not yet timed on a GPU: off until measured.
+    # CUDA replicas: each residual add and the norm after it as one hand-written Triton kernel
+    # (cosyvoice_runtime/kernels.py): in the LLM (48 kernels fewer of a decode step's 521) and in
+    # an incremental CosyVoice2 flow pass, with its cache-slot writes (154 fewer of ~930); at one
+    # stream both cost their kernels' launches in sequence. Needs Triton (CUDA builds of torch
+    # bring it; without it PyTorch's ops run). Checked against PyTorch's under Triton's
+    # interpreter; not yet timed on a GPU: off until measured. /health lists where it runs.
     fused_norms: bool = False
     # LLM steps and token2wav batches on two threads (each with its own CUDA stream) instead of one,
     # so neither waits for the other; None: on for CUDA replicas, off on the CPU (two cores are

@@ -87,7 +87,8 @@ def test_the_decode_step_can_be_profiled_compiled():
 
 def test_fused_norms_flag_falls_back_to_the_same_ops_without_a_gpu():
     """``--fused-norms`` on the CPU (no CUDA, no interpreter): the PyTorch composite serves, op for op."""
-    args = ["--device", "cpu", "--size", "tiny", "--dtype", "fp32", "--reps", "2", "--what", "flow"]
+    args = ["--device", "cpu", "--size", "tiny", "--dtype", "fp32", "--reps", "2"]
     plain, fused = main(args), main([*args, "--fused-norms"])
-    assert fused["targets"]["flow"]["fused_norms"] is True and plain["targets"]["flow"]["fused_norms"] is False
-    assert fused["targets"]["flow"]["kernels_per_step"] == plain["targets"]["flow"]["kernels_per_step"]
+    for what in ("decode", "flow"):
+        assert fused["targets"][what]["fused_norms"] is True and plain["targets"][what]["fused_norms"] is False
+        assert fused["targets"][what]["kernels_per_step"] == plain["targets"][what]["kernels_per_step"]

@@ -114,10 +114,11 @@ def test_the_llm_step_and_flow_pass_are_compiled_on_cuda_in_mode_torchscript_or_
 
 
 def test_fused_norms_are_reported_only_where_they_run(model_dir):
-    """``fused_norms`` asks for the Triton kernels of the incremental flow pass; a CPU replica has
-    no graphed incremental pass to put them in, and /health's details say so."""
+    """``fused_norms`` asks for the Triton kernels of the LLM and the incremental flow pass; a CPU
+    replica runs PyTorch's ops, and /health's details say so."""
     runtime = load_synthesis_runtime(SynthesizerConfig(device="cpu", warmup=False, fused_norms=True), model_dir)
-    assert runtime.details["fused_norms"] is False
+    assert runtime.details["fused_norms"] == []
+    assert runtime.engine.engine.model.backbone.fused_norms is False
 
 
 @pytest.mark.gpu
@@ -127,7 +128,7 @@ def test_cuda_replica_with_fused_norms_streams_the_same_audio(model_dir):
            "token2wav": {"scheduler": "steps", "cv2_flow": "incremental"}}
     fused = load_synthesis_runtime(SynthesizerConfig(**cfg, fused_norms=True), model_dir)
     plain = load_synthesis_runtime(SynthesizerConfig(**cfg), model_dir)
-    assert fused.details["fused_norms"] is True and plain.details["fused_norms"] is False
+    assert fused.details["fused_norms"] == ["llm", "incremental flow pass"] and plain.details["fused_norms"] == []
     voice = _voice(plain)
     outs = []
     for rt in (fused, plain):
