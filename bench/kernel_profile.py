@@ -29,8 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import bench.llm_decode_bench as decode_bench
 from bench.gpu_bench import DTYPES, cast, make_model
-from bench.profile_first_audio import _exported, _profiler
 from bench.stepper_check import _sync
+from bench.trace_export import chrome_trace, trace_profiler
 from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
 from cosyvoice_runtime.flow.incremental import FlowCache
 from cosyvoice_runtime.llm.engine import LLMEngine
@@ -101,11 +101,11 @@ def profiled(fn, reps: int, cuda: bool) -> dict:
         fn()
     _sync()
     event_ms = _event_ms(fn, reps, cuda)
-    with _profiler(cuda) as prof:
+    with trace_profiler(cuda) as prof:
         for _ in range(reps):
             fn()
         _sync()
-    table = kernel_table(_exported(prof)["traceEvents"], reps, "kernel" if cuda else "cpu_op")
+    table = kernel_table(chrome_trace(prof)["traceEvents"], reps, "kernel" if cuda else "cpu_op")
     table["event_ms_per_step"] = event_ms
     table["gap_us_per_step"] = event_ms * 1e3 - table["kernel_us_per_step"] if cuda else None
     return table

@@ -25,21 +25,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import gzip
 import json
 import logging
-import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from bench.capacity import DEFAULT_MIX, apply_replica_env, describe_served, in_process_target
 from bench.capacity_load import Mix, Slo, Workload, closed_loop
 from bench.report import _slug
+from bench.trace_export import chrome_trace, trace_profiler
 from serve_app.args import AppArgs
 
 logger = logging.getLogger("bench.profile_first_audio")
@@ -140,29 +138,10 @@ def summarize(events: list[dict], window: tuple[float, float], lanes: dict[str, 
     }
 
 
-def _profiler(cuda: bool, cpu_ops: bool = False):
-    """A profiler of CUDA activity on a GPU (the module docstring says why), of CPU ops elsewhere;
-    ``cpu_ops``: CPU ops too on a GPU (slower, for the trace: what each thread did between two
-    kernels)."""
-    if not cuda:
-        return profile(activities=[ProfilerActivity.CPU])
-    return profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu_ops else []))
-
-
-def _exported(prof, chrome: Path | None = None) -> dict:
-    """A stopped profiler's Chrome trace as JSON; with ``chrome``, also written there (gzip)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        if chrome is not None:
-            chrome.write_bytes(gzip.compress(path.read_bytes()))
-        return json.loads(path.read_text())
-
-
 def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path | None, cpu_ops: bool = False) -> dict:
     """One request under the profiler: its first-audio stages, flow passes and GPU summaries."""
     before = asyncio.run(target.counters())
-    with _profiler(cuda, cpu_ops) as prof:
+    with trace_profiler(cuda, cpu_ops) as prof:
         submitted_ns, submitted_s = time.time_ns(), time.perf_counter()
         trace = asyncio.run(target.synthesize(rid, audio_s, submitted_s))
         threads = thread_names()  # now: a step thread that idles long enough ends itself
@@ -171,7 +150,7 @@ def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path |
     after = asyncio.run(target.counters())
     if trace.error:
         raise RuntimeError(f"request {rid} failed: {trace.error}")
-    doc = _exported(prof, chrome)
+    doc = chrome_trace(prof, chrome)
     start = trace_time_us(doc, submitted_ns)
     events = doc["traceEvents"]
     lanes = stream_lanes(events, threads)
@@ -187,7 +166,7 @@ def profile_load(target, sessions: int, seconds: float, mix: str, cuda: bool) ->
     """``sessions`` closed-loop voice-agent sessions; once they have all started, ``seconds`` of
     them under the profiler. The kernels of that span, and the requests that finished in it."""
     work = Workload(Mix.parse(mix), window_s=seconds + 2.0, ramp_s=3.0)
-    prof = _profiler(cuda)
+    prof = trace_profiler(cuda)
     span = {}
 
     async def drive():
@@ -217,7 +196,7 @@ def profile_load(target, sessions: int, seconds: float, mix: str, cuda: bool) ->
     before = asyncio.run(target.counters())
     probe = asyncio.run(drive())
     after = asyncio.run(target.counters())
-    doc = _exported(prof)
+    doc = chrome_trace(prof)
     got = summarize(doc["traceEvents"], (trace_time_us(doc, span["start_ns"]), trace_time_us(doc, span["end_ns"])),
                     stream_lanes(doc["traceEvents"], thread_names()))
     summary = probe.summary(Slo())
