@@ -187,6 +187,9 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
+    """One layer's modules; :meth:`Qwen2Model._layers` runs them (HF's ``x + attn(norm(x))``, then
+    ``x + mlp(norm(x))``, with each residual add joined to the norm that follows it)."""
+
     def __init__(self, spec: Qwen2Spec) -> None:
         super().__init__()
         self.self_attn = Qwen2Attention(spec)
@@ -194,11 +197,6 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn: _AttnContext) -> torch.Tensor:
-        """The layer alone (HF's order); :meth:`Qwen2Model._layers` runs the same sums and norms
-        with each residual add joined to the norm after it."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Qwen2Model(nn.Module):
