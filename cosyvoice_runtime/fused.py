@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _key(t: torch.Tensor | None) -> tuple:
+def weight_key(t: torch.Tensor | None) -> tuple:
+    """What tells a weight apart from its replacement or an in-place update of it (for tensors
+    derived from weights and kept: a concatenation here, the flow's time table)."""
     return (None,) if t is None else (t.data_ptr(), t._version, t.dtype, t.device)
 
 
@@ -26,7 +28,7 @@ def fused_linear(x: torch.Tensor, layers: tuple[nn.Linear, ...], cache: dict) ->
     """
     if torch.compiler.is_compiling():
         return torch.cat([layer(x) for layer in layers], dim=-1)
-    key = tuple(k for layer in layers for k in (*_key(layer.weight), *_key(layer.bias)))
+    key = tuple(k for layer in layers for k in (*weight_key(layer.weight), *weight_key(layer.bias)))
     if cache.get("key") != key:
         with torch.no_grad():
             bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])

@@ -100,17 +100,17 @@ class SynthesizerConfig(DeploymentKnobs):
     # CUDA replicas: the LLM decode step through torch.compile (inductor) under its CUDA graphs, as
     # mode torchscript does, without compiling the flow. Measured, it does not pay: a bf16 step at
     # batch 1 took 1.857 ms compiled against 1.890 graphed alone (H100, 2026-12-06,
-    # bench/results/llm-decode-compile-h100-2026-12-06.md): most of its time sits in ~100 GEMM and
-    # attention kernels in sequence (the 2026-12-05 profile), which inductor does not merge, not in
-    # the elementwise ones it fuses; compiling took 93 s per bucket, and a replica had not started
-    # 116 s after its flow graphs. Off by default.
+    # bench/results/llm-decode-compile-h100-2026-12-06.md), although its kernel profile puts 0.63
+    # of its 1.58 ms of kernels in 345 elementwise, copy and norm kernels (why fusing did not
+    # shorten it is not known); compiling took 93 s per bucket, and a replica had not started 116 s
+    # after its flow graphs. Off by default.
     llm_compile: bool = False
     # CUDA replicas with an incremental flow: its pass (the walk over the estimator's blocks) through
     # torch.compile (inductor) under its CUDA graphs, as mode torchscript does too. A CosyVoice2 pass
-    # runs ~930 small kernels (H100 kernel profile, 2026-12-06; 1,173 before its channels-last walk):
-    # at small batches its time is their launches in sequence; fused, they are fewer. But the whole estimator compiled and graphed
-    # took 3.83 ms against 3.74 graphed alone at batch 2 x 256 frames (H200, 2026-12-03): fusion may
-    # not pay there. Start-up compiles the walk before capturing the graphs: on an H100 (2026-12-06)
+    # runs ~930 small kernels (H100 kernel profile, 2026-12-06; 1,173 before its channels-last
+    # walk): at small batches its time is their launches in sequence; fused, they are fewer. But the
+    # whole estimator compiled and graphed took 3.83 ms against 3.74 graphed alone at batch 2 x 256
+    # frames (H200, 2026-12-03): fusion may not pay there. Start-up compiles the walk before capturing the graphs: on an H100 (2026-12-06)
     # it was still compiling 3 minutes after the model loaded, so its speed is not measured. Off.
     flow_compile: bool = False
     # CUDA replicas: each residual add and the norm after it as one hand-written Triton kernel

@@ -62,6 +62,7 @@ from cosyvoice_runtime.flow.incremental_walk import (
     time_weights,
 )
 from cosyvoice_runtime.flow.unet import CausalUNet
+from cosyvoice_runtime.fused import weight_key
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 from cosyvoice_runtime.host_copy import to_device
 
@@ -350,8 +351,6 @@ class IncrementalStepper(SolverGraphs):
 
     def capture(self) -> int:
         """Capture every bucket now (replica start-up); how many graphs exist."""
-        with self._lock:
-            self._refresh_time_table()
         for b in self.batch_buckets:
             for new in range(NEW_FRAME_STEP, self.max_new + 1, NEW_FRAME_STEP):
                 for cached in range(0, self.max_cached + 1, CACHED_FRAME_STEP):
@@ -438,7 +437,7 @@ class IncrementalStepper(SolverGraphs):
         b, _, new = bucket.x.shape
         zeros = torch.zeros_like(bucket.mu)
         bias = pass_bias(bucket.p_len, bucket.n_len, bucket.cached, new, self.layout.chunk, bucket.x.dtype)
-        if self._time_table is None:  # a pass run without advance() or capture() (tests)
+        if self._time_table is None:  # a first pass: a capture's warm-up (outside the capture), or tests
             self._refresh_time_table()
         time_rows = self._time_table[bucket.step].repeat(2, 1)
         p = Pass(self.layout, bucket.hist_in, bucket.hist_out, bucket.hist_idx, bucket.attn, bucket.p_len, time_rows,
@@ -452,7 +451,7 @@ class IncrementalStepper(SolverGraphs):
         """The estimator's :func:`time_table`, made on the first pass and made again into the same
         buffer when a weight it reads was replaced or changed in place (a checkpoint loaded after
         the stepper was made)."""
-        key = tuple((w.data_ptr(), w._version, w.dtype) for w in time_weights(self.estimator))
+        key = tuple(weight_key(w) for w in time_weights(self.estimator))
         if key == self._time_key:
             return
         with torch.inference_mode():

@@ -190,9 +190,8 @@ class Pass:
     def block_input(self, block: nn.Module, normed: torch.Tensor) -> torch.Tensor:
         """Record the new frames' normed input (2B, n, D) of an attention block behind its cached
         ones; all of them, cached then new (a view: nothing copied but the new frames)."""
-        i = self.layout.block_index[id(block)]
-        self.attn[i, :, -normed.shape[1]:] = normed
-        return self.attn[i]
+        self.block_slot(block, normed.shape[1]).copy_(normed)
+        return self.block_frames(block)
 
 
 def _unet_attention(block: TransformerBlock, h: torch.Tensor, normed: torch.Tensor, bias: torch.Tensor, p: Pass,

@@ -198,7 +198,6 @@ class Qwen2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
-
 class Qwen2Model(nn.Module):
     """Embedding table, decoder layers and final norm (HF ``Qwen2Model`` key layout)."""
 
@@ -259,8 +258,8 @@ class Qwen2Model(nn.Module):
         """(B, T, H) embeddings through every decoder layer at ``attn.positions``, then the final norm."""
         cos, sin = self.rotary_emb(attn.positions, x.dtype)
         attn.fold_mask(self.spec.num_heads // self.spec.num_kv_heads, x.dtype)
-        # Qwen2DecoderLayer.forward's sums and norms, each residual add taken with the norm that
-        # follows it (the next layer's input norm, the final norm after the last layer)
+        # x + attn(input_norm(x)), then x + mlp(post_norm(x)) per layer, each residual add taken
+        # with the norm that follows it (the next layer's input norm, the final norm after the last)
         normed = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             attn.layer = i
