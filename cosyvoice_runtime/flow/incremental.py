@@ -310,6 +310,9 @@ class IncrementalStepper(SolverGraphs):
         # captured graphs read, filled again in place when a weight it was made from changes
         self._time_table: torch.Tensor | None = None
         self._time_key: tuple | None = None
+        # the parameters it is made from, listed once: walking the estimator's modules for them
+        # on every pass was ~0.1 ms of the driver's host time (and GIL) a pass (2-core VM)
+        self._time_weights = time_weights(self.estimator)
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy`` of a flow with this stepper) names its own estimator's modules:
@@ -451,7 +454,7 @@ class IncrementalStepper(SolverGraphs):
         """The estimator's :func:`time_table`, made on the first pass and made again into the same
         buffer when a weight it reads was replaced or changed in place (a checkpoint loaded after
         the stepper was made)."""
-        key = tuple(weight_key(w) for w in time_weights(self.estimator))
+        key = tuple(weight_key(w) for w in self._time_weights)
         if key == self._time_key:
             return
         with torch.inference_mode():

@@ -3,6 +3,7 @@ different times and share passes at different ODE steps end with the mel of the 
 and the pass picker serves the most urgent rows first."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -115,3 +116,16 @@ def test_pick_rows_without_urgency_batches_by_deadline_and_length():
     deadline = {id(r): 20.0 + i for i, r in enumerate(rows)}
     assert [r.tag for r in pick_rows(rows, deadline, 10.0, 0.5, 16, 2.0)] == [0, 2]
     assert pick_rows([], {}, 0.0, 0.5, 16) == []
+
+
+def test_device_and_dtype_follow_a_cast_and_a_swapped_estimator():
+    """A stepper reads its estimator's device and dtype from a parameter it looked up once
+    (SolverGraphs._first_weight): a cast in place (Module.to) shows at once, and a solver whose
+    estimator was replaced (a mode's compiled or TensorRT one) is asked again."""
+    solver = copy.deepcopy(_flow(FAMILIES[0]).decoder)
+    stepper = FlowStepper(solver, use_graphs=False)
+    assert stepper.dtype == torch.float32 and stepper.device == torch.device("cpu")
+    solver.estimator.to(torch.float64)
+    assert stepper.dtype == torch.float64
+    solver.estimator = torch.nn.Linear(2, 2).to(torch.float16)
+    assert stepper.dtype == torch.float16
