@@ -35,6 +35,7 @@ from cosyvoice_runtime.model import CosyVoiceModel
 from cosyvoice_runtime.stream_schedule import pick_rows
 from cosyvoice_runtime.token2wav import StreamState, Token2Wav
 from cosyvoice_runtime.voice_prompt import VoicePrompt
+from deployments.runtime_adapter import PassQueue
 
 logger = logging.getLogger("bench")
 
@@ -240,7 +241,9 @@ class ReplicaSim:
         rid_of: dict[int, str] = {}
         slack = self.edf_slack_s if self.edf_slack_s is not None else 0.0
         ratio = self.length_ratio or 2.0
-        last_pass = None
+        # two passes on the GPU at once, as a replica's default token2wav.passes_in_flight (one
+        # left the lane idle through the host work between passes, H100 2026-12-06)
+        passes = PassQueue(2, torch.cuda.Event if cuda else None)
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             while not self.stop:
                 with self.lock:
@@ -263,14 +266,11 @@ class ReplicaSim:
                     rows += new
                 batch = pick_rows(rows, {id(r): deadline[rid_of[id(r)]] for r in rows}, start, slack,
                                   lane.max_batch, ratio)
-                if last_pass is not None:
-                    last_pass.synchronize()  # at most one pass queued behind the running one
+                passes.make_room()
                 t_pass = time.perf_counter()
                 lane.t2w.advance(batch)
                 self.pass_log.append((t_pass, time.perf_counter(), len(batch), max(r.frames for r in batch), len(rows)))
-                if cuda:
-                    last_pass = torch.cuda.Event()
-                    last_pass.record(stream)
+                passes.queued(stream)
                 done = [r for r in batch if r.step == lane.t2w.n_steps]
                 if not done:
                     continue
