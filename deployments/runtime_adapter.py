@@ -57,7 +57,7 @@ class RuntimeTokenEngine:
     """
 
     def __init__(self, model, max_running: int, max_model_len: int, cuda_graphs: bool = True,
-                 compile_backend: str | None = None) -> None:
+                 compile_backend: str | None = None, run_ahead: bool = False) -> None:
         from cosyvoice_runtime.llm.bistream_seq import FINISH_PROTOCOL
         from cosyvoice_runtime.llm.engine import NONFINITE_LOGITS, LLMEngine
 
@@ -70,7 +70,7 @@ class RuntimeTokenEngine:
         self.llm = model.llm
         # CUDA graphs per (batch, key window) bucket; the engine ignores the flag off CUDA.
         self.engine = LLMEngine(model.llm, max_batch_size=max_running, max_seq_len=max_model_len,
-                                use_cuda_graphs=cuda_graphs, compile_backend=compile_backend)
+                                use_cuda_graphs=cuda_graphs, compile_backend=compile_backend, run_ahead=run_ahead)
         # NOTE: capture every decode graph now, before token2wav work runs concurrently: a lazy
         # capture beside other GPU work fails ("capturing stream has unjoined work", seen in
         # bench/gpu_bench.py on an H200, 2026-12-02). Graphs: 5 ms vs 26 ms per bf16 decode step at
@@ -453,7 +453,7 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     rate = model.spec.token_frame_rate
     llm_backend = torch_compile_backend(mode, cfg.llm_compile, device)
     engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
-                                compile_backend=llm_backend)
+                                compile_backend=llm_backend, run_ahead=cfg.llm_run_ahead)
     return SynthesisRuntime(
         engine=engine,
         token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first, cv3_vocoder=cfg.token2wav.cv3_vocoder,
@@ -471,6 +471,7 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                  "fused_norms": (["llm"] if model.llm.backbone.fused_norms else [])
                  + (["incremental flow pass"] if cfg.fused_norms and flow == "incremental" and graphs["flow_graphs"]
                     and kernels.AVAILABLE else []),
+                 "llm_run_ahead": engine.engine.run_ahead,  # on only with the static (graphed) decode step
                  "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),

@@ -113,6 +113,13 @@ class SynthesizerConfig(DeploymentKnobs):
     # shorten it is not known); compiling took 93 s per bucket, and a replica had not started 116 s
     # after its flow graphs. Off by default.
     llm_compile: bool = False
+    # CUDA replicas with cuda_graphs: each LLM decode step is queued before the one before it has
+    # been read, its rows fed that step's ids on the GPU (cosyvoice_runtime/llm/engine.py): the
+    # LLM's lane no longer idles while the host reads, commits and delivers a step's tokens and
+    # packs the next (0.4-0.6 ms a ~2 ms step, profiled one-stream request, H100 2026-12-06).
+    # Same tokens; events one step behind. Steps wait as without it while a bistream (WebSocket)
+    # request is in the engine. Not yet measured on a GPU: off by default.
+    llm_run_ahead: bool = False
     # CUDA replicas with an incremental flow: its pass (the walk over the estimator's blocks) through
     # torch.compile (inductor) under its CUDA graphs, as mode torchscript does too. A CosyVoice2 pass
     # runs ~930 small kernels (H100 kernel profile, 2026-12-06; 1,173 before its channels-last

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +42,9 @@ logger = logging.getLogger(__name__)
 
 MIN_KEY_WINDOW = 128
 DEFAULT_HISTORY_WIDTH = 16  # >= the yaml's win_size (10); rows with a larger window sample eagerly
-_DECODE_COLS = 3  # fed id, slot, position; the sampler's columns follow
+# fed id, slot, position, carry (the row of the step before whose chosen id, still on the GPU, is
+# fed instead: ``feed_on_device``; -1 = the fed id given); the sampler's columns follow
+_DECODE_COLS = 4
 
 
 def default_key_buckets(max_len: int) -> list[int]:
@@ -63,12 +66,15 @@ class DecodeRunner(graph_capture.GraphOwner):
         stop_mask_ids: ids masked for rows still below their min length.
         history_width: emitted ids kept per row for the RAS repetition check.
         use_graphs: capture CUDA graphs (default: iff the cache is on CUDA).
+        feed_on_device: the step may take a row's fed id from the step before's choice on the
+            GPU (:meth:`launch` with ``carry``), so the engine queues a step before it has read
+            the previous one's ids (``LLMEngine`` ``run_ahead``); its graphs gather that id first.
     """
 
     def __init__(self, model, cache: KVCache, max_batch_size: int, pad_slot: int, stop_mask_ids: Sequence[int], *,
                  history_width: int = DEFAULT_HISTORY_WIDTH, batch_buckets: Sequence[int] | None = None,
                  key_buckets: Sequence[int] | None = None, use_graphs: bool | None = None,
-                 compile_backend: str | None = None) -> None:
+                 compile_backend: str | None = None, feed_on_device: bool = False) -> None:
         super().__init__()  # graphs by bucket, their capture stream and memory pool
         if not 0 <= pad_slot < cache.num_slots:
             raise ValueError(f"pad_slot {pad_slot} is not a slot of a {cache.num_slots}-slot cache")
@@ -80,6 +86,7 @@ class DecodeRunner(graph_capture.GraphOwner):
         if compile_backend is not None:
             self._decode = torch.compile(model.decode_static, dynamic=True, backend=compile_backend)
         self.history_width = history_width
+        self.feed_on_device = feed_on_device
         self.batch_buckets = sorted(batch_buckets or graph_capture.batch_buckets(max_batch_size))
         self.key_buckets = sorted(key_buckets or default_key_buckets(cache.max_len))
         if self.batch_buckets[-1] < max_batch_size or self.key_buckets[-1] > cache.max_len:
@@ -96,7 +103,11 @@ class DecodeRunner(graph_capture.GraphOwner):
         self._ids = torch.zeros(rows, dtype=torch.long, device=dev)
         self._stop_mask = bs.stop_mask(stop_mask_ids, vocab, dev)
         # Padding row: scratch slot, position 0 (key 0 is visible, so its softmax is finite), greedy.
-        self._pad_row = torch.tensor([0, pad_slot, 0] + pad_sampler_row(history_width), dtype=torch.long)
+        self._pad_row = torch.tensor([0, pad_slot, 0, -1] + pad_sampler_row(history_width), dtype=torch.long)
+        # launch(): two pinned host copies of the chosen ids, so one step's copy is queued while
+        # the one before it is read
+        self._host_ids = [torch.zeros(rows, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
+        self._next_host = 0
 
     # -- the step --------------------------------------------------------------------------
     def can_sample(self, params) -> bool:
@@ -117,6 +128,46 @@ class DecodeRunner(graph_capture.GraphOwner):
             logits: (B, V) view of a static buffer, overwritten by the next step (clone to keep).
         """
         n = len(slots)
+        self._run(tokens, slots, states, None)
+        ids = self._ids[:n].tolist()  # the step's one host sync
+        self.cache.advance(list(slots), 1)
+        return ids, self._logits[:n]
+
+    def launch(self, tokens: Sequence[int], slots: Sequence[int], states: Sequence,
+               carry: Sequence[int]) -> Launched:
+        """:meth:`step` without waiting for it (``feed_on_device`` runners): the step is queued and
+        its ids copied to the host behind it; :meth:`collect` waits for them.
+
+        Args:
+            carry: per row, the row of the step launched before this one whose chosen id it
+                feeds (its sampler history gets that id too, and its ``states`` are one step
+                behind: their step count and min-length mask are taken one step on); -1: the
+                fed id is ``tokens``'s and the state is current.
+        """
+        if not self.feed_on_device:
+            raise RuntimeError("launch() needs a runner made with feed_on_device")
+        n = len(slots)
+        self._run(tokens, slots, states, carry)
+        self.cache.advance(list(slots), 1)
+        host = self._host_ids[self._next_host]
+        self._next_host ^= 1
+        host[:n].copy_(self._ids[:n], non_blocking=True)
+        done = None
+        if self.cache.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Launched(n, host, done)
+
+    @staticmethod
+    def collect(launched: Launched) -> list[int]:
+        """The ids chosen by a launched step (waits for that step only)."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        return launched.host[:launched.n].tolist()
+
+    def _run(self, tokens: Sequence[int], slots: Sequence[int], states: Sequence, carry: Sequence[int] | None) -> None:
+        """Pack the rows (one host -> device copy) and run the step: the graph of its bucket, or eagerly."""
+        n = len(slots)
         positions = [self.cache.lengths[s] for s in slots]
         self.cache.check_room(list(slots), 1)
         b = bucket_for(self.batch_buckets, n)
@@ -125,23 +176,39 @@ class DecodeRunner(graph_capture.GraphOwner):
         host = self._host_np
         host[n:b] = self._pad_row.numpy()
         host[:n, 0], host[:n, 1], host[:n, 2] = tokens, slots, positions
-        pack_sampler_rows(states, self.history_width, host[:n, _DECODE_COLS:])
+        host[:n, 3] = -1 if carry is None else carry
+        ahead = None if carry is None else [c >= 0 for c in carry]
+        pack_sampler_rows(states, self.history_width, host[:n, _DECODE_COLS:], ahead)
         self._rows[:b].copy_(self._host[:b], non_blocking=True)
         if graph is not None:
             graph.replay()
         else:
             self._body(b, window)
-        ids = self._ids[:n].tolist()  # the step's one host sync
-        self.cache.advance(list(slots), 1)
-        return ids, self._logits[:n]
 
     def _body(self, b: int, window: int) -> None:
         """The captured computation: static inputs ``_rows[:b]`` -> ``_logits[:b]``, ``_ids[:b]``."""
         rows = self._rows[:b]
-        logits = self._decode(rows[:, 0], self.cache, rows[:, 1], rows[:, 2], window)
+        fed, sampler_rows = rows[:, 0], rows[:, _DECODE_COLS:]
+        if self.feed_on_device:
+            fed, sampler_rows = self._carried(rows)
+        logits = self._decode(fed, self.cache, rows[:, 1], rows[:, 2], window)
         self._logits[:b].copy_(logits)
-        sampler_rows = rows[:, _DECODE_COLS:]
         self._ids[:b].copy_(bs.choose_ids(logits, sampler_rows, self._stop_mask))
+
+    def _carried(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fed ids and sampler rows where a row continues the step before: that step's choice (in
+        ``_ids``, read here before this step overwrites it) is fed and is the newest history
+        entry. A row the step before ended (a stop id, or NONFINITE) is wasted work the engine
+        drops: its id is only kept inside the embedding's range."""
+        carried = rows[:, 3] >= 0
+        previous = self._ids.index_select(0, rows[:, 3].clamp(min=0))
+        fed = torch.where(carried, previous, rows[:, 0]).clamp(min=0)
+        sampler = rows[:, _DECODE_COLS:]
+        if self.history_width:
+            hist = sampler[:, bs.C_HIST:]
+            hist = torch.where(carried[:, None], torch.cat([hist[:, 1:], fed[:, None]], dim=1), hist)
+            sampler = torch.cat([sampler[:, :bs.C_HIST], hist], dim=1)
+        return fed, sampler
 
     # -- graphs ----------------------------------------------------------------------------
     def capture(self, batch_sizes: Sequence[int] | None = None, windows: Sequence[int] | None = None) -> int:
@@ -164,6 +231,16 @@ class DecodeRunner(graph_capture.GraphOwner):
         return graph
 
 
+@dataclass
+class Launched:
+    """A step queued by :meth:`DecodeRunner.launch`: its ``n`` ids land in ``host`` once ``done``
+    (a CUDA event; None off CUDA, where the step has run already)."""
+
+    n: int
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+
 # Sampler inputs of a row the in-step sampler does not serve (a greedy placeholder).
 _PAD_PARAMS = SamplingParams(method="greedy", top_k=1, win_size=0, tau_r=0.0)
 _PadState = DecodeState(min_len=0, max_len=1, params=_PAD_PARAMS, rng_seed=0)
@@ -180,8 +257,10 @@ def pad_sampler_row(history_width: int) -> list[int]:
     return bs.pack_rows([_PAD_PARAMS], [[]], [0], [0], [False], history_width)[0].tolist()
 
 
-def pack_sampler_rows(states: Sequence[DecodeState], history_width: int, out) -> None:
+def pack_sampler_rows(states: Sequence[DecodeState], history_width: int, out,
+                      ahead: Sequence[bool] | None = None) -> None:
     """Each row's sampler inputs into ``out`` (rows the in-step sampler does not serve get a
-    greedy placeholder: their caller samples them from the logits)."""
+    greedy placeholder: their caller samples them from the logits). ``ahead``: rows whose state is
+    one step behind (their last id is still on the GPU): step count and min-length mask one on."""
     served = [st if in_step_sampler_serves(st.params, history_width) else _PadState for st in states]
-    pack_states(served, history_width, out=out)
+    pack_states(served, history_width, out=out, ahead=ahead)

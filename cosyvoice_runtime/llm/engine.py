@@ -27,6 +27,19 @@ forward as an extension of its slot. A request waiting for text is parked: it ke
 and takes no work until text arrives (:meth:`LLMEngine.has_unfinished` does not count it, so a
 driver loop sleeps instead of spinning).
 
+Running ahead (``run_ahead``, with the static decode step): a step is queued before the one
+before it has been read. Each :meth:`LLMEngine.step` launches the next decode step, feeding
+each row that continues the step in flight that step's choice straight from the GPU
+(:meth:`~cosyvoice_runtime.llm.cuda_graph.DecodeRunner.launch`), and only then waits for the
+step in flight and commits its ids: the GPU has the next step queued while the host commits,
+delivers and packs (0.4-0.6 ms a step that the LLM's lane idled, profiled one-stream request,
+H100 2026-12-06). Events therefore come one call behind. A row whose step in flight may end it
+(a stop id) has one wasted step queued after it, dropped when read; one whose step in flight is
+certainly its last (its length) is not queued again. Bistream requests, requests the in-step
+sampler does not serve and ``return_logits`` need every id on the host before the next step:
+while any is in the engine, the step in flight is read first and steps wait as without it.
+The tokens are the same either way (a row's draws depend on its seed and step count only).
+
 The engine is synchronous and single-threaded; the deployment's loop task drives it.
 """
 from __future__ import annotations
@@ -41,7 +54,7 @@ from cosyvoice_runtime.llm import bistream
 from cosyvoice_runtime.llm.batch_sampling import NONFINITE
 from cosyvoice_runtime.llm.bistream import BistreamState
 from cosyvoice_runtime.llm.bistream_seq import BistreamSequence, embed_segments
-from cosyvoice_runtime.llm.cuda_graph import DEFAULT_HISTORY_WIDTH, DecodeRunner
+from cosyvoice_runtime.llm.cuda_graph import DEFAULT_HISTORY_WIDTH, DecodeRunner, Launched
 from cosyvoice_runtime.llm.generate import (
     FINISH_LENGTH,
     DecodeState,
@@ -82,6 +95,14 @@ class _Request:
     sample_fn: SampleFn
 
 
+@dataclass
+class _InFlight:
+    """A decode step launched ahead (``run_ahead``) and not yet read: its rows, in order."""
+
+    reqs: list[_Request]
+    launched: Launched
+
+
 class LLMEngine:
     """Batched decoding of many requests over one :class:`~cosyvoice_runtime.llm.model.SpeechLM`.
 
@@ -102,12 +123,14 @@ class LLMEngine:
         prefill_graphs: with the static decode step, prefill new requests through
             :class:`~cosyvoice_runtime.llm.prefill_graph.PrefillRunner` (False: eager prefill,
             the benchmarks' baseline).
+        run_ahead: with the static decode step, queue each step before reading the one before
+            (module docstring).
     """
 
     def __init__(self, model, max_batch_size: int = 16, max_seq_len: int = 2048, *, max_prefills_per_step: int = 16,
                  official_quirks: bool = False, return_logits: bool = False, use_cuda_graphs: bool = False,
                  static_decode: bool | None = None, history_width: int = DEFAULT_HISTORY_WIDTH,
-                 compile_backend: str | None = None, prefill_graphs: bool = True) -> None:
+                 compile_backend: str | None = None, prefill_graphs: bool = True, run_ahead: bool = False) -> None:
         self.model = model
         self.spec = model.spec
         self.max_running = max_batch_size
@@ -125,13 +148,15 @@ class LLMEngine:
             self.runner = DecodeRunner(model, self.cache, max_batch_size, pad_slot=max_batch_size,
                                        stop_mask_ids=min_len_mask_ids(self.spec, official_quirks),
                                        history_width=history_width, use_graphs=graphs,
-                                       compile_backend=compile_backend)
+                                       compile_backend=compile_backend, feed_on_device=run_ahead)
             if prefill_graphs:
                 self.prefill_runner = PrefillRunner(model, self.cache, pad_slot=max_batch_size,
                                                     stop_mask_ids=min_len_mask_ids(self.spec, official_quirks),
                                                     history_width=history_width, use_graphs=graphs)
         self._requests: dict[str, _Request] = {}
         self._bistream: dict[str, BistreamSequence] = {}
+        self.run_ahead = run_ahead and self.runner is not None
+        self._in_flight: _InFlight | None = None
 
     def capture_graphs(self) -> int:
         """Capture every decode and prefill graph now (startup); returns how many exist (0
@@ -254,8 +279,11 @@ class LLMEngine:
     def step(self) -> list[TokenEvent]:
         """One decode step of the running batch, then the prefill of admitted requests (with the
         multi-position inputs of bistream requests)."""
-        plan = self.scheduler.schedule()
+        ahead = self._may_run_ahead()
         events: list[TokenEvent] = []
+        if self._in_flight is not None and not ahead:
+            events += self._read_in_flight()  # every id on the host before a step that needs them
+        plan = self.scheduler.schedule()
         with torch.inference_mode():
             admitted = [s for s in plan.prefill if s.request_id in self._bistream]
             for s in admitted:  # a bistream prompt is fed once its text allows (_route_bistream)
@@ -265,7 +293,9 @@ class LLMEngine:
             feeds, extends = self._route_bistream(
                 [s for s in plan.decode if s.request_id in self._bistream] + admitted, events)
             decode = [s for s in plan.decode if s.request_id in self._requests]
-            if decode or feeds:
+            if ahead:
+                events += self._decode_ahead(decode)
+            elif decode or feeds:
                 events += self._decode(decode, feeds)
             prefill = [s for s in plan.prefill if s.request_id in self._requests]
             if prefill or extends:
@@ -312,6 +342,49 @@ class LLMEngine:
         events = [self._commit(r, tok, logits[i]) if tok is not None else self._fail(r)
                   for i, (r, tok) in enumerate(zip(reqs, tokens))]
         return events + self._choose_bistream(feeds, seqs, logits[n:], bad_bistream)
+
+    def _may_run_ahead(self) -> bool:
+        """Whether this step may be queued before the one in flight is read: no request needs its
+        ids on the host first (bistream, sampled outside the step) and no logits are returned."""
+        return (self.run_ahead and not self.return_logits and not self._bistream
+                and all(r.sample_fn is default_sample_fn and self.runner.can_sample(r.state.params)
+                        for r in self._requests.values()))
+
+    def _decode_ahead(self, decode: list) -> list[TokenEvent]:
+        """Launch this step (rows continuing the step in flight fed its ids on the GPU), then read
+        the step in flight: its events are the ones returned."""
+        flight = self._in_flight
+        row_of = {id(r): j for j, r in enumerate(flight.reqs)} if flight is not None else {}
+        reqs, carry = [], []
+        for s in decode:
+            req = self._requests[s.request_id]
+            j = row_of.get(id(req), -1)
+            if j >= 0 and len(req.state.tokens) + 1 >= req.state.max_len:
+                continue  # its step in flight is its last: emitted, it reaches max_len
+            reqs.append(req)
+            carry.append(j)
+        launched = None
+        if reqs:
+            launched = self.runner.launch([r.state.tokens[-1] if j < 0 else 0 for r, j in zip(reqs, carry)],
+                                          [r.state.slot for r in reqs], [r.state for r in reqs], carry)
+        events = self._read_in_flight() if flight is not None else []
+        self._in_flight = _InFlight(reqs, launched) if launched is not None else None
+        if self._in_flight is not None and all(self._ended(r) for r in reqs):
+            self._read_in_flight()  # wasted work only (the last requests stopped): not left behind
+        return events
+
+    def _read_in_flight(self) -> list[TokenEvent]:
+        """Wait for the step in flight and commit its ids; rows it ran for requests that ended
+        meanwhile (a stop id the step before, an abort) are dropped."""
+        flight, self._in_flight = self._in_flight, None
+        events = []
+        for req, tok in zip(flight.reqs, self.runner.collect(flight.launched)):
+            if not self._ended(req):
+                events.append(self._commit(req, tok, None) if tok != NONFINITE else self._fail(req))
+        return events
+
+    def _ended(self, req: _Request) -> bool:
+        return req.state.finished or self._requests.get(req.request_id) is not req
 
     def _prefill(self, prefill: list, extends: list) -> list[TokenEvent]:
         """The admitted requests' prompts (through the prefill graphs when they fit) and the
@@ -428,7 +501,7 @@ class LLMEngine:
                 tokens[i] = tok
         return tokens
 
-    def _commit(self, req: _Request, token: int, logits: torch.Tensor) -> TokenEvent:
+    def _commit(self, req: _Request, token: int, logits: torch.Tensor | None) -> TokenEvent:
         state = req.state
         emitted = commit_token(self.spec, state, token)
         event = TokenEvent(req.request_id, [token] if emitted else [], state.finished, state.finish_reason,

@@ -71,12 +71,15 @@ def uses_batch_sampler(state: DecodeState, sample_fn: SampleFn) -> bool:
     return sample_fn is default_sample_fn and not state.params.official_rng
 
 
-def pack_states(states: list[DecodeState], width: int | None = None, out=None):
-    """:func:`batch_sampling.pack_rows` for decode states (``width`` default: the largest window)."""
+def pack_states(states: list[DecodeState], width: int | None = None, out=None, ahead=None):
+    """:func:`batch_sampling.pack_rows` for decode states (``width`` default: the largest window).
+    ``ahead``: per row, whether its state is one step behind the step packed (its last id is still
+    on the GPU, ``DecodeRunner.launch``): its draw counter and min-length mask are taken one on."""
     if width is None:
         width = max(s.params.win_size for s in states)
-    return bs.pack_rows([s.params for s in states], [s.tokens for s in states], [s.step for s in states],
-                        [s.seed for s in states], [s.step < s.min_len for s in states], width, out)
+    steps = [s.step + (int(ahead[i]) if ahead is not None else 0) for i, s in enumerate(states)]
+    return bs.pack_rows([s.params for s in states], [s.tokens for s in states], steps,
+                        [s.seed for s in states], [step < s.min_len for step, s in zip(steps, states)], width, out)
 
 
 def default_sample_fn(logp: torch.Tensor, state: DecodeState) -> int:

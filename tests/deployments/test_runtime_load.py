@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from cosyvoice_runtime.lm_messages import LMRequest
 from deployments.protocol import VoicePrompt
 from deployments.runtime_adapter import load_synthesis_runtime, torch_compile_backend
 from deployments.synthesizer_config import SynthesizerConfig
@@ -137,6 +138,36 @@ def test_cuda_replica_with_fused_norms_streams_the_same_audio(model_dir):
         outs.append(rt.token2wav.run_batch([job])[0])
     assert outs[0].shape == outs[1].shape
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-3, rtol=1e-3)
+
+
+def test_llm_run_ahead_is_reported_only_where_it_runs(model_dir):
+    """``llm_run_ahead`` needs the static (graphed) decode step: a CPU replica steps as without it."""
+    runtime = load_synthesis_runtime(SynthesizerConfig(device="cpu", warmup=False, llm_run_ahead=True), model_dir)
+    assert runtime.details["llm_run_ahead"] is False and runtime.engine.engine.run_ahead is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_replica_running_ahead_makes_the_same_tokens(model_dir):
+    """The replica's engine with ``llm_run_ahead`` (graphs fed on the device) against without it."""
+    cfg = {"device": "cuda", "warmup": False, "flow_graph_max_s": 8.0}
+    ahead = load_synthesis_runtime(SynthesizerConfig(**cfg, llm_run_ahead=True), model_dir)
+    plain = load_synthesis_runtime(SynthesizerConfig(**cfg), model_dir)
+    assert ahead.details["llm_run_ahead"] is True and plain.details["llm_run_ahead"] is False
+    got = []
+    for rt in (ahead, plain):
+        voice = _voice(rt)
+        tokens: dict[str, list[int]] = {}
+        for i in range(3):
+            rid = f"r{i}"
+            rt.engine.add(rid, LMRequest(text_ids=np.arange(3 + 4 * i), prompt_text_ids=voice.text_tokens,
+                                         prompt_speech_ids=voice.speech_tokens, seed=i))
+            tokens[rid] = []
+        while rt.engine.has_unfinished():
+            for ev in rt.engine.step():
+                tokens[ev.request_id] += ev.tokens
+        got.append(tokens)
+    assert got[0] == got[1] and all(got[0].values())
 
 
 def test_unknown_knob_is_rejected():
