@@ -31,18 +31,28 @@ class RotaryEmbedding(nn.Module):
         return torch.stack((freqs, freqs), dim=-1).flatten(-2).unsqueeze(0)
 
 
-def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    x = x.unflatten(-1, (-1, 2))
-    x1, x2 = x.unbind(-1)
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+def rotary_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) of interleaved angles ``[f0, f0, f1, f1, ...]``: what :func:`rotate`
+    multiplies by, made once per forward for every block (the incremental pass made a cos and a
+    sin per block and projection: 88 kernels of a CosyVoice3 pass, H100 kernel profile
+    2026-12-06). The sin of each pair's first channel is negated: rotating the pair (x1, x2) to
+    (-x2, x1) is then the swapped pair times it, exactly (a negation rounds nothing)."""
+    sin = freqs[..., ::2].sin()
+    return freqs.cos(), torch.stack((-sin, sin), dim=-1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` channels of x (B, T, C), in float32."""
+    rot = cos.shape[-1]
+    head, rest = x[..., :rot].float(), x[..., rot:]
+    swapped = head.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    head = head * cos + swapped * signed_sin
+    return torch.cat((head.to(x.dtype), rest), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``freqs.shape[-1]`` channels of x (B, T, C), in float32."""
-    rot = freqs.shape[-1]
-    head, rest = x[..., :rot].float(), x[..., rot:]
-    head = head * freqs.cos() + _rotate_pairs(head) * freqs.sin()
-    return torch.cat((head.to(x.dtype), rest), dim=-1)
+    return rotate(x, *rotary_tables(freqs))
 
 
 class CausalConvPositionEmbedding(nn.Module):
@@ -107,11 +117,11 @@ class Attention(nn.Module):
         """``cat([to_k(x), to_v(x)], -1)`` as one GEMM (the incremental pass's cached frames)."""
         return fused_linear(x, (self.to_k, self.to_v), self._fused_kv)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """x (B, T, D); mask (B, 1, T, T) bool."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x (B, T, D); mask (B, 1, T, T) bool; rotary: :func:`rotary_tables` of the positions."""
         b, t, _ = x.shape
         q, k, v = fused_linear(x, (self.to_q, self.to_k, self.to_v), self._fused).chunk(3, dim=-1)
-        q, k = apply_rotary(q, freqs), apply_rotary(k, freqs)
+        q, k = rotate(q, *rotary), rotate(k, *rotary)
 
         def heads(y):
             return y.view(b, t, self.heads, -1).transpose(1, 2)
@@ -141,10 +151,11 @@ class DiTBlock(nn.Module):
         self.ff_norm = nn.LayerNorm(spec.dim, elementwise_affine=False, eps=1e-6)
         self.ff = _GELUTanhFF(spec.dim, spec.ff_mult)
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor,
+                rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm.linear(F.silu(temb)).chunk(6, dim=1)
         n = self.attn_norm.norm(x) * (1 + scale_a[:, None]) + shift_a[:, None]
-        x = x + gate_a[:, None] * self.attn(n, mask, freqs)
+        x = x + gate_a[:, None] * self.attn(n, mask, rotary)
         n = self.ff_norm(x) * (1 + scale_f[:, None]) + shift_f[:, None]
         return x + gate_f[:, None] * self.ff(n)
 
@@ -166,10 +177,10 @@ class DiT(nn.Module):
                 cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
         temb = self.time_embed(t)
         h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
-        freqs = self.rotary_embed(h.shape[1])
+        rotary = rotary_tables(self.rotary_embed(h.shape[1]))
         attn = attention_mask(mask, self.spec.static_chunk_size, streaming)[:, None]
         for block in self.transformer_blocks:
-            h = block(h, temb, attn, freqs)
+            h = block(h, temb, attn, rotary)
         scale, shift = self.norm_out.linear(F.silu(temb)).chunk(2, dim=1)
         h = self.norm_out.norm(h) * (1 + scale[:, None]) + shift[:, None]
         return self.proj_out(h).transpose(1, 2)

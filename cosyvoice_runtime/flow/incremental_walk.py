@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_runtime.flow.dit import DiT, DiTBlock, apply_rotary
+from cosyvoice_runtime.flow.dit import DiT, DiTBlock, rotary_tables, rotate
 from cosyvoice_runtime.flow.masks import to_bias
 from cosyvoice_runtime.flow.unet import (
     CausalBlock1D,
@@ -146,12 +146,15 @@ class Pass:
         self.fused_norms = fused_norms
 
     def conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-        """A causal convolution of new frames (2B, C, n) after each row's cached history."""
-        c = x.shape[1]
+        """A causal convolution of channels-last new frames x (2B, n, C) -> (2B, n, C_out) after
+        each row's cached history, as GEMMs (:func:`~cosyvoice_runtime.fused.causal_conv_gemm`;
+        the DiT's grouped position convolutions); the history it leaves is recorded."""
+        c = x.shape[-1]
         off = self.layout.conv_offset[id(conv)]
-        full = torch.cat([self.hist_in[:, off:off + c], x], dim=-1)
-        self.hist_out[:, off:off + c] = full.gather(2, self.hist_idx.expand(-1, c, -1))
-        return nn.Conv1d.forward(conv, full)
+        full = torch.cat([self.hist_in[:, off:off + c].transpose(1, 2), x], dim=1)
+        kept = full.gather(1, self.hist_idx.transpose(1, 2).expand(-1, -1, c))  # (2B, 2 hist, C)
+        self.hist_out[:, off:off + c] = kept.transpose(1, 2)
+        return causal_conv_gemm(full, conv)
 
     # The U-Net's convolutions read and record their history through :attr:`conv_frames`: one
     # copy in and one gather out for all 31 of them, where each convolution's own concatenation,
@@ -161,8 +164,8 @@ class Pass:
         self.conv_frames[:, :self.layout.hist] = self.hist_in.transpose(1, 2)
 
     def conv_gemm(self, conv: CausalConv1d, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`conv` of channels-last new frames x (2B, n, C) -> (2B, n, C_out), as one GEMM
-        (:func:`~cosyvoice_runtime.fused.causal_conv_gemm`) over x behind the loaded history."""
+        """:meth:`conv` over the U-Net's frame buffer: x (2B, n, C) behind the history
+        :meth:`load_history` put there, its history left for :meth:`store_history`."""
         c, hist = x.shape[-1], self.layout.hist
         off = self.layout.conv_offset[id(conv)]
         full = self.conv_frames[:, :, off:off + c]
@@ -297,16 +300,16 @@ def unet_pass(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, spks: torch.T
     return _pointwise(unet.final_proj, h).transpose(1, 2)
 
 
-def _dit_block(block: DiTBlock, h: torch.Tensor, bias: torch.Tensor, freqs_q: torch.Tensor, freqs_k: torch.Tensor,
-               p: Pass) -> torch.Tensor:
+def _dit_block(block: DiTBlock, h: torch.Tensor, bias: torch.Tensor, rot_q: tuple[torch.Tensor, torch.Tensor],
+               rot_k: tuple[torch.Tensor, torch.Tensor], p: Pass) -> torch.Tensor:
     shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = p.timed(block.attn_norm.linear).chunk(6, dim=1)
     normed = block.attn_norm.norm(h) * (1 + scale_a[:, None]) + shift_a[:, None]
     normed_all = p.block_input(block, normed)
     attn = block.attn
     b, n, _ = normed.shape
-    q = apply_rotary(attn.to_q(normed), freqs_q)
+    q = rotate(attn.to_q(normed), *rot_q)
     k, v = attn.kv(normed_all).chunk(2, dim=-1)
-    k = apply_rotary(k, freqs_k)
+    k = rotate(k, *rot_k)
 
     def heads(y: torch.Tensor) -> torch.Tensor:
         return y.reshape(b, y.shape[1], attn.heads, -1).transpose(1, 2)
@@ -332,17 +335,16 @@ def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
     h = emb.proj(torch.cat([x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
                             spks[:, None].expand(-1, x.shape[-1], -1)], dim=-1))
     pos = emb.conv_pos_embed
-    c = pos.conv1[1](p.conv(pos.conv1[0], h.transpose(1, 2)))
-    c = pos.conv2[1](p.conv(pos.conv2[0], c))
-    h = c.transpose(1, 2) + h
+    c = pos.conv1[1](p.conv(pos.conv1[0], h))
+    h = pos.conv2[1](p.conv(pos.conv2[0], c)) + h
     n = x.shape[-1]
     cached = p.attn.shape[2] - x.shape[-1]
     p_len = p.p_len.repeat(2)
     q_pos = p_len[:, None] + torch.arange(n, device=x.device)[None, :]
     k_pos = torch.cat([torch.arange(cached, device=x.device)[None, :].expand(len(p_len), -1), q_pos], dim=1)
-    freqs_q, freqs_k = _angles(dit, q_pos), _angles(dit, k_pos)
+    rot_q, rot_k = rotary_tables(_angles(dit, q_pos)), rotary_tables(_angles(dit, k_pos))
     for block in dit.transformer_blocks:
-        h = _dit_block(block, h, bias, freqs_q, freqs_k, p)
+        h = _dit_block(block, h, bias, rot_q, rot_k, p)
     scale, shift = p.timed(dit.norm_out.linear).chunk(2, dim=1)
     h = dit.norm_out.norm(h) * (1 + scale[:, None]) + shift[:, None]
     return dit.proj_out(h).transpose(1, 2)

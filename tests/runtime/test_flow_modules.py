@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cosyvoice_runtime.errors import InvalidInputError
-from cosyvoice_runtime.flow.dit import apply_rotary
+from cosyvoice_runtime.flow.dit import apply_rotary, rotary_tables, rotate
 from cosyvoice_runtime.flow.flow import FlowItem, build_flow
 from cosyvoice_runtime.flow.masks import attention_mask, chunk_mask
 from tests.runtime.test_flow_batch import _flow
@@ -85,3 +85,20 @@ def test_input_errors():
     with pytest.raises(InvalidInputError, match="noise buffer"):
         short.inference_batch([_job(short, 10, 41)])  # 2 * 51 = 102 frames > 100
     assert short.inference_batch([_job(short, 10, 40)])[0].shape == (1, 80, 80)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_tables_rotate_exactly_as_the_pairwise_formula(dtype):
+    """rotate() with rotary_tables (cos and a signed sin made once per forward) equals the
+    pairwise form x * cos + (-x2, x1) * sin bit for bit: the signed sin's negation rounds nothing."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, 24, generator=g).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    freqs = torch.outer(torch.arange(9).float() + 37.0, inv_freq)
+    freqs = torch.stack((freqs, freqs), dim=-1).flatten(-2)[None]
+    head = x[..., :8].float()
+    x1, x2 = head.unflatten(-1, (-1, 2)).unbind(-1)
+    pairwise = head * freqs.cos() + torch.stack((-x2, x1), dim=-1).flatten(-2) * freqs.sin()
+    want = torch.cat((pairwise.to(dtype), x[..., 8:]), dim=-1)
+    assert torch.equal(rotate(x, *rotary_tables(freqs)), want)
+    assert torch.equal(apply_rotary(x, freqs), want)

@@ -46,13 +46,14 @@ def test_compiles_without_graph_breaks():
     torch.testing.assert_close(compiled(x), m.plain(x))
 
 
-@pytest.mark.parametrize("kernel", [3, 31])
-def test_causal_conv_gemm_is_the_convolution_of_history_then_new_frames(kernel):
+@pytest.mark.parametrize("kernel,groups", [(3, 1), (31, 1), (31, 4), (5, 2)])
+def test_causal_conv_gemm_is_the_convolution_of_history_then_new_frames(kernel, groups):
     """Channels-last frames with their k - 1 history frames in front (a strided slice of a wider
     buffer): the same output as ``Conv1d`` over the channels-first sequence (float32, GEMM
-    rounding), before and after an in-place weight update."""
+    rounding), before and after an in-place weight update; grouped ones (CosyVoice3's position
+    convolutions) as one batched GEMM over the groups."""
     torch.manual_seed(0)
-    conv = nn.Conv1d(12, 20, kernel)
+    conv = nn.Conv1d(12, 20, kernel, groups=groups)
     wide = torch.randn(3, kernel - 1 + 9, 30)
     full = wide[:, :, 5:17]  # a slice of a wider channels-last buffer, as the incremental pass hands it
     want = conv(full.transpose(1, 2)).transpose(1, 2)
