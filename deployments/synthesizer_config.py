@@ -116,8 +116,9 @@ class SynthesizerConfig(DeploymentKnobs):
     # CUDA replicas with cuda_graphs: each LLM decode step is queued before the one before it has
     # been read, its rows fed that step's ids on the GPU (cosyvoice_runtime/llm/engine.py): the
     # LLM's lane no longer idles while the host reads, commits and delivers a step's tokens and
-    # packs the next (0.4-0.6 ms a ~2 ms step, profiled one-stream request, H100 2026-12-06).
-    # Same tokens; events one step behind. Steps wait as without it while a bistream (WebSocket)
+    # packs the next (0.4-0.6 ms of a ~2 ms step in a profiled one-stream request, H100
+    # 2026-12-06, where the profiler slows the host; unprofiled, one stream's steps ran at about
+    # the rate of replays back to back: its case is load). Same tokens; events one step behind. Steps wait as without it while a bistream (WebSocket)
     # request is in the engine. Not yet measured on a GPU: off by default.
     llm_run_ahead: bool = False
     # CUDA replicas with an incremental flow: its pass (the walk over the estimator's blocks) through

@@ -32,8 +32,11 @@ before it has been read. Each :meth:`LLMEngine.step` launches the next decode st
 each row that continues the step in flight that step's choice straight from the GPU
 (:meth:`~cosyvoice_runtime.llm.cuda_graph.DecodeRunner.launch`), and only then waits for the
 step in flight and commits its ids: the GPU has the next step queued while the host commits,
-delivers and packs (0.4-0.6 ms a step that the LLM's lane idled, profiled one-stream request,
-H100 2026-12-06). Events therefore come one call behind. A row whose step in flight may end it
+delivers and packs. In a profiled one-stream request the LLM's lane idled 0.4-0.6 ms of each
+step (H100 2026-12-06), but the profiler slows the host; unprofiled, the first chunk's decode
+steps ran at about the rate of replays back to back, so at one stream there is little to win;
+under load the host shares the GIL with the token2wav thread (not measured). Events therefore
+come one call behind. A row whose step in flight may end it
 (a stop id) has one wasted step queued after it, dropped when read; one whose step in flight is
 certainly its last (its length) is not queued again. Bistream requests, requests the in-step
 sampler does not serve and ``return_logits`` need every id on the host before the next step:
