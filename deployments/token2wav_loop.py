@@ -11,6 +11,9 @@ their audio runs in the event loop's executor, which hands it back: the driver d
 the GPU there). A first chunk joins at the next pass and long jobs with audio to spare wait. Measured in the
 replica simulation on one H200 (2026-12-04, bench/results/capacity-h200-2026-12-04.md):
 sessions at the SLO 5-6 -> 11, and 21 once every last-chunk vocoder length was graphed too.
+The runtime keeps ``token2wav.passes_in_flight`` passes queued on the GPU (default 2): the next
+pass is picked and prepared while one runs, so the "next pass" a new job joins starts after the
+one queued now (one session 90.5 -> 81.1 ms first audio against 1, H100 2026-12-06).
 
 With ``gather_s`` (``token2wav.gather_ms``): when no row in hand is due within the slack, the
 driver waits up to that long (once per pass, woken at once by a new job) before the pass, so more
