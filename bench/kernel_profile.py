@@ -5,7 +5,8 @@ At one stream, first audio is the sum of ~16 decode steps and 10 flow passes, ea
 replay whose time is its kernels in sequence (H100 2026-12-06: ~1.9 ms a step, ~4 ms a pass, the
 same for 50 or 256 frames). Compiling did not shorten the step, so before writing fused kernels:
 per step, how many kernels of which kind, how long each kind runs, and how much of the step is
-no kernel at all (launch gaps inside the graph).
+no kernel at all, and in front of which kernels that idle time sits (launch gaps inside the
+graph, or the host's eager work around it).
 
     python -m bench.kernel_profile --out bench/results --tag h100
 
@@ -76,6 +77,33 @@ def kernel_table(events: list[dict], reps: int, cat: str = "kernel") -> dict:
     }
 
 
+STREAM_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # what occupies a CUDA stream in the trace
+
+
+def gap_table(events: list[dict], reps: int, top: int = 12) -> dict:
+    """Where a step's time without a kernel sits: each idle stretch of a stream (no kernel, copy or
+    memset on it) charged to the kernel that ends it, per step, by that kernel's name (most idle
+    time first). Gaps spread evenly over a graph's kernels are launch latency inside the graph;
+    gaps in front of a few (the first kernel after the host's eager work, a copy) are the host."""
+    by_stream: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in STREAM_CATS and e.get("dur") is not None:
+            by_stream[e.get("tid")].append(e)
+    gaps: dict[str, list[float]] = defaultdict(list)
+    for stream in by_stream.values():
+        stream.sort(key=lambda e: float(e["ts"]))
+        end = None
+        for e in stream:
+            ts = float(e["ts"])
+            if end is not None and ts > end:
+                gaps[e["name"]].append(ts - end)
+            end = max(end or ts, ts + float(e["dur"]))
+    names = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))
+    return {"gap_us_per_step_traced": sum(sum(g) for g in gaps.values()) / reps,
+            "gaps_before": [{"name": n[:100], "category": category(n), "per_step": len(g) / reps,
+                             "us_per_step": sum(g) / reps, "us_each": sum(g) / len(g)} for n, g in names[:top]]}
+
+
 def _event_ms(fn, reps: int, cuda: bool) -> float:
     """Median CUDA-event time of ``fn`` (host time without CUDA)."""
     times = []
@@ -105,9 +133,12 @@ def profiled(fn, reps: int, cuda: bool) -> dict:
         for _ in range(reps):
             fn()
         _sync()
-    table = kernel_table(chrome_trace(prof)["traceEvents"], reps, "kernel" if cuda else "cpu_op")
+    events = chrome_trace(prof)["traceEvents"]
+    table = kernel_table(events, reps, "kernel" if cuda else "cpu_op")
     table["event_ms_per_step"] = event_ms
     table["gap_us_per_step"] = event_ms * 1e3 - table["kernel_us_per_step"] if cuda else None
+    if cuda:  # on the CPU the ops nest and run on the host: no stream to be idle
+        table.update(gap_table(events, reps))
     return table
 
 
@@ -154,8 +185,12 @@ def flow_pass(args: argparse.Namespace, cuda: bool) -> dict:
             r.step, r.new_convs = 0, []
         stepper.advance(rows)
 
+    replays, eager = stepper.replays, stepper.eager_calls
+    table = profiled(one_pass, args.reps, cuda)
+    # whether the passes replayed their graph: an eager fallback launches every kernel from Python
     return {"family": args.family, "batch": args.batch, "cached": args.cached, "new": args.new,
-            "fused_norms": args.fused_norms, **profiled(one_pass, args.reps, cuda)}
+            "fused_norms": args.fused_norms, "graph_replays": stepper.replays - replays,
+            "eager_passes": stepper.eager_calls - eager, **table}
 
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -170,12 +205,20 @@ def markdown(doc: dict) -> str:
         gap = "-" if t["gap_us_per_step"] is None else f"{t['gap_us_per_step']:.0f}"
         lines += [f"## {what}", "",
                   (f"{t['kernels_per_step']:.0f} kernels, {t['kernel_us_per_step']:.0f} us of kernels, "
-                  f"{t['event_ms_per_step'] * 1e3:.0f} us a step, {gap} us without a kernel."), "",
+                  f"{t['event_ms_per_step'] * 1e3:.0f} us a step, {gap} us without a kernel."
+                  + (f" Graph replays {t['graph_replays']}, eager passes {t['eager_passes']} (warm-up, timing and "
+                     "trace together)." if "graph_replays" in t else "")), "",
                   "| category | kernels per step | us per step |", "|---|---|---|"]
         lines += [f"| {c} | {v['count']:.1f} | {v['us']:.1f} |" for c, v in t["categories"].items()]
         lines += ["", "| kernel | category | per step | us per step | us each |", "|---|---|---|---|---|"]
         lines += [f"| `{k['name']}` | {k['category']} | {k['per_step']:.1f} | {k['us_per_step']:.1f} | "
                   f"{k['us_each']:.2f} |" for k in t["top"]]
+        if t.get("gaps_before"):
+            lines += ["", (f"Idle stream time in the trace, {t['gap_us_per_step_traced']:.0f} us a step (host time between "
+                           "steps included), by the kernel each idle stretch ends at:"), "",
+                      "| next kernel | category | gaps per step | us per step | us each |", "|---|---|---|---|---|"]
+            lines += [f"| `{k['name']}` | {k['category']} | {k['per_step']:.1f} | {k['us_per_step']:.1f} | "
+                      f"{k['us_each']:.2f} |" for k in t["gaps_before"]]
         lines.append("")
     lines += [f"{name}: {err}" for name, err in doc["errors"].items()]
     return "\n".join(lines)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from bench.kernel_profile import category, kernel_table, main
+from bench.kernel_profile import category, gap_table, kernel_table, main
 
 
 @pytest.mark.parametrize(("name", "cat"), [
@@ -36,6 +36,22 @@ def test_kernel_table_divides_by_the_steps_and_orders_by_time():
     assert t["categories"]["gemm"] == {"count": 2.0, "us": 20.0}
     assert [k["name"] for k in t["top"]] == ["nvjet_a", "vectorized_layer_norm_kernel"]
     assert t["top"][1]["per_step"] == 4.0 and t["top"][1]["us_each"] == 2.0
+
+
+def test_idle_stream_time_is_charged_to_the_kernel_that_ends_it():
+    """Per stream, in time order; overlapping kernels leave no gap; a copy occupies the stream too;
+    host-side events are no stream work."""
+    def k(name, ts, dur, tid=7, cat="kernel"):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [k("gemm_b", 20.0, 5.0), k("gemm_a", 0.0, 10.0), k("add", 10.0, 3.0),  # b: 7 us after add
+              k("copy_in", 25.0, 1.0, cat="gpu_memcpy"), k("gemm_b", 30.0, 2.0),  # b: 4 us after the copy
+              k("inside", 31.0, 0.5), k("other_stream", 100.0, 1.0, tid=9),  # overlapped / alone on its stream
+              {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 50.0, "dur": 9.0, "tid": 7}]
+    t = gap_table(events, reps=1)
+    assert t["gap_us_per_step_traced"] == 11.0
+    assert [(g["name"], g["per_step"], g["us_per_step"]) for g in t["gaps_before"]] == [("gemm_b", 2.0, 11.0)]
+    assert gap_table(events, reps=2)["gaps_before"][0]["us_per_step"] == 5.5
 
 
 def test_cpu_smoke_run_profiles_both_targets_and_writes_the_report(tmp_path):
@@ -69,6 +85,7 @@ def test_cosyvoice3_flow_pass_is_profiled_too():
                 "--family", "cosyvoice3"])
     flow = doc["targets"]["flow"]
     assert flow["family"] == "cosyvoice3" and flow["kernels_per_step"] > 0
+    assert flow["graph_replays"] == 0 and flow["eager_passes"] > 0  # no graphs on the CPU
     # the DiT's grouped position convolutions run as batched GEMMs (fused.causal_conv_gemm), not
     # as the library's convolution (cuDNN split each into 16, H100 2026-12-06)
     assert "convolution" not in flow["categories"]
