@@ -95,8 +95,11 @@ class DecodeRunner(graph_capture.GraphOwner):
         dev = cache.device
         self.use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
         rows, cols = self.batch_buckets[-1], _DECODE_COLS + bs.num_cols(history_width)
-        self._host = torch.zeros(rows, cols, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self._host_np = self._host.numpy()
+        # Packed rows, pinned, in two buffers used in turn: a step launched ahead (launch()) may
+        # not have copied its rows to the device yet when the next one is packed; the one after
+        # that is packed once the first step's ids were read, so its copy has run.
+        self._host = [torch.zeros(rows, cols, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
+        self._next_pack = 0
         self._rows = torch.zeros(rows, cols, dtype=torch.long, device=dev)
         vocab = model.llm_decoder.out_features
         self._logits = torch.zeros(rows, vocab, dtype=cache.dtype, device=dev)
@@ -107,7 +110,7 @@ class DecodeRunner(graph_capture.GraphOwner):
         # launch(): two pinned host copies of the chosen ids, so one step's copy is queued while
         # the one before it is read
         self._host_ids = [torch.zeros(rows, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
-        self._next_host = 0
+        self._next_ids = 0
 
     # -- the step --------------------------------------------------------------------------
     def can_sample(self, params) -> bool:
@@ -149,8 +152,8 @@ class DecodeRunner(graph_capture.GraphOwner):
         n = len(slots)
         self._run(tokens, slots, states, carry)
         self.cache.advance(list(slots), 1)
-        host = self._host_ids[self._next_host]
-        self._next_host ^= 1
+        host = self._host_ids[self._next_ids]
+        self._next_ids ^= 1
         host[:n].copy_(self._ids[:n], non_blocking=True)
         done = None
         if self.cache.device.type == "cuda":
@@ -173,13 +176,15 @@ class DecodeRunner(graph_capture.GraphOwner):
         b = bucket_for(self.batch_buckets, n)
         window = bucket_for(self.key_buckets, max(positions) + 1)
         graph = self._graph(b, window) if self.use_graphs else None
-        host = self._host_np
+        packed = self._host[self._next_pack]
+        self._next_pack ^= 1
+        host = packed.numpy()
         host[n:b] = self._pad_row.numpy()
         host[:n, 0], host[:n, 1], host[:n, 2] = tokens, slots, positions
         host[:n, 3] = -1 if carry is None else carry
         ahead = None if carry is None else [c >= 0 for c in carry]
         pack_sampler_rows(states, self.history_width, host[:n, _DECODE_COLS:], ahead)
-        self._rows[:b].copy_(self._host[:b], non_blocking=True)
+        self._rows[:b].copy_(packed[:b], non_blocking=True)
         if graph is not None:
             graph.replay()
         else:
