@@ -61,7 +61,6 @@ from cosyvoice_runtime.flow.incremental_walk import (
     time_table,
     time_weights,
 )
-from cosyvoice_runtime.flow.unet import CausalUNet
 from cosyvoice_runtime.fused import weight_key
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 from cosyvoice_runtime.host_copy import to_device
@@ -228,9 +227,9 @@ class _Bucket:
     # one buffer so that a block attends over it as it is (a concatenation per block copied every
     # cached frame on every pass)
     attn: torch.Tensor
-    # (2B, hist + N, channels) U-Net: the convolutions' channels-last inputs behind their history
-    # (a view of one staging buffer shared by the buckets, as attn); None for the DiT
-    conv_frames: torch.Tensor | None = None
+    # (2B, hist + N, channels) the convolutions' channels-last inputs behind their history (a
+    # view of one staging buffer shared by the buckets, as attn)
+    conv_frames: torch.Tensor
     out: torch.Tensor | None = None  # (B, 80, N): x after the pass
 
     @property
@@ -300,8 +299,7 @@ class IncrementalStepper(SolverGraphs):
         self.max_new = math.ceil(max_new / NEW_FRAME_STEP) * NEW_FRAME_STEP
         self.passes = 0
         self._staging: torch.Tensor | None = None  # the flat attn of all buckets
-        self._conv_staging: torch.Tensor | None = None  # the flat conv_frames of all buckets (U-Net)
-        self._conv_frames = isinstance(self.estimator, CausalUNet)  # its walk runs channels-last
+        self._conv_staging: torch.Tensor | None = None  # the flat conv_frames of all buckets
         self._hist_range = torch.arange(self.layout.hist, device=self.device)
         # the causal zero padding at frame 0 of a row with nothing cached
         self._no_history = torch.zeros(2, self.layout.conv_channels, self.layout.hist, device=self.device,
@@ -465,18 +463,15 @@ class IncrementalStepper(SolverGraphs):
                 self._time_table.copy_(table)
         self._time_key = key
 
-    def _staged(self, b: int, new: int, cached: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _staged(self, b: int, new: int, cached: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A bucket's ``attn`` and ``conv_frames``: views of staging buffers shared by every bucket
         (passes run one at a time under the lock), sized for the largest bucket on first use."""
         nb, dim, hist, channels = self.layout.n_blocks, self.layout.dim, self.layout.hist, self.layout.conv_channels
         rows = 2 * self.batch_buckets[-1]
         if self._staging is None:
             self._staging = self._zeros(rows * nb * dim * (self.max_cached + self.max_new))
-            if self._conv_frames:
-                self._conv_staging = self._zeros(rows * (hist + self.max_new) * channels)
+            self._conv_staging = self._zeros(rows * (hist + self.max_new) * channels)
         attn = self._staging[:nb * 2 * b * (cached + new) * dim].view(nb, 2 * b, cached + new, dim)
-        if self._conv_staging is None:
-            return attn, None
         return attn, self._conv_staging[:2 * b * (hist + new) * channels].view(2 * b, hist + new, channels)
 
     def _zeros(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -489,7 +484,7 @@ class IncrementalStepper(SolverGraphs):
             attn, conv_frames = self._staged(b, new, cached)
         else:
             attn = self._zeros(nb, 2 * b, cached + new, dim)
-            conv_frames = self._zeros(2 * b, hist + new, channels) if self._conv_frames else None
+            conv_frames = self._zeros(2 * b, hist + new, channels)
         z, long = self._zeros, torch.long
         return _Bucket(graph=None, x=z(b, n_mels, new), mu=z(b, n_mels, new), cond=z(b, n_mels, new),
                        spks=z(b, n_mels), dt=z(b), step=z(b, dtype=long), p_len=z(b, dtype=long),

@@ -26,7 +26,6 @@ from cosyvoice_runtime.flow.dit import DiT, DiTBlock, rotary_tables, rotate
 from cosyvoice_runtime.flow.masks import to_bias
 from cosyvoice_runtime.flow.unet import (
     CausalBlock1D,
-    CausalConv1d,
     CausalResnetBlock1D,
     CausalUNet,
     TransformerBlock,
@@ -132,40 +131,30 @@ class Pass:
             frames' (filled by the pass); how many are new is the pass's input length.
         p_len: (B,) long cached frames per row (the DiT's rotary positions start there).
         time_rows: (2B, columns) each row's line of the :func:`time_table` (what depends on its ODE time alone).
-        conv_frames: (2B, hist + new, channels) the U-Net's channels-last convolution inputs, every
+        conv_frames: (2B, hist + new, channels) the channels-last convolution inputs, every
             convolution's by its channel offset, behind the rows' history (:meth:`conv_gemm`).
         fused_norms: the U-Net's residual adds, LayerNorms and cache-slot writes as one Triton
             kernel each (:func:`~cosyvoice_runtime.kernels.add_layer_norm`) where it can run.
     """
 
     def __init__(self, layout: Layout, hist_in: torch.Tensor, hist_out: torch.Tensor, hist_idx: torch.Tensor,
-                 attn: torch.Tensor, p_len: torch.Tensor, time_rows: torch.Tensor,
-                 conv_frames: torch.Tensor | None = None, fused_norms: bool = False) -> None:
+                 attn: torch.Tensor, p_len: torch.Tensor, time_rows: torch.Tensor, conv_frames: torch.Tensor,
+                 fused_norms: bool = False) -> None:
         self.layout, self.hist_in, self.hist_out, self.hist_idx = layout, hist_in, hist_out, hist_idx
         self.attn, self.p_len, self.time_rows, self.conv_frames = attn, p_len, time_rows, conv_frames
         self.fused_norms = fused_norms
 
-    def conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-        """A causal convolution of channels-last new frames x (2B, n, C) -> (2B, n, C_out) after
-        each row's cached history, as GEMMs (:func:`~cosyvoice_runtime.fused.causal_conv_gemm`;
-        the DiT's grouped position convolutions); the history it leaves is recorded."""
-        c = x.shape[-1]
-        off = self.layout.conv_offset[id(conv)]
-        full = torch.cat([self.hist_in[:, off:off + c].transpose(1, 2), x], dim=1)
-        kept = full.gather(1, self.hist_idx.transpose(1, 2).expand(-1, -1, c))  # (2B, 2 hist, C)
-        self.hist_out[:, off:off + c] = kept.transpose(1, 2)
-        return causal_conv_gemm(full, conv)
-
-    # The U-Net's convolutions read and record their history through :attr:`conv_frames`: one
-    # copy in and one gather out for all 31 of them, where each convolution's own concatenation,
-    # gather and write were three kernels.
+    # The convolutions (the U-Net's 31, the DiT's two) read and record their history through
+    # :attr:`conv_frames`: one copy in and one gather out for all of them, where each
+    # convolution's own concatenation, gather and write were three kernels.
     def load_history(self) -> None:
-        """Before the U-Net's first convolution: every row's history in front of the new frames."""
+        """Before the first convolution: every row's history in front of the new frames."""
         self.conv_frames[:, :self.layout.hist] = self.hist_in.transpose(1, 2)
 
-    def conv_gemm(self, conv: CausalConv1d, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`conv` over the U-Net's frame buffer: x (2B, n, C) behind the history
-        :meth:`load_history` put there, its history left for :meth:`store_history`."""
+    def conv_gemm(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+        """A causal convolution of channels-last new frames x (2B, n, C) -> (2B, n, C_out) behind
+        the history :meth:`load_history` put in the frame buffer, as GEMMs
+        (:func:`~cosyvoice_runtime.fused.causal_conv_gemm`); its history is left for :meth:`store_history`."""
         c, hist = x.shape[-1], self.layout.hist
         off = self.layout.conv_offset[id(conv)]
         full = self.conv_frames[:, :, off:off + c]
@@ -173,7 +162,7 @@ class Pass:
         return causal_conv_gemm(full, conv)
 
     def store_history(self) -> None:
-        """After the U-Net's last convolution: the history at each row's kept end and mark."""
+        """After the last convolution: the history at each row's kept end and mark."""
         idx = self.hist_idx.view(-1, 2 * self.layout.hist, 1).expand(-1, -1, self.conv_frames.shape[-1])
         self.hist_out.copy_(self.conv_frames.gather(1, idx).transpose(1, 2))
 
@@ -335,8 +324,10 @@ def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
     h = emb.proj(torch.cat([x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
                             spks[:, None].expand(-1, x.shape[-1], -1)], dim=-1))
     pos = emb.conv_pos_embed
-    c = pos.conv1[1](p.conv(pos.conv1[0], h))
-    h = pos.conv2[1](p.conv(pos.conv2[0], c)) + h
+    p.load_history()
+    c = pos.conv1[1](p.conv_gemm(pos.conv1[0], h))
+    h = pos.conv2[1](p.conv_gemm(pos.conv2[0], c)) + h
+    p.store_history()
     n = x.shape[-1]
     cached = p.attn.shape[2] - x.shape[-1]
     p_len = p.p_len.repeat(2)
