@@ -114,13 +114,13 @@ class SynthesizerConfig(DeploymentKnobs):
     # after its flow graphs. Off by default.
     llm_compile: bool = False
     # CUDA replicas with cuda_graphs: each LLM decode step is queued before the one before it has
-    # been read, its rows fed that step's ids on the GPU (cosyvoice_runtime/llm/engine.py): the
-    # LLM's lane no longer idles while the host reads, commits and delivers a step's tokens and
-    # packs the next (0.4-0.6 ms of a ~2 ms step in a profiled one-stream request, H100
-    # 2026-12-06, where the profiler slows the host; unprofiled, one stream's steps ran at about
-    # the rate of replays back to back: its case is load). Same tokens; events one step behind. Steps wait as without it while a bistream (WebSocket)
-    # request is in the engine. Not yet measured on a GPU: off by default.
-    llm_run_ahead: bool = False
+    # been read, its rows fed that step's ids on the GPU (cosyvoice_runtime/llm/engine.py), so the
+    # LLM's lane does not idle while the host reads, commits and delivers a step's tokens and packs
+    # the next. Same tokens; events one step behind. Measured (H100, 2026-12-06, same calls,
+    # configs/single-gpu.yaml): first audio at one stream 76.7 -> 70.6 ms p50 (LLM first chunk
+    # 30.4 -> 25.6 ms); 72 sessions met the SLO with and without it. Steps wait as without it
+    # while a bistream (WebSocket) request is in the engine.
+    llm_run_ahead: bool = True
     # CUDA replicas with an incremental flow: its pass (the walk over the estimator's blocks) through
     # torch.compile (inductor) under its CUDA graphs, as mode torchscript does too. A CosyVoice2 pass
     # runs ~930 small kernels (H100 kernel profile, 2026-12-06; 1,173 before its channels-last
@@ -133,9 +133,11 @@ class SynthesizerConfig(DeploymentKnobs):
     # (cosyvoice_runtime/kernels.py): in the LLM (48 kernels fewer of a decode step's 521) and in
     # an incremental CosyVoice2 flow pass, with its cache-slot writes (154 fewer of ~930); at one
     # stream both cost their kernels' launches in sequence. Needs Triton (CUDA builds of torch
-    # bring it; without it PyTorch's ops run). Checked against PyTorch's under Triton's
-    # interpreter; not yet timed on a GPU: off until measured. /health lists where it runs.
-    fused_norms: bool = False
+    # bring it; without it PyTorch's ops run); checked against PyTorch's under Triton's
+    # interpreter. Measured (H100, 2026-12-06, same calls): first audio at one stream 76.7 ->
+    # 68.4 ms p50 alone, 64.7-65.1 ms with llm_run_ahead; a pass 3.65 -> 3.32 ms. /health lists
+    # where it runs.
+    fused_norms: bool = True
     # LLM steps and token2wav batches on two threads (each with its own CUDA stream) instead of one,
     # so neither waits for the other; None: on for CUDA replicas, off on the CPU (two cores are
     # already shared by torch's intra-op threads).

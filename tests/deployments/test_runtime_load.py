@@ -128,7 +128,7 @@ def test_cuda_replica_with_fused_norms_streams_the_same_audio(model_dir):
     cfg = {"device": "cuda", "warmup": False, "flow_graph_max_s": 8.0,
            "token2wav": {"scheduler": "steps", "cv2_flow": "incremental"}}
     fused = load_synthesis_runtime(SynthesizerConfig(**cfg, fused_norms=True), model_dir)
-    plain = load_synthesis_runtime(SynthesizerConfig(**cfg), model_dir)
+    plain = load_synthesis_runtime(SynthesizerConfig(**cfg, fused_norms=False), model_dir)
     assert fused.details["fused_norms"] == ["llm", "incremental flow pass"] and plain.details["fused_norms"] == []
     voice = _voice(plain)
     outs = []
@@ -152,7 +152,7 @@ def test_cuda_replica_running_ahead_makes_the_same_tokens(model_dir):
     """The replica's engine with ``llm_run_ahead`` (graphs fed on the device) against without it."""
     cfg = {"device": "cuda", "warmup": False, "flow_graph_max_s": 8.0}
     ahead = load_synthesis_runtime(SynthesizerConfig(**cfg, llm_run_ahead=True), model_dir)
-    plain = load_synthesis_runtime(SynthesizerConfig(**cfg), model_dir)
+    plain = load_synthesis_runtime(SynthesizerConfig(**cfg, llm_run_ahead=False), model_dir)
     assert ahead.details["llm_run_ahead"] is True and plain.details["llm_run_ahead"] is False
     got = []
     for rt in (ahead, plain):
