@@ -32,7 +32,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotary_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed sin) of interleaved angles ``[f0, f0, f1, f1, ...]``: what :func:`rotate`
+    """(cos, signed sin) of interleaved angles ``[f0, f0, f1, f1, ...]``: what :func:`rotate_`
     multiplies by, made once per forward for every block (the incremental pass made a cos and a
     sin per block and projection: 88 kernels of a CosyVoice3 pass, H100 kernel profile
     2026-12-06). The sin of each pair's first channel is negated: rotating the pair (x1, x2) to
@@ -41,18 +41,18 @@ def rotary_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return freqs.cos(), torch.stack((-sin, sin), dim=-1).flatten(-2)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` channels of x (B, T, C), in float32."""
+def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` channels of x (..., C) in place, in float32; returns x.
+
+    In place because only head 0 turns (the quirk above): building the rotated tensor anew
+    copied all its channels once more per call (a concatenation of the whole q or k, 44 of a
+    CosyVoice3 incremental pass's biggest copies, H100 kernel profile 2026-12-06). x may be a
+    view (q and k as slices of one projection's output)."""
     rot = cos.shape[-1]
-    head, rest = x[..., :rot].float(), x[..., rot:]
+    head = x[..., :rot].float()
     swapped = head.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    head = head * cos + swapped * signed_sin
-    return torch.cat((head.to(x.dtype), rest), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``freqs.shape[-1]`` channels of x (B, T, C), in float32."""
-    return rotate(x, *rotary_tables(freqs))
+    x[..., :rot] = head * cos + swapped * signed_sin
+    return x
 
 
 class CausalConvPositionEmbedding(nn.Module):
@@ -121,7 +121,7 @@ class Attention(nn.Module):
         """x (B, T, D); mask (B, 1, T, T) bool; rotary: :func:`rotary_tables` of the positions."""
         b, t, _ = x.shape
         q, k, v = fused_linear(x, (self.to_q, self.to_k, self.to_v), self._fused).chunk(3, dim=-1)
-        q, k = rotate(q, *rotary), rotate(k, *rotary)
+        q, k = rotate_(q, *rotary), rotate_(k, *rotary)
 
         def heads(y):
             return y.view(b, t, self.heads, -1).transpose(1, 2)

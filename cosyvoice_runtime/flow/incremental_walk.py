@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_runtime.flow.dit import DiT, DiTBlock, rotary_tables, rotate
+from cosyvoice_runtime.flow.dit import DiT, DiTBlock, rotary_tables, rotate_
 from cosyvoice_runtime.flow.masks import to_bias
 from cosyvoice_runtime.flow.unet import (
     CausalBlock1D,
@@ -255,12 +255,26 @@ def time_table(estimator: nn.Module, t: torch.Tensor) -> torch.Tensor:
     """(steps, columns) the :func:`time_layers` outputs at each ODE time ``t`` (steps,), side by
     side (:attr:`Layout.time_offset`). They depend on the time alone, the same ten values in every
     pass of every request: read from this table, a pass launches ~40 (U-Net: sinusoid, time MLP,
-    14 resnet projections) or ~50 (DiT: 22 block modulations) kernels fewer."""
+    14 resnet projections) or ~50 (DiT: 22 block modulations) kernels fewer. The DiT's scale
+    columns hold ``1 + scale`` (:func:`_plus_one_scales`)."""
     if isinstance(estimator, DiT):
         act = F.silu(estimator.time_embed(t))
+        outs = [_plus_one_scales(estimator, layer, layer(act)) for layer in time_layers(estimator)]
     else:  # a resnet's mlp is Mish then its projection
         act = F.mish(estimator.time_mlp(sinusoidal_embedding(t, estimator.spec.in_channels).to(t.dtype)))
-    return torch.cat([layer(act) for layer in time_layers(estimator)], dim=-1)
+        outs = [layer(act) for layer in time_layers(estimator)]
+    return torch.cat(outs, dim=-1)
+
+
+def _plus_one_scales(dit: DiT, layer: nn.Linear, out: torch.Tensor) -> torch.Tensor:
+    """A DiT modulation's output with 1 added to its scale columns: the block multiplies its
+    normed input by ``1 + scale``, the same sum in every pass (two adds a block and one at the
+    output, 45 kernels of a pass, made once here in the model's dtype, so the products are
+    the whole forward's bit for bit)."""
+    parts = list(out.chunk(2 if layer is dit.norm_out.linear else 6, dim=-1))
+    for i in (0,) if layer is dit.norm_out.linear else (1, 4):  # [scale, shift] / [shift, scale, gate] x 2
+        parts[i] = 1 + parts[i]
+    return torch.cat(parts, dim=-1)
 
 
 def _resnets(unet: CausalUNet) -> list[CausalResnetBlock1D]:
@@ -291,21 +305,22 @@ def unet_pass(unet: CausalUNet, x: torch.Tensor, mu: torch.Tensor, spks: torch.T
 
 def _dit_block(block: DiTBlock, h: torch.Tensor, bias: torch.Tensor, rot_q: tuple[torch.Tensor, torch.Tensor],
                rot_k: tuple[torch.Tensor, torch.Tensor], p: Pass) -> torch.Tensor:
-    shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = p.timed(block.attn_norm.linear).chunk(6, dim=1)
-    normed = block.attn_norm.norm(h) * (1 + scale_a[:, None]) + shift_a[:, None]
+    # (1 + scale) comes from the table as one column block (time_table)
+    shift_a, scale1_a, gate_a, shift_f, scale1_f, gate_f = p.timed(block.attn_norm.linear).chunk(6, dim=1)
+    normed = block.attn_norm.norm(h) * scale1_a[:, None] + shift_a[:, None]
     normed_all = p.block_input(block, normed)
     attn = block.attn
     b, n, _ = normed.shape
-    q = rotate(attn.to_q(normed), *rot_q)
+    q = rotate_(attn.to_q(normed), *rot_q)
     k, v = attn.kv(normed_all).chunk(2, dim=-1)
-    k = rotate(k, *rot_k)
+    rotate_(k, *rot_k)
 
     def heads(y: torch.Tensor) -> torch.Tensor:
         return y.reshape(b, y.shape[1], attn.heads, -1).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=bias[:, None])
     h = h + gate_a[:, None] * attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
-    normed = block.ff_norm(h) * (1 + scale_f[:, None]) + shift_f[:, None]
+    normed = block.ff_norm(h) * scale1_f[:, None] + shift_f[:, None]
     return h + gate_f[:, None] * block.ff(normed)
 
 
@@ -336,8 +351,8 @@ def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
     rot_q, rot_k = rotary_tables(_angles(dit, q_pos)), rotary_tables(_angles(dit, k_pos))
     for block in dit.transformer_blocks:
         h = _dit_block(block, h, bias, rot_q, rot_k, p)
-    scale, shift = p.timed(dit.norm_out.linear).chunk(2, dim=1)
-    h = dit.norm_out.norm(h) * (1 + scale[:, None]) + shift[:, None]
+    scale1, shift = p.timed(dit.norm_out.linear).chunk(2, dim=1)
+    h = dit.norm_out.norm(h) * scale1[:, None] + shift[:, None]
     return dit.proj_out(h).transpose(1, 2)
 
 

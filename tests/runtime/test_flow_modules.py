@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cosyvoice_runtime.errors import InvalidInputError
-from cosyvoice_runtime.flow.dit import apply_rotary, rotary_tables, rotate
+from cosyvoice_runtime.flow.dit import rotary_tables, rotate_
 from cosyvoice_runtime.flow.flow import FlowItem, build_flow
 from cosyvoice_runtime.flow.masks import attention_mask, chunk_mask
 from tests.runtime.test_flow_batch import _flow
@@ -37,7 +37,7 @@ def test_rotary_touches_only_the_first_head():
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim_head, 2).float() / dim_head))
     freqs = torch.outer(torch.arange(t).float(), inv_freq)
     freqs = torch.stack((freqs, freqs), dim=-1).flatten(-2)[None]
-    y = apply_rotary(x, freqs)
+    y = rotate_(x.clone(), *rotary_tables(freqs))
     assert torch.equal(y[..., dim_head:], x[..., dim_head:])
     assert torch.allclose(y[:, 0], x[:, 0])  # position 0: angle 0
     # pair (0, 1) at position 1 rotates by inv_freq[0] = 1 rad
@@ -89,8 +89,9 @@ def test_input_errors():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_tables_rotate_exactly_as_the_pairwise_formula(dtype):
-    """rotate() with rotary_tables (cos and a signed sin made once per forward) equals the
-    pairwise form x * cos + (-x2, x1) * sin bit for bit: the signed sin's negation rounds nothing."""
+    """rotate_() with rotary_tables (cos and a signed sin made once per forward) equals the
+    pairwise form x * cos + (-x2, x1) * sin bit for bit: the signed sin's negation rounds nothing.
+    It turns x in place, also where x is a slice of a wider tensor (q and k in one projection)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 9, 24, generator=g).to(dtype)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
@@ -100,5 +101,13 @@ def test_rotary_tables_rotate_exactly_as_the_pairwise_formula(dtype):
     x1, x2 = head.unflatten(-1, (-1, 2)).unbind(-1)
     pairwise = head * freqs.cos() + torch.stack((-x2, x1), dim=-1).flatten(-2) * freqs.sin()
     want = torch.cat((pairwise.to(dtype), x[..., 8:]), dim=-1)
-    assert torch.equal(rotate(x, *rotary_tables(freqs)), want)
-    assert torch.equal(apply_rotary(x, freqs), want)
+    y = x.clone()
+    assert rotate_(y, *rotary_tables(freqs)) is y and torch.equal(y, want)
+    qk = torch.stack((x, 2 * x), dim=-2)  # (2, 9, 2, 24): two projections side by side
+    wider = torch.cat((qk, x[..., None, :]), dim=-2)  # a third one after them stays untouched
+    rotate_(wider[..., :2, :], *(table[..., None, :] for table in rotary_tables(freqs)))
+    assert torch.equal(wider[..., 0, :], want) and torch.equal(wider[..., 2, :], x)
+    head2 = (2 * x)[..., :8].float()
+    y1, y2 = head2.unflatten(-1, (-1, 2)).unbind(-1)
+    want2 = (head2 * freqs.cos() + torch.stack((-y2, y1), dim=-1).flatten(-2) * freqs.sin()).to(dtype)
+    assert torch.equal(wider[..., 1, :8], want2) and torch.equal(wider[..., 1, 8:], (2 * x)[..., 8:])
