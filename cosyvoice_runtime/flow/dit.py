@@ -44,15 +44,31 @@ def rotary_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` channels of x (..., C) in place, in float32; returns x.
 
-    In place because only head 0 turns (the quirk above): building the rotated tensor anew
-    copied all its channels once more per call (a concatenation of the whole q or k, 44 of a
-    CosyVoice3 incremental pass's biggest copies, H100 kernel profile 2026-12-06). x may be a
-    view (q and k as slices of one projection's output)."""
+    Five kernels: the pair swap, two products that read x's dtype and compute in the tables'
+    float32 (the upcast is exact), their sum, and its copy into x (rounded to x's dtype). Building
+    the rotated tensor anew had taken seven (an upcast copy and a downcast one, and a
+    concatenation of the whole q or k, since only head 0 turns: the quirk above): 308 of a
+    CosyVoice3 incremental pass's 843 kernels, over a quarter of its kernel time (H100 kernel
+    profile, 2026-12-06). The sum goes in by slice assignment: the ONNX export's tracer dropped
+    an ``out=`` sum (one kernel fewer) and a ``copy_`` into the view (tests/runtime/test_flow_onnx.py).
+    x may be a view (q or k as a slice of one projection's output)."""
     rot = cos.shape[-1]
-    head = x[..., :rot].float()
+    head = x[..., :rot]
     swapped = head.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     x[..., :rot] = head * cos + swapped * signed_sin
     return x
+
+
+def modulate(normed: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """adaLN: ``normed * (1 + scale) + shift`` per row (normed (B, T, D); scale1 = 1 + scale and
+    shift (B, D)) as one kernel (``addcmul``: one rounding where the product and the sum had one
+    each; the official code's two kernels agree within it)."""
+    return torch.addcmul(shift[:, None], normed, scale1[:, None])
+
+
+def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """adaLN-zero's residual: ``x + gate * y`` per row (gate (B, D)) as one kernel, as :func:`modulate`."""
+    return torch.addcmul(x, gate[:, None], y)
 
 
 class CausalConvPositionEmbedding(nn.Module):
@@ -154,10 +170,8 @@ class DiTBlock(nn.Module):
     def forward(self, x: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm.linear(F.silu(temb)).chunk(6, dim=1)
-        n = self.attn_norm.norm(x) * (1 + scale_a[:, None]) + shift_a[:, None]
-        x = x + gate_a[:, None] * self.attn(n, mask, rotary)
-        n = self.ff_norm(x) * (1 + scale_f[:, None]) + shift_f[:, None]
-        return x + gate_f[:, None] * self.ff(n)
+        x = gated(x, gate_a, self.attn(modulate(self.attn_norm.norm(x), 1 + scale_a, shift_a), mask, rotary))
+        return gated(x, gate_f, self.ff(modulate(self.ff_norm(x), 1 + scale_f, shift_f)))
 
 
 class DiT(nn.Module):
@@ -182,5 +196,5 @@ class DiT(nn.Module):
         for block in self.transformer_blocks:
             h = block(h, temb, attn, rotary)
         scale, shift = self.norm_out.linear(F.silu(temb)).chunk(2, dim=1)
-        h = self.norm_out.norm(h) * (1 + scale[:, None]) + shift[:, None]
+        h = modulate(self.norm_out.norm(h), 1 + scale, shift)
         return self.proj_out(h).transpose(1, 2)

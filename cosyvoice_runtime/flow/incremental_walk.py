@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_runtime.flow.dit import DiT, DiTBlock, rotary_tables, rotate_
+from cosyvoice_runtime.flow.dit import DiT, DiTBlock, gated, modulate, rotary_tables, rotate_
 from cosyvoice_runtime.flow.masks import to_bias
 from cosyvoice_runtime.flow.unet import (
     CausalBlock1D,
@@ -307,7 +307,7 @@ def _dit_block(block: DiTBlock, h: torch.Tensor, bias: torch.Tensor, rot_q: tupl
                rot_k: tuple[torch.Tensor, torch.Tensor], p: Pass) -> torch.Tensor:
     # (1 + scale) comes from the table as one column block (time_table)
     shift_a, scale1_a, gate_a, shift_f, scale1_f, gate_f = p.timed(block.attn_norm.linear).chunk(6, dim=1)
-    normed = block.attn_norm.norm(h) * scale1_a[:, None] + shift_a[:, None]
+    normed = modulate(block.attn_norm.norm(h), scale1_a, shift_a)
     normed_all = p.block_input(block, normed)
     attn = block.attn
     b, n, _ = normed.shape
@@ -319,9 +319,8 @@ def _dit_block(block: DiTBlock, h: torch.Tensor, bias: torch.Tensor, rot_q: tupl
         return y.reshape(b, y.shape[1], attn.heads, -1).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=bias[:, None])
-    h = h + gate_a[:, None] * attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
-    normed = block.ff_norm(h) * scale1_f[:, None] + shift_f[:, None]
-    return h + gate_f[:, None] * block.ff(normed)
+    h = gated(h, gate_a, attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1)))
+    return gated(h, gate_f, block.ff(modulate(block.ff_norm(h), scale1_f, shift_f)))
 
 
 def _angles(dit: DiT, positions: torch.Tensor) -> torch.Tensor:
@@ -352,7 +351,7 @@ def dit_pass(dit: DiT, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
     for block in dit.transformer_blocks:
         h = _dit_block(block, h, bias, rot_q, rot_k, p)
     scale1, shift = p.timed(dit.norm_out.linear).chunk(2, dim=1)
-    h = dit.norm_out.norm(h) * scale1[:, None] + shift[:, None]
+    h = modulate(dit.norm_out.norm(h), scale1, shift)
     return dit.proj_out(h).transpose(1, 2)
 
 
