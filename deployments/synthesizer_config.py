@@ -118,8 +118,9 @@ class SynthesizerConfig(DeploymentKnobs):
     # LLM's lane does not idle while the host reads, commits and delivers a step's tokens and packs
     # the next. Same tokens; events one step behind. Measured (H100, 2026-12-06, same calls,
     # configs/single-gpu.yaml): first audio at one stream 76.7 -> 70.6 ms p50 (LLM first chunk
-    # 30.4 -> 25.6 ms); 72 sessions met the SLO with and without it. Steps wait as without it
-    # while a bistream (WebSocket) request is in the engine.
+    # 30.4 -> 25.6 ms); 72 sessions met the SLO with and without it. Steps that feed a bistream
+    # (WebSocket) row wait as without it; while such a request is parked waiting for text, the
+    # others run ahead.
     llm_run_ahead: bool = True
     # CUDA replicas with an incremental flow: its pass (the walk over the estimator's blocks) through
     # torch.compile (inductor) under its CUDA graphs, as mode torchscript does too. A CosyVoice2 pass

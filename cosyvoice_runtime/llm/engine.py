@@ -37,9 +37,11 @@ step (H100 2026-12-06); unprofiled, a replica's first chunk of tokens at one str
 instead of 30.4 with it (same H100, same call; the replica's default since). Events therefore
 come one call behind. A row whose step in flight may end it
 (a stop id) has one wasted step queued after it, dropped when read; one whose step in flight is
-certainly its last (its length) is not queued again. Bistream requests, requests the in-step
-sampler does not serve and ``return_logits`` need every id on the host before the next step:
-while any is in the engine, the step in flight is read first and steps wait as without it.
+certainly its last (its length) is not queued again. Requests the in-step sampler does not
+serve and ``return_logits`` need every id on the host before the next step: while any is in the
+engine, the step in flight is read first and steps wait as without it. So do the steps that
+feed bistream rows (their next input may be text, chosen on the host); a bistream request
+parked waiting for text takes no step, and the others run ahead meanwhile.
 The tokens are the same either way (a row's draws depend on its seed and step count only).
 
 The engine is synchronous and single-threaded; the deployment's loop task drives it.
@@ -281,10 +283,7 @@ class LLMEngine:
     def step(self) -> list[TokenEvent]:
         """One decode step of the running batch, then the prefill of admitted requests (with the
         multi-position inputs of bistream requests)."""
-        ahead = self._may_run_ahead()
         events: list[TokenEvent] = []
-        if self._in_flight is not None and not ahead:
-            events += self._read_in_flight()  # every id on the host before a step that needs them
         plan = self.scheduler.schedule()
         with torch.inference_mode():
             admitted = [s for s in plan.prefill if s.request_id in self._bistream]
@@ -295,10 +294,15 @@ class LLMEngine:
             feeds, extends = self._route_bistream(
                 [s for s in plan.decode if s.request_id in self._bistream] + admitted, events)
             decode = [s for s in plan.decode if s.request_id in self._requests]
-            if ahead:
+            if self._may_run_ahead() and not feeds and not extends:  # parked bistream rows step nowhere
                 events += self._decode_ahead(decode)
-            elif decode or feeds:
-                events += self._decode(decode, feeds)
+            else:
+                if self._in_flight is not None:  # every id on the host before a step that needs them
+                    events += self._read_in_flight()
+                    decode = [s for s in decode if s.request_id in self._requests
+                              and not self._requests[s.request_id].state.finished]  # ended in it
+                if decode or feeds:
+                    events += self._decode(decode, feeds)
             prefill = [s for s in plan.prefill if s.request_id in self._requests]
             if prefill or extends:
                 events += self._prefill(prefill, extends)
@@ -347,8 +351,9 @@ class LLMEngine:
 
     def _may_run_ahead(self) -> bool:
         """Whether this step may be queued before the one in flight is read: no request needs its
-        ids on the host first (bistream, sampled outside the step) and no logits are returned."""
-        return (self.run_ahead and not self.return_logits and not self._bistream
+        ids on the host first (sampled outside the step) and no logits are returned; bistream rows
+        in the step are :meth:`step`'s to check (parked ones take no step)."""
+        return (self.run_ahead and not self.return_logits
                 and all(r.sample_fn is default_sample_fn and self.runner.can_sample(r.state.params)
                         for r in self._requests.values()))
 

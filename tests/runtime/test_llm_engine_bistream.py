@@ -20,6 +20,7 @@ from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.model import build_llm
 from cosyvoice_runtime.llm.sampling import SamplingParams
 from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from tests.runtime.test_llm_run_ahead import spy_launches
 
 TEXT = [1000 + 37 * i for i in range(23)]  # 23 target text ids: 4 groups of 5 and a rest of 3
 PROMPT_SPEECH = list(range(100, 120))  # 20 tokens: one full group, the next fill after 10 generated
@@ -132,20 +133,28 @@ def test_many_id_chunks_are_consumed_as_the_reference_consumes_them(model):
     assert got["b"] == want and state.tokens == want_all
 
 
-@pytest.mark.parametrize("quirks, static", [(False, False), (True, False), (False, True)])
-def test_batched_beside_a_normal_request(model, quirks, static):
+@pytest.mark.parametrize("quirks, static, ahead", [(False, False, False), (True, False, False),
+                                                   (False, True, False), (False, True, True)])
+def test_batched_beside_a_normal_request(model, quirks, static, ahead):
     """static: the padded decode step of the CUDA graphs (run eagerly here); the bistream row's
-    id is chosen from its logits, the in-step sampler serves the normal row."""
+    id is chosen from its logits, the in-step sampler serves the normal row. ahead: the engine
+    runs ahead (``run_ahead``) while the bistream request is parked waiting for text and steps
+    synchronously while it feeds, so both kinds of step alternate."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, model.spec.llm_input_size, generator=g)
     normal_ref = decode_all(model, x, DecodeState(min_len=50, max_len=50, params=SamplingParams(method="greedy")),
                             official_quirks=quirks)
     want, want_all, _ = reference(model, [[t] for t in TEXT], quirks)
-    engine = LLMEngine(model, max_batch_size=3, max_seq_len=1024, official_quirks=quirks, static_decode=static)
-    got, state = run_engine(engine, one_id_per_step(TEXT, start=2, every=3), normal=("n", x, 50),
+    engine = LLMEngine(model, max_batch_size=3, max_seq_len=1024, official_quirks=quirks, static_decode=static,
+                       run_ahead=ahead)
+    carries = spy_launches(engine) if ahead else []
+    got, state = run_engine(engine, one_id_per_step(TEXT, start=2, every=7), normal=("n", x, 50),
                             sample_fn=greedy_then_eos(model.spec, 6))
     assert got["n"] == normal_ref
     assert got["b"] == want and state.tokens == want_all
+    if ahead:  # some steps ran ahead with the bistream request in the engine, the normal row fed on the device
+        assert sum(c >= 0 for carry in carries for c in carry) >= 5
+        assert engine._in_flight is None and engine.scheduler.num_free_slots == 3
 
 
 def test_seeded_ras_matches_reference(model):

@@ -11,7 +11,7 @@ from cosyvoice_runtime.llm.sampling import SamplingParams
 from tests.runtime.test_llm_engine import prompts, reference, run_engine, tiny_model
 
 
-def _spy_launches(engine) -> list[list[int]]:
+def spy_launches(engine) -> list[list[int]]:
     """The carry list of every launch() (a row >= 0 was fed the step before's id on the device)."""
     carries: list[list[int]] = []
     launch = engine.runner.launch
@@ -39,7 +39,7 @@ def test_running_ahead_equals_the_reference_for_joining_stopping_and_waiting_req
     model = tiny_model(family)
     schedule = _schedule(prompts([5, 11, 8, 21, 2, 3], seed=3))
     engine = LLMEngine(model, max_batch_size=3, max_seq_len=48, static_decode=True, run_ahead=True)
-    carries = _spy_launches(engine)
+    carries = spy_launches(engine)
     tokens, _, reasons = run_engine(engine, schedule)
     for reqs in schedule.values():
         for rid, x, lo, hi, params in reqs:
@@ -82,7 +82,7 @@ def test_a_request_sampled_outside_the_step_reads_the_step_in_flight_first():
     xs = prompts([4, 7, 6], seed=8)
     seeded = SamplingParams(seed=6)
     engine = LLMEngine(model, max_batch_size=3, max_seq_len=32, static_decode=True, run_ahead=True)
-    carries = _spy_launches(engine)
+    carries = spy_launches(engine)
     engine.add_request("s", xs[0], 12, 12, seeded)
     engine.add_request("t", xs[1], 12, 12, seeded)
     got = {"s": [], "t": [], "c": []}
@@ -101,6 +101,27 @@ def test_a_request_sampled_outside_the_step_reads_the_step_in_flight_first():
     assert len(carries) > launched  # it ran ahead again once "c" had finished
 
 
+def test_a_step_that_waits_after_running_ahead_skips_rows_its_step_in_flight_ended():
+    """The step is planned before the step in flight is read: when this step must wait for it (a
+    request sampled outside the step joined), the rows that step in flight ended (here by their
+    length) take no further step."""
+    model = tiny_model()
+    xs = prompts([4, 7], seed=5)
+    params = SamplingParams(seed=6)
+    engine = LLMEngine(model, max_batch_size=2, max_seq_len=32, static_decode=True, run_ahead=True)
+    engine.add_request("a", xs[0], 8, 8, params)
+    got = {"a": [], "c": []}
+    while not (engine._in_flight is not None and len(engine.state_of("a").tokens) + 1 >= 8):
+        for ev in engine.step():
+            got[ev.request_id] += ev.tokens
+    engine.add_request("c", xs[1], 3, 3, sample_fn=lambda logp, state: 5)  # forces a waiting step now
+    while engine.has_unfinished():
+        for ev in engine.step():
+            got[ev.request_id] += ev.tokens
+    assert got["a"] == reference(model, xs[0], 8, 8, params)[0] and len(got["a"]) == 8
+    assert got["c"] == [5] * 3 and engine.scheduler.num_free_slots == 2
+
+
 def test_launch_needs_a_runner_that_feeds_on_the_device():
     engine = LLMEngine(tiny_model(), max_batch_size=1, max_seq_len=16, static_decode=True)
     assert not engine.run_ahead
@@ -115,7 +136,7 @@ def test_a_step_certain_to_be_the_last_is_not_followed_by_another():
     params = SamplingParams(seed=2)
     x = prompts([5], seed=4)[0]
     engine = LLMEngine(model, max_batch_size=1, max_seq_len=16, static_decode=True, run_ahead=True)
-    carries = _spy_launches(engine)
+    carries = spy_launches(engine)
     tokens, _, reasons = run_engine(engine, {0: [("a", x, 12, 12, params)]})
     assert tokens["a"] == reference(model, x, 12, 12, params)[0] and reasons["a"] == "length"
     assert sum(len(c) for c in carries) == 11
