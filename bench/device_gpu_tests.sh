@@ -15,7 +15,7 @@ fi
 end=$((SECONDS + $1))
 : > "$2"
 # (the deployments' GPU tests load whole tiny replicas on CUDA; TensorRT's skip: not on the lent image)
-for f in runtime/test_kernels runtime/test_llm_run_ahead runtime/test_no_gpu_waits runtime/test_flow_incremental_batch runtime/test_flow_graphs \
+for f in runtime/test_kernels runtime/test_llm_run_ahead runtime/test_llm_engine_bistream runtime/test_no_gpu_waits runtime/test_flow_incremental_batch runtime/test_flow_graphs \
          runtime/test_hift_graphs deployments/test_runtime_load runtime/test_graph_capture \
          runtime/test_llm_cuda_graph runtime/test_llm_prefill_graph deployments/test_synthesizer_heap \
          runtime/test_compiled_graphs; do

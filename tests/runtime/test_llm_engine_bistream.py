@@ -7,6 +7,8 @@ also while the request is parked waiting for text), alone or beside a normal req
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -263,3 +265,25 @@ def test_a_bistream_row_with_nonfinite_logits_fails_alone(model, static, monkeyp
     # The static path checks only the eager forwards' bistream rows (prompt groups, fills); the
     # eager path checks every decode step's bistream rows too.
     assert len(checked) == len(padded) if static else len(checked) > len(padded) + 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_engine_running_ahead_beside_a_bistream_request(model):
+    """On CUDA graphs (float32), where run-ahead steps really are queued before the step before is
+    read: they alternate with steps that wait for the bistream row, and both requests' tokens
+    equal the graphed engine's without run-ahead."""
+    gpu_model = copy.deepcopy(model).cuda()  # the fixture's model stays on the CPU for the other tests
+    x = torch.randn(9, model.spec.llm_input_size, generator=torch.Generator().manual_seed(3)).cuda()
+    out, fed = [], 0
+    for ahead in (False, True):
+        engine = LLMEngine(gpu_model, max_batch_size=3, max_seq_len=512, use_cuda_graphs=True, run_ahead=ahead)
+        engine.capture_graphs()
+        carries = spy_launches(engine) if ahead else []
+        got, state = run_engine(engine, one_id_per_step(TEXT, start=2, every=7), normal=("n", x, 50),
+                                sample_fn=greedy_then_eos(model.spec, 6))
+        out.append((got, state.tokens))
+        fed = sum(c >= 0 for carry in carries for c in carry)
+    assert out[0] == out[1] and len(out[0][0]["b"]) > 40
+    assert fed >= 5
+
