@@ -330,6 +330,13 @@ def torch_compile_backend(mode: str, knob: bool, device) -> str | None:
     return "inductor" if (mode == "torchscript" or knob) and str(device).startswith("cuda") else None
 
 
+def fused_norms_where(wanted: bool, available: bool, device, compiled: bool) -> bool:
+    """Whether the Triton add + norm kernels (``fused_norms``) run in a stage: asked for, Triton
+    installed, on CUDA, and the stage not compiled (inductor fuses these ops itself, and the two
+    together were never run; ``fused_norms`` became a default while mode torchscript compiles)."""
+    return wanted and available and str(device).startswith("cuda") and not compiled
+
+
 def streamed_flow(configured: str, device) -> str:
     """``token2wav.cv2_flow`` / ``cv3_flow`` resolved once per replica: "auto" is "incremental" on
     CUDA (where it was measured), else "recompute"."""
@@ -395,7 +402,7 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     started = time.perf_counter()
     enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio, stepper=stepper,
                        incremental=incremental, incremental_compile=incremental_compile,
-                       incremental_fused_norms=cfg.fused_norms)
+                       incremental_fused_norms=cfg.fused_norms and incremental_compile is None)
     n_flow = capture_flow_graphs(model.flow)
     if not spec.hift.causal:  # the CV2 vocoder: exact lengths
         n_vocoder = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,
@@ -432,8 +439,10 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     device = resolve_device(cfg.device)
     dtype = getattr(torch, _DTYPES[cfg.dtype])
     model = load_model(model_dir, device=device, dtype=dtype)
+    llm_backend = torch_compile_backend(mode, cfg.llm_compile, device)
     # the LLM's add + RMSNorm kernels (fused_norms): before any decode or prefill graph is captured
-    model.llm.backbone.fused_norms = bool(cfg.fused_norms and kernels.AVAILABLE and model.device.type == "cuda")
+    model.llm.backbone.fused_norms = fused_norms_where(cfg.fused_norms, kernels.AVAILABLE, model.device,
+                                                       compiled=llm_backend is not None)
     limits = replica_limits(cfg, model, dtype_bytes=torch.finfo(dtype).bits // 8)
     trt_estimator = None
     if mode == "trt":
@@ -451,7 +460,6 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     graphs = capture_graphs(model, cfg, mode, limits, min_first, stepper=scheduler == "steps",
                             incremental=flow == "incremental", incremental_compile=flow_backend)
     rate = model.spec.token_frame_rate
-    llm_backend = torch_compile_backend(mode, cfg.llm_compile, device)
     engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
                                 compile_backend=llm_backend, run_ahead=cfg.llm_run_ahead)
     return SynthesisRuntime(
@@ -469,8 +477,9 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                  + (["incremental flow pass"] if flow_backend else []),
                  # where the Triton add + norm kernels run (fused_norms, and Triton and a GPU here)
                  "fused_norms": (["llm"] if model.llm.backbone.fused_norms else [])
-                 + (["incremental flow pass"] if cfg.fused_norms and flow == "incremental" and graphs["flow_graphs"]
-                    and kernels.AVAILABLE else []),
+                 + (["incremental flow pass"] if flow == "incremental" and graphs["flow_graphs"]
+                    and fused_norms_where(cfg.fused_norms, kernels.AVAILABLE, device, flow_backend is not None)
+                    else []),
                  "llm_run_ahead": engine.engine.run_ahead,  # on only with the static (graphed) decode step
                  "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),

@@ -136,8 +136,9 @@ class SynthesizerConfig(DeploymentKnobs):
     # stream both cost their kernels' launches in sequence. Needs Triton (CUDA builds of torch
     # bring it; without it PyTorch's ops run); checked against PyTorch's under Triton's
     # interpreter. Measured (H100, 2026-12-06, same calls): first audio at one stream 76.7 ->
-    # 68.4 ms p50 alone, 64.7-65.1 ms with llm_run_ahead; a pass 3.65 -> 3.32 ms. /health lists
-    # where it runs.
+    # 68.4 ms p50 alone, 64.7-65.1 ms with llm_run_ahead; a pass 3.65 -> 3.32 ms. Not in a stage
+    # compiled by torch.compile (mode torchscript, llm_compile, flow_compile: inductor fuses these
+    # ops itself; the two together were never run). /health lists where it runs.
     fused_norms: bool = True
     # LLM steps and token2wav batches on two threads (each with its own CUDA stream) instead of one,
     # so neither waits for the other; None: on for CUDA replicas, off on the CPU (two cores are

@@ -8,7 +8,7 @@ import torch
 
 from cosyvoice_runtime.lm_messages import LMRequest
 from deployments.protocol import VoicePrompt
-from deployments.runtime_adapter import load_synthesis_runtime, torch_compile_backend
+from deployments.runtime_adapter import fused_norms_where, load_synthesis_runtime, torch_compile_backend
 from deployments.synthesizer_config import SynthesizerConfig
 
 
@@ -101,6 +101,16 @@ def test_cuda_cosyvoice3_replica_vocodes_through_graphs_with_the_eager_audio(tmp
     for a, b in zip(_two_cv3_streams(graphed), _two_cv3_streams(eager)):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_fused_norms_run_on_cuda_with_triton_and_not_in_a_compiled_stage():
+    """The Triton add + norm kernels are on by default; mode torchscript compiles the LLM step and
+    the flow pass, where inductor fuses those ops itself: there they stay off."""
+    assert fused_norms_where(True, True, "cuda:0", compiled=False)
+    assert not fused_norms_where(True, True, "cuda", compiled=True)
+    assert not fused_norms_where(True, False, "cuda", compiled=False)
+    assert not fused_norms_where(True, True, "cpu", compiled=False)
+    assert not fused_norms_where(False, True, "cuda", compiled=False)
 
 
 def test_the_llm_step_and_flow_pass_are_compiled_on_cuda_in_mode_torchscript_or_with_their_knob(model_dir):
