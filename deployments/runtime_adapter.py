@@ -368,7 +368,8 @@ def flow_cache_budget(configured: int, device, max_mem_gb: float | None = None) 
 
 
 def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | None,
-                   stepper: bool = False, incremental: bool = False, incremental_compile: str | None = None) -> dict[str, int]:
+                   stepper: bool = False, incremental: bool = False, incremental_compile: str | None = None,
+                   incremental_fused_norms: bool = False) -> dict[str, int]:
     """Capture the token2wav CUDA graphs of a CUDA replica (pytorch, torchscript): how many of each.
 
     Flow (``flow_graphs``): the whole CFM solve (``stepper``: one Euler pass of it, for the
@@ -381,6 +382,7 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     2, and every last-chunk length for a batch of 1; other lengths are captured when they recur (:mod:`cosyvoice_runtime.hift.graphs`).
     CosyVoice3 with ``cv3_vocoder: incremental``: the body per padded (batch, frames) bucket up to
     the longest streamed window (:mod:`cosyvoice_runtime.hift.causal_graphs`; not yet timed on a GPU).
+    ``incremental_fused_norms``: the incremental pass's Triton add + norm kernels (:func:`fused_norms_where`).
 
     Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-allgraphs.md): with
     the solve graphs and the early first chunk, first audio at one stream fell from 1.11 s (LLM
@@ -402,7 +404,7 @@ def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | 
     started = time.perf_counter()
     enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio, stepper=stepper,
                        incremental=incremental, incremental_compile=incremental_compile,
-                       incremental_fused_norms=cfg.fused_norms and incremental_compile is None)
+                       incremental_fused_norms=incremental_fused_norms)
     n_flow = capture_flow_graphs(model.flow)
     if not spec.hift.causal:  # the CV2 vocoder: exact lengths
         n_vocoder = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,
@@ -457,8 +459,11 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
     cv2_flow, cv3_flow = streamed_flow(cfg.token2wav.cv2_flow, device), streamed_flow(cfg.token2wav.cv3_flow, device)
     flow = cv2_flow if model.spec.family == "cosyvoice2" else cv3_flow
     flow_backend = torch_compile_backend(mode, cfg.flow_compile, device) if flow == "incremental" and cfg.cuda_graphs else None
+    flow_fused = flow == "incremental" and fused_norms_where(cfg.fused_norms, kernels.AVAILABLE, device,
+                                                             compiled=flow_backend is not None)
     graphs = capture_graphs(model, cfg, mode, limits, min_first, stepper=scheduler == "steps",
-                            incremental=flow == "incremental", incremental_compile=flow_backend)
+                            incremental=flow == "incremental", incremental_compile=flow_backend,
+                            incremental_fused_norms=flow_fused)
     rate = model.spec.token_frame_rate
     engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
                                 compile_backend=llm_backend, run_ahead=cfg.llm_run_ahead)
@@ -477,9 +482,7 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                  + (["incremental flow pass"] if flow_backend else []),
                  # where the Triton add + norm kernels run (fused_norms, and Triton and a GPU here)
                  "fused_norms": (["llm"] if model.llm.backbone.fused_norms else [])
-                 + (["incremental flow pass"] if flow == "incremental" and graphs["flow_graphs"]
-                    and fused_norms_where(cfg.fused_norms, kernels.AVAILABLE, device, flow_backend is not None)
-                    else []),
+                 + (["incremental flow pass"] if flow_fused and graphs["flow_graphs"] else []),
                  "llm_run_ahead": engine.engine.run_ahead,  # on only with the static (graphed) decode step
                  "estimator": report["estimator"], **graphs,
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),

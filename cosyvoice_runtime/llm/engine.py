@@ -293,16 +293,14 @@ class LLMEngine:
                 self.scheduler.mark_prefilled(s.request_id)
             feeds, extends = self._route_bistream(
                 [s for s in plan.decode if s.request_id in self._bistream] + admitted, events)
+            ahead = self._may_run_ahead() and not feeds and not extends  # parked bistream rows step nowhere
+            if self._in_flight is not None and not ahead:  # every id on the host before a step that needs them
+                events += self._read_in_flight()  # the requests it ended leave _requests
             decode = [s for s in plan.decode if s.request_id in self._requests]
-            if self._may_run_ahead() and not feeds and not extends:  # parked bistream rows step nowhere
+            if ahead:
                 events += self._decode_ahead(decode)
-            else:
-                if self._in_flight is not None:  # every id on the host before a step that needs them
-                    events += self._read_in_flight()
-                    decode = [s for s in decode if s.request_id in self._requests
-                              and not self._requests[s.request_id].state.finished]  # ended in it
-                if decode or feeds:
-                    events += self._decode(decode, feeds)
+            elif decode or feeds:
+                events += self._decode(decode, feeds)
             prefill = [s for s in plan.prefill if s.request_id in self._requests]
             if prefill or extends:
                 events += self._prefill(prefill, extends)
