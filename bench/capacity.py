@@ -303,15 +303,17 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
 def update_latest(run: Run) -> dict:
     """Add this level's capacity figures (the best mode's) to the family's ``latest.json`` (a
     ``--timed`` run's are not GPU figures: returned, not written): sessions at the SLO and the
-    Poisson rate, each under the level's key (``slo_streams``, ``slo_rate_rps``; ``_serve`` and
-    ``_in_process`` for the other levels) with its own device and date, and the throughput and
-    streams in flight at the sessions' capacity; the levels (and the
-    throughput benchmark, whose ``device`` and ``date`` the file's top level keeps, with the replica
-    level's) may come from different machines and days."""
+    Poisson rate, each under the level's key with its own device and date, and the throughput and
+    streams in flight at the sessions' capacity. The replica level's keys (``slo_streams``,
+    ``slo_rate_rps``, ``ttfb_p50_ms_c1``, ...) are the synth level's: one replica's own
+    deployments in one process. The simulation (``--level replica``) no longer runs the replica's
+    code paths (give-way, run-ahead, fused norms, the stepped scheduler) and writes ``_sim`` keys;
+    the Serve level ``_serve``. The levels (and the throughput benchmark, whose ``device`` and
+    ``date`` the file's top level keeps) may come from different machines and days."""
     path = latest_path(run.out, run.args.family)
     latest = json.loads(path.read_text()) if path.exists() and not run.args.timed else {}
     level = run.args.level
-    suffix = {"replica": "", "serve": "_serve", "synth": "_in_process"}[level]
+    suffix = {"replica": "_sim", "serve": "_serve", "synth": ""}[level]
     update: dict = {}
     stale: list[str] = []
     for kind, name in (("sessions", "slo_streams"), ("rate", "slo_rate_rps")):
@@ -340,8 +342,6 @@ def update_latest(run: Run) -> dict:
     for key in stale:
         latest.pop(key, None)
     update["workload"] = run.workload()
-    if level == "replica":
-        update.update(device=run.device, date=run.date)
     latest.update(update)
     if not run.args.timed:
         path.write_text(json.dumps(latest, indent=1, default=str))

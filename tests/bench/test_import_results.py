@@ -23,7 +23,7 @@ def _bundle(tmp_path: Path) -> Path:
         "results/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05.json": b'{"requests": []}',
         "results/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05.md": b"# profile\n",
         "results/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-trace.json.gz": b"\x1f\x8b big",
-        "results/latest.json": json.dumps({"slo_streams_in_process": 62,
+        "results/latest.json": json.dumps({"slo_streams": 62,
                                            "capacity_report_synth": f"{DEVICE_STEM}.md"}).encode(),
         "gpu.txt": b"name, driver_version\nNVIDIA H100 80GB HBM3, 580.1\n",
         "gpu_tests.txt": b"== runtime/test_no_gpu_waits\n4 passed\n",

@@ -161,7 +161,7 @@ def test_a_timed_run_reports_but_leaves_latest_json_alone(tmp_path, monkeypatch)
                    "--ramp-s", "0.2", "--start", "1", "--max-sessions", "1", "--c1-window-s", "1", "--no-open-loop",
                    "--mix", "1:1-2", "--ttfa-ms", "60000", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "latest.json").read_text()) == {"slo_streams": 42}
-    assert latest["slo_streams_in_process"] == 1
+    assert latest["slo_streams"] == 1
     doc = json.loads(next(tmp_path.glob("capacity-synth-cpu-*-timed-h200.json")).read_text())
     assert "timing model: H200 times, no GPU" in doc["workload"]["model"] and doc["workload"]["timing_model"] == "h200"
     report = next(tmp_path.glob("capacity-synth-cpu-*-timed-h200.md")).read_text()
