@@ -10,7 +10,7 @@ from cosyvoice_runtime.hift.layers import causal_padding
 from cosyvoice_runtime.hift.noise import official_noise_buffers
 from cosyvoice_runtime.weights import load_checkpoint
 from cosyvoice_runtime.yaml_config import read_model_spec
-from tests.runtime.parity.common import load_cases
+from tests.runtime.parity.common import assert_matches, load_cases
 from tests.runtime.parity.hift_cases import load_hift
 
 CASES = {c.family: c for c in load_cases() if c.name == "hift_inference"}
@@ -96,7 +96,9 @@ def test_cv2_source_requires_and_uses_the_given_generator():
     c = hift.source(f0, generator=torch.Generator().manual_seed(4))
     assert torch.equal(a, b) and not torch.equal(a, c)
     z = hift.source(f0, zero_noise=True)
-    assert torch.equal(z, CASES["cosyvoice2"].t("s_zero_noise"))
+    # the fixture's tolerance, not bit equality: sin/cos differ by an ulp between the CPU's AVX2
+    # and AVX-512 kernels (3e-8 on an AVX-512 VM, 2026-12-06; equal on the AVX2 machines before)
+    assert_matches(CASES["cosyvoice2"], "s_zero_noise", z)
 
 
 def test_cv3_rejects_utterances_longer_than_the_noise_buffer():
