@@ -59,7 +59,8 @@ def markdown(doc: dict, plots: list[str]) -> str:
              intro, "", "| mode | search | capacity |", "|---|---|---|"]
     for s in doc["searches"]:
         if s["kind"] != "one-session":
-            cap = "failed" if s.get("error") else "-" if s["capacity"] is None else f"{s['capacity']} {unit[s['kind']]}"
+            cap = "failed" if s.get("error") else _unfinished(s) if s["capacity"] is None \
+                else f"{s['capacity']} {unit[s['kind']]}"
             if s.get("at_ceiling"):  # every probe up to the ceiling met the SLO: a lower bound
                 cap = f">= {cap} (the search's ceiling)"
             lines.append(f"| {s['mode']} | {s['kind']} | {cap} |")
@@ -74,6 +75,17 @@ def markdown(doc: dict, plots: list[str]) -> str:
         lines += _thread_table(s["probes"])
     lines += [""] + [f"![{name}]({name})" for name in plots]
     return "\n".join(lines) + "\n"
+
+
+def _unfinished(search: dict) -> str:
+    """A search cut before it converged (a device call's time limit) claims no capacity, but its
+    probes bracket it: the most load met below the least load missed (CosyVoice3, H100
+    2026-12-06: 27 met, 30 missed, cut before 28)."""
+    met = [p["load"] for p in search["probes"] if p.get("meets_slo")]
+    missed = [p["load"] for p in search["probes"] if not p.get("meets_slo")]
+    if not met or not missed or max(met) >= min(missed):
+        return "-"
+    return f"unfinished: {max(met):g} met, {min(missed):g} missed"
 
 
 def _stage_table(probes: list[dict]) -> list[str]:

@@ -122,6 +122,22 @@ def test_the_report_says_what_served_the_probes():
     assert "**Note**: graphs short." in noted
 
 
+def test_a_search_cut_before_it_converged_reports_its_bracket():
+    """The device call's limit cut a CosyVoice3 search after 27 met and 30 missed (H100 2026-12-06):
+    no capacity is claimed, but the summary says between which loads it lies."""
+    workload = {"slo_ttfa_p99_ms": 300, "slo_underruns": 0, "mix": "100 % 1-2 s", "prompt_s": 3.48, "seed": 0,
+                "window_s": 60, "ramp_s": 5, "level": "synth", "family": "cosyvoice3", "model": "m"}
+    probes = [{"load": n, "meets_slo": met} for n, met in ((24, True), (48, False), (36, False), (30, False), (27, True))]
+    search = {"mode": "arm", "kind": "sessions", "capacity": None, "probes": probes}
+    text = markdown({"device": "cpu", "date": "2026-12-06", "workload": workload, "searches": [search]}, [])
+    assert "| arm | sessions | unfinished: 27 met, 30 missed |" in text
+    # no bracket without a met and a missed load below it, or when they cross (a noisy probe)
+    for loads in (((24, True),), ((24, False),), ((24, True), (12, False))):
+        cut = {**search, "probes": [{"load": n, "meets_slo": m} for n, m in loads]}
+        assert "| arm | sessions | - |" in markdown({"device": "cpu", "date": "2026-12-06", "workload": workload,
+                                                    "searches": [cut]}, [])
+
+
 def test_the_report_notes_flow_graphs_shorter_than_the_mixs_longest_request():
     """A config whose flow graphs end before the mix's longest request (3.48 s prompt + 20 s) is
     noted: its probes measure eager passes. The shipped config covers it; a timed (CPU) one has none."""
