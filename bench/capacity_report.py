@@ -80,7 +80,9 @@ def markdown(doc: dict, plots: list[str]) -> str:
 def _unfinished(search: dict) -> str:
     """A search cut before it converged (a device call's time limit) claims no capacity, but its
     probes bracket it: the most load met below the least load missed (CosyVoice3, H100
-    2026-12-06: 27 met, 30 missed, cut before 28)."""
+    2026-12-06: 27 met, 30 missed, cut before 28). Fixed loads (``--loads``) are not a search."""
+    if search["kind"] == "loads":
+        return "-"
     met = [p["load"] for p in search["probes"] if p.get("meets_slo")]
     missed = [p["load"] for p in search["probes"] if not p.get("meets_slo")]
     if not met or not missed or max(met) >= min(missed):

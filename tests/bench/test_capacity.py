@@ -136,6 +136,9 @@ def test_a_search_cut_before_it_converged_reports_its_bracket():
         cut = {**search, "probes": [{"load": n, "meets_slo": m} for n, m in loads]}
         assert "| arm | sessions | - |" in markdown({"device": "cpu", "date": "2026-12-06", "workload": workload,
                                                     "searches": [cut]}, [])
+    fixed = {**search, "kind": "loads"}  # A/B arms at fixed loads: nothing was cut
+    assert "| arm | loads | - |" in markdown({"device": "cpu", "date": "2026-12-06", "workload": workload,
+                                             "searches": [fixed]}, [])
 
 
 def test_the_report_notes_flow_graphs_shorter_than_the_mixs_longest_request():
