@@ -271,8 +271,9 @@ def _plus_one_scales(dit: DiT, layer: nn.Linear, out: torch.Tensor) -> torch.Ten
     normed input by ``1 + scale``, the same sum in every pass (two adds a block and one at the
     output, 45 kernels of a pass, made once here in the model's dtype, so the products are
     the whole forward's bit for bit)."""
-    parts = list(out.chunk(2 if layer is dit.norm_out.linear else 6, dim=-1))
-    for i in (0,) if layer is dit.norm_out.linear else (1, 4):  # [scale, shift] / [shift, scale, gate] x 2
+    final = layer is dit.norm_out.linear  # [scale, shift]; a block's [shift, scale, gate] x 2
+    parts = list(out.chunk(2 if final else 6, dim=-1))
+    for i in (0,) if final else (1, 4):
         parts[i] = 1 + parts[i]
     return torch.cat(parts, dim=-1)
 
