@@ -1,0 +1,148 @@
+"""How long a new synthesizer replica takes from process start to its first request served.
+
+The config's frontend and synthesizer are built in this process (as ``bench/capacity.py
+--level synth`` does: no Ray, no HTTP, so Ray's worker start and the proxy are not counted), one
+voice registered, then one streamed request sent; the first audio chunk ends the measurement.
+The start-up's own log lines (model loaded, graphs captured, warm-up, ready) are timestamped
+against the process start, so the report shows where the time went::
+
+    FAST_COSY_MODEL_DIR=/tmp/cv2-full python -m bench.cold_start --config configs/single-gpu.yaml --out DIR
+
+Writes ``cold-start-<device>-<date>[-tag].json``: ``cold_start_s`` (process start -> first audio
+byte of the first request), the phases, and the log lines they were read from.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import logging
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import psutil
+import soundfile as sf
+import torch
+
+from bench.capacity import apply_replica_env
+from bench.load import synthetic_prompt_wav
+from deployments.frontend import TextFrontend
+from deployments.protocol import SynthesisRequest
+from deployments.synthesizer import Synthesizer
+from serve_app.args import AppArgs
+
+# Log lines of the start-up that mark the end of a phase, by the logger's message template.
+PHASES = {
+    "frontend ready (%s) in %.1f s": "frontend_ready",
+    "loaded %s from %s in %.1f s": "model_loaded",
+    "captured %d CUDA graphs for the LLM decode step": "llm_graphs_captured",
+    "captured %d flow and %d vocoder CUDA graphs (batch <= %d, flow calls <= %.0f s) in %.1f s": "t2w_graphs_captured",
+    "warmup: %d tokens in %.2f s": "warmed_up",
+}
+READY = "synthesizer ready on %s in %.1f s (model %s; %d objects frozen out of GC walks)"
+
+
+class StartLog(logging.Handler):
+    """Collects the start-up's phase lines with their time since the process started."""
+
+    def __init__(self, process_start: float) -> None:
+        super().__init__(logging.INFO)
+        self.process_start = process_start
+        self.lines: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        name = PHASES.get(record.msg) or ("synthesizer_ready" if record.msg == READY else None)
+        if name is not None:
+            self.lines.append({"phase": name, "at_s": round(record.created - self.process_start, 2),
+                               "line": record.getMessage()})
+
+
+def phases(lines: list[dict], first_audio_at_s: float) -> dict[str, float]:
+    """Each phase's duration: from the end of the one before it (the first from process start) to
+    its own line; a phase that logged nothing (no CUDA graphs on the CPU) is absent."""
+    ends = [(line["phase"], line["at_s"]) for line in lines] + [("first_request", first_audio_at_s)]
+    out, before = {}, 0.0
+    for name, at in ends:
+        out[name] = round(at - before, 2)
+        before = at
+    return out
+
+
+async def first_audio(frontend, synth, voice: str, text: str) -> float:
+    """Seconds from sending one streamed request to its first audio chunk."""
+    started = time.perf_counter()
+    prepared = await frontend.prepare(SynthesisRequest(request_id="cold-start-0", text=text, voice_id=voice,
+                                                       stream=True))
+    async for chunk in synth.synthesize(prepared):
+        if len(chunk.samples):
+            return time.perf_counter() - started
+    raise RuntimeError("the first request ended without audio")
+
+
+def measure(config: Path, process_start: float) -> dict:
+    """Build the config's deployments in this process, serve one request, return the timeline."""
+    log = StartLog(process_start)
+    log.lines.append({"phase": "imports", "at_s": round(time.time() - process_start, 2), "line": "(python and imports)"})
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(log)
+    root.setLevel(min(level, logging.INFO))  # the phase lines are INFO
+    try:
+        return _measure(config, process_start, log)
+    finally:
+        root.removeHandler(log)
+        root.setLevel(level)
+
+
+def _measure(config: Path, process_start: float, log: StartLog) -> dict:
+    apply_replica_env(config)
+    app = AppArgs.from_file(config)
+    source = app.model_source()
+    frontend_cfg = app.frontend.model_copy(update={"voices_dir": tempfile.mkdtemp(prefix="cold-start-voices-")})
+
+    async def run() -> tuple[float, Synthesizer]:
+        frontend, synth = TextFrontend(frontend_cfg, source), Synthesizer(app.synthesizer, source)
+        audio, rate = sf.read(io.BytesIO(synthetic_prompt_wav(3.5)), dtype="float32")
+        await frontend.register_voice("cold0", "Prompt number 0.", audio, rate, True)
+        ttfa = await first_audio(frontend, synth, "cold0", "Hello, this is the first request.")
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]  # the replica's loops
+        for task in rest:
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        return ttfa, synth
+
+    ttfa, synth = asyncio.run(run())
+    done = time.time() - process_start
+    return {"kind": "cold_start", "config": str(config), "device": synth.runtime.device,
+            "mode": synth.mode, "cold_start_s": round(done, 2), "first_request_ttfa_s": round(ttfa, 3),
+            "phases_s": phases(log.lines, done), "log": log.lines, "runtime": synth.runtime.details}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", type=Path, default=Path("configs/single-gpu.yaml"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    result = measure(args.config, psutil.Process().create_time())
+    gpu = _gpu_name() or result["device"]
+    result.update(gpu=gpu, date=date.today().isoformat())
+    args.out.mkdir(parents=True, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-")
+    path = args.out / (f"cold-start-{slug}-{result['date']}" + (f"-{args.tag}" if args.tag else "") + ".json")
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"cold start {result['cold_start_s']:.1f} s (first request {result['first_request_ttfa_s'] * 1e3:.0f} ms): "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in result["phases_s"].items()) + f" -> {path}")
+    return result
+
+
+def _gpu_name() -> str | None:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+if __name__ == "__main__":
+    main()

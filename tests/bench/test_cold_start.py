@@ -1,0 +1,64 @@
+"""bench/cold_start.py: a new replica's start, process start -> first request served."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench import cold_start
+from cosyvoice_runtime.tiny_model import write_tiny_model
+
+PRODUCT_MODULES = ["deployments/frontend.py", "deployments/runtime_adapter.py", "deployments/warmup.py",
+                   "deployments/synthesizer.py", "cosyvoice_runtime/model.py"]
+
+
+def test_every_phase_template_is_a_log_line_the_product_still_writes():
+    # a reworded log line would silently drop its phase from every report
+    source = "".join(Path(p).read_text() for p in PRODUCT_MODULES)
+    for template in [*cold_start.PHASES, cold_start.READY]:
+        assert f'"{template}"' in source, template
+
+
+def test_the_handler_keeps_only_phase_lines_with_their_time_since_process_start():
+    log = cold_start.StartLog(process_start=100.0)
+    record = logging.LogRecord("deployments.warmup", logging.INFO, __file__, 1, "warmup: %d tokens in %.2f s",
+                               (80, 0.5), None)
+    record.created = 112.5
+    other = logging.LogRecord("x", logging.INFO, __file__, 1, "something else %d", (1,), None)
+    log.emit(record)
+    log.emit(other)
+    assert log.lines == [{"phase": "warmed_up", "at_s": 12.5, "line": "warmup: 80 tokens in 0.50 s"}]
+
+
+def test_phases_run_from_one_line_to_the_next_and_end_at_the_first_audio():
+    lines = [{"phase": "imports", "at_s": 4.0}, {"phase": "model_loaded", "at_s": 10.0},
+             {"phase": "t2w_graphs_captured", "at_s": 80.5}]
+    assert cold_start.phases(lines, 81.0) == {"imports": 4.0, "model_loaded": 6.0, "t2w_graphs_captured": 70.5,
+                                              "first_request": 0.5}
+
+
+@pytest.fixture
+def steps_config(tmp_path):
+    """configs/local.yaml on a tiny model, with the stepped token2wav (the in-process level needs it)."""
+    raw = yaml.safe_load(Path("configs/local.yaml").read_text())
+    args = raw["applications"][0]["args"]
+    args["model_dir"] = str(write_tiny_model(tmp_path / "tiny-cosyvoice2", "cosyvoice2"))
+    args["synthesizer"]["token2wav"]["scheduler"] = "steps"
+    path = tmp_path / "steps.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_tiny_replica_is_measured_to_its_first_audio(steps_config, tmp_path):
+    result = cold_start.main(["--config", str(steps_config), "--out", str(tmp_path / "out"), "--tag", "t"])
+    written = json.loads(next((tmp_path / "out").glob("cold-start-*-t.json")).read_text())
+    assert written["cold_start_s"] == result["cold_start_s"]
+    phases = written["phases_s"]
+    assert list(phases)[-1] == "first_request"
+    assert {"imports", "frontend_ready", "model_loaded", "warmed_up", "synthesizer_ready"} <= set(phases)
+    assert "t2w_graphs_captured" not in phases  # no CUDA graphs on the CPU
+    assert sum(phases.values()) == pytest.approx(written["cold_start_s"], abs=0.05)
+    assert 0 < written["first_request_ttfa_s"] <= phases["first_request"] + 0.01
