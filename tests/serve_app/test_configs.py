@@ -221,3 +221,24 @@ def test_serve_builder_path_validates_args():
     assert isinstance(call_user_app_builder_with_args_if_necessary(build_app, args), Application)
     with pytest.raises(ValidationError, match="replicas_max"):
         call_user_app_builder_with_args_if_necessary(build_app, {**args, "replicas_max": 3})
+
+
+# What one replica does, against what places it in a fleet (how many, where, how it starts and
+# stops) and the TensorRT variant's own mode and precision.
+FLEET_KEYS = {"model_dir", "num_replicas", "autoscaling", "resources", "health_check_period_s",
+              "health_check_timeout_s", "graceful_shutdown_timeout_s", "startup_timeout_s"}
+TRT_KEYS = {"mode", "trt_plan_dir", "dtype"}
+
+
+@pytest.mark.parametrize("path", [ROOT / "configs/multi-gpu.yaml", ROOT / "configs/production.yaml",
+                                  ROOT / "configs/production-trt.yaml", ROOT / "deploy/docker/single-gpu.yaml"],
+                         ids=lambda p: p.name if p.parent.name == "configs" else f"docker-{p.name}")
+def test_every_gpu_config_runs_the_measured_replica(path):
+    """configs/single-gpu.yaml is the config the capacity figures measure (README, Performance):
+    a GPU config a user can start runs its replica with the same settings, so each figure holds
+    for it (issue 39: every GPU config measured or made identical to a measured one)."""
+    measured = AppArgs.from_file(ROOT / "configs/single-gpu.yaml").synthesizer.model_dump()
+    other = AppArgs.from_file(path).synthesizer.model_dump()
+    skip = FLEET_KEYS | (TRT_KEYS if other["mode"] == "trt" else set())
+    differ = {k: (measured[k], other[k]) for k in measured if k not in skip and measured[k] != other[k]}
+    assert differ == {}
