@@ -35,6 +35,7 @@ ENV_MODE = "FAST_COSY_MODE"  # SynthesizerConfig.mode on this node when the conf
 ENV_DEVICE = "FAST_COSY_DEVICE"  # overrides SynthesizerConfig.device on this node
 ENV_API_KEYS = "FAST_COSY_API_KEYS"  # API keys (comma-separated), for the ingress's auth (serve_app/auth.py)
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"  # set per Ray worker; maps local CUDA indices to GPUs
+ENV_RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's own: a client sends the cluster token only when it is "token"
 
 
 def home_dir() -> Path:
@@ -67,6 +68,11 @@ def cuda_visible_devices() -> str | None:
 def api_keys_env() -> str | None:
     """``$FAST_COSY_API_KEYS`` if set and non-empty: ``key`` or ``key:scope+scope`` entries, comma-separated."""
     return os.environ.get(ENV_API_KEYS) or None
+
+
+def ray_auth_mode() -> str | None:
+    """``$RAY_AUTH_MODE`` as set in this process (``fastcosy serve --address`` explains a 401 with it)."""
+    return os.environ.get(ENV_RAY_AUTH_MODE) or None
 
 
 def default_voices_dir() -> Path:

@@ -20,6 +20,7 @@ import signal
 import threading
 from typing import Any, Protocol
 
+from deployments import constants
 from fastcosy_cli.common import CliError, LoadedConfig, load_serve_config, out
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,18 @@ class RayBackend:
         try:
             ServeSubmissionClient(address).deploy_applications(document)
         except Exception as exc:  # noqa: BLE001 - connection refused, auth, version: all reported the same way
-            raise CliError(f"could not deploy to {address}: {exc} (check with: fastcosy doctor --ray-address "
-                           f"{address})") from None
+            raise CliError(f"could not deploy to {address}: {exc}{deploy_hint(str(exc), constants.ray_auth_mode())} "
+                           f"(check with: fastcosy doctor --ray-address {address})") from None
+
+
+def deploy_hint(error: str, auth_mode: str | None) -> str:
+    """What to do about a failed deploy that Ray's own message leaves out: Ray 2.60's client
+    sends the cluster's token only with ``RAY_AUTH_MODE=token`` in its own environment."""
+    if ("401" in error or "nauthori" in error) and (auth_mode or "").lower() != "token":
+        return (f"; the cluster asks for Ray's token and this shell does not send it: set RAY_AUTH_MODE=token "
+                f"(RAY_AUTH_MODE is {auth_mode or 'unset'} here; the token comes from $RAY_AUTH_TOKEN or "
+                "~/.ray/auth_token)")
+    return ""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -167,6 +178,9 @@ def run(args: argparse.Namespace, backend: ServeBackend | None = None) -> int:
         raise CliError(f"{args.config} with the command-line overrides does not validate:\n{exc}") from None
     backend = backend or RayBackend()
     if args.address:
+        if constants.api_keys_env():
+            logger.warning("%s is set in this shell: it does not reach the cluster's replicas, which read API keys "
+                           "on their own node (ingress.auth.keys_file; docs/kuberay.md)", constants.ENV_API_KEYS)
         backend.deploy(args.address, cfg.document)
         name = cfg.app.get("name", "default")
         out(f"submitted {cfg.path} (application '{name}') to {args.address}")

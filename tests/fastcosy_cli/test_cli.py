@@ -285,3 +285,49 @@ def test_synth_local_prepares_with_the_frontend_and_runs_the_pipeline(tmp_path, 
     assert seed == 3
     audio, sr = sf.read(tmp_path / "local.wav", dtype="float32")
     assert sr == 24000 and audio.size == 2400 * 6 and abs(audio.mean() - 0.1) < 1e-3
+
+
+@pytest.fixture
+def token_cluster():
+    """A dashboard address that answers 401 to a client without Ray's token, as a cluster with
+    RAY_AUTH_MODE=token does (Ray 2.60)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            ok = self.headers.get("Authorization") == "Bearer the-token"
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}" if ok else b'{"error": "Unauthorized: missing or invalid authentication token"}')
+
+        do_GET = do_PUT = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_deploy_refused_for_the_ray_token_says_to_set_ray_auth_mode(token_cluster, monkeypatch):
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(CliError, match=r"set RAY_AUTH_MODE=token \(RAY_AUTH_MODE is unset here"):
+        serve.RayBackend().deploy(token_cluster, {"applications": []})
+
+
+def test_the_hint_is_only_for_an_auth_refusal_without_token_mode():
+    assert serve.deploy_hint("HTTP 401 Unauthorized", None)
+    assert serve.deploy_hint("HTTP 401 Unauthorized", "token") == ""  # the token itself is wrong: Ray says so
+    assert serve.deploy_hint("Connection refused", None) == ""
+
+
+def test_api_keys_in_the_deploying_shell_are_said_not_to_reach_the_replicas(monkeypatch, caplog):
+    monkeypatch.setenv("FAST_COSY_API_KEYS", "k1")
+    backend = FakeBackend()
+    with caplog.at_level("WARNING"):
+        serve.run(_serve_args("--address", "http://head:8265"), backend=backend)
+    assert "does not reach the cluster's replicas" in caplog.text
