@@ -73,7 +73,11 @@ class SynthesisRuntime:
     engine: TokenEngine
     token2wav: Token2WavRuntime
     device: str
+    # what was loaded and built, for /health and reports (decisions come from the ExecutionPlan)
     details: dict = field(default_factory=dict)
+    # the flow batch and the voice prompt this replica accepts once fitted to max_mem_gb (None: as configured)
+    max_flow_batch: int | None = None
+    max_prompt_tokens: int | None = None
     # CUDA graphs captured in the replica's process so far (start-up and later; 0 without graphs)
     graph_captures: Callable[[], int] = lambda: 0
     # calls of a graphed stage that ran eagerly on CUDA: shapes beyond the captured buckets
