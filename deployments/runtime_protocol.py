@@ -1,10 +1,10 @@
 """The protocols between the deployments and :mod:`cosyvoice_runtime`.
 
 Deployments talk to three small protocols only (:class:`FrontendRuntime`,
-:class:`TokenEngine`, :class:`Token2WavRuntime`); :mod:`deployments.runtime_adapter` builds the
-production implementations from the runtime package, and unit tests inject fakes of the same
-protocols through the deployments' ``runtime_factory`` constructor argument (house style §2.3
-rule 9, §2.8 rule 30).
+:class:`TokenEngine`, :class:`Token2WavRuntime`); :mod:`deployments.assembler` builds the
+production implementations (:mod:`deployments.runtime_adapter`) from the replica's execution
+plan, and unit tests inject fakes of the same protocols through the deployments'
+``runtime_factory`` constructor argument (house style §2.3 rule 9, §2.8 rule 30).
 """
 from __future__ import annotations
 

@@ -87,7 +87,10 @@ class Token2WavBatchConfig(StrictModel):
 
 
 class SynthesizerConfig(DeploymentKnobs):
-    """Synthesizer replica: model, device, engine capacity, token2wav batching."""
+    """Synthesizer replica: model, device, engine capacity, token2wav batching.
+
+    The code paths these knobs choose ("auto" values, CUDA-only stages) are resolved once per
+    replica into its execution plan (deployments/execution_plan.py), which /health shows."""
 
     model_dir: str | None = None  # None: AppArgs.model_dir, then $FAST_COSY_MODEL_DIR, then the tiny model
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -145,7 +148,8 @@ class SynthesizerConfig(DeploymentKnobs):
     token2wav: Token2WavBatchConfig = Field(default_factory=Token2WavBatchConfig)
     startup_timeout_s: PositiveFloat = constants.REPLICA_START_TIMEOUT_S
     warmup: bool = True  # one short utterance through LLM + flow + HiFT before serving
-    # Import path "module:callable" returning a SynthesisRuntime (tests inject fakes here).
+    # Import path "module:callable" of a factory (config, model source, execution plan) -> SynthesisRuntime
+    # (tests inject fakes here; default: deployments.assembler.load_synthesis_runtime).
     runtime_factory: str | None = None
 
     @model_validator(mode="after")
