@@ -12,8 +12,7 @@ import logging
 import time
 from pathlib import Path
 
-from deployments.execution_plan import ExecutionPlan, resolve_plan, triton_available
-from deployments.model_source import replica_mode, resolve_device
+from deployments.execution_plan import ExecutionPlan, replica_plan
 from deployments.runtime_adapter import RuntimeToken2Wav, RuntimeTokenEngine
 from deployments.runtime_protocol import SynthesisRuntime
 
@@ -114,18 +113,10 @@ def capture_graphs(model, plan: ExecutionPlan, limits, flow_graph_max_s: float) 
     return {"flow_graphs": n_flow, "vocoder_graphs": n_vocoder}
 
 
-def plan_for(cfg) -> ExecutionPlan:
-    """The plan of a replica on this node: the mode by the one rule (config, else
-    ``$FAST_COSY_MODE``, else pytorch), the device, Triton. The synthesizer does this once at start
-    (:class:`~deployments.synthesizer.Synthesizer`); tests and tools loading a runtime of their own
-    get the same plan here."""
-    mode, source = replica_mode(cfg.mode)
-    return resolve_plan(cfg, mode, resolve_device(cfg.device), triton_available(), mode_source=source)
-
-
 def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = None) -> SynthesisRuntime:
-    """Load the model and assemble the runtime that ``plan`` describes (None: :func:`plan_for`
-    ``cfg``, its mode preflighted here; the synthesizer preflights its mode before it resolves the plan)."""
+    """Load the model and assemble the runtime that ``plan`` describes (None: this node's
+    :func:`~deployments.execution_plan.replica_plan` of ``cfg``, its mode preflighted here, as the
+    synthesizer does before it calls its runtime factory)."""
     import torch
 
     from cosyvoice_runtime.graph_capture import captured_total, missed_total
@@ -135,7 +126,7 @@ def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = Non
     from cosyvoice_runtime.trt.profiles import derive_profile
 
     if plan is None:
-        plan = plan_for(cfg)
+        plan = replica_plan(cfg)
         preflight(plan.mode, cfg.trt_plan_dir)  # before the weights: a missing TensorRT fails in seconds
     dtype = getattr(torch, plan.dtype)
     model = load_model(model_dir, device=plan.device, dtype=dtype)

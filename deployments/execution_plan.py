@@ -3,9 +3,10 @@
 Every knob of :class:`~deployments.synthesizer_config.SynthesizerConfig` that chooses a code path
 ("auto" values, knobs that only run on CUDA or only with graphs, stages a compile excludes) is
 resolved here, from the config, the execution mode, the device and what the machine has (Triton),
-into a frozen plan. The assembler (:mod:`deployments.assembler`) builds the runtime from the plan,
-the synthesizer reads its scheduling decisions from it, and ``/health`` shows it. Nothing here
-imports torch, so the whole table of cases is tested on the CPU (``tests/deployments/test_execution_plan.py``).
+into a frozen plan (:func:`resolve_plan`; :func:`replica_plan` finds those inputs on this node).
+The assembler (:mod:`deployments.assembler`) builds the runtime from the plan, the synthesizer
+reads its scheduling decisions from it, and ``/health`` shows it. Nothing here imports torch, so
+the whole table of cases is tested on the CPU (``tests/deployments/test_execution_plan.py``).
 
 What a CUDA replica runs by default (mode pytorch, Triton present) is ``resolve_plan(SynthesizerConfig(),
 "pytorch", "cuda", triton=True)``: LLM decode and prefill steps through CUDA graphs, run ahead,
@@ -20,6 +21,8 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from typing import Any
+
+from deployments.model_source import replica_mode, resolve_device
 
 FAMILIES = ("cosyvoice2", "cosyvoice3")
 INDUCTOR = "inductor"  # the torch.compile backend of a compiled stage
@@ -93,6 +96,14 @@ class ExecutionPlan:
     def as_dict(self) -> dict[str, Any]:
         """The plan as plain data (``/health``'s ``plan``)."""
         return dataclasses.asdict(self)
+
+
+def replica_plan(cfg) -> ExecutionPlan:
+    """The plan of a replica of ``cfg`` on this node: the mode by the one rule (config, else
+    ``$FAST_COSY_MODE``, else pytorch), the device (``auto``: CUDA when there is one, unless
+    ``$FAST_COSY_DEVICE``), whether Triton is installed."""
+    mode, source = replica_mode(cfg.mode)
+    return resolve_plan(cfg, mode, resolve_device(cfg.device), triton_available(), mode_source=source)
 
 
 def triton_available() -> bool:

@@ -46,10 +46,10 @@ from deployments.compute import MAIN as MAIN_LANE
 from deployments.compute import ComputeExecutor
 from deployments.deadlines import DeadlineGate, Playback
 from deployments.engine_loop import EngineLoop, GiveWay, TextSource, is_fatal
-from deployments.execution_plan import ExecutionPlan, resolve_plan, triton_available
+from deployments.execution_plan import ExecutionPlan, replica_plan
 from deployments.gpu_stats import DeviceProbe
 from deployments.housekeeping import IdleTrim, cap_malloc_arenas
-from deployments.model_source import ModelSource, replica_mode, resolve_device
+from deployments.model_source import ModelSource
 from deployments.observability import ReplicaMetrics, replica_id
 from deployments.protocol import (
     AudioChunk,
@@ -118,14 +118,13 @@ class Synthesizer:
             runtime_factory = _import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
         started = time.perf_counter()
         source = source or ModelSource(cfg.model_dir)
-        # Decided once per replica, on its own node; a mode that cannot run here fails now, not mid-request.
-        self.mode, self.mode_source = replica_mode(cfg.mode)
-        logger.info("synthesizer execution mode: %s (from %s)", self.mode, self.mode_source)
+        # Every code path of this replica (mode, device, graphs, schedulers: deployments.execution_plan),
+        # decided once, on its own node; the runtime is built from it. A mode that cannot run here fails
+        # now, before the weights load, not mid-request.
+        self.plan = plan = replica_plan(cfg)
+        self.mode, self.mode_source = plan.mode, plan.mode_source
+        logger.info("synthesizer execution mode: %s (from %s); plan: %s", self.mode, self.mode_source, plan)
         preflight(self.mode, cfg.trt_plan_dir)
-        # Every code path of this replica, decided once (deployments.execution_plan); the runtime is built from it.
-        self.plan = plan = resolve_plan(cfg, self.mode, resolve_device(cfg.device), triton_available(),
-                                        mode_source=self.mode_source)
-        logger.info("synthesizer plan: %s", plan)
         resolved = cfg.model_copy(update={"mode": self.mode})
         factory = runtime_factory
         self.runtime = call_with_timeout(lambda: factory(resolved, source, plan), cfg.startup_timeout_s,

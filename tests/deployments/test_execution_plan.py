@@ -17,7 +17,7 @@ import itertools
 
 import pytest
 
-from deployments.execution_plan import ExecutionPlan, resolve_plan
+from deployments.execution_plan import ExecutionPlan, replica_plan, resolve_plan, triton_available
 from deployments.synthesizer_config import SynthesizerConfig
 
 CPU_DEFAULT = {
@@ -121,6 +121,15 @@ def test_the_plan_is_frozen_plain_data_for_health():
     assert shown["token2wav"]["flow_cache_bytes"] == 16 * 1024**3 and shown["token2wav"]["prompt_cache_bytes"] == 1024**3
     with pytest.raises(ValueError, match="unknown model family"):
         plan.token2wav.flow("cosyvoice1")
+
+
+def test_a_replica_plans_for_its_nodes_mode_device_and_triton(monkeypatch):
+    monkeypatch.setenv("FAST_COSY_DEVICE", "cuda:1")
+    monkeypatch.setenv("FAST_COSY_MODE", "torchscript")
+    plan = replica_plan(SynthesizerConfig())
+    assert (plan.mode, plan.mode_source, plan.device) == ("torchscript", "env", "cuda:1")
+    assert plan == resolve_plan(SynthesizerConfig(), "torchscript", "cuda:1", triton_available(), mode_source="env")
+    assert replica_plan(SynthesizerConfig(mode="pytorch")).mode_source == "config"  # the config wins
 
 
 def test_llm_compile_is_gone():
