@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--compile", default=None, metavar="BACKEND",
                     help="decode: the step's model part through torch.compile with this backend (inductor), as "
-                         "synthesizer.llm_compile does: which kernels fusing leaves (it did not shorten the step, "
+                         "mode torchscript does for the LLM step: which kernels fusing leaves (it did not shorten the step, "
                          "H100 2026-12-06)")
     ap.add_argument("--context", type=int, default=150, help="decode: tokens in the cache")
     ap.add_argument("--fused-norms", action="store_true",

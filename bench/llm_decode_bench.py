@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="the tiny architecture (smoke runs)")
     ap.add_argument("--compile", default=None, metavar="BACKEND",
                     help="also time the graphed step compiled with this torch.compile backend (inductor), "
-                         "as the synthesizer's llm_compile does")
+                         "as mode torchscript does for the LLM step")
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = args.device

@@ -129,7 +129,7 @@ class NullToken2Wav:
 
 def null_runtime(step_s: float = 0.0, batch_s: float = 0.0):
     """A ``runtime_factory`` (SynthesizerConfig) over :class:`NullEngine` and :class:`NullToken2Wav`."""
-    def factory(cfg, source) -> SynthesisRuntime:
+    def factory(cfg, source, plan=None) -> SynthesisRuntime:
         return SynthesisRuntime(engine=NullEngine(cfg.max_running, step_s), token2wav=NullToken2Wav(batch_s),
                                 device="cpu")
 

@@ -203,12 +203,12 @@ def _timed(cfg, times: GpuTimes, name: str) -> SynthesisRuntime:
                             device="cpu", details=details)
 
 
-def h200(cfg, source) -> SynthesisRuntime:
+def h200(cfg, source, plan=None) -> SynthesisRuntime:
     """A ``runtime_factory`` taking the H200's times (:data:`H200`), stepped token2wav."""
     return _timed(cfg, H200, "H200 times")
 
 
-def h200_gil(cfg, source) -> SynthesisRuntime:
+def h200_gil(cfg, source, plan=None) -> SynthesisRuntime:
     """:func:`h200` with half of every call holding the GIL (:data:`H200_GIL`)."""
     return _timed(cfg, H200_GIL, "H200 times, GIL-bound host")
 

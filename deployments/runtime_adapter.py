@@ -1,25 +1,23 @@
-"""The production runtime of a synthesizer replica: adapters and loader.
+"""The production runtime of a synthesizer replica: adapters over :mod:`cosyvoice_runtime`.
 
 :class:`RuntimeTokenEngine` and :class:`RuntimeToken2Wav` implement the protocols of
-:mod:`deployments.runtime_protocol` over :mod:`cosyvoice_runtime`; :func:`load_synthesis_runtime`
-loads the model in the replica's mode, fits the flow limits to the memory budget and captures the
-CUDA graphs. Swapping a runtime component is a change here, not in a deployment.
+:mod:`deployments.runtime_protocol`, each built from its part of the replica's
+:class:`~deployments.execution_plan.ExecutionPlan`; :mod:`deployments.assembler` loads the model and
+assembles them. Swapping a runtime component is a change here, not in a deployment.
 """
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cosyvoice_runtime.lm_messages import BistreamLMRequest, LMRequest, TokenEvent
-from deployments.model_source import replica_mode, resolve_device
+from deployments.execution_plan import LLMPlan, Token2WavPlan
 from deployments.protocol import InvalidInputError, VoicePrompt
-from deployments.runtime_protocol import FrontendRuntime, SynthesisRuntime
+from deployments.runtime_protocol import FrontendRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +54,9 @@ class RuntimeTokenEngine:
     read 5 ids at a time with its surplus left until the end (:mod:`cosyvoice_runtime.llm.bistream_seq`).
     """
 
-    def __init__(self, model, max_running: int, max_model_len: int, cuda_graphs: bool = True,
-                 compile_backend: str | None = None, run_ahead: bool = False) -> None:
+    def __init__(self, model, max_running: int, max_model_len: int, plan: LLMPlan | None = None) -> None:
+        """``plan``: the replica's :class:`~deployments.execution_plan.LLMPlan`; None: the eager
+        step with the model's norms as they are (tests)."""
         from cosyvoice_runtime.llm.bistream_seq import FINISH_PROTOCOL
         from cosyvoice_runtime.llm.engine import NONFINITE_LOGITS, LLMEngine
 
@@ -68,9 +67,14 @@ class RuntimeTokenEngine:
         self.model = model
         self.spec = model.spec
         self.llm = model.llm
-        # CUDA graphs per (batch, key window) bucket; the engine ignores the flag off CUDA.
-        self.engine = LLMEngine(model.llm, max_batch_size=max_running, max_seq_len=max_model_len,
-                                use_cuda_graphs=cuda_graphs, compile_backend=compile_backend, run_ahead=run_ahead)
+        # CUDA graphs per (batch, key window) bucket (the plan has them on CUDA only)
+        if plan is None:
+            self.engine = LLMEngine(model.llm, max_batch_size=max_running, max_seq_len=max_model_len)
+        else:
+            self.engine = LLMEngine(model.llm, max_batch_size=max_running, max_seq_len=max_model_len,
+                                    use_cuda_graphs=plan.cuda_graphs, prefill_graphs=plan.prefill_graphs,
+                                    compile_backend=plan.compile_backend, run_ahead=plan.run_ahead,
+                                    fused_norms=plan.fused_norms)
         # NOTE: capture every decode graph now, before token2wav work runs concurrently: a lazy
         # capture beside other GPU work fails ("capturing stream has unjoined work", seen in
         # bench/gpu_bench.py on an H200, 2026-12-02). Graphs: 5 ms vs 26 ms per bf16 decode step at
@@ -155,17 +159,19 @@ class RuntimeTokenEngine:
 class RuntimeToken2Wav:
     """:class:`Token2WavRuntime` over ``cosyvoice_runtime.token2wav.Token2Wav``."""
 
-    def __init__(self, model, first_chunk_min_tokens: int | None = None, cv3_vocoder: str = "incremental",
-                 cv2_flow: str = "recompute", prompt_cache_bytes: int = 0, cv3_flow: str = "recompute",
-                 flow_cache_bytes: int = 16 * 1024**3, passes_in_flight: int = 2) -> None:
+    def __init__(self, model, plan: Token2WavPlan, flow_cache_bytes: int | None = None) -> None:
+        """``plan``: the replica's :class:`~deployments.execution_plan.Token2WavPlan` (its CUDA graphs
+        are captured on the model before, by the assembler); ``flow_cache_bytes``: the plan's budget
+        as fitted to this replica's memory (None: the plan's)."""
         import torch
 
         from cosyvoice_runtime.token2wav import Token2Wav
 
         # None: the official first chunk (one hop + alignment pad); else the early one (Token2Wav min_first_hop)
-        self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=first_chunk_min_tokens,
-                             cv3_vocoder=cv3_vocoder, cv2_flow=cv2_flow, prompt_cache_bytes=prompt_cache_bytes,
-                             cv3_flow=cv3_flow, flow_cache_bytes=flow_cache_bytes)
+        self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=plan.first_chunk_min_tokens,
+                             cv3_vocoder=plan.cv3_vocoder, cv2_flow=plan.cv2.streamed,
+                             prompt_cache_bytes=plan.prompt_cache_bytes, cv3_flow=plan.cv3.streamed,
+                             flow_cache_bytes=plan.flow_cache_bytes if flow_cache_bytes is None else flow_cache_bytes)
         self.sample_rate = model.spec.sample_rate
         self.n_mels = model.spec.flow.output_size
         self.embedding_dim = model.spec.flow.spk_embed_dim
@@ -173,7 +179,7 @@ class RuntimeToken2Wav:
         self.dtype = next(model.flow.parameters()).dtype
         self._stream = own_stream(model.device)
         # scheduler "steps": the flow passes on the GPU (off CUDA nothing is queued: no marks)
-        self._passes = PassQueue(passes_in_flight, torch.cuda.Event if self._stream is not None else None)
+        self._passes = PassQueue(plan.passes_in_flight, torch.cuda.Event if self._stream is not None else None)
 
     def new_stream(self, prompt: VoicePrompt, stream: bool, speed: float, seed: int | None) -> Any:
         import torch
@@ -288,210 +294,7 @@ def _audio_later(chunks: list) -> Callable[[], list[np.ndarray]]:
     return wait
 
 
-# --------------------------------------------------------------------------------------- loader
-_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
-
-
-def replica_limits(cfg, model, dtype_bytes: int):
-    """The flow batch / call sizes this replica accepts: the config, fitted to ``max_mem_gb``."""
-    from cosyvoice_runtime.errors import ModelLoadError
-    from cosyvoice_runtime.trt.profiles import ReplicaLimits, fit_to_memory
-
-    limits = ReplicaLimits(max_flow_batch=cfg.token2wav.max_batch_size)
-    if cfg.max_mem_gb is None:
-        return limits
-    weights = sum(p.numel() * p.element_size() for m in (model.llm, model.flow, model.hift) for p in m.parameters())
-    try:
-        fitted = fit_to_memory(model.spec, cfg.max_mem_gb, limits, weights_bytes=weights, max_running=cfg.max_running,
-                               max_model_len=cfg.max_model_len, dtype_bytes=dtype_bytes)
-    except ValueError as exc:
-        raise ModelLoadError("max_mem_gb", str(exc)) from None
-    if fitted != limits:
-        logger.warning("max_mem_gb %g lowers the flow limits: batch %d -> %d, longest call %.0f s -> %.0f s",
-                       cfg.max_mem_gb, limits.max_flow_batch, fitted.max_flow_batch, limits.max_total_s,
-                       fitted.max_total_s)
-    return fitted
-
-
-VOCODER_GRAPH_MAX_FRAMES = 512  # ~10 s of audio; whole-utterance (unstreamed) calls beyond it run eagerly
-
-
-def token2wav_scheduler(configured: str, device) -> str:
-    """``token2wav.scheduler`` resolved once per replica: "auto" is "steps" on CUDA, else "batch"."""
-    if configured != "auto":
-        return configured
-    return "steps" if str(device).startswith("cuda") else "batch"
-
-
-def torch_compile_backend(mode: str, knob: bool, device) -> str | None:
-    """The ``torch.compile`` backend of the LLM decode step (``llm_compile``) or of the incremental
-    flow pass (``flow_compile``): inductor in mode torchscript or with the knob, on CUDA only (the
-    graphs replaying the fused kernels are what it pays for); else none."""
-    return "inductor" if (mode == "torchscript" or knob) and str(device).startswith("cuda") else None
-
-
-def fused_norms_where(wanted: bool, available: bool, device, compiled: bool) -> bool:
-    """Whether the Triton add + norm kernels (``fused_norms``) run in a stage: asked for, Triton
-    installed, on CUDA, and the stage not compiled (inductor fuses these ops itself, and the two
-    together were never run; ``fused_norms`` became a default while mode torchscript compiles)."""
-    return wanted and available and str(device).startswith("cuda") and not compiled
-
-
-def streamed_flow(configured: str, device) -> str:
-    """``token2wav.cv2_flow`` / ``cv3_flow`` resolved once per replica: "auto" is "incremental" on
-    CUDA (where it was measured), else "recompute"."""
-    if configured != "auto":
-        return configured
-    return "incremental" if str(device).startswith("cuda") else "recompute"
-
-
-FLOW_CACHE_FREE_SHARE = 0.5  # the flow caches may fill at most this share of the GPU memory free after start
-
-
-def flow_cache_budget(configured: int, device, max_mem_gb: float | None = None) -> int:
-    """``token2wav.flow_cache_bytes``, held under half the GPU memory free now and, with
-    ``max_mem_gb`` (replicas sharing a GPU), under what of that budget the replica has not taken
-    yet (CUDA; call it once the weights, the KV cache and the graphs are allocated): the default
-    16 GiB fits an H200, not what is left of an RTX 5090's 32 GiB."""
-    if not str(device).startswith("cuda"):
-        return configured
-    import torch
-
-    free, _ = torch.cuda.mem_get_info(device)
-    budget = min(configured, int(free * FLOW_CACHE_FREE_SHARE))
-    if max_mem_gb is not None:
-        budget = min(budget, max(0, int(max_mem_gb * 2**30) - torch.cuda.memory_reserved(device)))
-    if budget < configured:
-        logger.info("flow cache budget %.1f GiB (%.1f GiB free on the GPU, max_mem_gb %s), not the configured %.1f GiB",
-                    budget / 2**30, free / 2**30, max_mem_gb, configured / 2**30)
-    return budget
-
-
-def capture_graphs(model, cfg, mode: str, limits, first_chunk_min_tokens: int | None,
-                   stepper: bool = False, incremental: bool = False, incremental_compile: str | None = None,
-                   incremental_fused_norms: bool = False) -> dict[str, int]:
-    """Capture the token2wav CUDA graphs of a CUDA replica (pytorch, torchscript): how many of each.
-
-    Flow (``flow_graphs``): the whole CFM solve (``stepper``: one Euler pass of it, for the
-    "steps" scheduler) and, for CosyVoice2, the token encoder, per padded (batch, length)
-    bucket, batches up to the replica's largest and calls up to ``flow_graph_max_s`` of audio
-    (prompt included); with ``incremental`` (``cv2_flow`` / ``cv3_flow``), the incremental pass per
-    (batch, new frames, cached frames) bucket, cached frames up to the same length. Vocoder
-    (``vocoder_graphs``), CosyVoice2: the lengths of every streamed
-    call after the first, for every batch bucket, every first-chunk length for batches of 1 and
-    2, and every last-chunk length for a batch of 1; other lengths are captured when they recur (:mod:`cosyvoice_runtime.hift.graphs`).
-    CosyVoice3 with ``cv3_vocoder: incremental``: the body per padded (batch, frames) bucket up to
-    the longest streamed window (:mod:`cosyvoice_runtime.hift.causal_graphs`; not yet timed on a GPU).
-    ``incremental_fused_norms``: the incremental pass's Triton add + norm kernels (:func:`fused_norms_where`).
-
-    Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-allgraphs.md): with
-    the solve graphs and the early first chunk, first audio at one stream fell from 1.11 s (LLM
-    graphs only, 2026-12-02) to 135 ms; the encoder and vocoder graphs took throughput at 64
-    streams from 90.1x to 115.4x real time (same run).
-    torchscript mode captures the same graphs over its compiled modules (each shape's warm-up
-    compiles it first, so start-up is longer); trt mode replaces the estimator and keeps its own
-    execution.
-    """
-    if not cfg.cuda_graphs or mode not in ("pytorch", "torchscript") or model.device.type != "cuda":
-        return {"flow_graphs": 0, "vocoder_graphs": 0}
-    from cosyvoice_runtime.flow.graph_setup import capture_flow_graphs, enable_flow_graphs
-    from cosyvoice_runtime.hift.causal_graphs import graph_causal_body, streaming_window_frames
-    from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
-
-    spec = model.spec
-    rate, ratio = spec.token_frame_rate, spec.flow.token_mel_ratio
-    max_s = min(cfg.flow_graph_max_s, limits.max_total_s)
-    started = time.perf_counter()
-    enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio, stepper=stepper,
-                       incremental=incremental, incremental_compile=incremental_compile,
-                       incremental_fused_norms=incremental_fused_norms)
-    n_flow = capture_flow_graphs(model.flow)
-    if not spec.hift.causal:  # the CV2 vocoder: exact lengths
-        n_vocoder = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,
-                                            first_chunk_min_tokens).num_graphs
-    elif cfg.token2wav.cv3_vocoder == "incremental":  # the CV3 body over padded buckets of streamed windows
-        n_vocoder = graph_causal_body(model.hift, limits.max_flow_batch,
-                                      streaming_window_frames(model.hift, spec)).num_graphs
-    else:  # the recompute vocodes whole accumulated mels: too long for graphs
-        n_vocoder = 0
-    logger.info("captured %d flow and %d vocoder CUDA graphs (batch <= %d, flow calls <= %.0f s) in %.1f s",
-                n_flow, n_vocoder, limits.max_flow_batch, max_s, time.perf_counter() - started)
-    return {"flow_graphs": n_flow, "vocoder_graphs": n_vocoder}
-
-
-def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
-    """Load the model on the replica's device in the replica's execution mode.
-
-    The mode comes from :func:`~deployments.model_source.replica_mode`, the one rule (config,
-    else ``$FAST_COSY_MODE``, else pytorch): :class:`~deployments.synthesizer.Synthesizer` has
-    already applied it and passes the result in ``cfg.mode``, which the rule returns as given; a
-    caller of its own that leaves ``cfg.mode`` None gets it resolved here.
-    """
-    import torch
-
-    from cosyvoice_runtime import kernels
-    from cosyvoice_runtime.graph_capture import captured_total, missed_total
-    from cosyvoice_runtime.model import load_model
-    from cosyvoice_runtime.modes import apply_mode, preflight
-    from cosyvoice_runtime.tiny_model import is_random_weight_model
-    from cosyvoice_runtime.trt.profiles import derive_profile
-
-    mode, source = replica_mode(cfg.mode)
-    preflight(mode, cfg.trt_plan_dir)  # before the weights: a missing TensorRT fails in seconds
-    device = resolve_device(cfg.device)
-    dtype = getattr(torch, _DTYPES[cfg.dtype])
-    model = load_model(model_dir, device=device, dtype=dtype)
-    llm_backend = torch_compile_backend(mode, cfg.llm_compile, device)
-    # the LLM's add + RMSNorm kernels (fused_norms): before any decode or prefill graph is captured
-    model.llm.backbone.fused_norms = fused_norms_where(cfg.fused_norms, kernels.AVAILABLE, model.device,
-                                                       compiled=llm_backend is not None)
-    limits = replica_limits(cfg, model, dtype_bytes=torch.finfo(dtype).bits // 8)
-    trt_estimator = None
-    if mode == "trt":
-        from cosyvoice_runtime.trt.engine import load_trt_estimator
-
-        trt_estimator = load_trt_estimator(cfg.trt_plan_dir, derive_profile(model.spec, limits), device=device,
-                                           pool_size=cfg.compute_threads,
-                                           flow_checkpoint=Path(model_dir) / model.spec.files["flow"])
-    report = apply_mode(model, mode, dtype, trt_estimator=trt_estimator)
-    min_first = cfg.token2wav.first_chunk_min_tokens if cfg.token2wav.early_first_chunk else None
-    scheduler = token2wav_scheduler(cfg.token2wav.scheduler, device)
-    cv2_flow, cv3_flow = streamed_flow(cfg.token2wav.cv2_flow, device), streamed_flow(cfg.token2wav.cv3_flow, device)
-    flow = cv2_flow if model.spec.family == "cosyvoice2" else cv3_flow
-    flow_backend = torch_compile_backend(mode, cfg.flow_compile, device) if flow == "incremental" and cfg.cuda_graphs else None
-    flow_fused = flow == "incremental" and fused_norms_where(cfg.fused_norms, kernels.AVAILABLE, device,
-                                                             compiled=flow_backend is not None)
-    graphs = capture_graphs(model, cfg, mode, limits, min_first, stepper=scheduler == "steps",
-                            incremental=flow == "incremental", incremental_compile=flow_backend,
-                            incremental_fused_norms=flow_fused)
-    rate = model.spec.token_frame_rate
-    engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
-                                compile_backend=llm_backend, run_ahead=cfg.llm_run_ahead)
-    return SynthesisRuntime(
-        engine=engine,
-        token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first, cv3_vocoder=cfg.token2wav.cv3_vocoder,
-                                   cv2_flow=cv2_flow, prompt_cache_bytes=cfg.token2wav.cv2_prompt_cache_bytes,
-                                   cv3_flow=cv3_flow,
-                                   flow_cache_bytes=flow_cache_budget(cfg.token2wav.flow_cache_bytes, device,
-                                                                      cfg.max_mem_gb),
-                                   passes_in_flight=cfg.token2wav.passes_in_flight),
-        device=str(device), graph_captures=captured_total, graph_misses=missed_total,
-        details={"family": model.spec.family, "mode": mode, "mode_source": source, "dtype": cfg.dtype,
-                 "t2w_scheduler": scheduler, "flow": flow,
-                 "compiled": report["compiled"] + (["llm decode step"] if llm_backend else [])
-                 + (["incremental flow pass"] if flow_backend else []),
-                 # where the Triton add + norm kernels run (fused_norms, and Triton and a GPU here)
-                 "fused_norms": (["llm"] if model.llm.backbone.fused_norms else [])
-                 + (["incremental flow pass"] if flow_fused and graphs["flow_graphs"] else []),
-                 "llm_run_ahead": engine.engine.run_ahead,  # on only with the static (graphed) decode step
-                 "estimator": report["estimator"], **graphs,
-                 "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
-                 "max_flow_tokens": int(limits.max_total_s * rate),
-                 "random_weights": is_random_weight_model(model_dir),  # the tiny test model: noise, not speech
-                 "llm_params_m": round(sum(p.numel() for p in model.llm.parameters()) / 1e6, 1)},  # which size
-    )
-
-
+# --------------------------------------------------------------------------------------- loaders
 def load_frontend_runtime(cfg, model_dir: str) -> FrontendRuntime:
     """The runtime frontend (normaliser, splitter, tokenizer, prompt features, voice store)."""
     from deployments.frontend_runtime import RuntimeFrontend

@@ -1,10 +1,10 @@
 """The protocols between the deployments and :mod:`cosyvoice_runtime`.
 
 Deployments talk to three small protocols only (:class:`FrontendRuntime`,
-:class:`TokenEngine`, :class:`Token2WavRuntime`); :mod:`deployments.runtime_adapter` builds the
-production implementations from the runtime package, and unit tests inject fakes of the same
-protocols through the deployments' ``runtime_factory`` constructor argument (house style §2.3
-rule 9, §2.8 rule 30).
+:class:`TokenEngine`, :class:`Token2WavRuntime`); :mod:`deployments.assembler` builds the
+production implementations (:mod:`deployments.runtime_adapter`) from the replica's execution
+plan, and unit tests inject fakes of the same protocols through the deployments'
+``runtime_factory`` constructor argument (house style §2.3 rule 9, §2.8 rule 30).
 """
 from __future__ import annotations
 
@@ -73,7 +73,11 @@ class SynthesisRuntime:
     engine: TokenEngine
     token2wav: Token2WavRuntime
     device: str
+    # what was loaded and built, for /health and reports (decisions come from the ExecutionPlan)
     details: dict = field(default_factory=dict)
+    # the flow batch and the voice prompt this replica accepts once fitted to max_mem_gb (None: as configured)
+    max_flow_batch: int | None = None
+    max_prompt_tokens: int | None = None
     # CUDA graphs captured in the replica's process so far (start-up and later; 0 without graphs)
     graph_captures: Callable[[], int] = lambda: 0
     # calls of a graphed stage that ran eagerly on CUDA: shapes beyond the captured buckets

@@ -46,9 +46,10 @@ from deployments.compute import MAIN as MAIN_LANE
 from deployments.compute import ComputeExecutor
 from deployments.deadlines import DeadlineGate, Playback
 from deployments.engine_loop import EngineLoop, GiveWay, TextSource, is_fatal
+from deployments.execution_plan import ExecutionPlan, replica_plan
 from deployments.gpu_stats import DeviceProbe
 from deployments.housekeeping import IdleTrim, cap_malloc_arenas
-from deployments.model_source import ModelSource, replica_mode
+from deployments.model_source import ModelSource
 from deployments.observability import ReplicaMetrics, replica_id
 from deployments.protocol import (
     AudioChunk,
@@ -62,7 +63,7 @@ from deployments.protocol import (
     portable_error,
 )
 from deployments.python_gc import settle_replica
-from deployments.runtime_adapter import call_with_timeout, load_synthesis_runtime
+from deployments.runtime_adapter import call_with_timeout
 from deployments.runtime_protocol import SynthesisRuntime
 from deployments.synthesizer_config import SynthesizerConfig
 from deployments.text_inbox import ActorInbox, BistreamTicket, InboxClient, LocalInbox
@@ -73,7 +74,8 @@ from deployments.warmup import warm_up
 logger = logging.getLogger(__name__)
 TOKEN2WAV_LANE = "token2wav"  # the compute lane of flow + HiFT batches when stages overlap
 
-RuntimeFactory = Callable[[SynthesizerConfig, ModelSource], SynthesisRuntime]
+# (config with the mode resolved, model source, the replica's plan) -> the runtime that runs the plan
+RuntimeFactory = Callable[[SynthesizerConfig, ModelSource, ExecutionPlan], SynthesisRuntime]
 
 
 def _import_factory(path: str) -> RuntimeFactory:
@@ -83,8 +85,10 @@ def _import_factory(path: str) -> RuntimeFactory:
     return getattr(importlib.import_module(module), attr)
 
 
-def default_runtime_factory(cfg: SynthesizerConfig, source: ModelSource) -> SynthesisRuntime:
-    return load_synthesis_runtime(cfg, str(source.resolve()))
+def default_runtime_factory(cfg: SynthesizerConfig, source: ModelSource, plan: ExecutionPlan) -> SynthesisRuntime:
+    from deployments.assembler import load_synthesis_runtime  # torch and the model code: only where it loads
+
+    return load_synthesis_runtime(cfg, str(source.resolve()), plan)
 
 
 class Synthesizer:
@@ -114,23 +118,29 @@ class Synthesizer:
             runtime_factory = _import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
         started = time.perf_counter()
         source = source or ModelSource(cfg.model_dir)
-        # Decided once per replica, on its own node; a mode that cannot run here fails now, not mid-request.
-        self.mode, self.mode_source = replica_mode(cfg.mode)
-        logger.info("synthesizer execution mode: %s (from %s)", self.mode, self.mode_source)
+        # Every code path of this replica (mode, device, graphs, schedulers: deployments.execution_plan),
+        # decided once, on its own node; the runtime is built from it. A mode that cannot run here fails
+        # now, before the weights load, not mid-request.
+        self.plan = plan = replica_plan(cfg)
+        self.mode, self.mode_source = plan.mode, plan.mode_source
+        logger.info("synthesizer execution mode: %s (from %s); plan: %s", self.mode, self.mode_source, plan)
         preflight(self.mode, cfg.trt_plan_dir)
         resolved = cfg.model_copy(update={"mode": self.mode})
         factory = runtime_factory
-        self.runtime = call_with_timeout(lambda: factory(resolved, source), cfg.startup_timeout_s, "synthesizer model")
+        self.runtime = call_with_timeout(lambda: factory(resolved, source, plan), cfg.startup_timeout_s,
+                                         "synthesizer model")
         self.t2w = self.runtime.token2wav
         self.sample_rate = self.t2w.sample_rate
-        overlap = cfg.overlap_stages if cfg.overlap_stages is not None else self.runtime.device.startswith("cuda")
+        overlap = plan.overlap_stages
         self.compute = ComputeExecutor(cfg.compute_threads, lanes=(TOKEN2WAV_LANE,) if overlap else ())
         self._t2w_lane = TOKEN2WAV_LANE if overlap else MAIN_LANE
         slack = cfg.token2wav.deadline_slack_s
-        steps = self.runtime.details.get("t2w_scheduler") == "steps"
+        steps = plan.token2wav.scheduler == "steps"
+        # the flow batch this replica takes: the config's, lowered by max_mem_gb when the runtime fitted it
+        max_flow_batch = min(cfg.token2wav.max_batch_size, self.runtime.max_flow_batch or cfg.token2wav.max_batch_size)
         give_way = GiveWay(overdue=lambda: self.stepped.overdue(), slack_s=slack or 0.0,
-                           max_s=cfg.token2wav.give_way_ms / 1e3, clock=clock) \
-            if steps and cfg.token2wav.give_way_ms > 0 else None
+                           max_s=plan.token2wav.give_way_ms / 1e3, clock=clock) \
+            if plan.token2wav.give_way_ms > 0 else None
         self.loop = EngineLoop(self.runtime.engine, self.compute, lane=None if overlap else MAIN_LANE,
                                give_way=give_way)
         self.probe = DeviceProbe(self.runtime.device)
@@ -138,23 +148,20 @@ class Synthesizer:
         self.t2w_batch_sizes: Counter[int] = Counter()
         self.t2w_splits = 0  # token2wav batches that raised and were split in halves
         self.t2w_failed_jobs = 0  # chunk jobs failed alone (an error even alone, or non-finite audio)
-        self.gate = DeadlineGate(slack, clock=clock) if slack is not None else None
-        self.stepped: SteppedToken2Wav | None = None  # token2wav.scheduler "steps" (resolved by the runtime)
+        # the batch scheduler's deadline-first admission (the stepped loop schedules by deadline itself)
+        self.gate = DeadlineGate(slack, clock=clock) if plan.token2wav.deadline_gate else None
+        self.stepped: SteppedToken2Wav | None = None  # token2wav.scheduler "steps"
         if steps:
-            self.gate = None  # the stepped loop schedules by deadline itself
             self.stepped = SteppedToken2Wav(self.t2w, self.compute, self._t2w_lane, clock, slack or 0.0,
-                                            min(cfg.token2wav.max_batch_size,
-                                                self.runtime.details.get("max_flow_batch", cfg.token2wav.max_batch_size)),
+                                            max_flow_batch,
                                             on_fatal=self.loop.kill, gather_s=cfg.token2wav.gather_ms / 1e3,
                                             on_rows_left=self.loop.wake, rider_ratio=cfg.token2wav.rider_ratio)
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
         self._active = 0  # synthesize() calls in progress; 0 for a while -> freed memory given back
         self.idle_trim = IdleTrim(self.runtime.device, self.compute.run, idle=lambda: self._active == 0)
-        details = self.runtime.details
         # max_mem_gb may lower the flow batch and the prompt length this replica accepts.
-        self.max_prompt_tokens: int | None = details.get("max_prompt_tokens")
-        self._token2wav.set_max_batch_size(min(cfg.token2wav.max_batch_size,
-                                               details.get("max_flow_batch", cfg.token2wav.max_batch_size)))
+        self.max_prompt_tokens: int | None = self.runtime.max_prompt_tokens
+        self._token2wav.set_max_batch_size(max_flow_batch)
         self._token2wav.set_batch_wait_timeout_s(cfg.token2wav.batch_wait_timeout_s)
         if cfg.warmup:
             call_with_timeout(lambda: warm_up(self.runtime), cfg.startup_timeout_s, "synthesizer warmup")
@@ -294,7 +301,8 @@ class Synthesizer:
             gpu_utilization_pct=self.probe.utilization_pct(self.compute.busy_fraction()),
             engine=self.loop.stats(),
             detail={"mode": self.mode, "mode_source": self.mode_source,
-                    **{k: v for k, v in self.runtime.details.items() if k not in ("mode", "mode_source")}},
+                    **{k: v for k, v in self.runtime.details.items() if k not in ("mode", "mode_source")},
+                    "plan": self.plan.as_dict()},  # what this replica runs (deployments.execution_plan)
         )
 
     # ---------------------------------------------------------------- Serve hooks

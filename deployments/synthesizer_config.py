@@ -87,7 +87,10 @@ class Token2WavBatchConfig(StrictModel):
 
 
 class SynthesizerConfig(DeploymentKnobs):
-    """Synthesizer replica: model, device, engine capacity, token2wav batching."""
+    """Synthesizer replica: model, device, engine capacity, token2wav batching.
+
+    The code paths these knobs choose ("auto" values, CUDA-only stages) are resolved once per
+    replica into its execution plan (deployments/execution_plan.py), which /health shows."""
 
     model_dir: str | None = None  # None: AppArgs.model_dir, then $FAST_COSY_MODEL_DIR, then the tiny model
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -105,14 +108,6 @@ class SynthesizerConfig(DeploymentKnobs):
     # the CV2 vocoder replayed as CUDA graphs, captured at start-up (about 0.6 s per flow-solve graph
     # on an H200); vocoder lengths first met in traffic are captured when they recur.
     cuda_graphs: bool = True
-    # CUDA replicas: the LLM decode step through torch.compile (inductor) under its CUDA graphs, as
-    # mode torchscript does, without compiling the flow. Measured, it does not pay: a bf16 step at
-    # batch 1 took 1.857 ms compiled against 1.890 graphed alone (H100, 2026-12-06,
-    # bench/results/llm-decode-compile-h100-2026-12-06.md), although its kernel profile puts 0.63
-    # of its 1.58 ms of kernels in 345 elementwise, copy and norm kernels (why fusing did not
-    # shorten it is not known); compiling took 93 s per bucket, and a replica had not started 116 s
-    # after its flow graphs. Off by default.
-    llm_compile: bool = False
     # CUDA replicas with cuda_graphs: each LLM decode step is queued before the one before it has
     # been read, its rows fed that step's ids on the GPU (cosyvoice_runtime/llm/engine.py), so the
     # LLM's lane does not idle while the host reads, commits and delivers a step's tokens and packs
@@ -137,7 +132,7 @@ class SynthesizerConfig(DeploymentKnobs):
     # bring it; without it PyTorch's ops run); checked against PyTorch's under Triton's
     # interpreter. Measured (H100, 2026-12-06, same calls): first audio at one stream 76.7 ->
     # 68.4 ms p50 alone, 64.7-65.1 ms with llm_run_ahead; a pass 3.65 -> 3.32 ms. Not in a stage
-    # compiled by torch.compile (mode torchscript, llm_compile, flow_compile: inductor fuses these
+    # compiled by torch.compile (mode torchscript, flow_compile: inductor fuses these
     # ops itself; the two together were never run). /health lists where it runs.
     fused_norms: bool = True
     # LLM steps and token2wav batches on two threads (each with its own CUDA stream) instead of one,
@@ -153,7 +148,8 @@ class SynthesizerConfig(DeploymentKnobs):
     token2wav: Token2WavBatchConfig = Field(default_factory=Token2WavBatchConfig)
     startup_timeout_s: PositiveFloat = constants.REPLICA_START_TIMEOUT_S
     warmup: bool = True  # one short utterance through LLM + flow + HiFT before serving
-    # Import path "module:callable" returning a SynthesisRuntime (tests inject fakes here).
+    # Import path "module:callable" of a factory (config, model source, execution plan) -> SynthesisRuntime
+    # (tests inject fakes here; default: deployments.assembler.load_synthesis_runtime).
     runtime_factory: str | None = None
 
     @model_validator(mode="after")

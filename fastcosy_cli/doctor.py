@@ -171,7 +171,7 @@ def incremental_flow_budget(synth) -> int:
 
 def needed_trt_profile(model_dir: Path | None, synth, max_mem_gb: float | None = None) -> dict | None:
     """The estimator profile a trt replica asks its plans to cover, computed as the replica does
-    (``deployments.runtime_adapter.replica_limits`` + ``derive_profile``) on meta-device modules
+    (``deployments.assembler.replica_limits`` + ``derive_profile``) on meta-device modules
     (shapes only, no weights read); None when the model directory or the runtime is not
     available here (the model checks report why).
     """
@@ -184,7 +184,7 @@ def needed_trt_profile(model_dir: Path | None, synth, max_mem_gb: float | None =
         from cosyvoice_runtime.model import build_modules
         from cosyvoice_runtime.trt.profiles import derive_profile
         from cosyvoice_runtime.yaml_config import read_model_spec
-        from deployments.runtime_adapter import replica_limits
+        from deployments.assembler import replica_limits
         from deployments.synthesizer_config import SynthesizerConfig
     except ImportError as exc:
         logger.debug("no TensorRT profile requirement: %s", exc)

@@ -129,12 +129,18 @@ class LLMEngine:
             the benchmarks' baseline).
         run_ahead: with the static decode step, queue each step before reading the one before
             (module docstring).
+        fused_norms: each residual add and the RMSNorm after it as one Triton kernel in the
+            model's layers (``cosyvoice_runtime.kernels.add_rms_norm``; PyTorch's ops where it
+            cannot run); set before any step is traced or captured. None: as the model has it.
     """
 
     def __init__(self, model, max_batch_size: int = 16, max_seq_len: int = 2048, *, max_prefills_per_step: int = 16,
                  official_quirks: bool = False, return_logits: bool = False, use_cuda_graphs: bool = False,
                  static_decode: bool | None = None, history_width: int = DEFAULT_HISTORY_WIDTH,
-                 compile_backend: str | None = None, prefill_graphs: bool = True, run_ahead: bool = False) -> None:
+                 compile_backend: str | None = None, prefill_graphs: bool = True, run_ahead: bool = False,
+                 fused_norms: bool | None = None) -> None:
+        if fused_norms is not None:
+            model.use_fused_norms(fused_norms)
         self.model = model
         self.spec = model.spec
         self.max_running = max_batch_size

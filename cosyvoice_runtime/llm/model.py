@@ -210,7 +210,7 @@ class Qwen2Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta)
         # Each residual add and the RMSNorm after it as one Triton kernel where one can run
         # (cosyvoice_runtime.kernels.add_rms_norm: 48 kernels fewer of a decode step's 521);
-        # set by the serving runtime from synthesizer.fused_norms. Not yet timed on a GPU.
+        # chosen through SpeechLM.use_fused_norms (the engine's fused_norms argument).
         self.fused_norms = False
 
     def forward(self, inputs_embeds: torch.Tensor, cache: KVCache | None = None,
@@ -353,6 +353,11 @@ class SpeechLM(nn.Module):
     @property
     def backbone_spec(self) -> Qwen2Spec:
         return self.spec.backbone
+
+    def use_fused_norms(self, on: bool) -> None:
+        """Each residual add and the RMSNorm after it as one Triton kernel (where one can run)
+        or as PyTorch's ops; choose before a step is traced or captured."""
+        self.backbone.fused_norms = bool(on)
 
     # -- embeddings ------------------------------------------------------------------------
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:

@@ -245,14 +245,14 @@ class FakeToken2Wav:
         return out
 
 
-def fake_synthesis_runtime(cfg, source) -> SynthesisRuntime:
+def fake_synthesis_runtime(cfg, source, plan=None) -> SynthesisRuntime:
     """``runtime_factory`` for SynthesizerConfig (import path ``tests.deployments.fakes:fake_synthesis_runtime``)."""
     return SynthesisRuntime(engine=FakeEngine(max_running=cfg.max_running), token2wav=FakeToken2Wav(), device="cpu")
 
 
 def fake_runtime_on(clock: FakeClock):
     """A ``runtime_factory`` whose fakes spend their compute time on ``clock`` instead of sleeping."""
-    def factory(cfg, source) -> SynthesisRuntime:
+    def factory(cfg, source, plan=None) -> SynthesisRuntime:
         return SynthesisRuntime(engine=FakeEngine(max_running=cfg.max_running, clock=clock),
                                 token2wav=FakeToken2Wav(clock=clock), device="cpu")
 

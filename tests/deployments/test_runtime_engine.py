@@ -3,6 +3,7 @@ EngineLoop, on the tiny official-layout parity model: continuous batching, lengt
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import threading
 from pathlib import Path
@@ -108,3 +109,21 @@ def test_length_bound_is_capped_to_the_slot_and_tiny_slots_refuse():
     assert 0 < len(tokens) <= 20
     with pytest.raises(InvalidInputError, match="too long for a decode slot"):
         RuntimeTokenEngine(model, max_running=1, max_model_len=prefill + 2).add("b", req)  # min_len is 8
+
+
+def test_the_engine_takes_its_norms_from_the_llm_plan():
+    """The LLM's fused_norms reach the model through the engine's constructor (no attribute set
+    from the deployments); without a plan the model keeps what it has."""
+    from cosyvoice_runtime.llm.model import build_llm
+    from deployments.execution_plan import LLMPlan
+    from deployments.runtime_adapter import RuntimeTokenEngine
+
+    spec = _model("cosyvoice2").spec
+    model = SimpleNamespace(spec=spec, llm=build_llm(spec.llm).eval())
+    plan = LLMPlan(cuda_graphs=False, prefill_graphs=False, compile_backend=None, fused_norms=True, run_ahead=False)
+    RuntimeTokenEngine(model, max_running=1, max_model_len=64, plan=plan)
+    assert model.llm.backbone.fused_norms is True
+    RuntimeTokenEngine(model, max_running=1, max_model_len=64)
+    assert model.llm.backbone.fused_norms is True
+    RuntimeTokenEngine(model, max_running=1, max_model_len=64, plan=dataclasses.replace(plan, fused_norms=False))
+    assert model.llm.backbone.fused_norms is False

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cosyvoice_runtime.lm_messages import LMRequest
+from deployments.assembler import load_synthesis_runtime
 from deployments.protocol import VoicePrompt
-from deployments.runtime_adapter import fused_norms_where, load_synthesis_runtime, torch_compile_backend
 from deployments.synthesizer_config import SynthesizerConfig
 
 
@@ -103,23 +103,12 @@ def test_cuda_cosyvoice3_replica_vocodes_through_graphs_with_the_eager_audio(tmp
         np.testing.assert_allclose(a, b, atol=1e-3, rtol=1e-3)
 
 
-def test_fused_norms_run_on_cuda_with_triton_and_not_in_a_compiled_stage():
-    """The Triton add + norm kernels are on by default; mode torchscript compiles the LLM step and
-    the flow pass, where inductor fuses those ops itself: there they stay off."""
-    assert fused_norms_where(True, True, "cuda:0", compiled=False)
-    assert not fused_norms_where(True, True, "cuda", compiled=True)
-    assert not fused_norms_where(True, False, "cuda", compiled=False)
-    assert not fused_norms_where(True, True, "cpu", compiled=False)
-    assert not fused_norms_where(False, True, "cuda", compiled=False)
-
-
-def test_the_llm_step_and_flow_pass_are_compiled_on_cuda_in_mode_torchscript_or_with_their_knob(model_dir):
-    assert torch_compile_backend("pytorch", True, "cuda:0") == "inductor"
-    assert torch_compile_backend("torchscript", False, "cuda") == "inductor"
-    assert torch_compile_backend("pytorch", False, "cuda") is None
-    assert torch_compile_backend("pytorch", True, "cpu") is None  # graphs are what it pays for: CUDA only
-    runtime = load_synthesis_runtime(SynthesizerConfig(device="cpu", warmup=False, llm_compile=True,
-                                                       flow_compile=True), model_dir)
+def test_a_cpu_replica_compiles_no_graphed_stage(model_dir):
+    """flow_compile (like mode torchscript's LLM step) compiles a graphed stage: none on the CPU
+    (which stages compile where: tests/deployments/test_execution_plan.py)."""
+    runtime = load_synthesis_runtime(SynthesizerConfig(device="cpu", warmup=False, flow_compile=True,
+                                                       token2wav={"cv2_flow": "incremental"}), model_dir)
+    assert runtime.details["flow"] == "incremental"
     assert "llm decode step" not in runtime.details["compiled"]
     assert "incremental flow pass" not in runtime.details["compiled"]
 

@@ -10,13 +10,13 @@ import torch
 
 from cosyvoice_runtime.model import load_model
 from deployments.runtime_adapter import RuntimeToken2Wav, _host_audio
-from tests.deployments.test_flow_stats import _voice
+from tests.deployments.test_flow_stats import _voice, cpu_token2wav_plan
 from tests.runtime.parity.common import parity_dir
 
 
 def test_a_batch_comes_back_as_each_rows_own_samples():
     base = load_model(parity_dir() / "cosyvoice2" / "model")
-    runtimes = [RuntimeToken2Wav(dataclasses.replace(base, flow=copy.deepcopy(base.flow)), first_chunk_min_tokens=10)
+    runtimes = [RuntimeToken2Wav(dataclasses.replace(base, flow=copy.deepcopy(base.flow)), cpu_token2wav_plan())
                 for _ in range(2)]
     voices = [_voice(30, 80), _voice(24, 81)]
     tokens = [torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 23)]

@@ -12,7 +12,6 @@ import pytest
 from deployments.compute import ComputeExecutor
 from deployments.model_source import ModelSource
 from deployments.protocol import EngineDeadError, PreparedRequest, RequestFailedError, TextPiece, VoicePrompt
-from deployments.runtime_adapter import streamed_flow, token2wav_scheduler
 from deployments.synthesizer import Synthesizer
 from deployments.synthesizer_config import SynthesizerConfig
 from deployments.token2wav_loop import SteppedToken2Wav
@@ -110,20 +109,6 @@ def test_the_driver_stamps_each_jobs_marks_once():
     asyncio.run(main())
     assert set(first) == {"t2w_started", "t2w_solved"} and first["t2w_started"] < first["t2w_solved"]
     assert kept == {"t2w_started": -1.0, "t2w_solved": -2.0}
-
-
-def test_auto_scheduler_is_steps_on_cuda():
-    assert token2wav_scheduler("auto", "cuda:0") == "steps"
-    assert token2wav_scheduler("auto", "cpu") == "batch"
-    assert token2wav_scheduler("steps", "cpu") == "steps"
-    assert token2wav_scheduler("batch", "cuda") == "batch"
-
-
-def test_auto_streamed_flow_is_incremental_on_cuda():
-    assert streamed_flow("auto", "cuda:0") == "incremental"
-    assert streamed_flow("auto", "cpu") == "recompute"
-    assert streamed_flow("incremental", "cpu") == "incremental"
-    assert streamed_flow("recompute", "cuda") == "recompute"
 
 
 class _FakeT2W:

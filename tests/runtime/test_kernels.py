@@ -121,7 +121,7 @@ with torch.no_grad():  # norms start as ones: random gains, so that a kernel tha
 x = torch.randn(2, 9, spec.llm.llm_input_size)
 with torch.no_grad():
     plain = llm.backbone(x)
-    llm.backbone.fused_norms = True
+    llm.use_fused_norms(True)
     fused = llm.backbone(x)
 print(json.dumps({"max_err": float((plain - fused).abs().max()), "scale": float(plain.abs().max())}))
 """

@@ -110,9 +110,9 @@ def _synth(monkeypatch, env: str | None, **cfg):
         monkeypatch.setenv("FAST_COSY_MODE", env)
     seen = {}
 
-    def factory(c, source):
-        seen["mode"] = c.mode
-        return fakes.fake_synthesis_runtime(c, source)
+    def factory(c, source, plan):
+        seen["mode"], seen["plan"] = c.mode, plan
+        return fakes.fake_synthesis_runtime(c, source, plan)
 
     s = Synthesizer(SynthesizerConfig(warmup=False, max_running=4, max_ongoing_requests=4,
                                       token2wav={"max_batch_size": 2}, **cfg),
@@ -130,6 +130,8 @@ def test_health_carries_the_mode_and_its_source(monkeypatch, config_mode, env, e
     health = s.health()
     assert (health.detail["mode"], health.detail["mode_source"]) == expected
     assert seen["mode"] == expected[0]  # the runtime factory gets the resolved mode
+    assert (seen["plan"].mode, seen["plan"].mode_source) == expected and seen["plan"] is s.plan  # and the plan
+    assert health.detail["plan"] == s.plan.as_dict()
 
 
 @pytest.mark.skipif(HAS_TRT, reason="tensorrt is installed")
@@ -155,15 +157,15 @@ def test_memory_limits_from_the_runtime_bound_the_prompt_at_admission(monkeypatc
     from deployments.synthesizer_config import SynthesizerConfig
     from tests.deployments import fakes
 
-    def factory(c, source):
-        rt = fakes.fake_synthesis_runtime(c, source)
-        rt.details.update(max_flow_batch=1, max_prompt_tokens=5)
+    def factory(c, source, plan):
+        rt = fakes.fake_synthesis_runtime(c, source, plan)
+        rt.max_flow_batch, rt.max_prompt_tokens = 1, 5
         return rt
 
     monkeypatch.delenv("FAST_COSY_MODE", raising=False)
     s = Synthesizer(SynthesizerConfig(warmup=False, max_running=2, max_ongoing_requests=2,
                                       token2wav={"max_batch_size": 2}), runtime_factory=factory)
-    assert s.health().detail["max_flow_batch"] == 1
+    assert s._token2wav._get_max_batch_size() == 1  # the flow batch the runtime fitted, not the config's 2
     prompt = VoicePrompt(family="cosyvoice2", text_tokens=np.zeros(0, np.int32),
                          speech_tokens=np.arange(10, dtype=np.int32), mel=np.zeros((20, 80), np.float32),
                          embedding=np.ones(192, np.float32))

@@ -1,0 +1,169 @@
+"""The one assembler of a synthesizer replica's runtime: :func:`assemble` builds the model, the
+token engine and token2wav from an :class:`~deployments.execution_plan.ExecutionPlan`.
+
+It decides nothing the plan decides: it loads the weights on the plan's device in the plan's mode,
+fits the flow limits and the flow cache budget to the memory this replica has (facts known only
+once the weights are in), captures the CUDA graphs the plan names, and hands each executor its
+part of the plan. :func:`load_synthesis_runtime` is the production ``runtime_factory``'s body.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from deployments.execution_plan import ExecutionPlan, replica_plan
+from deployments.runtime_adapter import RuntimeToken2Wav, RuntimeTokenEngine
+from deployments.runtime_protocol import SynthesisRuntime
+
+logger = logging.getLogger(__name__)
+
+VOCODER_GRAPH_MAX_FRAMES = 512  # ~10 s of audio; whole-utterance (unstreamed) calls beyond it run eagerly
+FLOW_CACHE_FREE_SHARE = 0.5  # the flow caches may fill at most this share of the GPU memory free after start
+
+
+def replica_limits(cfg, model, dtype_bytes: int):
+    """The flow batch / call sizes this replica accepts: the config, fitted to ``max_mem_gb``."""
+    from cosyvoice_runtime.errors import ModelLoadError
+    from cosyvoice_runtime.trt.profiles import ReplicaLimits, fit_to_memory
+
+    limits = ReplicaLimits(max_flow_batch=cfg.token2wav.max_batch_size)
+    if cfg.max_mem_gb is None:
+        return limits
+    weights = sum(p.numel() * p.element_size() for m in (model.llm, model.flow, model.hift) for p in m.parameters())
+    try:
+        fitted = fit_to_memory(model.spec, cfg.max_mem_gb, limits, weights_bytes=weights, max_running=cfg.max_running,
+                               max_model_len=cfg.max_model_len, dtype_bytes=dtype_bytes)
+    except ValueError as exc:
+        raise ModelLoadError("max_mem_gb", str(exc)) from None
+    if fitted != limits:
+        logger.warning("max_mem_gb %g lowers the flow limits: batch %d -> %d, longest call %.0f s -> %.0f s",
+                       cfg.max_mem_gb, limits.max_flow_batch, fitted.max_flow_batch, limits.max_total_s,
+                       fitted.max_total_s)
+    return fitted
+
+
+def flow_cache_budget(configured: int, device, max_mem_gb: float | None = None) -> int:
+    """``token2wav.flow_cache_bytes``, held under half the GPU memory free now and, with
+    ``max_mem_gb`` (replicas sharing a GPU), under what of that budget the replica has not taken
+    yet (CUDA; call it once the weights, the KV cache and the graphs are allocated): the default
+    16 GiB fits an H200, not what is left of an RTX 5090's 32 GiB."""
+    if not str(device).startswith("cuda"):
+        return configured
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = min(configured, int(free * FLOW_CACHE_FREE_SHARE))
+    if max_mem_gb is not None:
+        budget = min(budget, max(0, int(max_mem_gb * 2**30) - torch.cuda.memory_reserved(device)))
+    if budget < configured:
+        logger.info("flow cache budget %.1f GiB (%.1f GiB free on the GPU, max_mem_gb %s), not the configured %.1f GiB",
+                    budget / 2**30, free / 2**30, max_mem_gb, configured / 2**30)
+    return budget
+
+
+def capture_graphs(model, plan: ExecutionPlan, limits, flow_graph_max_s: float) -> dict[str, int]:
+    """Capture the token2wav CUDA graphs the plan names (``plan.token2wav.cuda_graphs``): how many of each.
+
+    Flow (``flow_graphs``): the whole CFM solve (scheduler "steps": one Euler pass of it) and, for
+    CosyVoice2, the token encoder, per padded (batch, length) bucket, batches up to the replica's
+    largest and calls up to ``flow_graph_max_s`` of audio (prompt included); with an incremental
+    streamed flow, its pass per (batch, new frames, cached frames) bucket, cached frames up to the
+    same length, compiled and with the fused kernels as the plan says. Vocoder (``vocoder_graphs``),
+    CosyVoice2: the lengths of every streamed call after the first, for every batch bucket, every
+    first-chunk length for batches of 1 and 2, and every last-chunk length for a batch of 1; other
+    lengths are captured when they recur (:mod:`cosyvoice_runtime.hift.graphs`). CosyVoice3 with
+    the incremental vocoder: the body per padded (batch, frames) bucket up to the longest streamed
+    window (:mod:`cosyvoice_runtime.hift.causal_graphs`; not yet timed on a GPU).
+
+    Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-allgraphs.md): with
+    the solve graphs and the early first chunk, first audio at one stream fell from 1.11 s (LLM
+    graphs only, 2026-12-02) to 135 ms; the encoder and vocoder graphs took throughput at 64
+    streams from 90.1x to 115.4x real time (same run).
+    torchscript mode captures the same graphs over its compiled modules (each shape's warm-up
+    compiles it first, so start-up is longer); trt mode replaces the estimator and keeps its own
+    execution (the plan has no token2wav graphs there).
+    """
+    t2w = plan.token2wav
+    if not t2w.cuda_graphs:
+        return {"flow_graphs": 0, "vocoder_graphs": 0}
+    from cosyvoice_runtime.flow.graph_setup import capture_flow_graphs, enable_flow_graphs
+    from cosyvoice_runtime.hift.causal_graphs import graph_causal_body, streaming_window_frames
+    from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
+
+    spec = model.spec
+    flow = t2w.flow(spec.family)
+    rate, ratio = spec.token_frame_rate, spec.flow.token_mel_ratio
+    max_s = min(flow_graph_max_s, limits.max_total_s)
+    started = time.perf_counter()
+    enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio,
+                       stepper=t2w.scheduler == "steps", incremental=flow.streamed == "incremental",
+                       incremental_compile=flow.compile_backend, incremental_fused_norms=flow.fused_norms)
+    n_flow = capture_flow_graphs(model.flow)
+    if not t2w.vocoder_graphs(spec.family):  # CV3's recompute vocodes whole accumulated mels: too long for graphs
+        n_vocoder = 0
+    elif not spec.hift.causal:  # the CV2 vocoder: exact lengths
+        n_vocoder = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,
+                                            t2w.first_chunk_min_tokens).num_graphs
+    else:  # the CV3 body over padded buckets of streamed windows
+        n_vocoder = graph_causal_body(model.hift, limits.max_flow_batch,
+                                      streaming_window_frames(model.hift, spec)).num_graphs
+    logger.info("captured %d flow and %d vocoder CUDA graphs (batch <= %d, flow calls <= %.0f s) in %.1f s",
+                n_flow, n_vocoder, limits.max_flow_batch, max_s, time.perf_counter() - started)
+    return {"flow_graphs": n_flow, "vocoder_graphs": n_vocoder}
+
+
+def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = None) -> SynthesisRuntime:
+    """Load the model and assemble the runtime that ``plan`` describes (None: this node's
+    :func:`~deployments.execution_plan.replica_plan` of ``cfg``, its mode preflighted here, as the
+    synthesizer does before it calls its runtime factory)."""
+    import torch
+
+    from cosyvoice_runtime.graph_capture import captured_total, missed_total
+    from cosyvoice_runtime.model import load_model
+    from cosyvoice_runtime.modes import apply_mode, preflight
+    from cosyvoice_runtime.tiny_model import is_random_weight_model
+    from cosyvoice_runtime.trt.profiles import derive_profile
+
+    if plan is None:
+        plan = replica_plan(cfg)
+        preflight(plan.mode, cfg.trt_plan_dir)  # before the weights: a missing TensorRT fails in seconds
+    dtype = getattr(torch, plan.dtype)
+    model = load_model(model_dir, device=plan.device, dtype=dtype)
+    limits = replica_limits(cfg, model, dtype_bytes=torch.finfo(dtype).bits // 8)
+    trt_estimator = None
+    if plan.mode == "trt":
+        from cosyvoice_runtime.trt.engine import load_trt_estimator
+
+        trt_estimator = load_trt_estimator(cfg.trt_plan_dir, derive_profile(model.spec, limits), device=plan.device,
+                                           pool_size=cfg.compute_threads,
+                                           flow_checkpoint=Path(model_dir) / model.spec.files["flow"])
+    report = apply_mode(model, plan.mode, dtype, trt_estimator=trt_estimator)
+    family = model.spec.family
+    flow = plan.token2wav.flow(family)
+    graphs = capture_graphs(model, plan, limits, cfg.flow_graph_max_s)
+    # the LLM's decode and prefill graphs are captured here, before token2wav work runs beside them
+    engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, plan.llm)
+    token2wav = RuntimeToken2Wav(model, plan.token2wav,
+                                 flow_cache_bytes=flow_cache_budget(plan.token2wav.flow_cache_bytes, plan.device,
+                                                                    cfg.max_mem_gb))
+    rate = model.spec.token_frame_rate
+    return SynthesisRuntime(
+        engine=engine, token2wav=token2wav, device=plan.device, graph_captures=captured_total,
+        graph_misses=missed_total, max_flow_batch=limits.max_flow_batch,
+        max_prompt_tokens=int(limits.max_prompt_s * rate),
+        # what was loaded and built (the plan says what runs; /health shows both)
+        details={"family": family, "mode": plan.mode, "mode_source": plan.mode_source, "dtype": plan.dtype,
+                 "t2w_scheduler": plan.token2wav.scheduler, "flow": flow.streamed,
+                 "compiled": report["compiled"] + (["llm decode step"] if plan.llm.compile_backend else [])
+                 + (["incremental flow pass"] if flow.compile_backend else []),
+                 # where the Triton add + norm kernels run (fused_norms, and Triton and a GPU here)
+                 "fused_norms": (["llm"] if plan.llm.fused_norms else [])
+                 + (["incremental flow pass"] if flow.fused_norms and graphs["flow_graphs"] else []),
+                 "llm_run_ahead": engine.engine.run_ahead,  # on only with the static (graphed) decode step
+                 "estimator": report["estimator"], **graphs,
+                 "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
+                 "max_flow_tokens": int(limits.max_total_s * rate),
+                 "random_weights": is_random_weight_model(model_dir),  # the tiny test model: noise, not speech
+                 "llm_params_m": round(sum(p.numel() for p in model.llm.parameters()) / 1e6, 1)},  # which size
+    )
