@@ -11,6 +11,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +55,15 @@ class RuntimeTokenEngine:
     Bistream text ids are fed one id per chunk, as the official frontend streams them: the engine
     consumes one chunk each time the model asks for text (a ``fill``), so a many-id chunk would be
     read 5 ids at a time with its surplus left until the end (:mod:`cosyvoice_runtime.llm.bistream_seq`).
+
+    ``length_rule`` (``speech_length: text_rate``, :mod:`cosyvoice_runtime.speech_length`): text
+    ids and seed -> the speech tokens a request decodes, exactly (its min and max length); a
+    bistream request gets it from its whole text when that ends.
     """
 
     def __init__(self, model, max_running: int, max_model_len: int, cuda_graphs: bool = True,
-                 compile_backend: str | None = None, run_ahead: bool = False) -> None:
+                 compile_backend: str | None = None, run_ahead: bool = False,
+                 length_rule: Callable[[Sequence[int], int | None], int] | None = None) -> None:
         from cosyvoice_runtime.llm.bistream_seq import FINISH_PROTOCOL
         from cosyvoice_runtime.llm.engine import NONFINITE_LOGITS, LLMEngine
 
@@ -80,6 +86,8 @@ class RuntimeTokenEngine:
         self.max_running = max_running
         self.max_model_len = max_model_len
         self._filters: dict[str, Any] = {}
+        self.length_rule = length_rule
+        self._bistream_text: dict[str, tuple[list[int], int | None]] = {}  # with length_rule: (ids so far, seed)
         self._stream = own_stream(next(model.llm.parameters()).device, priority=LLM_STREAM_PRIORITY)
 
     def add(self, request_id: str, request: LMRequest) -> None:
@@ -101,6 +109,9 @@ class RuntimeTokenEngine:
         # The 20x text-length bound is a worst case that real speech does not approach; cap it at
         # what one KV slot holds (finish reason "length") instead of refusing the request.
         room = self.max_model_len - int(lm.embeds.shape[0]) + 1
+        if self.length_rule is not None:  # random weights: the text's length, not a random stop
+            n = self.length_rule(request.text_ids, request.seed)
+            lm = replace(lm, min_len=min(n, max(room, 1)), max_len=n)
         if room < max(lm.min_len, 1):
             need = int(lm.embeds.shape[0]) + lm.min_len
             raise InvalidInputError(f"text piece too long for a decode slot: needs at least {need} positions, "
@@ -119,9 +130,16 @@ class RuntimeTokenEngine:
         with torch.cuda.stream(self._stream):
             self.engine.add_bistream_request(request_id, request.prompt_text_ids, request.prompt_speech_ids, params)
         self._filters[request_id] = SilentTokenFilter(self.spec)
+        if self.length_rule is not None:
+            self._bistream_text[request_id] = ([], request.seed)
 
     def feed_text(self, request_id: str, ids: Sequence[int], end: bool) -> bool:
-        return self.engine.feed_text(request_id, [[int(i)] for i in ids], end)
+        length, text = None, self._bistream_text.get(request_id)
+        if text is not None:
+            text[0].extend(int(i) for i in ids)
+            if end:
+                length = self.length_rule(self._bistream_text.pop(request_id)[0], text[1])
+        return self.engine.feed_text(request_id, [[int(i)] for i in ids], end, length)
 
     def step(self) -> list[TokenEvent]:
         import torch
@@ -136,11 +154,13 @@ class RuntimeTokenEngine:
                                   self._errors.get(ev.finish_reason)))
             if ev.finished:
                 self._filters.pop(ev.request_id, None)
+                self._bistream_text.pop(ev.request_id, None)
         return out
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
         self._filters.pop(request_id, None)
+        self._bistream_text.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
@@ -345,6 +365,17 @@ def streamed_flow(configured: str, device) -> str:
     return "incremental" if str(device).startswith("cuda") else "recompute"
 
 
+def speech_length_rule(configured: str, model_dir: str) -> str:
+    """``speech_length`` resolved once per replica: "auto" is "text_rate" for a random-weight
+    model (its LLM never predicts a sensible end of speech), else "model" (real weights end their
+    utterances themselves)."""
+    if configured != "auto":
+        return configured
+    from cosyvoice_runtime.tiny_model import is_random_weight_model
+
+    return "text_rate" if is_random_weight_model(model_dir) else "model"
+
+
 FLOW_CACHE_FREE_SHARE = 0.5  # the flow caches may fill at most this share of the GPU memory free after start
 
 
@@ -465,8 +496,14 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                             incremental=flow == "incremental", incremental_compile=flow_backend,
                             incremental_fused_norms=flow_fused)
     rate = model.spec.token_frame_rate
+    speech_length = speech_length_rule(cfg.speech_length, model_dir)
+    length_rule = None
+    if speech_length == "text_rate":
+        from cosyvoice_runtime.speech_length import TextRateLength
+
+        length_rule = TextRateLength.for_model(model_dir, model.spec.family, rate, cfg.speech_length_jitter)
     engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
-                                compile_backend=llm_backend, run_ahead=cfg.llm_run_ahead)
+                                compile_backend=llm_backend, run_ahead=cfg.llm_run_ahead, length_rule=length_rule)
     return SynthesisRuntime(
         engine=engine,
         token2wav=RuntimeToken2Wav(model, first_chunk_min_tokens=min_first, cv3_vocoder=cfg.token2wav.cv3_vocoder,
@@ -488,6 +525,7 @@ def load_synthesis_runtime(cfg, model_dir: str) -> SynthesisRuntime:
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),
                  "random_weights": is_random_weight_model(model_dir),  # the tiny test model: noise, not speech
+                 "speech_length": speech_length,  # text_rate: each utterance as long as its text reads
                  "llm_params_m": round(sum(p.numel() for p in model.llm.parameters()) / 1e6, 1)},  # which size
     )
 
