@@ -158,6 +158,8 @@ class SynthesizerConfig(DeploymentKnobs):
     # an end and otherwise make minutes of noise per sentence. "auto": text_rate for a
     # random-weight model (the embedded tiny one, random full-size benchmark models), else model.
     speech_length: Literal["auto", "model", "text_rate"] = "auto"
+    # With text_rate: each length drawn uniformly within +-this share of the rate's (from the
+    # request's seed and the piece's text ids; random without a seed). 0: the rate's exactly.
     speech_length_jitter: float = Field(0.1, ge=0, le=0.5)
     token2wav: Token2WavBatchConfig = Field(default_factory=Token2WavBatchConfig)
     startup_timeout_s: PositiveFloat = constants.REPLICA_START_TIMEOUT_S
