@@ -65,14 +65,6 @@ class SpeakingRate:
         return syllables / self.syllables_per_s + letters / self.letters_per_s
 
 
-def language_of(text: str) -> str:
-    """"zh" when most of the counted characters of ``text`` are syllabic, else "en" (what the
-    capacity report labels a piece by; the length itself weighs both kinds)."""
-    syllables = sum(is_syllabic(ch) for ch in text)
-    letters = sum(ch.isalnum() for ch in text) - syllables
-    return "zh" if syllables > letters else "en"
-
-
 def jitter_factor(seed: int | None, key: Sequence[int], jitter: float) -> float:
     """A factor in [1 - jitter, 1 + jitter]: fixed by ``seed`` and ``key`` (the piece's text ids,
     so the pieces of one seeded request differ), random without a seed."""
