@@ -113,6 +113,18 @@ def capture_graphs(model, plan: ExecutionPlan, limits, flow_graph_max_s: float) 
     return {"flow_graphs": n_flow, "vocoder_graphs": n_vocoder}
 
 
+def speech_length_rule(configured: str, model_dir: str) -> str:
+    """``speech_length`` resolved once per replica: "auto" is "text_rate" for a random-weight
+    model (its LLM never predicts a sensible end of speech), else "model" (real weights end their
+    utterances themselves). Not in the plan: it needs the model directory, which the plan's
+    resolver does not see."""
+    if configured != "auto":
+        return configured
+    from cosyvoice_runtime.tiny_model import is_random_weight_model
+
+    return "text_rate" if is_random_weight_model(model_dir) else "model"
+
+
 def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = None) -> SynthesisRuntime:
     """Load the model and assemble the runtime that ``plan`` describes (None: this node's
     :func:`~deployments.execution_plan.replica_plan` of ``cfg``, its mode preflighted here, as the
@@ -143,11 +155,17 @@ def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = Non
     flow = plan.token2wav.flow(family)
     graphs = capture_graphs(model, plan, limits, cfg.flow_graph_max_s)
     # the LLM's decode and prefill graphs are captured here, before token2wav work runs beside them
-    engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, plan.llm)
+    rate = model.spec.token_frame_rate
+    speech_length = speech_length_rule(cfg.speech_length, model_dir)
+    length_rule = None
+    if speech_length == "text_rate":
+        from cosyvoice_runtime.speech_length import TextRateLength
+
+        length_rule = TextRateLength.for_model(model_dir, family, rate, cfg.speech_length_jitter)
+    engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, plan.llm, length_rule=length_rule)
     token2wav = RuntimeToken2Wav(model, plan.token2wav,
                                  flow_cache_bytes=flow_cache_budget(plan.token2wav.flow_cache_bytes, plan.device,
                                                                     cfg.max_mem_gb))
-    rate = model.spec.token_frame_rate
     return SynthesisRuntime(
         engine=engine, token2wav=token2wav, device=plan.device, graph_captures=captured_total,
         graph_misses=missed_total, max_flow_batch=limits.max_flow_batch,
@@ -165,5 +183,6 @@ def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = Non
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),
                  "random_weights": is_random_weight_model(model_dir),  # the tiny test model: noise, not speech
+                 "speech_length": speech_length,  # text_rate: each utterance as long as its text reads
                  "llm_params_m": round(sum(p.numel() for p in model.llm.parameters()) / 1e6, 1)},  # which size
     )

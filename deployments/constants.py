@@ -24,6 +24,9 @@ WARMUP_TEXT_TOKENS = 4
 TTFA_BUCKETS_S = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
 RTF_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0]
 BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+# Audio seconds served per synthesis call (tts_served_audio_seconds): the voice-agent mix's bounds
+# (1-3, 3-8, 8-20 s) are bucket edges, so the served length distribution reads against the drawn one.
+SERVED_AUDIO_BUCKETS_S = [0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 12.0, 20.0, 30.0, 60.0, 120.0]
 STAGE_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0]  # first-audio stages
 GIL_WAIT_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]  # how late a thread takes the GIL back (thread_load)
 GC_PAUSE_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5]  # Python collector pauses (python_gc)

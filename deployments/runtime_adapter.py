@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -52,9 +53,14 @@ class RuntimeTokenEngine:
     Bistream text ids are fed one id per chunk, as the official frontend streams them: the engine
     consumes one chunk each time the model asks for text (a ``fill``), so a many-id chunk would be
     read 5 ids at a time with its surplus left until the end (:mod:`cosyvoice_runtime.llm.bistream_seq`).
+
+    ``length_rule`` (``speech_length: text_rate``, :mod:`cosyvoice_runtime.speech_length`): text
+    ids and seed -> the speech tokens a request decodes, exactly (its min and max length); a
+    bistream request gets it from its whole text when that ends.
     """
 
-    def __init__(self, model, max_running: int, max_model_len: int, plan: LLMPlan | None = None) -> None:
+    def __init__(self, model, max_running: int, max_model_len: int, plan: LLMPlan | None = None,
+                 length_rule: Callable[[Sequence[int], int | None], int] | None = None) -> None:
         """``plan``: the replica's :class:`~deployments.execution_plan.LLMPlan`; None: the eager
         step with the model's norms as they are (tests)."""
         from cosyvoice_runtime.llm.bistream_seq import FINISH_PROTOCOL
@@ -84,6 +90,8 @@ class RuntimeTokenEngine:
         self.max_running = max_running
         self.max_model_len = max_model_len
         self._filters: dict[str, Any] = {}
+        self.length_rule = length_rule
+        self._bistream_text: dict[str, tuple[list[int], int | None]] = {}  # with length_rule: (ids so far, seed)
         self._stream = own_stream(next(model.llm.parameters()).device, priority=LLM_STREAM_PRIORITY)
 
     def add(self, request_id: str, request: LMRequest) -> None:
@@ -105,6 +113,9 @@ class RuntimeTokenEngine:
         # The 20x text-length bound is a worst case that real speech does not approach; cap it at
         # what one KV slot holds (finish reason "length") instead of refusing the request.
         room = self.max_model_len - int(lm.embeds.shape[0]) + 1
+        if self.length_rule is not None:  # random weights: the text's length, not a random stop
+            n = self.length_rule(request.text_ids, request.seed)
+            lm = replace(lm, min_len=min(n, max(room, 1)), max_len=n)
         if room < max(lm.min_len, 1):
             need = int(lm.embeds.shape[0]) + lm.min_len
             raise InvalidInputError(f"text piece too long for a decode slot: needs at least {need} positions, "
@@ -123,9 +134,16 @@ class RuntimeTokenEngine:
         with torch.cuda.stream(self._stream):
             self.engine.add_bistream_request(request_id, request.prompt_text_ids, request.prompt_speech_ids, params)
         self._filters[request_id] = SilentTokenFilter(self.spec)
+        if self.length_rule is not None:
+            self._bistream_text[request_id] = ([], request.seed)
 
     def feed_text(self, request_id: str, ids: Sequence[int], end: bool) -> bool:
-        return self.engine.feed_text(request_id, [[int(i)] for i in ids], end)
+        length, text = None, self._bistream_text.get(request_id)
+        if text is not None:
+            text[0].extend(int(i) for i in ids)
+            if end:
+                length = self.length_rule(self._bistream_text.pop(request_id)[0], text[1])
+        return self.engine.feed_text(request_id, [[int(i)] for i in ids], end, length)
 
     def step(self) -> list[TokenEvent]:
         import torch
@@ -140,11 +158,13 @@ class RuntimeTokenEngine:
                                   self._errors.get(ev.finish_reason)))
             if ev.finished:
                 self._filters.pop(ev.request_id, None)
+                self._bistream_text.pop(ev.request_id, None)
         return out
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
         self._filters.pop(request_id, None)
+        self._bistream_text.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()

@@ -145,6 +145,17 @@ class SynthesizerConfig(DeploymentKnobs):
     # broke at 24 sessions (p99 first audio 2.3 s, 19 misses per probe); at 24 s they met the SLO
     # at 36 (H100, 2026-12-05, bench/results/capacity-h100-2026-12-05.md).
     flow_graph_max_s: PositiveFloat = 24.0
+    # Where an utterance ends. "model": where the LLM predicts the end of speech (within the
+    # official 2x-20x speech tokens per text token), what real weights do. "text_rate": after
+    # exactly the speech tokens a speaker takes to read the text (English ~150 words/min, Mandarin
+    # ~4.5 characters/s; cosyvoice_runtime/speech_length.py, docs/tuning.md), within
+    # +-speech_length_jitter, fixed by the request's seed: for random weights, which never predict
+    # an end and otherwise make minutes of noise per sentence. "auto": text_rate for a
+    # random-weight model (the embedded tiny one, random full-size benchmark models), else model.
+    speech_length: Literal["auto", "model", "text_rate"] = "auto"
+    # With text_rate: each length drawn uniformly within +-this share of the rate's (from the
+    # request's seed and the piece's text ids; random without a seed). 0: the rate's exactly.
+    speech_length_jitter: float = Field(0.1, ge=0, le=0.5)
     token2wav: Token2WavBatchConfig = Field(default_factory=Token2WavBatchConfig)
     startup_timeout_s: PositiveFloat = constants.REPLICA_START_TIMEOUT_S
     warmup: bool = True  # one short utterance through LLM + flow + HiFT before serving

@@ -59,11 +59,13 @@ from serve_app.request_body import read_form, read_json
 from serve_app.running_replicas import RunningReplicas
 from serve_app.schemas import NativeSynthesisFields, SpeechRequest, VoiceFields, VoiceOut
 from serve_app.speech import (
+    AUDIO_SECONDS_HEADER,
     DEFAULT_MODEL_NAMES,
     DEFAULT_VOICE,
     OPENAI_VOICES,
     AudioOut,
     encode_whole,
+    served_seconds,
     split_speed,
 )
 from serve_app.stage_timing import first_audio_stages, server_timing
@@ -180,7 +182,8 @@ class TTSIngress:
         voice = self.resolve_voice(websocket.path_params["voice_id"])
         self.metrics.in_flight.inc()
         try:
-            await StreamInputSession(websocket, self.frontend, self.synth, voice).run()
+            await StreamInputSession(websocket, self.frontend, self.synth, voice,
+                                     on_served=self.metrics.served.observe).run()
         finally:
             self.metrics.in_flight.dec()
 
@@ -223,8 +226,10 @@ class TTSIngress:
                 result = await _admitted(self.synth.synthesize_unary.remote(prepared))
                 # a minute of MP3 takes ~0.3 s to encode: off the event loop
                 data = await asyncio.to_thread(encode_whole, result.samples, result.sample_rate, fmt, tempo)
-                self._observe(started, started + result.time_to_first_audio_s, len(result.samples), result.sample_rate)
-                return Response(data, media_type=MEDIA_TYPES[fmt])
+                served = served_seconds(len(result.samples), result.sample_rate, tempo)
+                self._observe(started, started + result.time_to_first_audio_s, len(result.samples), result.sample_rate,
+                              served)
+                return Response(data, media_type=MEDIA_TYPES[fmt], headers={AUDIO_SECONDS_HEADER: f"{served:.3f}"})
             gen = self.synth.options(stream=True).synthesize.remote(prepared)
             try:
                 first = await _admitted(gen.__anext__())
@@ -264,13 +269,15 @@ class TTSIngress:
                         yield data
             if tail := await run_encoder(out.close):
                 yield tail
-            self._observe(started, first_at, out.model_samples, out.sample_rate)
+            self._observe(started, first_at, out.model_samples, out.sample_rate, out.served_s)
         finally:
             # Disconnect / error: cancel the handle call so the replica aborts the sequence.
             _cancel(gen)
             self.metrics.in_flight.dec()
 
-    def _observe(self, started: float, first_at: float | None, samples: int, sample_rate: int) -> None:
+    def _observe(self, started: float, first_at: float | None, samples: int, sample_rate: int,
+                 served_s: float) -> None:
+        self.metrics.served.observe(served_s)
         if first_at is not None:
             self.metrics.ttfa.observe(first_at - started)
         if samples:

@@ -189,6 +189,9 @@ class IngressMetrics:
                                 buckets=constants.STAGE_BUCKETS_S, registry=self.registry)
         self.rtf = Histogram("tts_rtf", "Wall time / audio duration per request", buckets=constants.RTF_BUCKETS,
                              registry=self.registry)
+        self.served = Histogram("tts_served_audio_seconds",
+                                "Audio seconds served per synthesis call (a request; a WebSocket segment or turn)",
+                                buckets=constants.SERVED_AUDIO_BUCKETS_S, registry=self.registry)
         self.in_flight = Gauge("tts_requests_in_flight", "Synthesis requests being served", registry=self.registry)
         self._replica = _ReplicaSnapshotCollector()
         self.registry.register(self._replica)

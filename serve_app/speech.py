@@ -28,6 +28,10 @@ MODEL_MIN_SPEED, MODEL_MAX_SPEED = 0.5, 2.0  # the runtime's own speed range (co
 # audio, so SSE usage counts output tokens from the model's audio duration.
 SPEECH_TOKENS_PER_S = 25
 SSE_MEDIA_TYPE = "text/event-stream"
+# A whole-file (unstreamed) response's audio seconds, known before its headers leave; a streamed
+# body's come in its SSE ``speech.audio.done`` event (``audio_seconds``), the WebSocket's final
+# message (``audioSeconds``) and, for every call, the ingress's tts_served_audio_seconds histogram.
+AUDIO_SECONDS_HEADER = "X-Audio-Seconds"
 
 
 def split_speed(speed: float) -> tuple[float, float]:
@@ -47,6 +51,11 @@ def usage(input_tokens: int, model_samples: int, sample_rate: int) -> dict[str, 
     return {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
 
 
+def served_seconds(model_samples: int, sample_rate: int, tempo: float = 1.0) -> float:
+    """Seconds a client plays of ``model_samples`` of model audio after a tempo change of ``tempo``."""
+    return model_samples / sample_rate / tempo if sample_rate else 0.0
+
+
 class AudioOut:
     """Model audio chunks -> response body pieces: tempo change, incremental encoder, SSE framing.
 
@@ -57,11 +66,16 @@ class AudioOut:
 
     def __init__(self, fmt: str, sample_rate: int, tempo: float = 1.0, sse: bool = False, input_tokens: int = 0,
                  out_rate: int | None = None, bit_rate: int | None = None) -> None:
-        self.fmt, self.sample_rate, self.sse, self.input_tokens = fmt, sample_rate, sse, input_tokens
+        self.fmt, self.sample_rate, self.sse, self.input_tokens, self.tempo = fmt, sample_rate, sse, input_tokens, tempo
         self.encoder = make_stream_encoder(fmt, sample_rate, out_rate=out_rate, bit_rate=bit_rate)
         self.stretch = TempoStretcher(sample_rate, tempo) if tempo != 1.0 else None
         self.model_samples = 0  # before the tempo change (usage, RTF)
         self.media_type = SSE_MEDIA_TYPE if sse else MEDIA_TYPES[fmt]
+
+    @property
+    def served_s(self) -> float:
+        """Seconds of audio fed so far, as the client plays it (after the tempo change)."""
+        return served_seconds(self.model_samples, self.sample_rate, self.tempo)
 
     def _wrap(self, data: bytes) -> bytes:
         if not data or not self.sse:
@@ -77,7 +91,7 @@ class AudioOut:
         tail = self.encoder.encode(self.stretch.finish()) if self.stretch is not None else b""
         out = self._wrap(tail + self.encoder.finish())
         if self.sse:
-            out += sse_event({"type": "speech.audio.done",
+            out += sse_event({"type": "speech.audio.done", "audio_seconds": round(self.served_s, 3),
                               "usage": usage(self.input_tokens, self.model_samples, self.sample_rate)})
         return out
 

@@ -6,7 +6,8 @@
   ``{"text": "<piece>"}`` messages (``"flush": true`` forces out what is buffered), and
   ``{"text": ""}`` to end;
 * server -> client: ``{"audio": "<base64>", "isFinal": false, "normalizedAlignment": null,
-  "alignment": null}`` messages, then ``{"isFinal": true}`` and a normal close (1000).
+  "alignment": null}`` messages, then ``{"isFinal": true, "audioSeconds": <float>}`` (the
+  seconds of audio the session was sent) and a normal close (1000).
 
 Two modes (query ``mode``), both into ONE encoder, so the concatenated audio is one valid stream
 of the output format:
@@ -42,6 +43,7 @@ import contextlib
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +56,7 @@ from serve_app.audio_codec import run_encoder
 from serve_app.errors import classify, error_body, message_of, request_id_of
 from serve_app.handles import admitted, cancel_stream
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
-from serve_app.speech import AudioOut, split_speed
+from serve_app.speech import AudioOut, served_seconds, split_speed
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +161,10 @@ class WordCutter:
 class StreamInputSession:
     """One WebSocket session: receive text, synthesise segments in order, send audio messages."""
 
-    def __init__(self, ws: WebSocket, frontend: Any, synth: Any, voice_id: str) -> None:
+    def __init__(self, ws: WebSocket, frontend: Any, synth: Any, voice_id: str,
+                 on_served: Callable[[float], None] | None = None) -> None:
         self.ws, self.frontend, self.synth, self.voice_id = ws, frontend, synth, voice_id
+        self.on_served = on_served  # audio seconds of each synthesis call (segment or turn) once it is sent
         self.rid = request_id_of(ws)
         self.segments: asyncio.Queue = asyncio.Queue()  # sentence: segments; bistream: fragments, _FLUSH; None: end
         self.out: AudioOut | None = None
@@ -207,7 +211,7 @@ class StreamInputSession:
                 self.segments.put_nowait(seg)
             self.segments.put_nowait(None)
             await worker
-            await ws.send_json({"isFinal": True})
+            await ws.send_json({"isFinal": True, "audioSeconds": round(self.out.served_s if self.out else 0.0, 3)})
             await ws.close(CLOSE_NORMAL)
         except WebSocketDisconnect:
             logger.info("stream-input %s: client closed the socket", self.rid)
@@ -318,14 +322,18 @@ class StreamInputSession:
 
     async def _play(self, gen, fmt: OutputFormat, tempo: float) -> None:
         """Encode and send one synthesis call's audio (skipping a bistream call's ticket)."""
+        samples, rate = 0, 0
         try:
             async for chunk in gen:
                 if not isinstance(chunk, AudioChunk):
                     continue
+                samples, rate = samples + len(chunk.samples), chunk.sample_rate
                 if self.out is None:  # encoder calls run in the encoder pool, off the event loop
                     self.out = await run_encoder(AudioOut, fmt.fmt, chunk.sample_rate, tempo=tempo,
                                                  out_rate=fmt.rate, bit_rate=fmt.bit_rate)
                 await self._send_audio(await run_encoder(self.out.feed, chunk.samples))
+            if self.on_served is not None:
+                self.on_served(served_seconds(samples, rate, tempo))
         finally:
             cancel_stream(gen)
 

@@ -5,7 +5,8 @@ text chunks in its own loop, blocking when it needs text. The engine cannot bloc
 many requests at once. :class:`BistreamSequence` keeps the same decisions as host-side state,
 and the engine drives it:
 
-* :meth:`feed` queues text chunks (and the end of the text) as they arrive;
+* :meth:`feed` queues text chunks (and the end of the text, with the text's exact speech length
+  under the ``text_rate`` rule) as they arrive;
 * :meth:`advance` consumes queued chunks exactly as ``bistream_decode`` pulls them - one chunk
   each time the request needs text (at the start, and after every ``fill``), never merged - until
   there is input to feed (``decoding``), or no chunk is left (the engine parks the request: it
@@ -92,16 +93,26 @@ class BistreamSequence:
         self.last_fed: list[Segment] = []
         self.chunks: deque[list[int]] = deque()
         self.text_ended = False
+        self.exact = False  # the final stage ends at max_tokens, never at eos (feed's length)
         self.decoding = False  # there is input to feed (or a forward's result to take)
         self.finish_reason: str | None = None
 
     # -- text side -------------------------------------------------------------------------
-    def feed(self, chunks: Iterable[Sequence[int]], end: bool = False) -> None:
-        """Queue text chunks (each as ``bistream_decode`` would receive it); ``end``: no more text."""
+    def feed(self, chunks: Iterable[Sequence[int]], end: bool = False, length: int | None = None) -> None:
+        """Queue text chunks (each as ``bistream_decode`` would receive it); ``end``: no more text.
+
+        ``length`` (with ``end``): the speech tokens the whole text is said in (the ``text_rate``
+        rule, :mod:`cosyvoice_runtime.speech_length`): the final stage masks eos until that many
+        have been emitted and ends there; one whose interleaved stage (3 speech tokens per text
+        token) already emitted more ends as soon as the text has ended.
+        """
         if self.text_ended:
             raise InvalidInputError("bistream: text arrived after the end of the text")
         self.chunks.extend([int(i) for i in chunk] for chunk in chunks)
         self.text_ended = end
+        if end and length is not None:
+            self.max_tokens = max(1, length) if self.max_tokens is None else min(self.max_tokens, max(1, length))
+            self.exact = True
 
     def advance(self) -> bool:
         """Consume queued chunks until there is input to feed; False: parked (waiting for text) or finished."""
@@ -179,7 +190,8 @@ class BistreamSequence:
             if token == spec.fill:
                 st.next_fill = len(st.tokens) + self.n_speech + 1
         else:
-            token = self.sample_fn(mask_ids_(logp, final_mask_ids(spec, self.quirks)), st)
+            early = self.exact and len(st.emitted) < self.max_tokens  # eos too: the length is the rule's
+            token = self.sample_fn(mask_ids_(logp, spec.stop_ids if early else final_mask_ids(spec, self.quirks)), st)
         st.tokens.append(token)
         if token >= spec.speech_token_size:
             if token == spec.fill and not st.final:

@@ -240,10 +240,11 @@ class LLMEngine:
             raise InvalidInputError(str(exc)) from exc
         self._bistream[request_id] = seq
 
-    def feed_text(self, request_id: str, chunks, end: bool = False) -> bool:
+    def feed_text(self, request_id: str, chunks, end: bool = False, length: int | None = None) -> bool:
         """More text for a bistream request: ``chunks`` of text ids (one id per chunk, as the
-        official frontend streams them); ``end``: the text is complete. False if the request is
-        unknown (finished or aborted).
+        official frontend streams them); ``end``: the text is complete, and ``length`` (optional,
+        with ``end``): the speech tokens it is said in (``BistreamSequence.feed``). False if the
+        request is unknown (finished or aborted).
 
         Raises:
             InvalidInputError: text after the end of the text.
@@ -251,7 +252,7 @@ class LLMEngine:
         seq = self._bistream.get(request_id)
         if seq is None:
             return False
-        seq.feed(chunks, end)
+        seq.feed(chunks, end, length)
         self.scheduler.unpark(request_id)  # the next step advances it (or parks it again)
         return True
 

@@ -156,9 +156,9 @@ def test_websocket_audio_starts_before_the_text_ends(service):
         messages = [first]
         while not messages[-1].get("isFinal"):
             messages.append(json.loads(ws.recv(timeout=GUARD_S)))
-    assert messages[-1] == {"isFinal": True}
     pcm = b"".join(base64.b64decode(m["audio"]) for m in messages[:-1])
     assert len(pcm) // 2 == _samples("First sentence is complete.") + _samples("Second one ends here.")
+    assert messages[-1] == {"isFinal": True, "audioSeconds": round(len(pcm) / 2 / SR, 3)}
 
 
 def test_websocket_close_mid_synthesis_frees_the_decode_slot(service):

@@ -113,6 +113,8 @@ def test_routes_end_to_end_in_process():
             r = await c.get("/metrics")
             assert r.status_code == 200 and "tts_http_requests_total" in r.text
             assert 'status="404"' in r.text and "tts_engine_running" in r.text
+            # the two synthesised requests' audio seconds (3 and 12 text ids' worth)
+            assert 'tts_served_audio_seconds_count{ingress_replica="local"} 2.0' in r.text
             r = await c.get("/health")
             assert r.status_code == 200 and r.json()["synthesizer_replicas"]["local"]["ready"]
 

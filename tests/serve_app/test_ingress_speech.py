@@ -67,6 +67,9 @@ def test_default_is_a_chunked_stream_and_stream_false_is_buffered():
     assert int(buffered.headers["content-length"]) == len(buffered.content)
     with wave.open(io.BytesIO(buffered.content)) as w:
         assert w.getnframes() == _samples(TEXT)
+    # the served length, per request: a whole file's in a header (a stream's has no trailer)
+    assert float(buffered.headers["x-audio-seconds"]) == pytest.approx(_samples(TEXT) / SR, abs=1e-3)
+    assert "x-audio-seconds" not in streamed.headers
 
 
 @pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
@@ -106,6 +109,7 @@ def test_sse_deltas_then_done_with_usage():
     assert len(audio) == 2 * _samples(TEXT)
     n_tokens = 12 * fakes.TOKENS_PER_TEXT_ID
     assert events[-1]["usage"] == {"input_tokens": 12, "output_tokens": n_tokens, "total_tokens": 12 + n_tokens}
+    assert events[-1]["audio_seconds"] == round(_samples(TEXT) / SR, 3)  # the served length of a stream
 
 
 @pytest.mark.parametrize("speed", [0.25, 0.5, 2.0, 4.0])
@@ -118,6 +122,8 @@ def test_speed_range_of_openai(speed, stream):
     assert r.status_code == 200, r.text
     n = len(r.content) // 2
     assert abs(n - _samples(TEXT) / speed) < 0.03 * _samples(TEXT) / speed + 2048, (n, _samples(TEXT) / speed)
+    if not stream:  # the served length counts the tempo change beyond the model's own speed range
+        assert abs(float(r.headers["x-audio-seconds"]) * SR - n) < 0.03 * n + 2048
 
 
 def test_voice_forms_aliases_and_the_voice_list():

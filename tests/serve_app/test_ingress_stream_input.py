@@ -57,7 +57,14 @@ def _collect(ws) -> tuple[list[dict], bytes]:
             return messages, b"".join(base64.b64decode(x["audio"]) for x in messages if x.get("audio"))
 
 
-def test_sentences_are_spoken_as_they_complete_then_final(client):
+def _served(ingress) -> tuple[float, float]:
+    """tts_served_audio_seconds: (observations, their sum); one per synthesis call."""
+    reg = ingress.metrics.registry
+    return (reg.get_sample_value("tts_served_audio_seconds_count"),
+            pytest.approx(reg.get_sample_value("tts_served_audio_seconds_sum")))
+
+
+def test_sentences_are_spoken_as_they_complete_then_final(client, ingress):
     with client.websocket_connect(PATH.format(voice="alloy") + "?output_format=pcm_24000&mode=sentence") as ws:
         ws.send_json({"text": " ", "voice_settings": {"stability": 0.5}, "generation_config": {}})
         ws.send_json({"text": "Hello there. How"})  # one complete sentence: synthesis starts now
@@ -67,10 +74,12 @@ def test_sentences_are_spoken_as_they_complete_then_final(client):
         ws.send_json({"text": "? Fine"})
         ws.send_json({"text": ""})
         messages, audio = _collect(ws)
-    assert messages[-1] == {"isFinal": True}
     pcm = base64.b64decode(first["audio"]) + audio
     # "Hello there." + "How are you?" + "Fine" (the rest at the end), each its own synthesis
-    assert len(pcm) // 2 == _samples("Hello there.") + _samples("How are you?") + _samples("Fine")
+    parts = [_samples("Hello there."), _samples("How are you?"), _samples("Fine")]
+    assert len(pcm) // 2 == sum(parts)
+    assert messages[-1] == {"isFinal": True, "audioSeconds": round(sum(parts) / SR, 3)}  # what was sent
+    assert _served(ingress) == (3, sum(parts) / SR)  # per synthesis call, in /metrics
 
 
 def test_flush_forces_out_the_buffer_and_pcm_16000(client):
@@ -148,9 +157,10 @@ def test_bistream_speaks_before_the_text_ends_and_all_of_it(client, ingress):
             ws.send_json({"text": f})
         ws.send_json({"text": ""})
         messages, audio = _collect(ws)
-    assert messages[-1] == {"isFinal": True}
     pcm = base64.b64decode(first["audio"]) + audio
     assert len(pcm) // 2 == _samples("".join(fragments))
+    assert messages[-1] == {"isFinal": True, "audioSeconds": round(len(pcm) / 2 / SR, 3)}
+    assert _served(ingress) == (1, len(pcm) / 2 / SR)  # the one turn
     assert _emitted(ingress) == {"0/0": 2 * len("".join(fragments))}  # one sequence for the session
 
 
