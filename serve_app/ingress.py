@@ -5,6 +5,8 @@ Routes (docs/serving.md has examples):
 * ``POST /v1/audio/speech``  OpenAI-compatible speech: streamed by default in every format, SSE,
   speed 0.25-4.0, voice aliases (serve_app/speech.py); ``instructions`` -> instruct
 * ``WS /v1/text-to-speech/{voice_id}/stream-input``  text in pieces, audio out (serve_app/stream_input.py)
+* ``POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]``  ElevenLabs-compatible
+  (serve_app/elevenlabs_http.py)
 * ``POST /v1/tts``           native: zero-shot (multipart prompt upload), voice, cross-lingual, instruct
 * ``POST /v1/voices`` (multipart), ``GET /v1/voices``, ``GET/DELETE /v1/voices/{voice_id}``
 * ``GET /health``, ``GET /metrics``
@@ -47,7 +49,7 @@ from deployments.protocol import (
     VoiceInfo,
 )
 from deployments.python_gc import settle_replica
-from serve_app import playground
+from serve_app import elevenlabs_http, playground
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, run_encoder
 from serve_app.auth import AuthConfig, auth_middleware
 from serve_app.errors import ApiError, install_exception_handlers, request_id_of
@@ -139,6 +141,7 @@ class TTSIngress:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             WebSocketRoute(STREAM_INPUT_ROUTE, self.stream_input),
+            *elevenlabs_http.routes(self),
             *playground.routes(self.synth, self.cfg.health_timeout_s),
         ]
         cfg = self.cfg

@@ -41,7 +41,6 @@ import base64
 import contextlib
 import json
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +50,7 @@ from cosyvoice_runtime.frontend.split import CLOSING_QUOTES, EN_SENTENCE_END, ZH
 from cosyvoice_runtime.frontend.voice_id import VOICE_ID_RULE, is_voice_id
 from deployments.protocol import AudioChunk, CosyVoiceError, InvalidInputError, OverloadedError, SynthesisRequest
 from serve_app.audio_codec import run_encoder
+from serve_app.elevenlabs import DEFAULT_OUTPUT_FORMAT, OutputFormat, parse_output_format
 from serve_app.errors import classify, error_body, message_of, request_id_of
 from serve_app.handles import admitted, cancel_stream
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
@@ -66,33 +66,11 @@ MODES = ("bistream", "sentence")
 TURN_SOFT_IDS, TURN_MAX_IDS = 100, 160
 _FLUSH = object()  # end of a bistream turn
 MAX_HELD_CHARS = 8  # text without any whitespace (CJK) is sent in runs of this many characters
-DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
-PCM_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
-MP3_RATES = (22050, 24000, 44100)
 MAX_SEGMENT_CHARS = 250  # a run without a sentence end is cut (at a soft break) past this many characters
 MAX_SESSION_CHARS = 100_000
 DEFAULT_INACTIVITY_S, MAX_INACTIVITY_S = 20.0, 180.0
 SENTENCE_END = EN_SENTENCE_END | ZH_SENTENCE_END | frozenset("。？！")
-_FORMAT_RE = re.compile(r"^(pcm)_(\d+)$|^(mp3)_(\d+)_(\d+)$")
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_INTERNAL, CLOSE_TRY_AGAIN = 1000, 1008, 1011, 1013
-
-
-@dataclass(frozen=True)
-class OutputFormat:
-    fmt: str  # audio_codec format
-    rate: int
-    bit_rate: int | None = None
-
-
-def parse_output_format(value: str) -> OutputFormat:
-    """``pcm_<rate>`` or ``mp3_<rate>_<kbps>`` (ElevenLabs' names) -> our encoder settings."""
-    m = _FORMAT_RE.match(value)
-    if m and m.group(1) and int(m.group(2)) in PCM_RATES:
-        return OutputFormat("pcm", int(m.group(2)))
-    if m and m.group(3) and int(m.group(4)) in MP3_RATES and 8 <= int(m.group(5)) <= 320:
-        return OutputFormat("mp3", int(m.group(4)), int(m.group(5)) * 1000)
-    raise InvalidInputError(f"output_format '{value}' is not supported; use pcm_<rate> ({', '.join(map(str, PCM_RATES))}) "
-                            f"or mp3_<rate>_<kbps> ({', '.join(map(str, MP3_RATES))})")
 
 
 class SentenceBuffer:

@@ -212,6 +212,7 @@ def test_output_formats():
     assert parse_output_format("pcm_24000").rate == 24000
     assert parse_output_format("mp3_44100_128") == parse_output_format("mp3_44100_128")
     assert parse_output_format("mp3_44100_128").bit_rate == 128_000
-    for bad in ("pcm_12345", "mp3_44100", "opus_48000_64", "ulaw_8000"):
+    assert parse_output_format("ulaw_8000").fmt == "ulaw"  # the ElevenLabs names (serve_app/elevenlabs.py)
+    for bad in ("pcm_12345", "mp3_44100", "opus_16000_64", "ulaw_16000"):
         with pytest.raises(InvalidInputError, match="not supported"):
             parse_output_format(bad)
