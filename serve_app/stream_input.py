@@ -64,13 +64,17 @@ MODES = ("bistream", "sentence")
 # (itself, 3 interleaved speech tokens, the rest after the text): 160 tokens + a 400-position prompt
 # fit the default 2048-position KV slot.
 TURN_SOFT_IDS, TURN_MAX_IDS = 100, 160
-_FLUSH = object()  # end of a bistream turn
+FLUSH = object()  # end of a bistream turn
 MAX_HELD_CHARS = 8  # text without any whitespace (CJK) is sent in runs of this many characters
 MAX_SEGMENT_CHARS = 250  # a run without a sentence end is cut (at a soft break) past this many characters
 MAX_SESSION_CHARS = 100_000
 DEFAULT_INACTIVITY_S, MAX_INACTIVITY_S = 20.0, 180.0
 SENTENCE_END = EN_SENTENCE_END | ZH_SENTENCE_END | frozenset("。？！")
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_INTERNAL, CLOSE_TRY_AGAIN = 1000, 1008, 1011, 1013
+
+
+class InactivityTimeout(InvalidInputError):
+    """No client message within the session's inactivity timeout."""
 
 
 class SentenceBuffer:
@@ -140,7 +144,7 @@ class StreamInputSession:
     def __init__(self, ws: WebSocket, frontend: Any, synth: Any, voice_id: str) -> None:
         self.ws, self.frontend, self.synth, self.voice_id = ws, frontend, synth, voice_id
         self.rid = request_id_of(ws)
-        self.segments: asyncio.Queue = asyncio.Queue()  # sentence: segments; bistream: fragments, _FLUSH; None: end
+        self.segments: asyncio.Queue = asyncio.Queue()  # sentence: segments; bistream: fragments, FLUSH; None: end
         self.out: AudioOut | None = None
         self.speed = 1.0
         self.chars = 0
@@ -158,7 +162,7 @@ class StreamInputSession:
             if not is_voice_id(self.voice_id):
                 raise InvalidInputError(f"invalid voice_id {self.voice_id!r}: use {VOICE_ID_RULE}")
             first = await self._receive(timeout)
-            self.speed = _speed_of(first)
+            self.speed = speed_of(first)
             bistream = mode == "bistream"
             worker = asyncio.create_task(self._bistream_all(fmt) if bistream else self._synthesize_all(fmt))
             buffer = SentenceBuffer()
@@ -173,7 +177,7 @@ class StreamInputSession:
                 if bistream:
                     self.segments.put_nowait(text)
                     if msg.get("flush"):
-                        self.segments.put_nowait(_FLUSH)
+                        self.segments.put_nowait(FLUSH)
                 else:
                     ready = buffer.feed(text)
                     if msg.get("flush"):
@@ -208,7 +212,7 @@ class StreamInputSession:
                 await recv
             if worker is not None and worker in done:
                 worker.result()  # raises the synthesis error (it cannot end otherwise before the text)
-            raise InvalidInputError(f"no message for {timeout:g} s (inactivity_timeout)")
+            raise InactivityTimeout(f"no message for {timeout:g} s (inactivity_timeout)")
         message = recv.result()
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
@@ -247,7 +251,7 @@ class StreamInputSession:
         try:
             while True:
                 item = await self._next_fragment(turn)
-                ends = item is None or item is _FLUSH
+                ends = item is None or item is FLUSH
                 piece = cutter.flush() if ends else cutter.feed(item)
                 if turn is None:
                     piece = piece.lstrip()  # a turn starts at text (ElevenLabs' first " " is no text)
@@ -368,7 +372,7 @@ def _inactivity(value: str | None) -> float:
     return seconds
 
 
-def _speed_of(first: dict) -> float:
+def speed_of(first: dict) -> float:
     """``voice_settings.speed`` of the first message (ElevenLabs' place for it), OpenAI's range."""
     settings = first.get("voice_settings") or {}
     speed = settings.get("speed", 1.0) if isinstance(settings, dict) else 1.0
