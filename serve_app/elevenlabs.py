@@ -155,3 +155,64 @@ def _spread(chars: list[str], start_s: float, end_s: float) -> CharSpans:
     starts = [start_s + k * step for k in range(n)]
     ends = [min(start_s + (k + 1) * step, end_s) for k in range(n)]
     return CharSpans(chars, starts, ends)
+
+
+# ----------------------------------------------------------------------------- WebSocket alignment
+DEFAULT_CHARS_PER_S = 14.0  # about English read aloud; used when the voice's own rate is not known
+MIN_CHARS_PER_S, MAX_CHARS_PER_S = 4.0, 40.0
+SPEECH_TOKENS_PER_S = 25  # both families (prompt speech tokens -> prompt seconds)
+
+
+def voice_chars_per_s(prompt_text: str, num_prompt_tokens: int) -> float:
+    """The voice's speaking rate from its prompt: transcript characters per second of prompt speech."""
+    seconds = num_prompt_tokens / SPEECH_TOKENS_PER_S
+    if not prompt_text.strip() or seconds <= 0:
+        return DEFAULT_CHARS_PER_S
+    return min(max(len(prompt_text) / seconds, MIN_CHARS_PER_S), MAX_CHARS_PER_S)
+
+
+class StreamAligner:
+    """Alignment of the WebSocket routes for one synthesis call (a bistream turn, a sentence
+    segment): its characters, in order, spread over its audio messages at the voice's speaking
+    rate; the call's last chunk takes all that are left. Times are in ms from the start of the
+    message's own audio (ElevenLabs' WebSocket convention), and a message's spans tile its audio.
+
+    A bistream turn's text arrives while it speaks (``text`` grows); the rate only decides how
+    many characters each message gets, so a message never runs ahead of the text received.
+    Encoded formats may return no bytes for a chunk (MP3 frames): its alignment then rides with
+    the next message that has audio, shifted by what went before.
+    """
+
+    def __init__(self, chars_per_s: float) -> None:
+        self.rate = chars_per_s  # one aligner per stream of audio messages: a session, a context
+        self.done = 0  # characters already aligned
+        self._credit = 0.0  # characters the audio so far could have said, not yet given out
+        self._pending: list[tuple[list[str], float]] = []  # (characters, seconds) not yet sent
+
+    def new_call(self) -> None:
+        """The next synthesis call starts (its text is new); audio not yet sent stays pending."""
+        self.done, self._credit = 0, 0.0
+
+    def chunk(self, text: str, seconds: float, last: bool) -> None:
+        left = len(text) - self.done
+        self._credit += self.rate * seconds
+        n = left if last else min(left, int(self._credit))
+        self._credit = 0.0 if n == left else self._credit - n  # text ran out: no debt for later
+        self._pending.append((list(text[self.done:self.done + n]), seconds))
+        self.done += n
+
+    def take(self) -> dict | None:
+        """The alignment of everything chunked since the last take (None if no characters)."""
+        chars, starts, durations = [], [], []
+        offset_ms = 0.0
+        for piece, seconds in self._pending:
+            span_ms = seconds * 1000.0
+            step = span_ms / len(piece) if piece else 0.0
+            for k, c in enumerate(piece):
+                start = round(offset_ms + k * step)
+                chars.append(c)
+                starts.append(start)
+                durations.append(round(offset_ms + (k + 1) * step) - start)
+            offset_ms += span_ms
+        self._pending.clear()
+        return {"chars": chars, "charStartTimesMs": starts, "charDurationsMs": durations} if chars else None

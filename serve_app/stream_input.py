@@ -41,6 +41,7 @@ import base64
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,14 @@ from cosyvoice_runtime.frontend.split import CLOSING_QUOTES, EN_SENTENCE_END, ZH
 from cosyvoice_runtime.frontend.voice_id import VOICE_ID_RULE, is_voice_id
 from deployments.protocol import AudioChunk, CosyVoiceError, InvalidInputError, OverloadedError, SynthesisRequest
 from serve_app.audio_codec import run_encoder
-from serve_app.elevenlabs import DEFAULT_OUTPUT_FORMAT, OutputFormat, parse_output_format
+from serve_app.elevenlabs import (
+    DEFAULT_CHARS_PER_S,
+    DEFAULT_OUTPUT_FORMAT,
+    OutputFormat,
+    StreamAligner,
+    parse_output_format,
+    voice_chars_per_s,
+)
 from serve_app.errors import classify, error_body, message_of, request_id_of
 from serve_app.handles import admitted, cancel_stream
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
@@ -146,6 +154,8 @@ class StreamInputSession:
         self.rid = request_id_of(ws)
         self.segments: asyncio.Queue = asyncio.Queue()  # sentence: segments; bistream: fragments, FLUSH; None: end
         self.out: AudioOut | None = None
+        self.aligner: StreamAligner | None = None  # made at the first audio (the voice's rate known)
+        self._rate: asyncio.Future | None = None  # the voice's speaking rate (chars/s), asked at the start
         self.speed = 1.0
         self.chars = 0
 
@@ -161,6 +171,7 @@ class StreamInputSession:
                 raise InvalidInputError(f"mode must be one of {', '.join(MODES)}")
             if not is_voice_id(self.voice_id):
                 raise InvalidInputError(f"invalid voice_id {self.voice_id!r}: use {VOICE_ID_RULE}")
+            self.ask_voice_rate()
             first = await self._receive(timeout)
             self.speed = speed_of(first)
             bistream = mode == "bistream"
@@ -200,6 +211,8 @@ class StreamInputSession:
                 worker.cancel()  # cancels the handle stream in flight: the decode slot is freed
                 with contextlib.suppress(BaseException):
                     await worker
+            if self._rate is not None:
+                self._rate.cancel()
 
     async def _receive(self, timeout: float, worker: asyncio.Task | None = None) -> dict:
         """The next client message; a failed synthesis ends the wait with its error."""
@@ -238,7 +251,7 @@ class StreamInputSession:
             n += 1
             prepared = await admitted(self.frontend.prepare.remote(req))
             gen = self.synth.options(stream=True).synthesize.remote(prepared)
-            await self._play(gen, fmt, tempo)
+            await self._play(gen, fmt, tempo, lambda segment=segment: segment)
         await self._close_audio()
 
     async def _bistream_all(self, fmt: OutputFormat) -> None:
@@ -259,7 +272,7 @@ class StreamInputSession:
                     if turn is None:
                         turn = await self._start_turn(f"{self.rid}-{n}", native, fmt, tempo)
                         n += 1
-                    await turn.push((await self.frontend.tokenize_fragment.remote(piece)).tolist())
+                    await turn.push((await self.frontend.tokenize_fragment.remote(piece)).tolist(), piece)
                     if turn.ids >= TURN_MAX_IDS or (turn.ids >= TURN_SOFT_IDS and _ends_sentence(piece)):
                         await turn.finish()
                         turn = None
@@ -283,7 +296,8 @@ class StreamInputSession:
         except BaseException:
             cancel_stream(gen)
             raise
-        return _Turn(ticket, asyncio.create_task(self._play(gen, fmt, tempo)))
+        text: list[str] = []  # the turn's text so far, for its alignment
+        return _Turn(ticket, asyncio.create_task(self._play(gen, fmt, tempo, lambda: "".join(text))), text)
 
     async def _next_fragment(self, turn: _Turn | None):
         """The next queued item; a turn whose synthesis failed meanwhile raises its error now."""
@@ -298,27 +312,50 @@ class StreamInputSession:
         raise InvalidInputError("the speech of this turn ended before its text did (it outgrew the model's "
                                 "context): send flush more often")
 
-    async def _play(self, gen, fmt: OutputFormat, tempo: float) -> None:
-        """Encode and send one synthesis call's audio (skipping a bistream call's ticket)."""
+    def ask_voice_rate(self) -> None:
+        """Ask the frontend for the voice's speaking rate now, so it is known by the first audio."""
+        if self._rate is None:
+            self._rate = asyncio.ensure_future(self._voice_rate())
+
+    async def _voice_rate(self) -> float:
         try:
+            info = await self.frontend.get_voice.remote(self.voice_id)
+        except Exception:  # noqa: BLE001 - an unknown voice fails its synthesis with its own error
+            return DEFAULT_CHARS_PER_S
+        return voice_chars_per_s(info.prompt_text, info.num_prompt_tokens)
+
+    async def _play(self, gen, fmt: OutputFormat, tempo: float, text: Callable[[], str]) -> None:
+        """Encode and send one synthesis call's audio (skipping a bistream call's ticket), with the
+        alignment of ``text()`` (serve_app/elevenlabs.py :class:`StreamAligner`)."""
+        try:
+            chunks_seen = 0
             async for chunk in gen:
                 if not isinstance(chunk, AudioChunk):
                     continue
                 if self.out is None:  # encoder calls run in the encoder pool, off the event loop
                     self.out = await run_encoder(AudioOut, fmt.fmt, chunk.sample_rate, tempo=tempo,
                                                  out_rate=fmt.rate, bit_rate=fmt.bit_rate)
-                await self._send_audio(await run_encoder(self.out.feed, chunk.samples))
+                if self.aligner is None:
+                    self.ask_voice_rate()
+                    self.aligner = StreamAligner(await asyncio.shield(self._rate))
+                if chunks_seen == 0:
+                    self.aligner.new_call()
+                data = await run_encoder(self.out.feed, chunk.samples)
+                self.aligner.chunk(text(), len(chunk.samples) / chunk.sample_rate / tempo, chunk.is_last)
+                chunks_seen += 1
+                if data:
+                    await self._send_audio(data, self.aligner.take())
         finally:
             cancel_stream(gen)
 
     async def _close_audio(self) -> None:
         if self.out is not None:
-            await self._send_audio(await run_encoder(self.out.close))
+            await self._send_audio(await run_encoder(self.out.close), self.aligner.take() if self.aligner else None)
 
-    async def _send_audio(self, data: bytes) -> None:
-        if data:
+    async def _send_audio(self, data: bytes, alignment: dict | None = None) -> None:
+        if data:  # the text is spoken as sent (bistream) or aligned as sent (sentence): both the same
             await self.ws.send_json({"audio": base64.b64encode(data).decode(), "isFinal": False,
-                                     "normalizedAlignment": None, "alignment": None})
+                                     "normalizedAlignment": alignment, "alignment": alignment})
 
     async def _fail(self, exc: BaseException) -> None:
         status, type_, code, _ = classify(exc)
@@ -339,14 +376,16 @@ class _Turn:
 
     ticket: Any  # deployments.text_inbox.BistreamTicket
     audio: asyncio.Task
+    text: list[str]  # the pieces pushed (read by the audio task for the alignment)
     ids: int = 0
 
-    async def push(self, ids: list[int]) -> None:
+    async def push(self, ids: list[int], piece: str) -> None:
         if self.audio.done():
             self.audio.result()  # a failed synthesis raises its own error, not "session closed"
         if ids:
             await self.ticket.push(ids)
             self.ids += len(ids)
+            self.text.append(piece)
 
     async def finish(self) -> None:
         """End of this turn's text; returns once its audio has been sent."""

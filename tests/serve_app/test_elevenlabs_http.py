@@ -16,7 +16,7 @@ import pytest
 
 from deployments import constants
 from deployments.protocol import InvalidInputError
-from serve_app.elevenlabs import PieceAligner, parse_output_format
+from serve_app.elevenlabs import PieceAligner, StreamAligner, parse_output_format, voice_chars_per_s
 from serve_app.ingress import IngressConfig
 from tests.deployments import fakes
 from tests.serve_app.test_ingress_inproc import _ingress, _wav
@@ -185,3 +185,21 @@ def test_official_elevenlabs_sdk_stream_and_timestamps(voiced):
     assert sum(len(base64.b64decode(c.audio_base_64)) for c in chunks) == n
     assert "".join(ch for c in chunks if c.alignment for ch in c.alignment.characters) == TEXT
     assert error.status_code == 404 and error.body["detail"]["status"] == "voice_not_found"
+
+
+def test_stream_aligner_spreads_characters_at_the_voice_rate():
+    aligner = StreamAligner(chars_per_s=10.0)
+    aligner.new_call()
+    aligner.chunk("Hello wor", 0.5, last=False)  # 0.5 s at 10 chars/s: 5 characters
+    a = aligner.take()
+    assert a == {"chars": list("Hello"), "charStartTimesMs": [0, 100, 200, 300, 400],
+                 "charDurationsMs": [100] * 5}
+    aligner.chunk("Hello wor", 0.05, last=False)  # half a character: none yet
+    aligner.chunk("Hello world", 0.2, last=False)  # MP3: the first chunk had no bytes, both go together
+    a = aligner.take()
+    assert a["chars"] == [" ", "w"] and a["charStartTimesMs"][0] == 50  # after the 50 ms of the first
+    aligner.chunk("Hello world!", 0.1, last=True)  # the last chunk takes the rest
+    a = aligner.take()
+    assert "".join(a["chars"]) == "orld!" and a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] == 100
+    assert aligner.take() is None
+    assert voice_chars_per_s("hi", 25) == 4.0 and voice_chars_per_s("", 0) == 14.0  # clamped / default

@@ -152,6 +152,9 @@ def test_bistream_speaks_before_the_text_ends_and_all_of_it(client, ingress):
     pcm = base64.b64decode(first["audio"]) + audio
     assert len(pcm) // 2 == _samples("".join(fragments))
     assert _emitted(ingress) == {"0/0": 2 * len("".join(fragments))}  # one sequence for the session
+    # alignment: every character once, in order, within each message's own audio (test_multi_stream.py)
+    aligned = [m["alignment"] for m in [first, *messages] if m.get("alignment")]
+    assert "".join(c for a in aligned for c in a["chars"]) == "".join(fragments)
 
 
 def test_bistream_flush_ends_the_turn_and_later_text_starts_another(client, ingress):

@@ -4,6 +4,7 @@ freed), keep-alives, close_socket, limits, per-context errors, xi-api-key auth."
 from __future__ import annotations
 
 import base64
+import json
 import threading
 
 import pytest
@@ -158,3 +159,29 @@ def test_needs_a_key_with_the_synthesis_scope(ingress):
         with c.websocket_connect(PATH.format(voice="default"), headers={"xi-api-key": KEY}) as ws:
             ws.send_json({"close_socket": True})
             assert ws.receive()["code"] == 1000
+
+
+def test_alignment_with_each_audio_message_covers_each_context_text(client):
+    """Characters in order, each once, per context; each message's spans lie within its own audio
+    (times from the message's start, as ElevenLabs' WebSocket sends them)."""
+    chars: dict[str, str] = {"a": "", "b": ""}
+    with client.websocket_connect(PATH.format(voice="default")) as ws:
+        ws.send_json({"text": "The first context speaks", "context_id": "a"})
+        ws.send_json({"text": "and the second one too", "context_id": "b", "flush": True})
+        ws.send_json({"text": " slowly.", "context_id": "a", "flush": True})
+        ws.send_json({"close_socket": True})
+        while (m := ws.receive())["type"] == "websocket.send":
+            msg = json.loads(m["text"])
+            if not msg.get("audio"):
+                continue
+            a = msg["alignment"]
+            assert a == msg["normalizedAlignment"]  # bistream text is read as sent
+            if a is None:
+                continue
+            audio_ms = len(base64.b64decode(msg["audio"])) / 2 / 24
+            starts, durations = a["charStartTimesMs"], a["charDurationsMs"]
+            assert len(a["chars"]) == len(starts) == len(durations) and starts == sorted(starts)
+            assert all(d >= 0 for d in durations) and starts[-1] + durations[-1] <= round(audio_ms) + 1
+            chars[msg["contextId"]] += "".join(a["chars"])
+        assert m["code"] == 1000
+    assert chars == {"a": "The first context speaks slowly.", "b": "and the second one too"}
