@@ -9,8 +9,8 @@
   ``{"context_id": "a", "flush": true}`` (speak everything sent so far), ``{"text": ""}`` (a
   keep-alive, with or without a context), ``{"context_id": "a", "close_context": true}``,
   ``{"close_socket": true}``;
-* server -> client: ``{"audio": "<base64>", "isFinal": false, "alignment": null,
-  "normalizedAlignment": null, "contextId": "a"}``, then ``{"isFinal": true, "contextId": "a"}``
+* server -> client: ``{"audio": "<base64>", "isFinal": false, "alignment": {...},
+  "normalizedAlignment": {...}, "contextId": "a"}`` (as stream-input's), then ``{"isFinal": true, "contextId": "a"}``
   when a context ends; errors as ``{"error", "message", "code", "request_id"}`` (with
   ``contextId`` when one context failed: the others go on).
 

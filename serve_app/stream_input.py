@@ -5,8 +5,9 @@
 * client -> server: a first message ``{"text": " ", "voice_settings": {...}, ...}``, then
   ``{"text": "<piece>"}`` messages (``"flush": true`` forces out what is buffered), and
   ``{"text": ""}`` to end;
-* server -> client: ``{"audio": "<base64>", "isFinal": false, "normalizedAlignment": null,
-  "alignment": null}`` messages, then ``{"isFinal": true}`` and a normal close (1000).
+* server -> client: ``{"audio": "<base64>", "isFinal": false, "normalizedAlignment": {...},
+  "alignment": {...}}`` messages (``StreamAligner``, serve_app/elevenlabs.py), then
+  ``{"isFinal": true}`` and a normal close (1000).
 
 Two modes (query ``mode``), both into ONE encoder, so the concatenated audio is one valid stream
 of the output format:
