@@ -189,9 +189,11 @@ class StreamAligner:
         self._credit = 0.0  # characters the audio so far could have said, not yet given out
         self._pending: list[tuple[list[str], float]] = []  # (characters, seconds) not yet sent
 
-    def new_call(self) -> None:
+    def new_call(self, chars_per_s: float | None = None) -> None:
         """The next synthesis call starts (its text is new); audio not yet sent stays pending."""
         self.done, self._credit = 0, 0.0
+        if chars_per_s is not None:
+            self.rate = chars_per_s
 
     def chunk(self, text: str, seconds: float, last: bool) -> None:
         left = len(text) - self.done

@@ -318,6 +318,14 @@ class StreamInputSession:
         if self._rate is None:
             self._rate = asyncio.ensure_future(self._voice_rate())
 
+    def _known_rate(self) -> float:
+        """The voice's rate if the frontend has answered (audio never waits for it), else the default."""
+        self.ask_voice_rate()
+        rate = self._rate
+        if rate.done() and not rate.cancelled() and rate.exception() is None:
+            return rate.result()
+        return DEFAULT_CHARS_PER_S
+
     async def _voice_rate(self) -> float:
         try:
             info = await self.frontend.get_voice.remote(self.voice_id)
@@ -337,10 +345,9 @@ class StreamInputSession:
                     self.out = await run_encoder(AudioOut, fmt.fmt, chunk.sample_rate, tempo=tempo,
                                                  out_rate=fmt.rate, bit_rate=fmt.bit_rate)
                 if self.aligner is None:
-                    self.ask_voice_rate()
-                    self.aligner = StreamAligner(await asyncio.shield(self._rate))
+                    self.aligner = StreamAligner(DEFAULT_CHARS_PER_S)
                 if chunks_seen == 0:
-                    self.aligner.new_call()
+                    self.aligner.new_call(self._known_rate())
                 data = await run_encoder(self.out.feed, chunk.samples)
                 self.aligner.chunk(text(), len(chunk.samples) / chunk.sample_rate / tempo, chunk.is_last)
                 chunks_seen += 1
