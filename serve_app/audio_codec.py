@@ -47,6 +47,8 @@ MEDIA_TYPES = {
     "opus": "audio/ogg",
     "aac": "audio/aac",
 }
+# Telephony formats of the ElevenLabs-compatible routes (raw G.711 bytes, one per sample, at 8 kHz).
+G711_MEDIA_TYPES = {"ulaw": "audio/basic", "alaw": "audio/x-alaw-basic"}
 # format -> (FFmpeg muxer, encoder, muxer options, default bit rate; None: the encoder's own)
 _AV_FORMATS: dict[str, tuple[str, str, dict[str, str], int | None]] = {
     "mp3": ("mp3", "libmp3lame", {}, 64_000),
@@ -279,10 +281,43 @@ class AvStreamEncoder(StreamEncoder):
         return self._take() if isinstance(self._out, _Sink) else self._out.getvalue()
 
 
+def g711_encode(pcm: np.ndarray, law: str) -> bytes:
+    """int16 samples -> G.711 bytes (ITU-T G.711 segment encoding: ``"ulaw"`` or ``"alaw"``)."""
+    x = np.asarray(pcm, dtype=np.int32)
+    if law == "ulaw":
+        mag = np.minimum(np.abs(x), 32635) + 0x84  # bias: the first segment starts at 132
+        exponent = np.floor(np.log2(mag)).astype(np.int32) - 7  # 0..7
+        mantissa = (mag >> (exponent + 3)) & 0x0F
+        code = ((x < 0).astype(np.int32) << 7) | (exponent << 4) | mantissa
+        return (~code & 0xFF).astype(np.uint8).tobytes()
+    mag = np.minimum(np.abs(x), 32767)
+    exponent = np.where(mag < 256, 0, np.floor(np.log2(np.maximum(mag, 1))).astype(np.int32) - 7)
+    mantissa = np.where(exponent == 0, mag >> 4, mag >> (exponent + 3)) & 0x0F
+    code = ((x >= 0).astype(np.int32) << 7) | (exponent << 4) | mantissa  # A-law: the sign bit set = positive
+    return (code ^ 0x55).astype(np.uint8).tobytes()
+
+
+class G711StreamEncoder(PcmStreamEncoder):
+    """Raw mu-law / A-law bytes (``ulaw_8000`` / ``alaw_8000``): PCM resampled, then companded."""
+
+    def __init__(self, sample_rate: int, law: str, out_rate: int | None = None) -> None:
+        super().__init__(sample_rate, out_rate)
+        self.law = law
+        self.media_type = G711_MEDIA_TYPES[law]
+
+    def encode(self, samples: np.ndarray) -> bytes:
+        return g711_encode(to_int16(self._resampler.process(samples)), self.law)
+
+    def finish(self) -> bytes:
+        return g711_encode(to_int16(self._resampler.finish()), self.law)
+
+
 def make_stream_encoder(fmt: str, sample_rate: int, out_rate: int | None = None,
                         bit_rate: int | None = None) -> StreamEncoder:
     """An incremental encoder of float32 mono at ``sample_rate`` into ``fmt`` at ``out_rate``
     (default: the same; an encoder that does not take that rate gets its next higher one)."""
+    if fmt in G711_MEDIA_TYPES:
+        return G711StreamEncoder(sample_rate, fmt, out_rate)
     check_format(fmt, stream=True)
     if fmt == "pcm":
         return PcmStreamEncoder(sample_rate, out_rate)

@@ -8,8 +8,9 @@ Each key carries scopes:
 * ``voices``: voice administration (``POST /v1/voices``, ``DELETE /v1/voices/{id}``) and reading;
 * ``metrics``: ``GET /metrics`` and the details of ``GET /health`` when those are protected.
 
-Clients send ``Authorization: Bearer <key>`` (what OpenAI clients send). WebSocket clients may
-also use an ``xi-api-key`` header, an ``api_key`` query parameter, or the subprotocol
+Clients send ``Authorization: Bearer <key>`` (what OpenAI clients send) or ``xi-api-key: <key>``
+(what ElevenLabs clients send; the same keys and scopes). WebSocket clients may also use an
+``api_key`` query parameter, or the subprotocol
 ``openai-insecure-api-key.<key>`` (browsers cannot set headers on a WebSocket). A presented key is
 hashed and compared with every configured key's hash by ``hmac.compare_digest``, so the time taken
 does not depend on how much of a key matched, nor on which key matched.
@@ -165,7 +166,7 @@ def required_scopes(method: str, path: str, websocket: bool = False) -> frozense
         return None
     if path == "/metrics":
         return frozenset({METRICS})
-    if path in ("/v1/audio/speech", "/v1/tts"):
+    if path in ("/v1/audio/speech", "/v1/tts") or path.startswith("/v1/text-to-speech/"):
         return frozenset({SYNTHESIS})
     if path == "/v1/voices" or path.startswith("/v1/voices/"):
         if method in ("GET", "HEAD"):
@@ -175,16 +176,16 @@ def required_scopes(method: str, path: str, websocket: bool = False) -> frozense
 
 
 def presented_key(scope) -> str | None:
-    """The key a request carries: Bearer header, else (WebSockets) xi-api-key, query, subprotocol."""
+    """The key a request carries: Bearer header, else xi-api-key, else (WebSockets) query, subprotocol."""
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
     auth = headers.get("authorization", "")
     kind, _, token = auth.partition(" ")
     if kind.lower() == "bearer" and token.strip():
         return token.strip()
+    if headers.get("xi-api-key", "").strip():
+        return headers["xi-api-key"].strip()
     if scope["type"] != "websocket":
         return None
-    if headers.get("xi-api-key"):
-        return headers["xi-api-key"].strip()
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     if query.get("api_key"):
         return query["api_key"][0]
@@ -235,13 +236,14 @@ class ApiKeyAuth:
         else:
             rid = request_id_of(Request(scope))
             headers = {"WWW-Authenticate": "Bearer"} if denied.status == 401 else None
-            await error_response(rid, denied.status, denied.message, denied.type, denied.code, headers)(
-                scope, receive, send)
+            await error_response(rid, denied.status, denied.message, denied.type, denied.code, headers,
+                                 path=path)(scope, receive, send)
 
     @staticmethod
     def _check(key: str | None, held: frozenset[str] | None, needed: frozenset[str]) -> _Denied | None:
         if key is None:
-            return _Denied(401, "missing API key: send 'Authorization: Bearer <key>'", "authentication_error",
+            return _Denied(401, "missing API key: send 'Authorization: Bearer <key>' or 'xi-api-key: <key>'",
+                           "authentication_error",
                            "missing_api_key")
         if held is None:
             return _Denied(401, "invalid API key", "authentication_error", "invalid_api_key")

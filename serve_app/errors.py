@@ -7,6 +7,11 @@ and returns it in the response header itself, so logs, body and header agree; wh
 outside Serve a fresh id is made. Domain errors (``deployments.protocol``) map to 4xx/5xx with their
 message; anything unexpected is logged with its traceback and answered with a generic 500
 that carries only the request id (house style §2.6 rule 23).
+
+The ElevenLabs-compatible routes (paths under ``/v1/text-to-speech/``) answer in ElevenLabs' own
+shape instead, which its SDKs and the voice-agent frameworks parse: ``{"detail": {"status",
+"message", "request_id"}}`` (``status`` is our ``code``, else the ``type``); their WebSocket
+routes send ``{"error", "message", "code", "request_id"}`` (``code``: the close code that follows).
 """
 from __future__ import annotations
 
@@ -63,10 +68,32 @@ def error_body(request_id: str, message: str, type_: str, code: str | None = Non
     return {"error": {"message": message, "type": type_, "param": param, "code": code}, "request_id": request_id}
 
 
+ELEVENLABS_PREFIX = "/v1/text-to-speech/"
+
+
+def elevenlabs_body(request_id: str, message: str, type_: str, code: str | None = None) -> dict:
+    """ElevenLabs' HTTP error shape (the routes under ``ELEVENLABS_PREFIX``)."""
+    return {"detail": {"status": code or type_, "message": message, "request_id": request_id}}
+
+
+def elevenlabs_ws_error(request_id: str, message: str, type_: str, code: str | None, close_code: int,
+                        context_id: str | None = None) -> dict:
+    """ElevenLabs' WebSocket error message (``contextId`` when it concerns one context)."""
+    body = {"error": code or type_, "message": message, "code": close_code, "request_id": request_id}
+    if context_id is not None:
+        body["contextId"] = context_id
+    return body
+
+
 def error_response(request_id: str, status: int, message: str, type_: str, code: str | None = None,
-                   headers: dict[str, str] | None = None, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(request_id, message, type_, code, param), status_code=status,
-                        headers=headers or {})
+                   headers: dict[str, str] | None = None, param: str | None = None,
+                   path: str | None = None) -> JSONResponse:
+    """The error response of the API family that ``path`` belongs to (OpenAI's shape by default)."""
+    if path is not None and path.startswith(ELEVENLABS_PREFIX):
+        body = elevenlabs_body(request_id, message, type_, code)
+    else:
+        body = error_body(request_id, message, type_, code, param)
+    return JSONResponse(body, status_code=status, headers=headers or {})
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -125,18 +152,19 @@ def message_of(exc: BaseException) -> str:
 
 def response_for(request: Request, exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
     rid = request_id_of(request)
+    path = request.scope.get("path", "")
     if isinstance(exc, ApiError):
-        return error_response(rid, exc.status, exc.message, exc.type, exc.code, exc.headers, exc.param)
+        return error_response(rid, exc.status, exc.message, exc.type, exc.code, exc.headers, exc.param, path)
     if isinstance(exc, HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(rid, exc.status_code, str(exc.detail), kind)
+        return error_response(rid, exc.status_code, str(exc.detail), kind, path=path)
     status, type_, code, headers = classify(exc, retry_after_s)
     if status >= 500 and not isinstance(_unwrap(exc), CosyVoiceError):
         logger.error("request %s failed: %s", rid, type(exc).__name__)
-        return error_response(rid, 500, f"internal error (request id {rid})", "server_error")
+        return error_response(rid, 500, f"internal error (request id {rid})", "server_error", path=path)
     if status >= 500:
         logger.warning("request %s: %s", rid, message_of(exc))
-    return error_response(rid, status, message_of(exc), type_, code, headers, param_of(exc))
+    return error_response(rid, status, message_of(exc), type_, code, headers, param_of(exc), path)
 
 
 def install_exception_handlers(app: Starlette, retry_after_s: int = 1) -> None:

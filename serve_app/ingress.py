@@ -5,6 +5,9 @@ Routes (docs/serving.md has examples):
 * ``POST /v1/audio/speech``  OpenAI-compatible speech: streamed by default in every format, SSE,
   speed 0.25-4.0, voice aliases (serve_app/speech.py); ``instructions`` -> instruct
 * ``WS /v1/text-to-speech/{voice_id}/stream-input``  text in pieces, audio out (serve_app/stream_input.py)
+* ``WS /v1/text-to-speech/{voice_id}/multi-stream-input``  contexts on one socket (serve_app/multi_stream.py)
+* ``POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]``  ElevenLabs-compatible
+  (serve_app/elevenlabs_http.py)
 * ``POST /v1/tts``           native: zero-shot (multipart prompt upload), voice, cross-lingual, instruct
 * ``POST /v1/voices`` (multipart), ``GET /v1/voices``, ``GET/DELETE /v1/voices/{voice_id}``
 * ``GET /health``, ``GET /metrics``
@@ -47,7 +50,7 @@ from deployments.protocol import (
     VoiceInfo,
 )
 from deployments.python_gc import settle_replica
-from serve_app import playground
+from serve_app import elevenlabs_http, multi_stream, playground
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, run_encoder
 from serve_app.auth import AuthConfig, auth_middleware
 from serve_app.errors import ApiError, install_exception_handlers, request_id_of
@@ -141,6 +144,8 @@ class TTSIngress:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             WebSocketRoute(STREAM_INPUT_ROUTE, self.stream_input),
+            multi_stream.route(self),
+            *elevenlabs_http.routes(self),
             *playground.routes(self.synth, self.cfg.health_timeout_s),
         ]
         cfg = self.cfg
@@ -177,13 +182,13 @@ class TTSIngress:
                                stream=streamed and native_speed == 1.0, seed=body.seed)
         return await self._synthesize(req, body.response_format, streamed, tempo, sse)
 
-    async def stream_input(self, websocket: WebSocket) -> None:
-        """Text in pieces, audio out as it is made (ElevenLabs' stream-input; serve_app/stream_input.py)."""
+    async def stream_input(self, websocket: WebSocket, session_cls: type = StreamInputSession) -> None:
+        """Text in pieces, audio out as it is made (ElevenLabs' stream-input; serve_app/stream_input.py,
+        or with ``session_cls`` its multi-stream-input, serve_app/multi_stream.py)."""
         voice = self.resolve_voice(websocket.path_params["voice_id"])
         self.metrics.in_flight.inc()
         try:
-            await StreamInputSession(websocket, self.frontend, self.synth, voice,
-                                     on_served=self.metrics.served.observe).run()
+            await session_cls(websocket, self.frontend, self.synth, voice, on_served=self.metrics.served.observe).run()
         finally:
             self.metrics.in_flight.dec()
 

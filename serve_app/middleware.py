@@ -20,7 +20,7 @@ import sys
 
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
-from serve_app.errors import error_body, error_response, request_id_of
+from serve_app.errors import elevenlabs_ws_error, error_body, error_response, request_id_of
 from serve_app.metrics import IngressMetrics
 
 logger = logging.getLogger(__name__)
@@ -150,11 +150,15 @@ class AdmissionControl:
             rid = request_id_of(HTTPConnection(scope))
             message = (f"server is at capacity ({self.max_running} requests in progress, {self.waiting} waiting); "
                        f"retry after {self.retry_after_s} s")
+            path = route_path(scope)
             if scope["type"] == "websocket":
-                await _refuse_websocket(receive, send, error_body(rid, message, "overloaded_error", "queue_full"))
+                body = (elevenlabs_ws_error(rid, message, "overloaded_error", "queue_full", WS_TRY_AGAIN_LATER)
+                        if path.endswith("/multi-stream-input") else
+                        error_body(rid, message, "overloaded_error", "queue_full"))
+                await _refuse_websocket(receive, send, body)
                 return
             response = error_response(rid, 429, message, "overloaded_error", "queue_full",
-                                      {"Retry-After": str(self.retry_after_s)})
+                                      {"Retry-After": str(self.retry_after_s)}, path=path)
             await response(scope, receive, send)
             return
         self.waiting += 1

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from serve_app.audio_codec import MEDIA_TYPES, TempoStretcher, encode_audio, make_stream_encoder
+from serve_app.audio_codec import TempoStretcher, encode_audio, make_stream_encoder
 
 # OpenAI's built-in voice names (the SDK's list); by default each is an alias of the default voice.
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse",
@@ -70,7 +70,7 @@ class AudioOut:
         self.encoder = make_stream_encoder(fmt, sample_rate, out_rate=out_rate, bit_rate=bit_rate)
         self.stretch = TempoStretcher(sample_rate, tempo) if tempo != 1.0 else None
         self.model_samples = 0  # before the tempo change (usage, RTF)
-        self.media_type = SSE_MEDIA_TYPE if sse else MEDIA_TYPES[fmt]
+        self.media_type = SSE_MEDIA_TYPE if sse else self.encoder.media_type
 
     @property
     def served_s(self) -> float:

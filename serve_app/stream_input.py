@@ -5,9 +5,10 @@
 * client -> server: a first message ``{"text": " ", "voice_settings": {...}, ...}``, then
   ``{"text": "<piece>"}`` messages (``"flush": true`` forces out what is buffered), and
   ``{"text": ""}`` to end;
-* server -> client: ``{"audio": "<base64>", "isFinal": false, "normalizedAlignment": null,
-  "alignment": null}`` messages, then ``{"isFinal": true, "audioSeconds": <float>}`` (the
-  seconds of audio the session was sent) and a normal close (1000).
+* server -> client: ``{"audio": "<base64>", "isFinal": false, "normalizedAlignment": {...},
+  "alignment": {...}}`` messages (``StreamAligner``, serve_app/elevenlabs.py), then
+  ``{"isFinal": true, "audioSeconds": <float>}`` (the seconds of audio the session was sent) and
+  a normal close (1000).
 
 Two modes (query ``mode``), both into ONE encoder, so the concatenated audio is one valid stream
 of the output format:
@@ -42,7 +43,6 @@ import base64
 import contextlib
 import json
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +53,14 @@ from cosyvoice_runtime.frontend.split import CLOSING_QUOTES, EN_SENTENCE_END, ZH
 from cosyvoice_runtime.frontend.voice_id import VOICE_ID_RULE, is_voice_id
 from deployments.protocol import AudioChunk, CosyVoiceError, InvalidInputError, OverloadedError, SynthesisRequest
 from serve_app.audio_codec import run_encoder
+from serve_app.elevenlabs import (
+    DEFAULT_CHARS_PER_S,
+    DEFAULT_OUTPUT_FORMAT,
+    OutputFormat,
+    StreamAligner,
+    parse_output_format,
+    voice_chars_per_s,
+)
 from serve_app.errors import classify, error_body, message_of, request_id_of
 from serve_app.handles import admitted, cancel_stream
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
@@ -66,35 +74,17 @@ MODES = ("bistream", "sentence")
 # (itself, 3 interleaved speech tokens, the rest after the text): 160 tokens + a 400-position prompt
 # fit the default 2048-position KV slot.
 TURN_SOFT_IDS, TURN_MAX_IDS = 100, 160
-_FLUSH = object()  # end of a bistream turn
+FLUSH = object()  # end of a bistream turn
 MAX_HELD_CHARS = 8  # text without any whitespace (CJK) is sent in runs of this many characters
-DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
-PCM_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
-MP3_RATES = (22050, 24000, 44100)
 MAX_SEGMENT_CHARS = 250  # a run without a sentence end is cut (at a soft break) past this many characters
 MAX_SESSION_CHARS = 100_000
 DEFAULT_INACTIVITY_S, MAX_INACTIVITY_S = 20.0, 180.0
 SENTENCE_END = EN_SENTENCE_END | ZH_SENTENCE_END | frozenset("。？！")
-_FORMAT_RE = re.compile(r"^(pcm)_(\d+)$|^(mp3)_(\d+)_(\d+)$")
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_INTERNAL, CLOSE_TRY_AGAIN = 1000, 1008, 1011, 1013
 
 
-@dataclass(frozen=True)
-class OutputFormat:
-    fmt: str  # audio_codec format
-    rate: int
-    bit_rate: int | None = None
-
-
-def parse_output_format(value: str) -> OutputFormat:
-    """``pcm_<rate>`` or ``mp3_<rate>_<kbps>`` (ElevenLabs' names) -> our encoder settings."""
-    m = _FORMAT_RE.match(value)
-    if m and m.group(1) and int(m.group(2)) in PCM_RATES:
-        return OutputFormat("pcm", int(m.group(2)))
-    if m and m.group(3) and int(m.group(4)) in MP3_RATES and 8 <= int(m.group(5)) <= 320:
-        return OutputFormat("mp3", int(m.group(4)), int(m.group(5)) * 1000)
-    raise InvalidInputError(f"output_format '{value}' is not supported; use pcm_<rate> ({', '.join(map(str, PCM_RATES))}) "
-                            f"or mp3_<rate>_<kbps> ({', '.join(map(str, MP3_RATES))})")
+class InactivityTimeout(InvalidInputError):
+    """No client message within the session's inactivity timeout."""
 
 
 class SentenceBuffer:
@@ -166,8 +156,10 @@ class StreamInputSession:
         self.ws, self.frontend, self.synth, self.voice_id = ws, frontend, synth, voice_id
         self.on_served = on_served  # audio seconds of each synthesis call (segment or turn) once it is sent
         self.rid = request_id_of(ws)
-        self.segments: asyncio.Queue = asyncio.Queue()  # sentence: segments; bistream: fragments, _FLUSH; None: end
+        self.segments: asyncio.Queue = asyncio.Queue()  # sentence: segments; bistream: fragments, FLUSH; None: end
         self.out: AudioOut | None = None
+        self.aligner: StreamAligner | None = None  # made at the first audio (the voice's rate known)
+        self._rate: asyncio.Future | None = None  # the voice's speaking rate (chars/s), asked at the start
         self.speed = 1.0
         self.chars = 0
 
@@ -183,8 +175,9 @@ class StreamInputSession:
                 raise InvalidInputError(f"mode must be one of {', '.join(MODES)}")
             if not is_voice_id(self.voice_id):
                 raise InvalidInputError(f"invalid voice_id {self.voice_id!r}: use {VOICE_ID_RULE}")
+            self.ask_voice_rate()
             first = await self._receive(timeout)
-            self.speed = _speed_of(first)
+            self.speed = speed_of(first)
             bistream = mode == "bistream"
             worker = asyncio.create_task(self._bistream_all(fmt) if bistream else self._synthesize_all(fmt))
             buffer = SentenceBuffer()
@@ -199,7 +192,7 @@ class StreamInputSession:
                 if bistream:
                     self.segments.put_nowait(text)
                     if msg.get("flush"):
-                        self.segments.put_nowait(_FLUSH)
+                        self.segments.put_nowait(FLUSH)
                 else:
                     ready = buffer.feed(text)
                     if msg.get("flush"):
@@ -222,6 +215,8 @@ class StreamInputSession:
                 worker.cancel()  # cancels the handle stream in flight: the decode slot is freed
                 with contextlib.suppress(BaseException):
                     await worker
+            if self._rate is not None:
+                self._rate.cancel()
 
     async def _receive(self, timeout: float, worker: asyncio.Task | None = None) -> dict:
         """The next client message; a failed synthesis ends the wait with its error."""
@@ -234,7 +229,7 @@ class StreamInputSession:
                 await recv
             if worker is not None and worker in done:
                 worker.result()  # raises the synthesis error (it cannot end otherwise before the text)
-            raise InvalidInputError(f"no message for {timeout:g} s (inactivity_timeout)")
+            raise InactivityTimeout(f"no message for {timeout:g} s (inactivity_timeout)")
         message = recv.result()
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
@@ -260,7 +255,7 @@ class StreamInputSession:
             n += 1
             prepared = await admitted(self.frontend.prepare.remote(req))
             gen = self.synth.options(stream=True).synthesize.remote(prepared)
-            await self._play(gen, fmt, tempo)
+            await self._play(gen, fmt, tempo, lambda segment=segment: segment)
         await self._close_audio()
 
     async def _bistream_all(self, fmt: OutputFormat) -> None:
@@ -273,7 +268,7 @@ class StreamInputSession:
         try:
             while True:
                 item = await self._next_fragment(turn)
-                ends = item is None or item is _FLUSH
+                ends = item is None or item is FLUSH
                 piece = cutter.flush() if ends else cutter.feed(item)
                 if turn is None:
                     piece = piece.lstrip()  # a turn starts at text (ElevenLabs' first " " is no text)
@@ -281,7 +276,7 @@ class StreamInputSession:
                     if turn is None:
                         turn = await self._start_turn(f"{self.rid}-{n}", native, fmt, tempo)
                         n += 1
-                    await turn.push((await self.frontend.tokenize_fragment.remote(piece)).tolist())
+                    await turn.push((await self.frontend.tokenize_fragment.remote(piece)).tolist(), piece)
                     if turn.ids >= TURN_MAX_IDS or (turn.ids >= TURN_SOFT_IDS and _ends_sentence(piece)):
                         await turn.finish()
                         turn = None
@@ -305,7 +300,8 @@ class StreamInputSession:
         except BaseException:
             cancel_stream(gen)
             raise
-        return _Turn(ticket, asyncio.create_task(self._play(gen, fmt, tempo)))
+        text: list[str] = []  # the turn's text so far, for its alignment
+        return _Turn(ticket, asyncio.create_task(self._play(gen, fmt, tempo, lambda: "".join(text))), text)
 
     async def _next_fragment(self, turn: _Turn | None):
         """The next queued item; a turn whose synthesis failed meanwhile raises its error now."""
@@ -320,10 +316,32 @@ class StreamInputSession:
         raise InvalidInputError("the speech of this turn ended before its text did (it outgrew the model's "
                                 "context): send flush more often")
 
-    async def _play(self, gen, fmt: OutputFormat, tempo: float) -> None:
-        """Encode and send one synthesis call's audio (skipping a bistream call's ticket)."""
+    def ask_voice_rate(self) -> None:
+        """Ask the frontend for the voice's speaking rate now, so it is known by the first audio."""
+        if self._rate is None:
+            self._rate = asyncio.ensure_future(self._voice_rate())
+
+    def _known_rate(self) -> float:
+        """The voice's rate if the frontend has answered (audio never waits for it), else the default."""
+        self.ask_voice_rate()
+        rate = self._rate
+        if rate.done() and not rate.cancelled() and rate.exception() is None:
+            return rate.result()
+        return DEFAULT_CHARS_PER_S
+
+    async def _voice_rate(self) -> float:
+        try:
+            info = await self.frontend.get_voice.remote(self.voice_id)
+        except Exception:  # noqa: BLE001 - an unknown voice fails its synthesis with its own error
+            return DEFAULT_CHARS_PER_S
+        return voice_chars_per_s(info.prompt_text, info.num_prompt_tokens)
+
+    async def _play(self, gen, fmt: OutputFormat, tempo: float, text: Callable[[], str]) -> None:
+        """Encode and send one synthesis call's audio (skipping a bistream call's ticket), with the
+        alignment of ``text()`` (serve_app/elevenlabs.py :class:`StreamAligner`)."""
         samples, rate = 0, 0
         try:
+            chunks_seen = 0
             async for chunk in gen:
                 if not isinstance(chunk, AudioChunk):
                     continue
@@ -331,7 +349,15 @@ class StreamInputSession:
                 if self.out is None:  # encoder calls run in the encoder pool, off the event loop
                     self.out = await run_encoder(AudioOut, fmt.fmt, chunk.sample_rate, tempo=tempo,
                                                  out_rate=fmt.rate, bit_rate=fmt.bit_rate)
-                await self._send_audio(await run_encoder(self.out.feed, chunk.samples))
+                if self.aligner is None:
+                    self.aligner = StreamAligner(DEFAULT_CHARS_PER_S)
+                if chunks_seen == 0:
+                    self.aligner.new_call(self._known_rate())
+                data = await run_encoder(self.out.feed, chunk.samples)
+                self.aligner.chunk(text(), len(chunk.samples) / chunk.sample_rate / tempo, chunk.is_last)
+                chunks_seen += 1
+                if data:
+                    await self._send_audio(data, self.aligner.take())
             if self.on_served is not None:
                 self.on_served(served_seconds(samples, rate, tempo))
         finally:
@@ -339,12 +365,12 @@ class StreamInputSession:
 
     async def _close_audio(self) -> None:
         if self.out is not None:
-            await self._send_audio(await run_encoder(self.out.close))
+            await self._send_audio(await run_encoder(self.out.close), self.aligner.take() if self.aligner else None)
 
-    async def _send_audio(self, data: bytes) -> None:
-        if data:
+    async def _send_audio(self, data: bytes, alignment: dict | None = None) -> None:
+        if data:  # the text is spoken as sent (bistream) or aligned as sent (sentence): both the same
             await self.ws.send_json({"audio": base64.b64encode(data).decode(), "isFinal": False,
-                                     "normalizedAlignment": None, "alignment": None})
+                                     "normalizedAlignment": alignment, "alignment": alignment})
 
     async def _fail(self, exc: BaseException) -> None:
         status, type_, code, _ = classify(exc)
@@ -365,14 +391,16 @@ class _Turn:
 
     ticket: Any  # deployments.text_inbox.BistreamTicket
     audio: asyncio.Task
+    text: list[str]  # the pieces pushed (read by the audio task for the alignment)
     ids: int = 0
 
-    async def push(self, ids: list[int]) -> None:
+    async def push(self, ids: list[int], piece: str) -> None:
         if self.audio.done():
             self.audio.result()  # a failed synthesis raises its own error, not "session closed"
         if ids:
             await self.ticket.push(ids)
             self.ids += len(ids)
+            self.text.append(piece)
 
     async def finish(self) -> None:
         """End of this turn's text; returns once its audio has been sent."""
@@ -398,7 +426,7 @@ def _inactivity(value: str | None) -> float:
     return seconds
 
 
-def _speed_of(first: dict) -> float:
+def speed_of(first: dict) -> float:
     """``voice_settings.speed`` of the first message (ElevenLabs' place for it), OpenAI's range."""
     settings = first.get("voice_settings") or {}
     speed = settings.get("speed", 1.0) if isinstance(settings, dict) else 1.0

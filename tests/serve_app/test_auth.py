@@ -67,7 +67,8 @@ def test_401_without_a_key_in_the_json_error_shape(keys_env):
     body = r.json()  # serve_app.errors' shape: {"error": {message, type, code, ...}, "request_id"}
     assert body["request_id"] == "abc-1"
     assert {k: body["error"][k] for k in ("message", "type", "code")} == {
-        "message": "missing API key: send 'Authorization: Bearer <key>'", "type": "authentication_error",
+        "message": "missing API key: send 'Authorization: Bearer <key>' or 'xi-api-key: <key>'",
+        "type": "authentication_error",
         "code": "missing_api_key"}
     r = _call(_app(), "POST", "/v1/audio/speech", key="sk-wrong-0123456789abcdef")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -136,6 +137,19 @@ def test_websocket_key_forms(keys_env):
         with pytest.raises(WebSocketDisconnect) as exc, client.websocket_connect(path, **kwargs):
             pass
         assert exc.value.code == 1008
+
+
+def test_xi_api_key_over_http_and_the_elevenlabs_error_shape(keys_env):
+    """ElevenLabs clients send `xi-api-key`: the same keys and scopes; their routes answer in
+    ElevenLabs' error shape."""
+    app = Starlette(routes=[Route(p, _ok, methods=["POST"]) for p in ("/v1/audio/speech", "/v1/text-to-speech/{v}")],
+                    middleware=auth_middleware(AuthConfig()))
+    assert _call(app, "POST", "/v1/audio/speech", headers={"xi-api-key": SYNTH_KEY}).status_code == 200
+    assert _call(app, "POST", "/v1/text-to-speech/v1", headers={"xi-api-key": SYNTH_KEY}).status_code == 200
+    r = _call(app, "POST", "/v1/text-to-speech/v1", headers={"xi-api-key": OPS_KEY})
+    assert r.status_code == 403 and r.json()["detail"]["status"] == "insufficient_scope"
+    r = _call(app, "POST", "/v1/text-to-speech/v1", headers={"xi-api-key": "sk-wrong-0123456789abcdef"})
+    assert r.status_code == 401 and set(r.json()["detail"]) == {"status", "message", "request_id"}
 
 
 def test_query_key_is_not_accepted_over_plain_http(keys_env):

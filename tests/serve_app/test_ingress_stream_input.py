@@ -162,6 +162,9 @@ def test_bistream_speaks_before_the_text_ends_and_all_of_it(client, ingress):
     assert messages[-1] == {"isFinal": True, "audioSeconds": round(len(pcm) / 2 / SR, 3)}
     assert _served(ingress) == (1, len(pcm) / 2 / SR)  # the one turn
     assert _emitted(ingress) == {"0/0": 2 * len("".join(fragments))}  # one sequence for the session
+    # alignment: every character once, in order, within each message's own audio (test_multi_stream.py)
+    aligned = [m["alignment"] for m in [first, *messages] if m.get("alignment")]
+    assert "".join(c for a in aligned for c in a["chars"]) == "".join(fragments)
 
 
 def test_bistream_flush_ends_the_turn_and_later_text_starts_another(client, ingress):
@@ -222,6 +225,7 @@ def test_output_formats():
     assert parse_output_format("pcm_24000").rate == 24000
     assert parse_output_format("mp3_44100_128") == parse_output_format("mp3_44100_128")
     assert parse_output_format("mp3_44100_128").bit_rate == 128_000
-    for bad in ("pcm_12345", "mp3_44100", "opus_48000_64", "ulaw_8000"):
+    assert parse_output_format("ulaw_8000").fmt == "ulaw"  # the ElevenLabs names (serve_app/elevenlabs.py)
+    for bad in ("pcm_12345", "mp3_44100", "opus_16000_64", "ulaw_16000"):
         with pytest.raises(InvalidInputError, match="not supported"):
             parse_output_format(bad)
