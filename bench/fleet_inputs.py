@@ -28,13 +28,13 @@ SERVE_CONFIG = ROOT / "configs" / "production.yaml"
 KUBERAY_MANIFEST = ROOT / "deploy" / "kuberay" / "rayservice.yaml"
 
 ASSUMPTIONS = {
-    "replica_start_s": (87.0, "model load + CUDA-graph capture of one CosyVoice2 replica on an H100: 72.5 s "
+    "replica_start_s": (87.0, ("model load + CUDA-graph capture of one CosyVoice2 replica on an H100: 72.5 s "
                               "and 87 s in-process (bench/results/capacity-h100-2026-12-06.md); the slower "
-                              "is taken, a Serve replica adds its actor start"),
-    "node_start_s": (180.0, "assumed: a cloud GPU VM or pod from request to a Ray worker joined, image "
-                            "cached (3 min); not measured here"),
-    "metrics_push_s": (10.0, "Serve's default replica and handle metrics push interval "
-                             "(RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S, ray-serve-notes.md 5.2)"),
+                              "is taken, a Serve replica adds its actor start")),
+    "node_start_s": (180.0, ("assumed: a cloud GPU VM or pod from request to a Ray worker joined, image "
+                            "cached (3 min); not measured here")),
+    "metrics_push_s": (10.0, ("Serve's default replica and handle metrics push interval "
+                             "(RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S, ray-serve-notes.md 5.2)")),
     "gpu_hour_usd": (3.0, "assumed on-demand price of one H100 GPU-hour; cost scales linearly"),
 }
 
@@ -169,14 +169,14 @@ def load_serve_settings(config: Path = SERVE_CONFIG, manifest: Path = KUBERAY_MA
     synth = _find(yaml.safe_load(config.read_text()), "synthesizer")
     auto = synth["autoscaling"]
     idle = _find(yaml.safe_load_all(manifest.read_text()).__next__(), "idleTimeoutSeconds")
-    values = dict(
-        min_replicas=int(auto["min_replicas"]), max_replicas=int(auto["max_replicas"]),
-        target_ongoing_requests=float(auto["target_ongoing_requests"]),
-        upscale_delay_s=float(auto["upscale_delay_s"]), downscale_delay_s=float(auto["downscale_delay_s"]),
-        look_back_period_s=float(auto["look_back_period_s"]),
-        max_ongoing_requests=int(synth["max_ongoing_requests"]),
-        load_band={k: v for k, v in auto["load_band"].items() if k != "enabled"},
-        node_idle_timeout_s=float(idle))
+    values = {
+        "min_replicas": int(auto["min_replicas"]), "max_replicas": int(auto["max_replicas"]),
+        "target_ongoing_requests": float(auto["target_ongoing_requests"]),
+        "upscale_delay_s": float(auto["upscale_delay_s"]), "downscale_delay_s": float(auto["downscale_delay_s"]),
+        "look_back_period_s": float(auto["look_back_period_s"]),
+        "max_ongoing_requests": int(synth["max_ongoing_requests"]),
+        "load_band": {k: v for k, v in auto["load_band"].items() if k != "enabled"},
+        "node_idle_timeout_s": float(idle)}
     unknown = set(overrides) - set(values)
     if unknown:
         raise ValueError(f"unknown settings {sorted(unknown)}")

@@ -54,7 +54,7 @@ class SimConfig:
     policy_period_s: float = 1.0
     admission: bool = False
     seed: int = 0
-    initial_replicas: int | None = None  # None: enough for the first second at the SLO
+    initial_replicas: int | None = None  # None: the first minute's peak at the band centre (75 %)
 
 
 class _ServeConfig:
@@ -81,7 +81,6 @@ class SimContext:
     running_replicas: list[str]
     total_num_requests: float
     total_queued_requests: float
-    total_running_requests: float
     aggregated_metrics: dict[str, dict[str, float]]
     raw_metrics: dict[str, Any]
     capacity_adjusted_min_replicas: int
@@ -91,6 +90,10 @@ class SimContext:
     last_scale_down_time: float | None
     current_time: float
     config: _ServeConfig
+
+    @property
+    def total_running_requests(self) -> float:
+        return max(0.0, self.total_num_requests - self.total_queued_requests)
 
 
 class DelayRule:
@@ -228,8 +231,8 @@ def simulate(trace: Trace, policy: Policy, cfg: SimConfig, name: str = "policy",
     run = Run(name, n_s)
     cap = rep.max_sessions
     initial = cfg.initial_replicas
-    if initial is None:
-        initial = max(s.min_replicas, math.ceil(trace.active[0] / cap))
+    if initial is None:  # a fleet at rest for the first minute's load, not one still scaling
+        initial = max(s.min_replicas, math.ceil(trace.active[:60].max() / (0.75 * cap)))
     fleet = Fleet(cfg, min(max(initial, s.min_replicas), s.max_replicas))
     target = len(fleet.replicas)
     delay = DelayRule(s.upscale_delay_s, s.downscale_delay_s)
@@ -266,12 +269,11 @@ def simulate(trace: Trace, policy: Policy, cfg: SimConfig, name: str = "policy",
         cs["queued"][t + 1] = cs["queued"][t] + queued
         if (t + 1) % push == 0:  # a push at the end of this second
             _push(snapshot, cs, running, t + 1, look_back)
-        if t % period == 0:
+        if t % period == 0 and t >= push:  # from the first push on: before it Serve knows no load
             ctx = SimContext(
                 deployment_name=name, app_name="sim", current_num_replicas=n, target_num_replicas=target,
                 running_replicas=[r.rid for r in running], total_num_requests=snapshot["requests"],
                 total_queued_requests=snapshot["queued"],
-                total_running_requests=snapshot["requests"] - snapshot["queued"],
                 aggregated_metrics=snapshot["metrics"], raw_metrics={},
                 capacity_adjusted_min_replicas=s.min_replicas, capacity_adjusted_max_replicas=s.max_replicas,
                 policy_state=policy_state, last_scale_up_time=None, last_scale_down_time=None,
@@ -293,7 +295,7 @@ def _push(snapshot: dict[str, Any], cs: dict[str, np.ndarray], running: list[_Re
     start = max(0, int(end - look_back))
     streams, util = {}, {}
     for r in running:
-        a = max(start, int(math.ceil(r.ready_at)))
+        a = max(start, math.ceil(r.ready_at))
         if a >= end:
             continue  # started this second: nothing recorded yet
         streams[r.rid] = (cs["streams"][end] - cs["streams"][a]) / (end - a)

@@ -69,11 +69,11 @@ def diurnal_trace(hours: float, peak_sessions: int, seed: int = 0, mean_session_
     if peak_sessions < 0 or hours <= 0 or mean_session_s <= 0:
         raise ValueError("need peak_sessions >= 0, hours > 0, mean_session_s > 0")
     rng = np.random.default_rng(seed)
-    n = int(round(hours * 3600))
+    n = round(hours * 3600)
     t = start_hour * 3600 + np.arange(n + 1, dtype=float)
     curve = peak_sessions * diurnal_shape(t)
     rate = np.maximum(0.0, np.diff(curve) + curve[:-1] / mean_session_s)
-    bursts = int(round(bursts_per_day * hours / 24))
+    bursts = round(bursts_per_day * hours / 24)
     burst_log = []
     for at in np.sort(rng.uniform(0, max(1.0, n - burst_span_s), size=bursts)).astype(int):
         share = rng.uniform(*burst_share)
@@ -103,7 +103,7 @@ def ramp_trace(points: list[tuple[float, float]]) -> Trace:
     pts = sorted((float(t), float(s)) for t, s in points)
     if not pts or pts[0][0] != 0 or any(s < 0 for _, s in pts):
         raise ValueError(f"a ramp starts at time 0 with sessions >= 0, got {pts}")
-    n = max(1, int(math.ceil(pts[-1][0])))
+    n = max(1, math.ceil(pts[-1][0]))
     t = np.arange(n, dtype=float)
     xs = [p[0] for p in pts]
     ys = [p[1] for p in pts]
