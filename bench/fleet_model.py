@@ -142,6 +142,7 @@ class Run:
     p99_ms: np.ndarray = field(init=False)
     audio_s: np.ndarray = field(init=False)
     policy_calls: int = 0
+    asks_other_than_running: int = 0  # policy answers that differ from the running count
 
     def __post_init__(self) -> None:
         for name in ("running", "replicas", "nodes", "target", "served", "rejected", "late", "in_flight", "queued"):
@@ -280,6 +281,7 @@ def simulate(trace: Trace, policy: Policy, cfg: SimConfig, name: str = "policy",
                 current_time=now, config=serve_cfg)
             desired, policy_state = policy(ctx)
             run.policy_calls += 1
+            run.asks_other_than_running += math.ceil(desired) != n
             desired = min(s.max_replicas, max(s.min_replicas, math.ceil(desired)))
             target = min(s.max_replicas, max(s.min_replicas, delay(desired, target, now)))
         fleet.reconcile(target, now)

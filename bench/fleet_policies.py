@@ -2,7 +2,9 @@
 
 * ``queue``: Serve's default (``replica_queue_length_autoscaling_policy``), modelled from its
   documentation: the replicas that put ``target_ongoing_requests`` requests (running + queued)
-  on each, ``ceil(total requests / target_ongoing_requests)``, smoothing factors at 1.
+  on each, ``ceil(total requests / target_ongoing_requests)``, smoothing factors at 1, with the
+  config's target; ``queue_measured``: the same with the target at the band centre of the
+  measured setpoint (what the load band aims at, without its hysteresis).
 * ``gpu_util``: keep NVML utilisation in a band, ``ceil(n * util / centre)`` outside it, never
   under the queue answer (the sketch of ray-serve-notes.md 5.2).
 * ``load_band``: the real ``deployments.autoscaling_policy.LoadBandPolicy``, imported, with the
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from bench.fleet_inputs import ReplicaModel, ServeSettings
@@ -22,9 +25,10 @@ from bench.fleet_model import UTIL
 from deployments.autoscaling_policy import LoadBandPolicy
 
 
-def queue_length_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
-    """Serve's default: requests per replica held at ``target_ongoing_requests``."""
-    target = float(ctx.config.get_target_ongoing_requests())
+def queue_length_policy(ctx: Any, target: float | None = None) -> tuple[int, dict[str, Any]]:
+    """Serve's default: requests per replica held at ``target`` (default: the config's
+    ``target_ongoing_requests``)."""
+    target = float(target or ctx.config.get_target_ongoing_requests())
     return math.ceil(float(ctx.total_num_requests or 0) / target), dict(ctx.policy_state or {})
 
 
@@ -47,6 +51,24 @@ class GpuUtilBandPolicy:
         return max(decision, by_queue), dict(ctx.policy_state or {}, util_pct=util)
 
 
+class _Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Clocked:
+    """Sets the policy's clock to the context's time, then calls it."""
+
+    def __init__(self, policy: LoadBandPolicy, clock: _Clock) -> None:
+        self.policy, self.clock = policy, clock
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        self.clock.now = float(ctx.current_time)
+        return self.policy(ctx)
+
+
 @dataclass(frozen=True)
 class PolicySpec:
     name: str
@@ -64,12 +86,20 @@ def policies(settings: ServeSettings, replica: ReplicaModel) -> list[PolicySpec]
     configured = float(band.get("slo_streams", 12))
 
     def ours(slo_streams: float) -> Callable[[], LoadBandPolicy]:
-        # A long log interval: the simulated day would otherwise log to a logger nobody reads.
-        return lambda: LoadBandPolicy(low_pct=low, high_pct=high, slo_streams=slo_streams, log_interval_s=3600)
+        # Its clock is the simulation's (``SimContext.current_time``): the rate limit of its log
+        # lines runs in simulated time, so the day counts the lines a controller would write.
+        def make() -> LoadBandPolicy:
+            clock = _Clock()
+            policy = LoadBandPolicy(low_pct=low, high_pct=high, slo_streams=slo_streams, clock=clock)
+            return _Clocked(policy, clock)
+        return make
 
+    centre = (low + high) / 200 * measured
     return [
         PolicySpec("queue", f"queue length only (target_ongoing_requests {settings.target_ongoing_requests:g})",
                    lambda: queue_length_policy),
+        PolicySpec("queue_measured", f"queue length only (target {centre:.1f} = band centre x measured)",
+                   lambda: partial(queue_length_policy, target=centre), setpoint=f"measured: {replica.source}"),
         PolicySpec("gpu_util", f"GPU utilisation band {low:g}-{high:g} %", lambda: GpuUtilBandPolicy(low, high)),
         PolicySpec("load_band", f"load band {low:g}-{high:g} %, slo_streams {measured:.1f} (measured)",
                    ours(measured), setpoint=f"measured: {replica.source}"),

@@ -3,6 +3,7 @@ counts per 10 s bin that the live ramp is compared with (:func:`compare_replicas
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -134,10 +135,11 @@ def plot_day(trace: Trace, runs: dict[str, Run], labels: dict[str, str], oracle:
     axes[0].plot(hours, _per_minute(trace.active, np.max), color="black", lw=0.8)
     axes[0].set_ylabel("sessions open\n(minute peak)")
     axes[1].step(hours, oracle, where="post", color="black", lw=1.2, ls="--", label="oracle (no start time)")
-    for name, run in runs.items():
-        axes[1].plot(hours, _per_minute(run.running, np.mean), lw=0.9, label=labels[name])
-    axes[1].set_ylabel("replicas serving")
     top = max(2 * oracle.max(), 10)
+    for name, run in runs.items():
+        label = labels[name] + (f" (peak {run.running.max()}, off the scale)" if run.running.max() > top else "")
+        axes[1].plot(hours, _per_minute(run.running, np.mean), lw=0.9, label=label)
+    axes[1].set_ylabel("replicas serving")
     axes[1].set_ylim(0, top)
     axes[1].legend(fontsize=8, loc="upper left")
     for i, (name, run) in enumerate(runs.items()):
@@ -147,6 +149,30 @@ def plot_day(trace: Trace, runs: dict[str, Run], labels: dict[str, str], oracle:
     axes[2].set_ylabel("minutes over\nthe SLO")
     axes[2].set_xlabel("hour of the day")
     fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_window(trace: Trace, runs: dict[str, Run], labels: dict[str, str], start_s: int, end_s: int,
+                replica: ReplicaModel, path: Path, title: str) -> None:
+    """Second by second over a window (a burst): sessions as replicas' worth at the SLO, and the
+    replicas serving per policy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = np.arange(start_s, end_s) / 3600
+    fig, ax = plt.subplots(figsize=(12, 5))
+    ax.plot(t, trace.active[start_s:end_s] / replica.max_sessions, color="black", lw=0.8,
+            label=f"sessions / {replica.max_sessions:.1f} (replicas needed at the SLO)")
+    for name, run in runs.items():
+        if run.running[start_s:end_s].max() <= 3 * (trace.active[start_s:end_s].max() / replica.max_sessions):
+            ax.plot(t, run.running[start_s:end_s], lw=0.9, label=labels[name])
+    ax.set_xlabel("hour of the day")
+    ax.set_ylabel("replicas")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -165,7 +191,7 @@ def plot_curve(replica: ReplicaModel, path: Path) -> None:
     ax.axvline(replica.max_sessions, color="grey", ls=":", lw=0.8, label=f"{replica.max_sessions:.1f} sessions")
     ax.set_xlabel("voice-agent sessions on one replica")
     ax.set_ylabel("first audio p99 (ms)")
-    ax.set_title(replica.source, fontsize=7)
+    ax.set_title(textwrap.fill(replica.source, 90), fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -21,14 +21,15 @@ import datetime as dt
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
+import numpy as np
 from tqdm import tqdm
 
 from bench.fleet_inputs import ASSUMPTIONS, SERVE_CONFIG, load_replica_model, load_serve_settings, serve_report_path
 from bench.fleet_model import SimConfig, oracle_replicas, simulate
 from bench.fleet_policies import policies
-from bench.fleet_report import oracle_summary, plot_curve, plot_day, replica_bins, series, summarise
+from bench.fleet_report import oracle_summary, plot_curve, plot_day, plot_window, replica_bins, series, summarise
 from bench.fleet_workload import diurnal_trace, parse_ramp, ramp_trace
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replica-start-s", type=float, default=a["replica_start_s"])
     p.add_argument("--node-start-s", type=float, default=a["node_start_s"])
     p.add_argument("--metrics-push-s", type=float, default=a["metrics_push_s"])
+    p.add_argument("--band", help="LOW,HIGH: replaces the config's load band (per cent)")
     p.add_argument("--node-idle-timeout-s", type=float, help="replaces the KubeRay manifest's idleTimeoutSeconds")
     p.add_argument("--gpu-hour-usd", type=float, default=a["gpu_hour_usd"])
     p.add_argument("--bin-s", type=int, default=10, help="bin of the replica counts for the live comparison")
@@ -68,6 +70,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {"max_replicas": args.max_replicas}
     if args.min_replicas is not None:
         overrides["min_replicas"] = args.min_replicas
+    if args.band:
+        low, high = (float(v) for v in args.band.split(","))
+        overrides["load_band"] = dict(load_band_of(args.config), low_pct=low, high_pct=high)
     if args.node_idle_timeout_s is not None:
         overrides["node_idle_timeout_s"] = args.node_idle_timeout_s
     settings = load_serve_settings(args.config, **overrides)
@@ -88,11 +93,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         node_start_s=args.node_start_s, metrics_push_s=args.metrics_push_s,
                         admission=spec.admission, seed=args.seed)
         with tqdm(total=trace.seconds, desc=spec.name, unit="s", unit_scale=True, leave=False,
-                  disable=trace.seconds < 3600) as bar:
+                  disable=trace.seconds < 3600) as bar, _DecisionLines() as lines:
             result = simulate(trace, spec.make(), cfg, spec.name, progress=bar.update)
         runs[spec.name] = result
         out_policies[spec.name] = {"label": spec.label, "admission": spec.admission, "setpoint": spec.setpoint,
-                                   **summarise(result, oracle, replica, args.gpu_hour_usd)}
+                                   **summarise(result, oracle, replica, args.gpu_hour_usd),
+                                   "decision_log_lines": lines.count,
+                                   # Serve calls a policy every 0.1 s; the model every 1 s.
+                                   "ticks_asking_other_than_running_at_0_1_s": 10 * result.asks_other_than_running}
     ours = out_policies.get(TARGETS["policy"])
     summary = {
         "date": dt.date.today().isoformat(),
@@ -135,16 +143,51 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.ramp:
         full["replicas_per_bin"] = {"bin_s": args.bin_s, **{n: replica_bins(r.running, args.bin_s) for n, r in runs.items()}}
         summary["replicas_per_bin"] = full["replicas_per_bin"]
+    series_out = full.pop("series")
     (args.out / "fleet-sim.json").write_text(json.dumps(full, indent=1) + "\n")
+    # One line per series: a day is 1,440 values each.
+    (args.out / "series.json").write_text(
+        "{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in series_out.items())
+        + "\n}\n")
     if not args.no_plots:
         title = f"{summary['what']}: {trace.description[:150]}"
-        plot_day(trace, runs, {n: p["label"] for n, p in out_policies.items()}, oracle, replica,
-                 args.out / "day.png", title)
+        labels = {n: p["label"] for n, p in out_policies.items()}
+        plot_day(trace, runs, labels, oracle, replica, args.out / "day.png", title)
         plot_curve(replica, args.out / "curve.png")
+        if trace.seconds >= 4 * 3600:  # the day's sharpest rise, an hour either side
+            jump = int(np.argmax(trace.active[600:] - trace.active[:-600])) + 600
+            lo, hi = max(0, jump - 3600), min(trace.seconds, jump + 3600)
+            plot_window(trace, runs, labels, lo, hi, replica, args.out / "burst.png",
+                        f"the sharpest 10-minute rise ({jump / 3600:.2f} h), second by second")
     if args.latest:
         summary["output"] = str(args.out)
         args.latest.write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+class _DecisionLines(logging.Handler):
+    """Counts the policies' decision lines on Serve's logger (kept off the console)."""
+
+    def __enter__(self) -> Self:
+        self.count = 0
+        self.serve = logging.getLogger("ray.serve")
+        self.saved = self.serve.level, self.serve.propagate
+        self.serve.setLevel(logging.INFO)
+        self.serve.propagate = False
+        self.serve.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.serve.removeHandler(self)
+        self.serve.setLevel(self.saved[0])
+        self.serve.propagate = self.saved[1]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "replicas (" in record.getMessage()
+
+
+def load_band_of(config) -> dict[str, Any]:
+    return load_serve_settings(config).load_band
 
 
 def _minute_peaks(values) -> list[int]:
@@ -153,7 +196,6 @@ def _minute_peaks(values) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the policies' decision lines, thousands a day
     summary = run(_args(argv))
     for name, p in summary["policies"].items():
         logger.info("%-20s GPU-h %8.1f (x%.3f oracle)  over SLO %6.2f %% of minutes  refused %.3f %%  "
