@@ -61,6 +61,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--latest", type=Path, help="also write the summary here (e.g. bench/results/fleet-sim-latest.json)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-series", action="store_true", help="skip series.json (per-minute series)")
     return p.parse_args(argv)
 
 
@@ -137,18 +138,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    full = dict(summary, series={"minute_s": 60, "sessions_peak": [int(v) for v in _minute_peaks(trace.active)],
-                                 "oracle": [int(v) for v in oracle],
-                                 **{name: series(r) for name, r in runs.items()}})
     if args.ramp:
-        full["replicas_per_bin"] = {"bin_s": args.bin_s, **{n: replica_bins(r.running, args.bin_s) for n, r in runs.items()}}
-        summary["replicas_per_bin"] = full["replicas_per_bin"]
-    series_out = full.pop("series")
-    (args.out / "fleet-sim.json").write_text(json.dumps(full, indent=1) + "\n")
-    # One line per series: a day is 1,440 values each.
-    (args.out / "series.json").write_text(
-        "{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in series_out.items())
-        + "\n}\n")
+        summary["replicas_per_bin"] = {"bin_s": args.bin_s,
+                                       **{n: replica_bins(r.running, args.bin_s) for n, r in runs.items()}}
+    (args.out / "fleet-sim.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if not args.no_series:
+        per_minute = {"minute_s": 60, "sessions_peak": _minute_peaks(trace.active), "oracle": [int(v) for v in oracle],
+                      **{name: series(r) for name, r in runs.items()}}
+        # One line per series: a day is 1,440 values each.
+        (args.out / "series.json").write_text("{\n" + ",\n".join(
+            f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in per_minute.items()) + "\n}\n")
     if not args.no_plots:
         title = f"{summary['what']}: {trace.description[:150]}"
         labels = {n: p["label"] for n, p in out_policies.items()}
