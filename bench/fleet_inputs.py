@@ -168,7 +168,7 @@ def load_serve_settings(config: Path = SERVE_CONFIG, manifest: Path = KUBERAY_MA
     ``overrides`` replace fields (e.g. ``max_replicas`` for a fleet larger than the config's)."""
     synth = _find(yaml.safe_load(config.read_text()), "synthesizer")
     auto = synth["autoscaling"]
-    idle = _find(yaml.safe_load_all(manifest.read_text()).__next__(), "idleTimeoutSeconds")
+    idle = _find(next(yaml.safe_load_all(manifest.read_text())), "idleTimeoutSeconds")
     values = {
         "min_replicas": int(auto["min_replicas"]), "max_replicas": int(auto["max_replicas"]),
         "target_ongoing_requests": float(auto["target_ongoing_requests"]),

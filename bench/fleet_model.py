@@ -57,7 +57,7 @@ class SimConfig:
     initial_replicas: int | None = None  # None: the first minute's peak at the band centre (75 %)
 
 
-class _ServeConfig:
+class ServeConfigView:
     """What a policy reads from ``ctx.config`` (Serve's ``AutoscalingConfig``)."""
 
     def __init__(self, s: ServeSettings) -> None:
@@ -89,7 +89,7 @@ class SimContext:
     last_scale_up_time: float | None
     last_scale_down_time: float | None
     current_time: float
-    config: _ServeConfig
+    config: ServeConfigView
 
     @property
     def total_running_requests(self) -> float:
@@ -237,7 +237,7 @@ def simulate(trace: Trace, policy: Policy, cfg: SimConfig, name: str = "policy",
     fleet = Fleet(cfg, min(max(initial, s.min_replicas), s.max_replicas))
     target = len(fleet.replicas)
     delay = DelayRule(s.upscale_delay_s, s.downscale_delay_s)
-    serve_cfg = _ServeConfig(s)
+    serve_cfg = ServeConfigView(s)
     # Running sums (index t holds the sum over seconds < t) for the look-back windows.
     cs = {k: np.zeros(n_s + 1) for k in ("streams", "util", "requests", "queued")}
     snapshot: dict[str, Any] = {"metrics": {STREAMS: {}, UTIL: {}}, "requests": 0.0, "queued": 0.0}

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-DAY_S = 86_400
-
 
 @dataclass(frozen=True)
 class Trace:

@@ -13,7 +13,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from bench import fleet_sim
 from bench.fleet_inputs import Curve, load_replica_model, load_serve_settings, serve_report_path
-from bench.fleet_model import STREAMS, DelayRule, SimConfig, SimContext, oracle_replicas, simulate
+from bench.fleet_model import STREAMS, DelayRule, ServeConfigView, SimConfig, SimContext, oracle_replicas, simulate
 from bench.fleet_policies import GpuUtilBandPolicy, policies, queue_length_policy
 from bench.fleet_report import bin_samples, compare_replicas, replica_bins, summarise, violation_minutes
 from bench.fleet_workload import diurnal_trace, parse_ramp, ramp_trace
@@ -136,8 +136,7 @@ def test_the_sim_context_reads_like_serves():
 
 
 def _serve_config():
-    from bench.fleet_model import _ServeConfig
-    return _ServeConfig(_settings())
+    return ServeConfigView(_settings())
 
 
 # --- the fleet ------------------------------------------------------------------------------------
