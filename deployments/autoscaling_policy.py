@@ -25,7 +25,11 @@ Decision per tick, with ``n`` running replicas and ``mid`` the band centre:
   scale-in needs both signals to agree.
 
 Serve applies ``upscale_delay_s`` / ``downscale_delay_s`` and the replica bounds to the answer.
-Every decision that differs from ``n`` is logged with its inputs (controller log, ``ray.serve``).
+A decision is logged with its inputs (controller log, ``ray.serve``) when it changes, at most once
+per ``log_interval_s``: Serve calls the policy every 0.1 s, and a decision that waits out
+``downscale_delay_s`` or replicas still starting would otherwise repeat one line thousands of times.
+A change made during the quiet interval is logged once it ends, with the count of changes since
+the last line.
 
 Configured by ``AutoscalingKnobs.serve_config()`` as ``autoscaling_config.policy =
 {"policy_function": "deployments.autoscaling_policy:LoadBandPolicy", "policy_kwargs": {...}}``;
@@ -36,6 +40,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 # The controller's Serve logger, so decisions land in the controller log next to Serve's own.
@@ -52,18 +58,29 @@ class LoadBandPolicy:
         high_pct: scale out above this load.
         slo_streams: concurrent streams one replica serves within the SLO (the 100 % mark).
         metric: the replicas' autoscaling metric counting streams in flight.
+        log_interval_s: least time between two decision log lines.
+        clock: monotonic seconds (injectable for tests).
     """
 
     def __init__(self, low_pct: float = 70.0, high_pct: float = 80.0, slo_streams: float = 12.0,
-                 metric: str = STREAMS_METRIC) -> None:
+                 metric: str = STREAMS_METRIC, log_interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 < low_pct < high_pct:
             raise ValueError(f"need 0 < low_pct < high_pct, got {low_pct}, {high_pct}")
         if slo_streams <= 0:
             raise ValueError(f"slo_streams must be positive, got {slo_streams}")
+        if log_interval_s < 0:
+            raise ValueError(f"log_interval_s must be >= 0, got {log_interval_s}")
         self.low = float(low_pct)
         self.high = float(high_pct)
         self.slo_streams = float(slo_streams)
         self.metric = metric
+        self.log_interval_s = float(log_interval_s)
+        self._clock = clock
+        self._logged: int | None = None  # the last decision logged
+        self._logged_at = -math.inf
+        self._changes = 0  # changes of decision since the last line (some held back by the rate limit)
+        self._seen: int | None = None  # the previous tick's decision
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         n = int(ctx.current_num_replicas)
@@ -83,11 +100,29 @@ class LoadBandPolicy:
             reason += f", bounded to [{lo}, {hi}]"
         state = dict(ctx.policy_state or {})
         state.update(demand_streams=demand, load_pct=load, by_queue=by_queue, decision=bounded, reason=reason)
-        if bounded != n:
+        if self._should_log(bounded, n):
             logger.info("autoscaling %s: %d -> %d replicas (%s; load %s %% of %g SLO streams per replica, "
-                        "demand %.1f streams, queue asks %d)", ctx.deployment_name, n, bounded, reason,
-                        "n/a" if load is None else f"{load:.0f}", self.slo_streams, demand, by_queue)
+                        "demand %.1f streams, queue asks %d%s)", ctx.deployment_name, n, bounded, reason,
+                        "n/a" if load is None else f"{load:.0f}", self.slo_streams, demand, by_queue,
+                        f"; {self._changes} changes since the last line" if self._changes > 1 else "")
+            self._changes = 0
         return bounded, state
+
+    def _should_log(self, decision: int, n: int) -> bool:
+        """True when ``decision`` differs from the last one logged and the quiet interval is over.
+
+        A first decision that holds ``n`` is not news. Changes inside the interval are counted and
+        the latest one is logged when the interval ends, so the log never stays on a stale answer.
+        """
+        self._changes += decision != self._seen and self._seen is not None
+        self._seen = decision
+        if decision == self._logged or (self._logged is None and decision == n):
+            return False
+        now = self._clock()
+        if now - self._logged_at < self.log_interval_s:
+            return False
+        self._logged, self._logged_at = decision, now
+        return True
 
     def demand(self, ctx: Any) -> float:
         """Streams in flight at the running replicas plus streams queued at handles."""

@@ -106,6 +106,7 @@ def test_replicas_no_longer_running_are_ignored():
 
 
 def test_decisions_are_logged_with_their_inputs(caplog):
+    policy = LoadBandPolicy(low_pct=70, high_pct=80, slo_streams=SLO)
     with caplog.at_level(logging.INFO, logger="ray.serve"):
         policy(_ctx([6, 6]))  # hold: nothing logged
         assert not caplog.records
@@ -115,12 +116,64 @@ def test_decisions_are_logged_with_their_inputs(caplog):
     assert "2 -> 4 replicas" in message and "load band" in message and "load 150 %" in message
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _decision_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "replicas (" in r.getMessage()]
+
+
+def test_the_same_decision_is_logged_once_over_many_ticks(caplog):
+    # Replicas still starting (or a scale-in waiting out downscale_delay_s): the decision differs
+    # from the running count on every 0.1 s tick. One line, not one per tick.
+    clock = FakeClock()
+    policy = LoadBandPolicy(low_pct=70, high_pct=80, slo_streams=SLO, log_interval_s=10, clock=clock)
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        for _ in range(400):  # 40 s of ticks
+            assert policy(_ctx([8, 8], queued=8))[0] == 4
+            clock.now += 0.1
+    (line,) = _decision_lines(caplog)
+    assert "2 -> 4 replicas" in line
+
+
+def test_a_changed_decision_is_logged_again(caplog):
+    clock = FakeClock()
+    policy = LoadBandPolicy(low_pct=70, high_pct=80, slo_streams=SLO, log_interval_s=10, clock=clock)
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        policy(_ctx([8, 8], queued=8))  # -> 4
+        clock.now = 11
+        policy(_ctx([8, 8], queued=8))  # same: nothing
+        policy(_ctx([8, 8, 8, 8], queued=16))  # -> 8
+    assert [line.split(" (")[0] for line in _decision_lines(caplog)] == [
+        "autoscaling Synthesizer: 2 -> 4 replicas", "autoscaling Synthesizer: 4 -> 8 replicas"]
+
+
+def test_the_rate_limit_holds_and_the_latest_change_is_logged_when_it_ends(caplog):
+    clock = FakeClock()
+    policy = LoadBandPolicy(low_pct=70, high_pct=80, slo_streams=SLO, log_interval_s=10, clock=clock)
+    flapping = [_ctx([8, 8], queued=8), _ctx([8, 8, 8, 8], queued=16), _ctx([7, 7])]  # -> 4, 8, 3
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        for tick in range(99):  # 9.9 s of a decision that changes every tick
+            policy(flapping[tick % 3])
+            clock.now += 0.1
+        assert len(_decision_lines(caplog)) == 1  # the first, then quiet for 10 s
+        clock.now = 10.0
+        policy(_ctx([7, 7]))  # 10 s after the first line: the current decision (3), with the count
+    lines = _decision_lines(caplog)
+    assert len(lines) == 2 and "2 -> 3 replicas" in lines[1] and "98 changes since the last line" in lines[1]
+
+
 def test_policy_state_is_carried():
     _, state = policy(_ctx([6], state={"previous": 1}))
     assert state["previous"] == 1 and state["decision"] == 1
 
 
-@pytest.mark.parametrize("kwargs", [{"low_pct": 80, "high_pct": 70}, {"slo_streams": 0}])
+@pytest.mark.parametrize("kwargs", [{"low_pct": 80, "high_pct": 70}, {"slo_streams": 0}, {"log_interval_s": -1}])
 def test_invalid_arguments(kwargs):
     with pytest.raises(ValueError):
         LoadBandPolicy(**kwargs)

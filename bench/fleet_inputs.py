@@ -1,0 +1,186 @@
+"""Inputs of the fleet simulation (``bench/fleet_sim.py``), each loaded from the file that holds it.
+
+Measured (read from files, never typed here):
+
+* the per-replica latency-vs-load curve: first audio p99 against voice-agent sessions, streams in
+  flight and audio made per session, NVML utilisation against streams in flight, from the Serve
+  capacity report that ``bench/results/latest.json`` names (``capacity_report_serve``: the whole
+  Serve application on one GPU over HTTP);
+* Serve's autoscaling settings of the synthesizer (``configs/production.yaml``) and the idle time
+  before the Ray autoscaler removes a GPU node (``deploy/kuberay/rayservice.yaml``).
+
+Assumed (parameters; :data:`ASSUMPTIONS` states each with its source): the replica start time, the
+node start time, the metrics push interval, the price of a GPU-hour.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+SERVE_CONFIG = ROOT / "configs" / "production.yaml"
+KUBERAY_MANIFEST = ROOT / "deploy" / "kuberay" / "rayservice.yaml"
+
+ASSUMPTIONS = {
+    "replica_start_s": (87.0, ("model load + CUDA-graph capture of one CosyVoice2 replica on an H100: 72.5 s "
+                              "and 87 s in-process (bench/results/capacity-h100-2026-12-06.md); the slower "
+                              "is taken, a Serve replica adds its actor start")),
+    "node_start_s": (180.0, ("assumed: a cloud GPU VM or pod from request to a Ray worker joined, image "
+                            "cached (3 min); not measured here")),
+    "metrics_push_s": (10.0, ("Serve's default replica and handle metrics push interval "
+                             "(RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S, ray-serve-notes.md 5.2)")),
+    "gpu_hour_usd": (3.0, "assumed on-demand price of one H100 GPU-hour; cost scales linearly"),
+}
+
+
+class Curve:
+    """Piecewise-linear y(x) through measured points, extrapolated linearly past an end or, with
+    ``hold_below`` / ``hold_above``, held at that end's value."""
+
+    def __init__(self, points: list[tuple[float, float]], hold_below: bool = False, hold_above: bool = False) -> None:
+        pts = sorted(points)
+        if len(pts) < 2 or len({x for x, _ in pts}) != len(pts):
+            raise ValueError(f"need two or more points with distinct x, got {pts}")
+        self.xs = [float(x) for x, _ in pts]
+        self.ys = [float(y) for _, y in pts]
+        self.hold_below, self.hold_above = hold_below, hold_above
+
+    def __call__(self, x: float) -> float:
+        if x <= self.xs[0] and self.hold_below:
+            return self.ys[0]
+        if x >= self.xs[-1] and self.hold_above:
+            return self.ys[-1]
+        i = min(max(bisect.bisect_right(self.xs, x), 1), len(self.xs) - 1)
+        x0, x1, y0, y1 = self.xs[i - 1], self.xs[i], self.ys[i - 1], self.ys[i]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def crossing(self, y: float) -> float:
+        """The largest x at or below which the curve stays <= ``y`` (the curve rising past it)."""
+        for i in range(len(self.xs) - 1):
+            x0, x1, y0, y1 = self.xs[i], self.xs[i + 1], self.ys[i], self.ys[i + 1]
+            if y1 > y >= y0:
+                return x0 + (y - y0) * (x1 - x0) / (y1 - y0)
+        raise ValueError(f"the curve does not cross {y} between its points")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"x": self.xs, "y": self.ys, "below": "held" if self.hold_below else "linear",
+                "above": "held" if self.hold_above else "linear"}
+
+
+@dataclass(frozen=True)
+class ReplicaModel:
+    """One replica against its load in sessions (the capacity benchmark's voice-agent session:
+    it asks for an answer, plays it out, asks again)."""
+
+    p99_ms: Curve            # first audio p99 against sessions
+    streams_per_session: Curve  # syntheses in flight / sessions, against sessions
+    audio_per_session: Curve    # seconds of audio made per session-second, against sessions
+    util_pct: Curve          # NVML utilisation against streams in flight
+    slo_p99_ms: float
+    capacity_sessions: int   # the report's capacity (largest load meeting the SLO)
+    slo_streams: float       # streams in flight at that capacity
+    source: str
+
+    @property
+    def max_sessions(self) -> float:
+        """Sessions per replica at which first audio p99 reaches the SLO on the curve."""
+        return self.p99_ms.crossing(self.slo_p99_ms)
+
+
+def load_replica_model(report_json: Path) -> ReplicaModel:
+    """The curves from a capacity report's JSON: its sessions search and its one-session probe."""
+    data = json.loads(report_json.read_text())
+    slo = float(data["workload"]["slo_ttfa_p99_ms"])
+    (search,) = [s for s in data["searches"] if s["kind"] == "sessions"]
+    met = sorted((p for p in search["probes"] if p["meets_slo"]), key=lambda p: p["load"])
+    if len(met) < 2:
+        raise ValueError(f"{report_json.name}: need two loads meeting the SLO for the in-flight curve")
+    latency = [(p["load"], p["ttfa_p99_ms"]) for p in search["probes"]]
+    one = [p for s in data["searches"] if s["kind"] == "one-session" for p in s["probes"]]
+    latency += [(p["load"], p["ttfa_p99_ms"]) for p in one if p["load"] not in {x for x, _ in latency}]
+    # Probes that failed stopped at their first late request, so their in-flight and audio figures
+    # cover seconds, not the window: only loads that met the SLO describe steady service.
+    per_session = [(p["load"], p["streams_in_flight_mean"] / p["load"]) for p in met]
+    audio = [(p["load"], p["audio_s"] / p["window_s"] / p["load"]) for p in met]
+    # An idle GPU reads 0 % (assumed anchor); the rest is measured (one-session probe included).
+    util = [(0.0, 0.0)] + sorted({(p["streams_in_flight_mean"], p["gpu_util_pct"]) for p in met + one
+                                  if p.get("gpu_util_pct") is not None})
+    cap = int(search["capacity"])
+    at_cap = [p for p in met if p["load"] == cap]
+    return ReplicaModel(
+        # Below the lightest steady load the share of a session in synthesis is held (assumed: less
+        # load synthesises faster, so this overstates streams there); past the heaviest, the latency
+        # and in-flight curves keep rising along their last segment.
+        p99_ms=Curve(latency), streams_per_session=Curve(per_session, hold_below=True),
+        audio_per_session=Curve(audio, hold_below=True, hold_above=True),
+        util_pct=Curve(util, hold_above=True), slo_p99_ms=slo, capacity_sessions=cap,
+        slo_streams=float(at_cap[0]["streams_in_flight_mean"]) if at_cap else float(met[-1]["streams_in_flight_mean"]),
+        source=f"bench/results/{report_json.name} ({data['device']}, {data['date']}, {data['workload']['family']}, "
+               f"level {data['workload']['level']})")
+
+
+def serve_report_path(latest: Path = RESULTS / "latest.json") -> Path:
+    """The JSON of the Serve-level capacity report ``latest.json`` cites."""
+    name = json.loads(latest.read_text())["capacity_report_serve"]
+    return latest.parent / Path(name).with_suffix(".json").name
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The synthesizer's autoscaling settings as Serve applies them."""
+
+    min_replicas: int
+    max_replicas: int
+    target_ongoing_requests: float
+    upscale_delay_s: float
+    downscale_delay_s: float
+    look_back_period_s: float
+    max_ongoing_requests: int
+    load_band: dict[str, Any]
+    node_idle_timeout_s: float
+    source: str = ""
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _find(tree: Any, key: str) -> Any:
+    """The first value under ``key`` anywhere in a YAML tree (depth first)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        tree = list(tree.values())
+    if isinstance(tree, list):
+        for item in tree:
+            found = _find(item, key)
+            if found is not None:
+                return found
+    return None
+
+
+def load_serve_settings(config: Path = SERVE_CONFIG, manifest: Path = KUBERAY_MANIFEST,
+                        **overrides: Any) -> ServeSettings:
+    """The synthesizer block of a serve config and the KubeRay autoscaler's idle timeout;
+    ``overrides`` replace fields (e.g. ``max_replicas`` for a fleet larger than the config's)."""
+    synth = _find(yaml.safe_load(config.read_text()), "synthesizer")
+    auto = synth["autoscaling"]
+    idle = _find(next(yaml.safe_load_all(manifest.read_text())), "idleTimeoutSeconds")
+    values = {
+        "min_replicas": int(auto["min_replicas"]), "max_replicas": int(auto["max_replicas"]),
+        "target_ongoing_requests": float(auto["target_ongoing_requests"]),
+        "upscale_delay_s": float(auto["upscale_delay_s"]), "downscale_delay_s": float(auto["downscale_delay_s"]),
+        "look_back_period_s": float(auto["look_back_period_s"]),
+        "max_ongoing_requests": int(synth["max_ongoing_requests"]),
+        "load_band": {k: v for k, v in auto["load_band"].items() if k != "enabled"},
+        "node_idle_timeout_s": float(idle)}
+    unknown = set(overrides) - set(values)
+    if unknown:
+        raise ValueError(f"unknown settings {sorted(unknown)}")
+    values.update(overrides)
+    return ServeSettings(**values, source=f"{config.relative_to(ROOT)} (synthesizer.autoscaling), "
+                                          f"{manifest.relative_to(ROOT)} (idleTimeoutSeconds)",
+                         overrides=dict(overrides))

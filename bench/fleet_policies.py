@@ -1,0 +1,110 @@
+"""The autoscaling policies the fleet simulation compares, each called as Serve calls a policy.
+
+* ``queue``: Serve's default (``replica_queue_length_autoscaling_policy``), modelled from its
+  documentation: the replicas that put ``target_ongoing_requests`` requests (running + queued)
+  on each, ``ceil(total requests / target_ongoing_requests)``, smoothing factors at 1, with the
+  config's target; ``queue_measured``: the same with the target at the band centre of the
+  measured setpoint (what the load band aims at, without its hysteresis).
+* ``gpu_util``: keep NVML utilisation in a band, ``ceil(n * util / centre)`` outside it, never
+  under the queue answer (the sketch of ray-serve-notes.md 5.2).
+* ``load_band``: the real ``deployments.autoscaling_policy.LoadBandPolicy``, imported, with the
+  setpoint measured by the Serve capacity report (``slo_streams`` = its streams in flight at
+  capacity); ``load_band_config``: the same with the setpoint the configs type (12).
+* ``load_band_admission``: ``load_band`` with admission at the replicas (``SimConfig.admission``).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from bench.fleet_inputs import ReplicaModel, ServeSettings
+from bench.fleet_model import UTIL
+from deployments.autoscaling_policy import LoadBandPolicy
+
+
+def queue_length_policy(ctx: Any, target: float | None = None) -> tuple[int, dict[str, Any]]:
+    """Serve's default: requests per replica held at ``target`` (default: the config's
+    ``target_ongoing_requests``)."""
+    target = float(target or ctx.config.get_target_ongoing_requests())
+    return math.ceil(float(ctx.total_num_requests or 0) / target), dict(ctx.policy_state or {})
+
+
+class GpuUtilBandPolicy:
+    """Keeps the replicas' mean NVML utilisation within ``[low, high]`` %."""
+
+    def __init__(self, low_pct: float = 70.0, high_pct: float = 80.0, metric: str = UTIL) -> None:
+        self.low, self.high, self.metric = low_pct, high_pct, metric
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        n = int(ctx.current_num_replicas)
+        by_queue, _ = queue_length_policy(ctx)
+        readings = list(((ctx.aggregated_metrics or {}).get(self.metric) or {}).values())
+        if not n or not readings:
+            return max(by_queue, n), dict(ctx.policy_state or {})
+        util = sum(readings) / len(readings)
+        decision = n
+        if util > self.high or util < self.low:
+            decision = max(1, math.ceil(n * util / ((self.low + self.high) / 2)))
+        return max(decision, by_queue), dict(ctx.policy_state or {}, util_pct=util)
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Clocked:
+    """Sets the policy's clock to the context's time, then calls it."""
+
+    def __init__(self, policy: LoadBandPolicy, clock: _Clock) -> None:
+        self.policy, self.clock = policy, clock
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        self.clock.now = float(ctx.current_time)
+        return self.policy(ctx)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    label: str
+    make: Callable[[], Callable[[Any], tuple[float, dict[str, Any]]]]
+    admission: bool = False
+    setpoint: str = ""
+
+
+def policies(settings: ServeSettings, replica: ReplicaModel) -> list[PolicySpec]:
+    """The compared policies; ``load_band*`` read the band from the serve config."""
+    band = dict(settings.load_band)
+    low, high = float(band.get("low_pct", 70)), float(band.get("high_pct", 80))
+    measured = replica.slo_streams
+    configured = float(band.get("slo_streams", 12))
+
+    def ours(slo_streams: float) -> Callable[[], LoadBandPolicy]:
+        # Its clock is the simulation's (``SimContext.current_time``): the rate limit of its log
+        # lines runs in simulated time, so the day counts the lines a controller would write.
+        def make() -> LoadBandPolicy:
+            clock = _Clock()
+            policy = LoadBandPolicy(low_pct=low, high_pct=high, slo_streams=slo_streams, clock=clock)
+            return _Clocked(policy, clock)
+        return make
+
+    centre = (low + high) / 200 * measured
+    return [
+        PolicySpec("queue", f"queue length only (target_ongoing_requests {settings.target_ongoing_requests:g})",
+                   lambda: queue_length_policy),
+        PolicySpec("queue_measured", f"queue length only (target {centre:.1f} = band centre x measured)",
+                   lambda: partial(queue_length_policy, target=centre), setpoint=f"measured: {replica.source}"),
+        PolicySpec("gpu_util", f"GPU utilisation band {low:g}-{high:g} %", lambda: GpuUtilBandPolicy(low, high)),
+        PolicySpec("load_band", f"load band {low:g}-{high:g} %, slo_streams {measured:.1f} (measured)",
+                   ours(measured), setpoint=f"measured: {replica.source}"),
+        PolicySpec("load_band_config", f"load band {low:g}-{high:g} %, slo_streams {configured:g} (config)",
+                   ours(configured), setpoint=f"configured: {settings.source}"),
+        PolicySpec("load_band_admission", f"load band {low:g}-{high:g} % + admission (429), slo_streams "
+                   f"{measured:.1f}", ours(measured), admission=True, setpoint=f"measured: {replica.source}"),
+    ]
