@@ -132,7 +132,7 @@ def test_the_sim_context_reads_like_serves():
     assert sim.total_running_requests == real.total_running_requests == 51
     policy = LoadBandPolicy(slo_streams=REPLICA.slo_streams)
     assert policy(sim)[0] == policy(real)[0] == 5  # 53 streams at 75 % of 15.7 per replica
-    assert queue_length_policy(sim)[0] == 3  # ceil(53 / 24)
+    assert queue_length_policy(sim)[0] == math.ceil(53 / _settings().target_ongoing_requests)  # the config's target
 
 
 def _serve_config():
