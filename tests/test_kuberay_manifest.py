@@ -1,0 +1,132 @@
+"""deploy/kuberay/rayservice.yaml against schemas, offline: every Kubernetes object (and the pod
+templates inside the RayService, which are core PodTemplateSpecs) against Kubernetes' own schemas
+in strict mode (``kubernetes-validate``, which ships them: no network), and the RayService itself
+against deploy/kuberay/rayservice.schema.yaml, a strict schema of the subset the manifest uses,
+written here from KubeRay v1.5.1's CRD. Unknown fields fail: the API server would drop them
+silently (a misspelt ``nodeSelector`` schedules GPU pods anywhere)."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFEST = REPO / "deploy" / "kuberay" / "rayservice.yaml"
+RAYSERVICE_SCHEMA = REPO / "deploy" / "kuberay" / "rayservice.schema.yaml"
+# The Kubernetes minor whose schemas the objects are checked against (kubernetes-validate ships
+# 1.25 onwards); every field the manifest uses exists there.
+K8S_VERSION = "1.30"
+
+
+def manifest() -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(MANIFEST.read_text()) if doc]
+
+
+def _k8s_errors(obj: dict, what: str) -> list[str]:
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return [f"{what}: {'.'.join(map(str, e.path))}: {e.message}"]
+    except kubernetes_validate.SchemaNotFoundError as e:
+        return [f"{what}: {e.message}"]  # a kind that is neither core Kubernetes nor the RayService
+    return []
+
+
+def _rayservice_errors(doc: dict) -> list[str]:
+    schema = yaml.safe_load(RAYSERVICE_SCHEMA.read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = [f"RayService {'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
+    cluster = doc.get("spec", {}).get("rayClusterConfig", {})
+    groups = [("headGroupSpec", cluster.get("headGroupSpec", {}))]
+    groups += [(f"workerGroupSpecs[{g.get('groupName')}]", g) for g in cluster.get("workerGroupSpecs", [])]
+    for name, group in groups:
+        # A PodTemplate wraps the template so the core PodTemplateSpec schema checks it, strictly.
+        wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "check"},
+                   "template": group.get("template", {})}
+        errors += _k8s_errors(wrapped, f"RayService {name}.template")
+    return errors
+
+
+def manifest_errors(docs: list[dict]) -> list[str]:
+    errors = []
+    for doc in docs:
+        if doc.get("kind") == "RayService":
+            errors += _rayservice_errors(doc)
+        else:
+            errors += _k8s_errors(doc, f"{doc.get('kind')} {doc.get('metadata', {}).get('name')}")
+    return errors
+
+
+def _rayservice(docs: list[dict]) -> dict:
+    return next(d for d in docs if d["kind"] == "RayService")
+
+
+def _cluster(docs: list[dict]) -> dict:
+    return _rayservice(docs)["spec"]["rayClusterConfig"]
+
+
+def _worker_pod(docs: list[dict]) -> dict:
+    return _cluster(docs)["workerGroupSpecs"][0]["template"]["spec"]
+
+
+def _rename(mapping: dict, old: str, new: str) -> None:
+    mapping[new] = mapping.pop(old)
+
+
+def _misspell_auth_mode(docs):
+    _rename(_cluster(docs)["authOptions"], "mode", "mdoe")
+
+
+def _misspell_node_selector(docs):
+    _rename(_worker_pod(docs), "nodeSelector", "nodeSelectr")
+
+
+def _misspell_tolerations(docs):
+    _rename(_worker_pod(docs), "tolerations", "toleratoins")
+
+
+def _misspell_upgrade_type(docs):
+    _rayservice(docs)["spec"]["upgradeStrategy"]["type"] = "NewClusterr"
+
+
+def _misspell_storage_class(docs):
+    claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+    _rename(claim["spec"], "storageClassName", "storageClassNmae")
+
+
+def test_manifest_validates_against_kubernetes_and_rayservice_schemas():
+    docs = manifest()
+    assert manifest_errors(docs) == []
+    kinds = {d["kind"] for d in docs}
+    assert "RayService" in kinds and "PersistentVolumeClaim" in kinds
+
+
+@pytest.mark.parametrize(("mutate", "bad"), [
+    (_misspell_auth_mode, "mdoe"),
+    (_misspell_node_selector, "nodeSelectr"),
+    (_misspell_tolerations, "toleratoins"),
+    (_misspell_upgrade_type, "NewClusterr"),
+    (_misspell_storage_class, "storageClassNmae"),
+])
+def test_a_misspelt_field_fails_validation(mutate, bad):
+    docs = copy.deepcopy(manifest())
+    mutate(docs)
+    errors = manifest_errors(docs)
+    assert errors and any(bad in e for e in errors), errors
+
+
+def test_ray_start_params_must_be_strings():
+    # KubeRay's CRD types rayStartParams as a map of strings: an unquoted number is refused.
+    docs = copy.deepcopy(manifest())
+    _cluster(docs)["headGroupSpec"]["rayStartParams"]["num-cpus"] = 8
+    assert any("num-cpus" in e for e in manifest_errors(docs))
+
+
+def test_an_unknown_kind_fails_instead_of_passing_unchecked():
+    docs = copy.deepcopy(manifest())
+    docs.append({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}})
+    assert any("Widget" in e for e in manifest_errors(docs))
