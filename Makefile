@@ -2,16 +2,32 @@
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+# Every version installed anywhere (this venv, hence CI; the Docker image; cluster.yaml's nodes) is
+# pinned here, as pip constraints (-c): it pins what is installed without installing what is not
+# asked for (the CUDA libraries of the GPU torch on a CPU machine).
+LOCK := requirements.lock
+TORCH := 2.13.0
+LOCK_VENV := $(VENV)/lock-tools
 
-.PHONY: install browser serve test test-slow test-gpu soak
+.PHONY: install browser serve test test-slow test-gpu soak lock
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip
 	# torch first: the CPU wheel (a bare `torch` requirement would pull a CUDA build of several GB)
-	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q -c $(LOCK) torch==$(TORCH)
+	$(VENV)/bin/pip install -q -c $(LOCK) -e '.[dev]'
 	touch $(STAMP)
+
+# Re-resolve requirements.lock after changing a dependency in pyproject.toml (needs PyPI): one
+# universal lock, Python 3.11 (CI, the Ray image of cluster.yaml) and 3.12 (the Docker image),
+# with torch held at $(TORCH), runtime + dev + trt. uv runs from a throwaway venv.
+lock:
+	$(PY) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q uv==0.13.9
+	echo "torch==$(TORCH)" > $(LOCK_VENV)/torch.txt
+	$(LOCK_VENV)/bin/uv pip compile pyproject.toml --extra dev --extra trt --universal --python-version 3.11 \
+		-c $(LOCK_VENV)/torch.txt --custom-compile-command "make lock" -o $(LOCK)
 
 install: $(STAMP) browser
 
