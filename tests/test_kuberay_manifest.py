@@ -130,3 +130,69 @@ def test_an_unknown_kind_fails_instead_of_passing_unchecked():
     docs = copy.deepcopy(manifest())
     docs.append({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}})
     assert any("Widget" in e for e in manifest_errors(docs))
+
+
+def _by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _ray_pod_labels(docs: list[dict]) -> list[dict]:
+    cluster = _cluster(docs)
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    return [g["template"].get("metadata", {}).get("labels", {}) for g in groups]
+
+
+def test_head_fault_tolerance_keeps_the_gcs_in_a_password_protected_redis():
+    docs = manifest()
+    cluster = _cluster(docs)
+    ft = cluster["gcsFaultToleranceOptions"]
+    # The password from a Secret, never a literal in the manifest.
+    assert "value" not in ft["redisPassword"]
+    secret_ref = ft["redisPassword"]["valueFrom"]["secretKeyRef"]
+    # KubeRay refuses a cluster that also sets these itself (its validation.go).
+    head = cluster["headGroupSpec"]
+    assert not {"redis-password", "redis-username"} & set(head["rayStartParams"])
+    env = {e["name"] for e in head["template"]["spec"]["containers"][0].get("env", [])}
+    assert not {"REDIS_PASSWORD", "RAY_REDIS_ADDRESS", "REDIS_USERNAME"} & env
+
+    # The address is the manifest's Redis Service, which selects a Redis that requires that password
+    # and keeps an append-only file on a volume of its own.
+    host, port = ft["redisAddress"].rsplit(":", 1)
+    service = _by_kind(docs, "Service")[host]
+    assert any(p["port"] == int(port) for p in service["spec"]["ports"])
+    (redis,) = [d for d in _by_kind(docs, "Deployment").values()
+                if _matches({"matchLabels": service["spec"]["selector"]}, d["spec"]["template"]["metadata"]["labels"])]
+    pod = redis["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    password_env = args[args.index("--requirepass") + 1].removeprefix("$(").removesuffix(")")
+    (env_var,) = [e for e in container["env"] if e["name"] == password_env]
+    assert env_var["valueFrom"]["secretKeyRef"] == secret_ref
+    assert args[args.index("--appendonly") + 1] == "yes"
+    data = next(m for m in container["volumeMounts"] if m["mountPath"] == "/data")
+    volume = next(v for v in pod["volumes"] if v["name"] == data["name"])
+    assert volume["persistentVolumeClaim"]["claimName"] in _by_kind(docs, "PersistentVolumeClaim")
+    assert redis["spec"]["replicas"] == 1 and redis["spec"]["strategy"]["type"] == "Recreate"
+
+    # Only the Ray pods reach Redis.
+    policies = [p for p in _by_kind(docs, "NetworkPolicy").values()
+                if _matches(p["spec"]["podSelector"], redis["spec"]["template"]["metadata"]["labels"])]
+    assert policies and all(p["spec"]["policyTypes"] == ["Ingress"] for p in policies)
+    for policy in policies:
+        for rule in policy["spec"]["ingress"]:
+            assert rule["from"] and all("podSelector" in peer and "namespaceSelector" not in peer for peer in rule["from"])
+            assert all(any(_matches(peer["podSelector"], labels) for labels in _ray_pod_labels(docs))
+                       for peer in rule["from"])
+
+
+def test_serving_does_not_depend_on_the_head():
+    """With the GCS in Redis a head restart is survivable only if no replica and no Service
+    endpoint live on the head: it runs none (num-cpus 0) and the Serve Service excludes it."""
+    docs = manifest()
+    spec = _rayservice(docs)["spec"]
+    assert spec["excludeHeadPodFromServeSvc"] is True
+    assert spec["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
