@@ -324,3 +324,58 @@ def test_base_image_takes_a_digest_with_the_tag_as_fallback():
     ref = args["CUDA_BASE"] + digest
     # name:tag@sha256:<64 hex>, the form docker accepts for a tag pinned by digest
     assert re.fullmatch(r"[a-z0-9./-]+:[\w.-]+@sha256:[0-9a-f]{64}", ref), ref
+
+
+# --- Metrics port of `ray up` clusters: a host firewall rule ---------------------------------------
+
+FAKE_IPTABLES = """#!/bin/bash
+# iptables' -C (check) and -I (insert at the top) on one chain, kept in $IPTABLES_STATE.
+op=$1; chain=$2; shift 2; rule="$chain $*"
+case $op in
+  -C) grep -qxF -- "$rule" "$IPTABLES_STATE" ;;
+  -I) { echo "$rule"; cat "$IPTABLES_STATE"; } > "$IPTABLES_STATE.new" && mv "$IPTABLES_STATE.new" "$IPTABLES_STATE" ;;
+  *) exit 2 ;;
+esac
+"""
+
+
+def _verdict(chain: list[str], port: int, source: str) -> str:
+    """First matching rule's target for a TCP packet from ``source`` to ``port`` (ACCEPT if none)."""
+    for line in chain:
+        words = line.split()[1:]
+        opts = dict(zip(words[::2], words[1::2], strict=True))
+        if int(opts["--dport"]) == port and opts.get("-s", source) == source:
+            return opts["-j"]
+    return "ACCEPT"
+
+
+@pytest.mark.parametrize("cluster", ["cluster.yaml", "cluster-trt.yaml"])
+def test_cluster_metrics_port_is_firewalled_to_the_node_and_prometheus(cluster, tmp_path):
+    """Ray's metrics exporter listens on every interface; the launcher file's initialization
+    commands (run on each host, twice here: `ray up` again must not stack rules) leave it open to
+    the node itself and one Prometheus address only."""
+    cfg = yaml.safe_load((REPO / cluster).read_text())
+    starts = " ".join(cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"])
+    ports = set(re.findall(r"--metrics-export-port=(\d+)", starts))
+    assert len(re.findall(r"ray start", starts)) == 2 and len(ports) == 1
+    port = int(ports.pop())
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "iptables").write_text(FAKE_IPTABLES)
+    (fake / "sudo").write_text('#!/bin/sh\nexec "$@"\n')
+    for exe in fake.iterdir():
+        exe.chmod(0o755)
+    state = tmp_path / "chain"
+    state.write_text("")
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "IPTABLES_STATE": str(state)}
+    for _ in range(2):
+        for command in cfg["initialization_commands"]:
+            subprocess.run(["bash", "-c", command], env=env, check=True, timeout=30)
+    chain = state.read_text().splitlines()
+    assert len(chain) == len(set(chain)) and chain, chain
+    allowed = {dict(zip(w[1::2], w[2::2], strict=True)).get("-s") for w in map(str.split, chain)} - {None}
+    assert "127.0.0.1" in allowed and len(allowed) == 2, chain  # the node and one Prometheus
+    for source in allowed:
+        assert _verdict(chain, port, source) == "ACCEPT"
+    for stranger in ("10.0.0.11", "192.168.1.20", "203.0.113.7"):
+        assert _verdict(chain, port, stranger) == "DROP", chain

@@ -196,3 +196,59 @@ def test_serving_does_not_depend_on_the_head():
     spec = _rayservice(docs)["spec"]
     assert spec["excludeHeadPodFromServeSvc"] is True
     assert spec["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+
+def _ray_policies(docs: list[dict]) -> list[dict]:
+    """The NetworkPolicies that select every Ray pod (head and each worker group)."""
+    labels = _ray_pod_labels(docs)
+    return [p for p in _by_kind(docs, "NetworkPolicy").values()
+            if all(_matches(p["spec"]["podSelector"], lab) and lab for lab in labels)]
+
+
+def _check_ray_pod_policy(docs: list[dict]) -> None:
+    cluster = _cluster(docs)
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    (metrics_port,) = {int(g["rayStartParams"]["metrics-export-port"]) for g in groups}
+    policies = _ray_policies(docs)
+    assert policies and all("Ingress" in p["spec"]["policyTypes"] for p in policies)
+    ray_labels = _ray_pod_labels(docs)
+    outside: dict[int, list[dict]] = {}  # port -> peers outside the Ray cluster allowed to it
+    for policy in policies:
+        for rule in policy["spec"]["ingress"]:
+            peers = rule.get("from")
+            assert peers, f"{policy['metadata']['name']}: a rule without `from` admits every source"
+            foreign = [p for p in peers if "namespaceSelector" in p or "ipBlock" in p
+                       or not all(_matches(p["podSelector"], lab) for lab in ray_labels)]
+            if not foreign:
+                continue  # Ray pod to Ray pod: every port
+            assert rule.get("ports"), f"{policy['metadata']['name']}: {foreign} reach every port"
+            assert not any("ipBlock" in p for p in foreign)
+            for port in rule["ports"]:
+                outside.setdefault(int(port["port"]), []).extend(foreign)
+    # Serve's HTTP port (ingress controller), metrics (Prometheus), dashboard (the operator): no other.
+    assert set(outside) == {8000, metrics_port, 8265}, outside
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert outside[metrics_port] == monitoring
+    (operator,) = outside[8265]
+    assert operator["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}
+
+
+def test_ray_pods_metrics_port_is_open_only_to_the_monitoring_namespace():
+    _check_ray_pod_policy(manifest())
+
+
+def test_a_policy_that_opens_the_metrics_port_to_everyone_fails():
+    docs = copy.deepcopy(manifest())
+    policy = _by_kind(docs, "NetworkPolicy")["fastcosy-ray"]
+    policy["spec"]["ingress"].append({"ports": [{"port": 8080, "protocol": "TCP"}]})
+    with pytest.raises(AssertionError, match="admits every source"):
+        _check_ray_pod_policy(docs)
+
+
+def test_a_policy_that_opens_the_metrics_port_to_another_namespace_fails():
+    docs = copy.deepcopy(manifest())
+    policy = _by_kind(docs, "NetworkPolicy")["fastcosy-ray"]
+    policy["spec"]["ingress"][1]["ports"].append({"port": 8080, "protocol": "TCP"})  # the ingress controller's rule
+    with pytest.raises(AssertionError):
+        _check_ray_pod_policy(docs)
+
