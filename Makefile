@@ -9,7 +9,7 @@ LOCK := requirements.lock
 TORCH := 2.13.0
 LOCK_VENV := $(VENV)/lock-tools
 
-.PHONY: install browser serve test test-slow test-gpu soak lock
+.PHONY: install debs serve test test-slow test-gpu soak lock
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
@@ -29,22 +29,25 @@ lock:
 	$(LOCK_VENV)/bin/uv pip compile pyproject.toml --extra dev --extra trt --universal --python-version 3.11 \
 		-c $(LOCK_VENV)/torch.txt --custom-compile-command "make lock" -o $(LOCK)
 
-install: $(STAMP) browser
+install: $(STAMP) debs
 
-# The playground's browser test drives Debian's chromium through its chromedriver (no browser
-# download at run time); installed here when missing and apt-get can (root), else that test skips.
-browser:
-	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+# Two tests drive Debian programs: the playground's browser test (chromium + chromedriver, no
+# browser download at run time) and the TLS edge test (haproxy + openssl, tests/test_tls_edge.py).
+# Installed here when missing and apt-get can (root); else those tests skip.
+DEBS_NEEDED = $(strip $(if $(wildcard /usr/bin/chromium),,chromium) $(if $(wildcard /usr/bin/chromedriver),,chromium-driver) \
+	$(if $(wildcard /usr/sbin/haproxy),,haproxy) $(if $(wildcard /usr/bin/openssl),,openssl))
+debs:
+	@if [ -z "$(DEBS_NEEDED)" ]; then :; \
 	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } \
-		|| echo "note: installing chromium failed: the playground browser test will be skipped"; \
-	else echo "note: /usr/bin/chromium or chromedriver missing: the playground browser test will be skipped" \
-		"(apt-get install chromium chromium-driver)"; fi
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DEBS_NEEDED); } \
+		|| echo "note: installing $(DEBS_NEEDED) failed: the browser / TLS edge tests will be skipped"; \
+	else echo "note: $(DEBS_NEEDED) missing: the browser / TLS edge tests will be skipped" \
+		"(apt-get install $(DEBS_NEEDED))"; fi
 
 serve: $(STAMP)
 	$(VENV)/bin/fastcosy serve --config configs/local.yaml
 
-test: $(STAMP) browser
+test: $(STAMP) debs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q

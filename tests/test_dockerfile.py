@@ -350,15 +350,17 @@ def _verdict(chain: list[str], port: int, source: str) -> str:
 
 
 @pytest.mark.parametrize("cluster", ["cluster.yaml", "cluster-trt.yaml"])
-def test_cluster_metrics_port_is_firewalled_to_the_node_and_prometheus(cluster, tmp_path):
-    """Ray's metrics exporter listens on every interface; the launcher file's initialization
-    commands (run on each host, twice here: `ray up` again must not stack rules) leave it open to
-    the node itself and one Prometheus address only."""
+def test_cluster_metrics_and_serve_ports_are_firewalled(cluster, tmp_path):
+    """Ray's metrics exporter and Serve's plain-HTTP proxy listen on every interface; the launcher
+    file's initialization commands (run on each host, twice here: `ray up` again must not stack
+    rules) leave each open to the node itself and one other host only (Prometheus, the TLS edge)."""
     cfg = yaml.safe_load((REPO / cluster).read_text())
     starts = " ".join(cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"])
-    ports = set(re.findall(r"--metrics-export-port=(\d+)", starts))
-    assert len(re.findall(r"ray start", starts)) == 2 and len(ports) == 1
-    port = int(ports.pop())
+    metrics = set(re.findall(r"--metrics-export-port=(\d+)", starts))
+    assert len(re.findall(r"ray start", starts)) == 2 and len(metrics) == 1
+    config = "configs/production.yaml" if cluster == "cluster.yaml" else "configs/production-trt.yaml"
+    serve = yaml.safe_load((REPO / config).read_text())["http_options"]
+    assert serve["host"] == "0.0.0.0"  # what makes the rule necessary
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "iptables").write_text(FAKE_IPTABLES)
@@ -373,9 +375,11 @@ def test_cluster_metrics_port_is_firewalled_to_the_node_and_prometheus(cluster, 
             subprocess.run(["bash", "-c", command], env=env, check=True, timeout=30)
     chain = state.read_text().splitlines()
     assert len(chain) == len(set(chain)) and chain, chain
-    allowed = {dict(zip(w[1::2], w[2::2], strict=True)).get("-s") for w in map(str.split, chain)} - {None}
-    assert "127.0.0.1" in allowed and len(allowed) == 2, chain  # the node and one Prometheus
-    for source in allowed:
-        assert _verdict(chain, port, source) == "ACCEPT"
-    for stranger in ("10.0.0.11", "192.168.1.20", "203.0.113.7"):
-        assert _verdict(chain, port, stranger) == "DROP", chain
+    for port in (int(metrics.pop()), int(serve["port"])):
+        rules = [dict(zip(w[1::2], w[2::2], strict=True)) for w in map(str.split, chain)]
+        allowed = {r["-s"] for r in rules if int(r["--dport"]) == port and "-s" in r}
+        assert "127.0.0.1" in allowed and len(allowed) == 2, (port, chain)  # the node and one other host
+        for source in allowed:
+            assert _verdict(chain, port, source) == "ACCEPT"
+        for stranger in ("10.0.0.11", "192.168.1.20", "203.0.113.7"):
+            assert _verdict(chain, port, stranger) == "DROP", (port, chain)
