@@ -21,13 +21,14 @@ $(STAMP): pyproject.toml $(LOCK)
 
 # Re-resolve requirements.lock after changing a dependency in pyproject.toml (needs PyPI): one
 # universal lock, Python 3.11 (CI, the Ray image of cluster.yaml) and 3.12 (the Docker image),
-# with torch held at $(TORCH), runtime + dev + trt. uv runs from a throwaway venv.
+# with torch held at $(TORCH), runtime + dev + trt. --fork-strategy fewest: one version of each
+# package for both Pythons, so the image runs what CI tested. uv runs from a throwaway venv.
 lock:
 	$(PY) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install -q uv==0.13.9
 	echo "torch==$(TORCH)" > $(LOCK_VENV)/torch.txt
 	$(LOCK_VENV)/bin/uv pip compile pyproject.toml --extra dev --extra trt --universal --python-version 3.11 \
-		-c $(LOCK_VENV)/torch.txt --custom-compile-command "make lock" -o $(LOCK)
+		--fork-strategy fewest -c $(LOCK_VENV)/torch.txt --custom-compile-command "make lock" -o $(LOCK)
 
 install: $(STAMP) debs
 

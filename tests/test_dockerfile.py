@@ -242,6 +242,14 @@ def _project_requirements() -> list:
     return [Requirement(r) for r in reqs]
 
 
+def test_lock_pins_one_version_per_package():
+    """The Docker image (3.12) runs the versions CI (3.11) tested: no package forks by Python."""
+    versions: dict[str, set[str]] = {}
+    for name, version, _ in _lock_pins():
+        versions.setdefault(name, set()).add(version)
+    assert {n: v for n, v in versions.items() if len(v) > 1} == {}
+
+
 @pytest.mark.parametrize("python", LOCK_PYTHONS)
 def test_lock_pins_every_project_dependency_within_its_range(python):
     from packaging.utils import canonicalize_name
