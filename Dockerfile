@@ -9,9 +9,18 @@
 #
 # The torch wheel from PyPI bundles its own CUDA user-space libraries; the host driver must
 # support that CUDA version (`docker run ... fastcosy doctor` checks driver, GPU arch and files).
+#
+# Reproducible builds: every Python package comes from requirements.lock (pip constraints; `make
+# lock` regenerates it), and the base image is pinned by digest with CUDA_BASE_DIGEST, "@sha256:"
+# and the 64 hex digits of the CUDA_BASE tag, read once where the registry is reachable:
+#   docker buildx imagetools inspect nvidia/cuda:12.8.1-runtime-ubuntu24.04   # "Digest: sha256:..."
+#   docker build --build-arg CUDA_BASE_DIGEST=@sha256:<digest> -t fastcosy:0.1.0 .
+# Left empty, the build falls back to the tag alone (which the registry can move).
 ARG CUDA_BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
-FROM ${CUDA_BASE}
+ARG CUDA_BASE_DIGEST=
+FROM ${CUDA_BASE}${CUDA_BASE_DIGEST}
 
+# = torch in requirements.lock (tests/test_dockerfile.py keeps them equal)
 ARG TORCH_VERSION=2.13.0
 # "trt" pulls TensorRT (its libraries are fetched from NVIDIA's package index at build time);
 # set EXTRAS="" for a PyTorch-only image.
@@ -35,8 +44,9 @@ RUN apt-get update \
     && useradd --create-home --uid 1000 --shell /bin/bash fastcosy
 
 WORKDIR /app
+COPY requirements.lock ./
 # torch first and pinned: the project's own requirement range would otherwise pick a build.
-RUN pip install "torch==${TORCH_VERSION}"
+RUN pip install -c requirements.lock "torch==${TORCH_VERSION}"
 
 COPY pyproject.toml README.md ./
 COPY cosyvoice_runtime/ cosyvoice_runtime/
@@ -44,9 +54,10 @@ COPY deployments/ deployments/
 COPY serve_app/ serve_app/
 COPY fastcosy_cli/ fastcosy_cli/
 COPY bench/ bench/
-# The project itself is pinned by this source tree; its dependencies by pyproject.toml.
+# The project itself is pinned by this source tree; its dependencies by requirements.lock.
 # hadolint ignore=DL3013
-RUN if [ -n "${EXTRAS}" ]; then pip install ".[${EXTRAS}]"; else pip install .; fi
+RUN if [ -n "${EXTRAS}" ]; then pip install -c requirements.lock ".[${EXTRAS}]"; \
+    else pip install -c requirements.lock .; fi
 
 COPY configs/ configs/
 COPY deploy/docker/single-gpu.yaml configs/single-gpu.yaml

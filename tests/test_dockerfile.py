@@ -187,3 +187,207 @@ def test_rayservice_token_auth_and_api_keys():
         volumes = {v["name"]: v for v in pod["volumes"]}
         (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == str(keys_file.parent)]
         assert mount["readOnly"] and "secret" in volumes[mount["name"]]  # keys from a Secret, never the manifest
+
+
+# --- Reproducible builds: requirements.lock, used by every consumer --------------------------------
+
+LOCK = REPO / "requirements.lock"
+# The interpreters the lock serves: CI and cluster.yaml's Ray image (3.11), the Docker image (3.12).
+LOCK_PYTHONS = ("3.11", "3.12")
+
+
+def _lock_pins() -> list[tuple[str, str, str]]:
+    """(canonical name, version, marker or "") per pinned line of requirements.lock."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = []
+    for line in LOCK.read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        req = Requirement(line)
+        (spec,) = req.specifier  # exactly one specifier: ==
+        assert spec.operator == "==" and not req.extras, line
+        pins.append((canonicalize_name(req.name), spec.version, str(req.marker or "")))
+    return pins
+
+
+def _env(python: str) -> dict:
+    return {"python_version": python, "python_full_version": f"{python}.0", "sys_platform": "linux",
+            "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+            "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
+
+
+def _locked(python: str) -> dict[str, str]:
+    """name -> version that the lock installs on Linux x86_64 under ``python``."""
+    from packaging.markers import Marker
+
+    out: dict[str, str] = {}
+    for name, version, marker in _lock_pins():
+        if not marker or Marker(marker).evaluate(_env(python)):
+            assert name not in out, f"{name} pinned twice for Python {python}"
+            out[name] = version
+    return out
+
+
+def _project_requirements() -> list:
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        reqs += extra
+    return [Requirement(r) for r in reqs]
+
+
+def test_lock_pins_one_version_per_package():
+    """The Docker image (3.12) runs the versions CI (3.11) tested: no package forks by Python."""
+    versions: dict[str, set[str]] = {}
+    for name, version, _ in _lock_pins():
+        versions.setdefault(name, set()).add(version)
+    assert {n: v for n, v in versions.items() if len(v) > 1} == {}
+
+
+@pytest.mark.parametrize("python", LOCK_PYTHONS)
+def test_lock_pins_every_project_dependency_within_its_range(python):
+    from packaging.utils import canonicalize_name
+
+    locked = _locked(python)
+    for req in _project_requirements():
+        name = canonicalize_name(req.name)
+        assert name in locked, f"requirements.lock has no pin for {req} (Python {python}): run `make lock`"
+        assert req.specifier.contains(locked[name], prereleases=True), (
+            f"requirements.lock pins {name}=={locked[name]}, outside pyproject's {req}: run `make lock`")
+
+
+def test_lock_is_closed_over_what_the_test_environment_installed():
+    """Walk the project's requirements (extras included) through the installed distributions'
+    metadata: every requirement met on the way is pinned, and installed at its pin (this
+    environment came from the lock, as `make install` makes it)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    locked = _locked(python)
+    todo = [(r, set(r.extras)) for r in _project_requirements()]
+    seen: set[tuple[str, frozenset]] = set()
+    while todo:
+        req, extras = todo.pop()
+        name = canonicalize_name(req.name)
+        if (name, frozenset(extras)) in seen:
+            continue
+        seen.add((name, frozenset(extras)))
+        assert name in locked, f"{name} (required on the way from pyproject.toml) is not in requirements.lock"
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # an extra this environment does not install (trt): its pin is still there
+        # Local labels (torch's "+cpu" wheel) satisfy the pin, as pip's constraint does.
+        assert Version(dist.version).public == locked[name], (
+            f"{name} {dist.version} installed, requirements.lock pins {locked[name]}: run `make install`")
+        for sub in map(Requirement, dist.requires or []):
+            envs = [_env(python) | {"extra": e} for e in extras | {""}]
+            if sub.marker is None or any(sub.marker.evaluate(env) for env in envs):
+                todo.append((sub, set(sub.extras)))
+
+
+def test_every_consumer_installs_through_the_lock():
+    locked = _locked("3.11")
+    make = (REPO / "Makefile").read_text()
+    recipe = make.split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
+    installs = [ln for ln in recipe.splitlines() if "pip install" in ln and "-U pip" not in ln]
+    assert re.search(r"^LOCK := requirements\.lock$", make, re.MULTILINE) and installs
+    assert all("-c $(LOCK)" in ln for ln in installs), installs
+    assert re.search(r"^TORCH := (\S+)$", make, re.MULTILINE).group(1) == locked["torch"]
+
+    ins = _instructions()
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for k, a in ins if k == "ARG" and "=" in a}
+    assert args["TORCH_VERSION"] == locked["torch"]
+    assert any(k == "COPY" and a.split()[0] == "requirements.lock" for k, a in ins)
+    runs = [a for k, a in ins if k == "RUN" and "pip install" in a]
+    assert len(runs) == 2
+    for run in runs:
+        for cmd in re.findall(r"pip install[^;&]*", run):
+            assert "-c requirements.lock" in cmd, cmd
+
+    for cluster in ("cluster.yaml", "cluster-trt.yaml"):
+        setup = yaml.safe_load((REPO / cluster).read_text())["setup_commands"]
+        project = [c for c in setup if "pip install" in c and "-U pip" not in c]
+        assert project and all("cd /home/ray/app" in c and "-c requirements.lock" in c for c in project), setup
+
+
+def test_base_image_takes_a_digest_with_the_tag_as_fallback():
+    """The digest cannot be looked up without the registry: the Dockerfile takes it as a build ARG,
+    which must be empty (the tag alone) or a well-formed "@sha256:" digest of that tag."""
+    ins = _instructions()
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for k, a in ins if k == "ARG" and "=" in a}
+    assert next(a for k, a in ins if k == "FROM") == "${CUDA_BASE}${CUDA_BASE_DIGEST}"
+    assert args["CUDA_BASE_DIGEST"] == "" or re.fullmatch(r"@sha256:[0-9a-f]{64}", args["CUDA_BASE_DIGEST"])
+    digest = "@sha256:" + "0" * 64
+    ref = args["CUDA_BASE"] + digest
+    # name:tag@sha256:<64 hex>, the form docker accepts for a tag pinned by digest
+    assert re.fullmatch(r"[a-z0-9./-]+:[\w.-]+@sha256:[0-9a-f]{64}", ref), ref
+
+
+# --- Metrics port of `ray up` clusters: a host firewall rule ---------------------------------------
+
+FAKE_IPTABLES = """#!/bin/bash
+# iptables' -C (check) and -I (insert at the top) on one chain, kept in $IPTABLES_STATE.
+op=$1; chain=$2; shift 2; rule="$chain $*"
+case $op in
+  -C) grep -qxF -- "$rule" "$IPTABLES_STATE" ;;
+  -I) { echo "$rule"; cat "$IPTABLES_STATE"; } > "$IPTABLES_STATE.new" && mv "$IPTABLES_STATE.new" "$IPTABLES_STATE" ;;
+  *) exit 2 ;;
+esac
+"""
+
+
+def _verdict(chain: list[str], port: int, source: str) -> str:
+    """First matching rule's target for a TCP packet from ``source`` to ``port`` (ACCEPT if none)."""
+    for line in chain:
+        words = line.split()[1:]
+        opts = dict(zip(words[::2], words[1::2], strict=True))
+        if int(opts["--dport"]) == port and opts.get("-s", source) == source:
+            return opts["-j"]
+    return "ACCEPT"
+
+
+@pytest.mark.parametrize("cluster", ["cluster.yaml", "cluster-trt.yaml"])
+def test_cluster_metrics_and_serve_ports_are_firewalled(cluster, tmp_path):
+    """Ray's metrics exporter and Serve's plain-HTTP proxy listen on every interface; the launcher
+    file's initialization commands (run on each host, twice here: `ray up` again must not stack
+    rules) leave each open to the node itself and one other host only (Prometheus, the TLS edge)."""
+    cfg = yaml.safe_load((REPO / cluster).read_text())
+    starts = " ".join(cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"])
+    metrics = set(re.findall(r"--metrics-export-port=(\d+)", starts))
+    assert len(re.findall(r"ray start", starts)) == 2 and len(metrics) == 1
+    config = "configs/production.yaml" if cluster == "cluster.yaml" else "configs/production-trt.yaml"
+    serve = yaml.safe_load((REPO / config).read_text())["http_options"]
+    assert serve["host"] == "0.0.0.0"  # what makes the rule necessary
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "iptables").write_text(FAKE_IPTABLES)
+    (fake / "sudo").write_text('#!/bin/sh\nexec "$@"\n')
+    for exe in fake.iterdir():
+        exe.chmod(0o755)
+    state = tmp_path / "chain"
+    state.write_text("")
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "IPTABLES_STATE": str(state)}
+    for _ in range(2):
+        for command in cfg["initialization_commands"]:
+            subprocess.run(["bash", "-c", command], env=env, check=True, timeout=30)
+    chain = state.read_text().splitlines()
+    assert len(chain) == len(set(chain)) and chain, chain
+    for port in (int(metrics.pop()), int(serve["port"])):
+        rules = [dict(zip(w[1::2], w[2::2], strict=True)) for w in map(str.split, chain)]
+        allowed = {r["-s"] for r in rules if int(r["--dport"]) == port and "-s" in r}
+        assert "127.0.0.1" in allowed and len(allowed) == 2, (port, chain)  # the node and one other host
+        for source in allowed:
+            assert _verdict(chain, port, source) == "ACCEPT"
+        for stranger in ("10.0.0.11", "192.168.1.20", "203.0.113.7"):
+            assert _verdict(chain, port, stranger) == "DROP", (port, chain)
