@@ -11,7 +11,7 @@ import yaml
 from bench import cold_start
 from cosyvoice_runtime.tiny_model import write_tiny_model
 
-PRODUCT_MODULES = ["deployments/frontend.py", "deployments/runtime_adapter.py", "deployments/warmup.py",
+PRODUCT_MODULES = ["deployments/frontend.py", "deployments/runtime_adapter.py", "deployments/assembler.py", "deployments/warmup.py",
                    "deployments/synthesizer.py", "cosyvoice_runtime/model.py"]
 
 
