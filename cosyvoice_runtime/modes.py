@@ -88,7 +88,7 @@ def compile_model(model, backend: str = "inductor") -> list[str]:
     graphs are captured over the compiled modules afterwards (compiled and graphed: fused
     kernels without launch overhead; H200 2026-12-03, static shapes: vocoder at batch 16 19.3 ms
     against 38.3 ms graphed alone, encoder 2.2 against 5.8 ms, estimator batch 32 18.5 against
-    20.4 ms; ``bench/results/variants-h200-2026-12-03.json``).
+    20.4 ms; ``bench/results/2026-12-03-h200-variants/variants-h200-2026-12-03.json``).
     """
     import torch
 

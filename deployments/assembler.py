@@ -76,7 +76,7 @@ def capture_graphs(model, plan: ExecutionPlan, limits, flow_graph_max_s: float) 
     the incremental vocoder: the body per padded (batch, frames) bucket up to the longest streamed
     window (:mod:`cosyvoice_runtime.hift.causal_graphs`; not yet timed on a GPU).
 
-    Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-allgraphs.md): with
+    Measured on an H200 (2026-12-03, bench/results/2026-12-03-h200-throughput-allgraphs/nvidia-h200-2026-12-03-allgraphs.md): with
     the solve graphs and the early first chunk, first audio at one stream fell from 1.11 s (LLM
     graphs only, 2026-12-02) to 135 ms; the encoder and vocoder graphs took throughput at 64
     streams from 90.1x to 115.4x real time (same run).

@@ -6,7 +6,7 @@ A streamed request's next chunk is due when the audio it has already received fi
 audio to spare waits (until those jobs are done, or until it is due itself), so the urgent jobs
 form a smaller batch that returns sooner. ``@serve.batch`` still does the batching; the gate only
 decides who joins the queue now. Measured in the benchmark's replica simulation on an H200
-(2026-12-03, ``bench/results/nvidia-h200-2026-12-03-allgraphs.md``, same policy, 0.5 s slack):
+(2026-12-03, ``bench/results/2026-12-03-h200-throughput-allgraphs/nvidia-h200-2026-12-03-allgraphs.md``, same policy, 0.5 s slack):
 at 16 streams first audio p99 729 -> 469 ms and underruns 2 -> 0; 115.4x -> 125.9x real time at 64.
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------- adapters
 # Stream priority of the LLM lane (lower is higher; CUDA maps it into the device's range): a decode
 # step's blocks are scheduled ahead of a running flow batch's as SMs free up. Replica simulation
-# on an H200 (2026-12-04, bench/results/capacity-replica-nvidia-h200-2026-12-04.md): p99 first
+# on an H200 (2026-12-04, bench/results/2026-12-04-h200-capacity-replica/capacity-replica-nvidia-h200-2026-12-04.md): p99 first
 # audio at 3 voice-agent sessions 357 -> 234 ms, SLO capacity 2 -> at least 6 sessions.
 LLM_STREAM_PRIORITY = -1
 
@@ -84,7 +84,7 @@ class RuntimeTokenEngine:
         # NOTE: capture every decode graph now, before token2wav work runs concurrently: a lazy
         # capture beside other GPU work fails ("capturing stream has unjoined work", seen in
         # bench/gpu_bench.py on an H200, 2026-12-02). Graphs: 5 ms vs 26 ms per bf16 decode step at
-        # batch 64 (bench/results/llm-decode-h200-2026-12-02.md). Returns 0 on the CPU.
+        # batch 64 (bench/results/2026-12-02-h200-llm-decode/llm-decode-h200-2026-12-02.md). Returns 0 on the CPU.
         if captured := self.engine.capture_graphs():
             logger.info("captured %d CUDA graphs for the LLM decode step", captured)
         self.max_running = max_running

@@ -143,7 +143,7 @@ class SynthesizerConfig(DeploymentKnobs):
     # (tts_cuda_graph_misses_total), each pass launching its hundreds of kernels one by one under
     # the GIL instead of one replay. 24 s: a 3.5 s voice prompt + a 20 s answer. At 20 s the in-process deployments
     # broke at 24 sessions (p99 first audio 2.3 s, 19 misses per probe); at 24 s they met the SLO
-    # at 36 (H100, 2026-12-05, bench/results/capacity-h100-2026-12-05.md).
+    # at 36 (H100, 2026-12-05, bench/results/2026-12-05-h100-capacity/capacity-h100-2026-12-05.md).
     flow_graph_max_s: PositiveFloat = 24.0
     # Where an utterance ends. "model": where the LLM predicts the end of speech (within the
     # official 2x-20x speech tokens per text token), what real weights do. "text_rate": after

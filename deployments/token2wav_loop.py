@@ -9,7 +9,7 @@ repeats: start the jobs that arrived (one encoder batch), run one pass over the 
 first chunk is due at once), queue the vocoder for the rows whose solve is done (the wait for
 their audio runs in the event loop's executor, which hands it back: the driver does not wait for
 the GPU there). A first chunk joins at the next pass and long jobs with audio to spare wait. Measured in the
-replica simulation on one H200 (2026-12-04, bench/results/capacity-h200-2026-12-04.md):
+replica simulation on one H200 (2026-12-04, bench/results/2026-12-04-h200-capacity/capacity-h200-2026-12-04.md):
 sessions at the SLO 5-6 -> 11, and 21 once every last-chunk vocoder length was graphed too.
 The runtime keeps ``token2wav.passes_in_flight`` passes queued on the GPU (default 2): the next
 pass is picked and prepared while one runs, so the "next pass" a new job joins starts after the
