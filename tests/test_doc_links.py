@@ -49,7 +49,8 @@ def test_the_latest_files_name_reports_that_exist(name):
 
 def test_the_results_hold_run_folders_and_an_index_that_is_current():
     assert results_index.loose_files() == []
-    assert (RESULTS / "INDEX.md").read_text() == results_index.render()
+    assert (RESULTS / "INDEX.md").read_text() == results_index.render(), \
+        "bench/results/INDEX.md is stale (a run added, or a page now cites one): python -m bench.results_index"
     for run in results_index.read_runs():
         folder = RESULTS / run["run"]
         assert run["main"] in run["files"] and (folder / run["main"]).is_file(), run["run"]
