@@ -60,6 +60,6 @@ test-gpu: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "gpu or trt"
 
 # 2,000 requests against a local CPU service on the tiny model (~90 min on 2 cores); writes
-# bench/results/soak-<date>.{json,md}
+# bench/results/<date>-soak/soak-<date>.{json,md}
 soak: $(STAMP)
 	$(VENV)/bin/python -m bench.soak --requests 2000 --concurrency 8

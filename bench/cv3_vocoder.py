@@ -6,7 +6,7 @@ strategies). ``batch`` streams advance in lockstep through the streaming hop sch
 spec (25 tokens, doubling up to 100; 2 mel frames per token), each step one ``vocode_batch``
 call. Writes ``<out>.json`` and ``<out>.png`` (time per call against the audio made so far).
 
-    python -m bench.cv3_vocoder --seconds 10 --batch 1,8 --out bench/results/cv3-vocoder-cpu-<date>
+    python -m bench.cv3_vocoder --seconds 10 --batch 1,8 --out bench/results/<date>-cpu-cv3-vocoder/cv3-vocoder-cpu-<date>
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ KUBERAY_MANIFEST = ROOT / "deploy" / "kuberay" / "rayservice.yaml"
 
 ASSUMPTIONS = {
     "replica_start_s": (87.0, ("model load + CUDA-graph capture of one CosyVoice2 replica on an H100: 72.5 s "
-                              "and 87 s in-process (bench/results/capacity-h100-2026-12-06.md); the slower "
+                              "and 87 s in-process (bench/results/2026-12-06-h100-capacity/capacity-h100-2026-12-06.md); the slower "
                               "is taken, a Serve replica adds its actor start")),
     "node_start_s": (180.0, ("assumed: a cloud GPU VM or pod from request to a Ray worker joined, image "
                             "cached (3 min); not measured here")),
@@ -121,14 +121,22 @@ def load_replica_model(report_json: Path) -> ReplicaModel:
         audio_per_session=Curve(audio, hold_below=True, hold_above=True),
         util_pct=Curve(util, hold_above=True), slo_p99_ms=slo, capacity_sessions=cap,
         slo_streams=float(at_cap[0]["streams_in_flight_mean"]) if at_cap else float(met[-1]["streams_in_flight_mean"]),
-        source=f"bench/results/{report_json.name} ({data['device']}, {data['date']}, {data['workload']['family']}, "
+        source=f"{_shown(report_json)} ({data['device']}, {data['date']}, {data['workload']['family']}, "
                f"level {data['workload']['level']})")
 
 
+def _shown(report_json: Path) -> str:
+    """A report's path as the summary cites it: from the repository root when it is a reading
+    under ``bench/results``, else as given."""
+    path = report_json.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(RESULTS) else str(report_json)
+
+
 def serve_report_path(latest: Path = RESULTS / "latest.json") -> Path:
-    """The JSON of the Serve-level capacity report ``latest.json`` cites."""
+    """The JSON of the Serve-level capacity report ``latest.json`` cites (a path relative to the
+    results folder: ``<run folder>/<report>.md``)."""
     name = json.loads(latest.read_text())["capacity_report_serve"]
-    return latest.parent / Path(name).with_suffix(".json").name
+    return latest.parent / Path(name).with_suffix(".json")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ and Serve's settings (``bench/fleet_inputs.py``), comparing policies (``bench/fl
 ours is the real ``deployments.autoscaling_policy.LoadBandPolicy``) on GPU-hours against an
 oracle, minutes over the SLO, refused requests and cost per hour of audio::
 
-    python -m bench.fleet_sim --hours 24 --peak-sessions 10000 --out bench/results/fleet-sim-<date>
+    python -m bench.fleet_sim --hours 24 --peak-sessions 10000 --out bench/results/<date>-fleet-sim
 
 writes ``<out>/fleet-sim.json`` (inputs with their sources, per-policy figures, per-minute series),
 ``<out>/day.png``, ``<out>/curve.png`` and, with ``--latest``, the summary to that path. ``--ramp

@@ -14,7 +14,7 @@ Per case: status, latency, the process's resident memory after the case and its 
 case (a 2 ms psutil sampler). After the campaign a normal voice is registered and listed (the
 service is still healthy). Writes ``<out>.json`` and ``<out>.md``.
 
-Usage: ``python -m bench.fuzz_uploads [--quick] [--out bench/results/fuzz-uploads-YYYY-MM-DD]``.
+Usage: ``python -m bench.fuzz_uploads [--quick] [--out bench/results/YYYY-MM-DD-fuzz-uploads/fuzz-uploads-YYYY-MM-DD]``.
 :func:`cases` with ``quick=True`` is also the upload fuzz of ``tests/integration/test_fuzz.py``.
 """
 from __future__ import annotations
@@ -349,7 +349,8 @@ def write_report(out: Path, result: dict, summary: dict, meta: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few cases of each kind, 10-minute bombs")
-    ap.add_argument("--out", default=f"bench/results/fuzz-uploads-{time.strftime('%Y-%m-%d')}")
+    day = time.strftime("%Y-%m-%d")
+    ap.add_argument("--out", default=f"bench/results/{day}-fuzz-uploads/fuzz-uploads-{day}")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     built = time.perf_counter()

@@ -1,13 +1,16 @@
 """Bring a device call's results (``bench/device_capacity.sh``'s ``capacity.tgz``) into ``bench/results``
-under a tag, so that a lease's reports never overwrite an earlier lease's of the same day.
+as one run folder, ``<date>-<card>-<tag>`` (``bench/results_index.py``), so that a lease's reports
+never overwrite an earlier lease's of the same day.
 
 The device names reports by level, device and date only (``capacity-synth-nvidia-h100-...-2026-12-05``):
 three leases on one day wrote the same names, and each import was a hand-made rename. Here every
 capacity report is written again under ``<stem>-<tag>`` (markdown and plots regenerated from its
 JSON), the one-stream profile's JSON and markdown likewise (its Chrome trace only with ``--trace``:
 traces of several MB push a device call's tree past its 64 MiB), the GPU tests' log as
-``gpu-tests-<device>-<date>-<tag>.txt``, and with ``--latest`` the device's ``latest.json`` /
-``cosyvoice3-latest.json`` replace ours with their report names tagged too.
+``gpu-tests-<device>-<date>-<tag>.txt``, all in the run folder with its ``run.json`` (what is known of
+the run), and with ``--latest`` the device's ``latest.json`` / ``cosyvoice3-latest.json`` replace ours
+(at the top of ``bench/results``) with their new reports named by path (``<run folder>/<report>.md``).
+The index (``INDEX.md``) is written again.
 
     python -m bench.import_results /work/.device/4/capacity.tgz --tag late --latest
 """
@@ -17,12 +20,15 @@ import argparse
 import datetime as dt
 import json
 import shutil
+import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
 
 from bench.capacity_report import write_report
 from bench.report import _slug
+from bench.results_index import ROOT, run_folder_name, write_run_record
+from bench.results_index import main as write_index
 
 LATEST = ("latest.json", "cosyvoice3-latest.json")
 
@@ -34,8 +40,31 @@ def _tagged(name: str, tag: str) -> str:
     return f"{stem.removesuffix('-trace')}-{tag}{'-trace' if trace else ''}{dot}{ext}"
 
 
+def _commit() -> str:
+    """This checkout's commit (the tree a device call runs is the working tree of the session that
+    made it: this commit plus what was not committed yet)."""
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip() or "unknown"
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _run_of(root: Path, reports: list[dict]) -> tuple[str, str]:
+    """The run's day and device: the capacity reports' own, else nvidia-smi's card and the day the
+    GPU tests' log was written, else today (UTC) and ``unknown``."""
+    gpu = root / "gpu.txt"
+    card = gpu.read_text().splitlines()[1].split(",")[0] if gpu.exists() else None
+    tests = root / "gpu_tests.txt"
+    day = dt.datetime.fromtimestamp(tests.stat().st_mtime, dt.UTC).date().isoformat() if tests.exists() else None
+    if reports:
+        return reports[0]["date"], reports[0]["device"]
+    return day or dt.datetime.now(dt.UTC).date().isoformat(), card or "unknown"
+
+
 def import_bundle(bundle: Path, tag: str, out: Path, latest: bool = False, trace: bool = False) -> list[Path]:
-    """Write the bundle's results into ``out`` under ``tag``; returns the files written."""
+    """Write the bundle's results into a new run folder of ``out`` named by its day, card and
+    ``tag``; returns the files written."""
     if not tag or _slug(tag) != tag:
         raise ValueError(f"tag {tag!r}: use lower-case letters, digits and dashes")
     written: list[Path] = []
@@ -44,25 +73,41 @@ def import_bundle(bundle: Path, tag: str, out: Path, latest: bool = False, trace
         with tarfile.open(bundle) as tar:
             tar.extractall(root, filter="data")
         results = root / "results"
+        sources = sorted(results.glob("capacity-*.json"))
+        docs = [json.loads(src.read_text()) for src in sources]
+        day, device = _run_of(root, docs)
+        run = out / run_folder_name(day, device, tag)
+        if run.exists():
+            raise ValueError(f"{run.name} exists already: import under another tag")
+        run.mkdir()
         renamed: dict[str, str] = {}
-        for src in sorted(results.glob("capacity-*.json")):
+        for src, doc in zip(sources, docs, strict=True):
             stem = _tagged(src.stem, tag)
-            doc = json.loads(src.read_text())
-            (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
-            written += [out / f"{stem}.json", write_report(out, stem, doc)]
-            renamed[f"{src.stem}.md"] = f"{stem}.md"
+            (run / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+            written += [run / f"{stem}.json", write_report(run, stem, doc)]
+            renamed[f"{src.stem}.md"] = f"{run.name}/{stem}.md"
         for src in sorted(results.glob("profile-first-audio-*")):
             if src.name.endswith(".json.gz") and not trace:
                 continue
-            written.append(out / _tagged(src.name, tag))
+            written.append(run / _tagged(src.name, tag))
             shutil.copyfile(src, written[-1])
         tests = root / "gpu_tests.txt"
         if tests.exists():  # named by the card (nvidia-smi's first row) and the day the log was written
             gpu = root / "gpu.txt"
-            device = gpu.read_text().splitlines()[1].split(",")[0] if gpu.exists() else "gpu"
-            day = dt.datetime.fromtimestamp(tests.stat().st_mtime, dt.UTC).date().isoformat()
-            written.append(out / f"gpu-tests-{_slug(device)}-{day}-{tag}.txt")
+            card = gpu.read_text().splitlines()[1].split(",")[0] if gpu.exists() else "gpu"
+            log_day = dt.datetime.fromtimestamp(tests.stat().st_mtime, dt.UTC).date().isoformat()
+            written.append(run / f"gpu-tests-{_slug(card)}-{log_day}-{tag}.txt")
             shutil.copyfile(tests, written[-1])
+        reports = sorted(p.name for p in written if p.suffix == ".md")
+        written.append(write_run_record(run, {
+            "date": day, "device": device,
+            "what": f"device call `{tag}`: " + (", ".join(sorted({f"{d['workload']['level']} level {d['workload']['family']}"
+                                                                for d in docs})) or "no capacity report"),
+            "main": reports[0] if reports else (written[0].name if written else ""),
+            "commit": _commit(), "command": f"bench/device_capacity.sh (settings not recorded), then "
+                                            f"python -m bench.import_results {bundle.name} --tag {tag}",
+            "config": "; ".join(sorted({str(d["workload"].get("model", "unknown")) for d in docs})) or "unknown",
+            "note": "commit: the checkout that imported the call; the device ran its working tree"}))
         if latest:
             for name in LATEST:
                 if (results / name).exists():
@@ -78,7 +123,8 @@ def import_bundle(bundle: Path, tag: str, out: Path, latest: bool = False, trace
 def main(argv: list[str] | None = None) -> list[Path]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle", type=Path, help="a device call's capacity.tgz")
-    ap.add_argument("--tag", required=True, help="appended to every report's name (e.g. late, h200-night)")
+    ap.add_argument("--tag", required=True, help="names the run folder and is appended to every report's name "
+                                                "(e.g. late, night)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--latest", action="store_true", help="also take the bundle's latest.json files")
     ap.add_argument("--trace", action="store_true", help="also take the profile's Chrome trace (several MB)")
@@ -86,6 +132,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     written = import_bundle(args.bundle, args.tag, args.out, args.latest, args.trace)
     for path in written:
         print(path)
+    write_index(["--results", str(args.out)])
     return written
 
 

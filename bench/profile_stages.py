@@ -5,7 +5,7 @@ alone (warm, synchronised, median of several runs): LLM prefill and decode step,
 one estimator call (wall clock and GPU time), a whole flow call, and the vocoder; plus a
 ``torch.profiler`` table of one first-chunk flow call. Writes ``<out>.json`` and ``<out>.md``.
 
-    python -m bench.profile_stages --out bench/results/profile-<device>-<date>
+    python -m bench.profile_stages --out bench/results/<date>-<card>-profile/profile-<device>-<date>
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ autoscaler scales out when load rises and back in when it falls, and whether uti
 sustained load stays in the configured band:
 
     python -m bench.ramp --config configs/ramp-cpu.yaml --phases low:0.3:90,high:2:240,low:0.3:240 \\
-        --out bench/results/ramp-cpu-<date>
+        --out bench/results/<date>-cpu-ramp/ramp-cpu-<date>
 
 writes ``<out>.json`` (phases, per-phase load summaries, the time series), ``<out>.md`` and
 ``<out>.png`` (three panels over time, phases shaded). ``--url`` drives a running service instead.

@@ -6,7 +6,7 @@ application (ingress, frontend, synthesizer replicas) on local Ray from a serve 
 figures include HTTP, the frontend, Serve's routing and the replica's batching:
 
     FAST_COSY_MODEL_DIR=/tmp/cv2-full python -m bench.serve_load --config configs/single-gpu.yaml \\
-        --concurrency 1,16,64 --out bench/results/serve-h200-<date>
+        --concurrency 1,16,64 --out bench/results/<date>-h200-serve/serve-h200-<date>
 
 writes ``<out>.md`` (table, replica details from /health), ``<out>.json`` and two PNGs. With a
 random-weight model the LLM rarely emits its end token, so each request decodes to its length

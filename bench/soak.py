@@ -14,7 +14,8 @@ Bounds (stated, checked, recorded): per worker, RSS after the run within
 ``max(rss_abs_mib, rss_rel * RSS after warm-up)`` of its post-warm-up value and open fds within
 ``fd_slack`` of theirs; no worker died; every request ended in audio or a documented error code
 (``lost == 0``). ``python -m bench.soak --requests 2000`` writes
-``bench/results/soak-<date>.{json,md}``; ``make soak`` runs exactly that.
+``bench/results/<date>-soak/soak-<date>.{json,md}`` (a run folder, ``bench/results_index.py``);
+``make soak`` runs exactly that.
 """
 from __future__ import annotations
 
@@ -284,7 +285,7 @@ def soak_markdown(result: dict[str, Any]) -> str:
 
 
 def write_result(result: dict[str, Any], stem: str | Path | None = None) -> tuple[Path, Path]:
-    stem = Path(stem) if stem else RESULTS_DIR / f"soak-{result['date']}"
+    stem = Path(stem) if stem else RESULTS_DIR / f"{result['date']}-soak" / f"soak-{result['date']}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     js, md = stem.with_suffix(".json"), stem.with_suffix(".md")
     result = dict(result)
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--voices", type=int, default=3)
     p.add_argument("--duration", type=float, default=3600.0, help="stop sending after this many seconds")
     p.add_argument("--sample-every", type=float, default=10.0)
-    p.add_argument("--out", default=None, help="output stem (default bench/results/soak-<date>)")
+    p.add_argument("--out", default=None, help="output stem (default bench/results/<date>-soak/soak-<date>)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     url = a.url or start_local(a.config)

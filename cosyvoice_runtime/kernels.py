@@ -2,7 +2,7 @@
 it replaces, which serves wherever the kernel cannot (no CUDA, no Triton, switched off).
 
 A graphed incremental flow pass at one stream is the launches of its ~930 kernels in sequence
-(H100 kernel profile, 2026-12-06: 2.8 ms of kernels, 4.3 ms a pass), and an LLM decode step of
+(an H100 kernel profile: 2.8 ms of kernels, 4.3 ms a pass), and an LLM decode step of
 its 521 (1.6 ms of kernels, 2.0 ms a step), so a kernel fewer is ~2.5 us fewer whatever its work.
 :func:`add_layer_norm` is three of them in one: a residual add, the LayerNorm of its result, and
 the copy of that into the attention block's cache slot; :func:`add_rms_norm` the add and the

@@ -86,9 +86,8 @@ def compile_model(model, backend: str = "inductor") -> list[str]:
     every batch size, which would otherwise recompile per shape. The vocoder's source
     (random phase, fp32 accumulation) and iSTFT stay eager. On a CUDA replica the token2wav
     graphs are captured over the compiled modules afterwards (compiled and graphed: fused
-    kernels without launch overhead; H200 2026-12-03, static shapes: vocoder at batch 16 19.3 ms
-    against 38.3 ms graphed alone, encoder 2.2 against 5.8 ms, estimator batch 32 18.5 against
-    20.4 ms; ``bench/results/variants-h200-2026-12-03.json``).
+    kernels without launch overhead: on an H200 with static shapes about half the vocoder's and
+    encoder's graphed time, a tenth off the estimator's; docs/tuning.md §2).
     """
     import torch
 

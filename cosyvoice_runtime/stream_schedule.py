@@ -73,7 +73,7 @@ def pick_rows(rows: Sequence, deadline_s: dict, now_s: float, slack_s: float, ma
     rows. At most ``max_batch``, and at most ``length_ratio`` times the frames of the most urgent
     row, which the pass pads to.
 
-    Why riders may be longer (``token2wav.rider_ratio``): at 56 sessions on an H100 (2026-12-05)
+    Why riders may be longer (``token2wav.rider_ratio``): at 56 sessions on an H100
     passes carried 3.3 rows of the 11.3 in hand, and a pass is bound by its kernel count more than
     by its rows. CosyVoice2's streamed chunks grow (incremental rows of 50, 50, 100, then 200 new
     frames after a kept voice prefix), so at 1 a stream's later chunks never ride with the 50-frame

@@ -438,8 +438,8 @@ class _PromptTensors:
     """Voice prompts on the flow's device by content (:func:`prompt_key`), the least recently used
     out past ``max_voices``. Why: each request copied its prompt's tokens, mel and speaker
     embedding from pageable memory, three copies that each waited for the stream, on the event
-    loop before the request reached the LLM (~1 ms under the profiler in an H100 trace of
-    2026-12-05; no gain visible at one stream without it, 2026-12-06). Readers never write them.
+    loop before the request reached the LLM (~1 ms under the profiler in an H100 trace; no gain
+    visible at one stream without the profiler). Readers never write them.
     Thread-safe (new_stream runs on the event loop, the VC path on compute lanes)."""
 
     def __init__(self, max_voices: int) -> None:

@@ -74,12 +74,12 @@ def capture_graphs(model, plan: ExecutionPlan, limits, flow_graph_max_s: float) 
     first-chunk length for batches of 1 and 2, and every last-chunk length for a batch of 1; other
     lengths are captured when they recur (:mod:`cosyvoice_runtime.hift.graphs`). CosyVoice3 with
     the incremental vocoder: the body per padded (batch, frames) bucket up to the longest streamed
-    window (:mod:`cosyvoice_runtime.hift.causal_graphs`; not yet timed on a GPU).
+    window (:mod:`cosyvoice_runtime.hift.causal_graphs`; what they did for CosyVoice3's capacity:
+    docs/tuning.md, ``cv3_vocoder``).
 
-    Measured on an H200 (2026-12-03, bench/results/nvidia-h200-2026-12-03-allgraphs.md): with
-    the solve graphs and the early first chunk, first audio at one stream fell from 1.11 s (LLM
-    graphs only, 2026-12-02) to 135 ms; the encoder and vocoder graphs took throughput at 64
-    streams from 90.1x to 115.4x real time (same run).
+    Why all of them: with the solve graphs and the early first chunk, first audio at one stream fell
+    from over a second (LLM graphs only) to ~135 ms on an H200, and the encoder and vocoder graphs
+    raised throughput at 64 streams by a quarter (docs/tuning.md §2, ``cuda_graphs``, and §6).
     torchscript mode captures the same graphs over its compiled modules (each shape's warm-up
     compiles it first, so start-up is longer); trt mode replaces the estimator and keeps its own
     execution (the plan has no token2wav graphs there).

@@ -1,7 +1,7 @@
 """Continuous batching: one step thread per replica drives the token engine.
 
 Request coroutines call :meth:`EngineLoop.generate`; it registers a per-request
-:class:`_Mailbox` and queues the request. The loop's step thread alternates between (a) applying
+:class:`Mailbox` and queues the request. The loop's step thread alternates between (a) applying
 pending adds/aborts and (b) one ``engine.step()``, both on the engine's lane (the compute
 executor's main lane; on a GPU replica the step thread itself, see ``__init__``), and hands each
 step's tokens to the event loop (``call_soon_threadsafe``), which drops them into the mailboxes.
@@ -15,34 +15,19 @@ Why a thread and not an asyncio task: with a task, the next step was submitted o
 event loop got round to the task again, after whatever else was ready (every stream's chunk
 work, ``@serve.batch``, response chunks), so the serving layer's own cost was added to every
 decode step. The thread submits the next step at once; the token hand-over runs on the event
-loop meanwhile. With GPU-like fakes (a 5 ms decode step that sleeps, token2wav on its own lane;
-500 tokens per stream, 2-core VM, 2026-12-03, ``bench/measure_loop.py --step-ms 5`` (then in tests/integration, over the test fakes),
-4 interleaved runs each, medians) the serving layer added 0.92 ms to every step at 64 streams
-with a task, 0.53 ms with the thread (16 streams: 0.65 -> 0.38 ms). What remains is mostly the
-GIL: the step's own Python work waits while the event loop thread holds it.
+loop meanwhile. What remains is mostly the GIL: the step's own Python work waits while the event
+loop thread holds it (the readings, with ``bench/measure_loop.py``: docs/serving.md, "Event-loop cost
+per decode step").
 
-A mailbox wakes its consumer only once the request has the tokens the consumer asked for
-(``need``: the next streamed chunk's token count) or has finished, so a step costs one
-coroutine switch per chunk, not one per stream. Measured with zero-cost fakes (64 streams x 250
-tokens, 12-token hops, 2-core VM, 2026-12-03, ``bench/measure_loop.py`` (then in tests/integration), median of
-9 runs): the serving layer's cost per decode step fell from 2.17 to 1.58 ms.
+The per-request :class:`~deployments.engine_mailbox.Mailbox` (woken once per chunk, not per step)
+and giving way to token2wav (:class:`~deployments.engine_mailbox.GiveWay`) are described in
+:mod:`deployments.engine_mailbox`.
 
 Bistream requests (:class:`~cosyvoice_runtime.lm_messages.BistreamLMRequest`) come with their text as
 an async iterator (``generate(..., text=...)``): a feeder task per request queues each arrival
 like an add, the step thread hands it to the engine (``feed_text``) before its next step. A
 bistream request waiting for text is parked in the engine and is no work, so an idle step
 thread sleeps on ``_work`` until the text comes.
-
-Giving way to token2wav (``token2wav.give_way_ms``, :class:`GiveWay`): the LLM lane runs on a
-high-priority CUDA stream, so a stream's first chunk, solved on the token2wav lane, shares the GPU
-with every decode step meanwhile; at one stream on an H100 (2026-12-05 profile) the two lanes ran
-at once for 29 of the 148 ms before first audio, the LLM decoding tokens that would be played a
-second later. With a :class:`GiveWay`, before each step the step thread waits while token2wav has
-a job that is already due (a first chunk, or a late one) and no consumer waiting for tokens is
-due within the slack: each consumer tells when its next chunk is due (``due`` of
-:meth:`EngineLoop.generate`; a first chunk is due at once, so a new request is never held), less
-the decode steps its missing tokens still take (CosyVoice2's later chunks want 100 tokens, ~0.4 s
-of steps under load: more than the slack).
 
 Failure isolation: an error in one request fails that request only.
 
@@ -61,14 +46,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 from cosyvoice_runtime.lm_messages import BistreamLMRequest, LMRequest, TokenEvent
 from deployments.compute import MAIN, ComputeExecutor
+from deployments.engine_mailbox import GiveWay, Mailbox, latest_start, need_by
 from deployments.protocol import EngineDeadError, EngineStats, RequestFailedError
 from deployments.runtime_protocol import TokenEngine
 from deployments.thread_load import retire_thread
@@ -85,83 +69,6 @@ def is_fatal(exc: BaseException) -> bool:
     memory access or a device-side assert as sticky: every later call fails too). CUDA out of memory
     is not one (``torch.cuda.OutOfMemoryError`` says "CUDA out of memory")."""
     return not isinstance(exc, Exception) or "CUDA error" in str(exc)
-
-
-@dataclass(frozen=True)
-class GiveWay:
-    """When the step thread waits for token2wav instead of stepping (module docstring).
-
-    ``overdue``: whether token2wav holds a job that is due already (thread-safe); ``slack_s``: a
-    consumer due within this long keeps the LLM stepping; ``max_s``: the longest one wait (woken
-    early by new work and by :meth:`EngineLoop.wake`), after which the step thread looks again;
-    ``clock``: the clock the consumers' ``due`` times are on; ``wait``: ``Event.wait`` (tests pass
-    one that records the wait instead of sleeping)."""
-
-    overdue: Callable[[], bool]
-    slack_s: float
-    max_s: float
-    clock: Callable[[], float]
-    wait: Callable[[threading.Event, float], object] = threading.Event.wait
-
-
-def _need_by(box: _Mailbox, due: Callable[[], float] | None) -> tuple[float, float]:
-    """When a consumer about to wait needs its next chunk and the tokens it still lacks for it
-    (unknown: infinitely many; no ``due``: needed at once). On the event loop."""
-    if due is None:
-        return -math.inf, math.inf
-    if box.need is None:  # woken by any token
-        return due(), 1
-    want = box.need()
-    return due(), math.inf if want is None else max(0, want - box.total)
-
-
-@dataclass
-class _Mailbox:
-    """Tokens of one request delivered by the loop and not yet taken by its consumer."""
-
-    need: Callable[[], int | None] | None  # see EngineLoop.generate
-    on_first_token: Callable[[], None] | None = None  # see EngineLoop.generate
-    tokens: list[int] = field(default_factory=list)
-    total: int = 0  # tokens delivered so far, taken or not
-    finished: bool = False
-    reason: str | None = None
-    error: BaseException | None = None
-    waiter: asyncio.Future | None = None
-
-    def ready(self) -> bool:
-        if self.error is not None or self.finished:
-            return True
-        if not self.tokens:
-            return False
-        if self.need is None:
-            return True
-        want = self.need()
-        return want is not None and self.total >= want
-
-    def put(self, event: TokenEvent) -> None:
-        if event.error is not None:
-            self.fail(RequestFailedError(event.error))
-            return
-        if event.tokens and self.total == 0 and self.on_first_token is not None:
-            self.on_first_token()
-        self.tokens.extend(event.tokens)
-        self.total += len(event.tokens)
-        if event.finished:
-            self.finished, self.reason = True, event.finish_reason
-        self._wake()
-
-    def fail(self, exc: BaseException) -> None:
-        self.error = exc
-        self._wake()
-
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done() and self.ready():
-            self.waiter.set_result(None)
-
-    def take(self, request_id: str) -> TokenEvent:
-        event = TokenEvent(request_id, self.tokens, finished=self.finished, finish_reason=self.reason)
-        self.tokens = []
-        return event
 
 
 class EngineLoop:
@@ -181,7 +88,7 @@ class EngineLoop:
         self._due: dict[str, tuple[float, float]] = {}
         self._step_s = 0.0  # step thread only: recent decode step time on the GiveWay clock (moving average)
         self.gave_way = 0  # waits of the step thread for token2wav (give_way)
-        self._boxes: dict[str, _Mailbox] = {}  # event loop only
+        self._boxes: dict[str, Mailbox] = {}  # event loop only
         self._lock = threading.Lock()  # guards the pending collections and _due (event loop <-> step thread)
         self._pending_adds: dict[str, LMRequest | BistreamLMRequest] = {}
         self._pending_aborts: set[str] = set()
@@ -222,14 +129,14 @@ class EngineLoop:
         self.raise_if_dead()
         if request_id in self._boxes:
             raise ValueError(f"duplicate request id {request_id}")
-        box = _Mailbox(need, on_first_token)
+        box = Mailbox(need, on_first_token)
         self._boxes[request_id] = box
         # The loop of the newest request gets the hand-overs (tests run one EngineLoop under
         # several asyncio.run calls; a replica has one event loop).
         self._loop = asyncio.get_running_loop()
         with self._lock:
             self._pending_adds[request_id] = request
-            self._due[request_id] = _need_by(box, due)
+            self._due[request_id] = need_by(box, due)
             self._ensure_running()
         self._work.set()
         feeder = asyncio.ensure_future(self._feed(request_id, text, box)) if text is not None else None
@@ -239,7 +146,7 @@ class EngineLoop:
                 if not box.ready():
                     if self._give_way is not None:
                         with self._lock:
-                            self._due[request_id] = _need_by(box, due)
+                            self._due[request_id] = need_by(box, due)
                         self._work.set()  # a held step thread looks again
                     box.waiter = asyncio.get_running_loop().create_future()
                     await box.waiter
@@ -268,7 +175,7 @@ class EngineLoop:
                 self._work.set()
                 self.aborted += 1
 
-    async def _feed(self, request_id: str, text: TextSource, box: _Mailbox) -> None:
+    async def _feed(self, request_id: str, text: TextSource, box: Mailbox) -> None:
         """A bistream request's text, handed to the step thread as it arrives."""
         try:
             async for ids, ended in text:
@@ -413,9 +320,7 @@ class EngineLoop:
         with self._lock:
             if self._has_pending() or self._closed:
                 return False
-            # the latest time each waiting consumer's missing tokens can still start decoding
-            latest = min((due - (missing * self._step_s if missing < math.inf else math.inf)
-                          for due, missing in self._due.values()), default=math.inf)
+            latest = latest_start(self._due.values(), self._step_s)
         if latest - gw.clock() < gw.slack_s or not gw.overdue():
             return False
         self.gave_way += 1

@@ -25,9 +25,9 @@ logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------- adapters
 # Stream priority of the LLM lane (lower is higher; CUDA maps it into the device's range): a decode
-# step's blocks are scheduled ahead of a running flow batch's as SMs free up. Replica simulation
-# on an H200 (2026-12-04, bench/results/capacity-replica-nvidia-h200-2026-12-04.md): p99 first
-# audio at 3 voice-agent sessions 357 -> 234 ms, SLO capacity 2 -> at least 6 sessions.
+# step's blocks are scheduled ahead of a running flow batch's as SMs free up: in the H200 replica
+# simulation that cut the first-audio tail and at least tripled the sessions at the SLO
+# (docs/tuning.md §2, ``overlap_stages``).
 LLM_STREAM_PRIORITY = -1
 
 
@@ -83,8 +83,8 @@ class RuntimeTokenEngine:
                                     fused_norms=plan.fused_norms)
         # NOTE: capture every decode graph now, before token2wav work runs concurrently: a lazy
         # capture beside other GPU work fails ("capturing stream has unjoined work", seen in
-        # bench/gpu_bench.py on an H200, 2026-12-02). Graphs: 5 ms vs 26 ms per bf16 decode step at
-        # batch 64 (bench/results/llm-decode-h200-2026-12-02.md). Returns 0 on the CPU.
+        # bench/gpu_bench.py on an H200). Graphed, a decode step is a fifth of its eager time
+        # (docs/tuning.md §6). Returns 0 on the CPU.
         if captured := self.engine.capture_graphs():
             logger.info("captured %d CUDA graphs for the LLM decode step", captured)
         self.max_running = max_running
@@ -262,8 +262,8 @@ class PassQueue:
     ``make_room`` before a pass waits until fewer than ``depth`` are on the GPU; ``queued`` after
     it marks the pass's end on the stream. Depth 1 waits for the previous pass to end before the
     next is prepared, so the GPU's token2wav lane idles through the driver's host work between
-    passes (~1.1-1.6 ms a pass in a profiled one-stream request, H100 2026-12-06: ~0.5 ms of
-    Python, then the pass's input copies and launch); depth 2 prepares a pass while the one
+    passes (about a millisecond a pass in a profiled one-stream request: Python, then the pass's
+    input copies and launch; docs/tuning.md, ``passes_in_flight``); depth 2 prepares a pass while the one
     before it runs, and a job that arrives meanwhile joins one pass later.
     """
 
@@ -293,7 +293,7 @@ def _audio_later(chunks: list) -> Callable[[], list[np.ndarray]]:
     """Each (samples,) audio tensor as float32 numpy, through one device->host copy for the whole
     batch, queued on the current stream into pinned memory; the function returned waits for it.
     Why: the token2wav thread that waited on its stream for every finished batch left new first
-    chunks queued behind a vocoder (t2w-queue p99 42 ms at 56 sessions, H100 2026-12-05)."""
+    chunks queued behind a vocoder (t2w-queue p99 42 ms at 56 sessions on an H100)."""
     import torch
 
     if not chunks:

@@ -111,7 +111,7 @@ class Synthesizer:
         self.cfg = cfg
         self.clock = clock
         # Started with the replica, in the background while the model loads: a Ray actor's worker
-        # process took 1.1 s to come up on the 2-core VM (2026-12-04), which the first bistream
+        # process took about a second to come up on the 2-core VM, which the first bistream
         # session of a replica otherwise waited for before its first audio.
         self._inbox = inbox or _default_inbox()
         if runtime_factory is None:

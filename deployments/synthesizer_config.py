@@ -33,9 +33,8 @@ class Token2WavBatchConfig(StrictModel):
     # each call, as the official implementation does; "incremental" keeps each stream's estimator state
     # of the frames already emitted and solves only the new ones (same mel within float noise,
     # tests/runtime/test_flow_incremental*.py; batched and stepped as the recompute, one CUDA graph per
-    # (batch, new frames, cached frames) bucket). "auto": incremental on CUDA replicas (H200 replica
-    # simulation 2026-12-05: 24 -> 42 sessions at the SLO, estimator frames per audio second 237 -> 54),
-    # recompute on the CPU.
+    # (batch, new frames, cached frames) bucket). "auto": incremental on CUDA replicas, where it
+    # nearly doubled the sessions at the SLO (docs/tuning.md §2), recompute on the CPU.
     cv2_flow: Literal["auto", "recompute", "incremental"] = "auto"
     # With the incremental flow: the flow state of each voice prompt's whole attention chunks (the
     # same in every request with that voice) kept for later requests, which then solve ~150 fewer
@@ -44,9 +43,8 @@ class Token2WavBatchConfig(StrictModel):
     cv2_prompt_cache_bytes: int = Field(1024**3, ge=0)
     # CosyVoice3's streamed flow calls, the same choice over its DiT (same mel within float noise,
     # tests/runtime/test_flow_incremental_batch.py; 880 KiB per cached frame in bf16; the prompt
-    # cache above serves it too). "auto" as above: one H200 pass of 128 new frames at batch 16 over
-    # 1,024 cached frames took 24.7 ms against 95.3 ms recomputed (2026-12-05); its capacity
-    # against the recompute's is not measured.
+    # cache above serves it too). "auto" as above: a pass over cached frames is a fraction of the
+    # recompute's (docs/tuning.md §2; its capacity against the recompute's is not measured).
     cv3_flow: Literal["auto", "recompute", "incremental"] = "auto"
     # With an incremental flow: the most the open streams' flow caches may hold together (~0.4 GiB for
     # a 10 s CosyVoice2 answer after a 3.5 s prompt in bf16); a stream that would grow them past it
@@ -56,20 +54,20 @@ class Token2WavBatchConfig(StrictModel):
     flow_cache_bytes: int = Field(16 * 1024**3, ge=0)
     # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
     # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole
-    # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (5-6 ->
-    # 21 sessions at the SLO, H200 replica simulation 2026-12-04), batch on the CPU (not measured there).
+    # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (several
+    # times the sessions at the SLO, docs/tuning.md §2), batch on the CPU (not measured there).
     scheduler: Literal["auto", "batch", "steps"] = "auto"
     # With "steps": when no row in hand is due within deadline_slack_s, a flow pass waits up to this
     # many ms for more streams' rows to share it (woken at once by a new job). 0: passes run as soon
-    # as rows are in hand. Not yet measured on a GPU (deployments/token2wav_loop.py says why to try).
+    # as rows are in hand. Off: on a GPU it did not fill the passes (docs/tuning.md §2;
+    # deployments/token2wav_loop.py says why it was tried).
     gather_ms: float = Field(0.0, ge=0, le=50)
     # With "steps": while a chunk job in hand is already due (a stream's first chunk, or a late
     # one) and no stream waiting for speech tokens is due within deadline_slack_s (less the decode
     # steps its missing tokens take), the LLM step thread waits up to this many ms at a time
     # (woken when token2wav's rows leave) instead of decoding tokens that play a second later on
-    # the same GPU (deployments/engine_loop.py). 0: the LLM never waits. At one stream, 5 took first
-    # audio from 99 to 87 ms (H100, 2026-12-05); under load (60 s windows, same H100 and call,
-    # 2026-12-06) 0 underran at 62 sessions, 5 held 62 and 68 (p99 267 / 294 ms).
+    # the same GPU (deployments/engine_mailbox.py). 0: the LLM never waits. 5 lowered first audio at
+    # one stream and held more sessions at the SLO than 0 (docs/tuning.md §2).
     give_way_ms: float = Field(5.0, ge=0, le=50)
     # With "steps": a pass for rows due within deadline_slack_s (first chunks) also carries rows
     # with slack of up to this many times the urgent rows' frames (1: no longer, the same padded
@@ -78,11 +76,9 @@ class Token2WavBatchConfig(StrictModel):
     rider_ratio: float = Field(1.0, ge=1.0, le=8.0)
     # With "steps" on CUDA: flow passes queued on the GPU at once. 1: each pass is prepared after the
     # one before it has ended, and the token2wav lane idles through the host work between them
-    # (~1.1-1.6 ms a pass, profiled one-stream request, H100 2026-12-06); 2: the next pass is
-    # prepared and queued while one runs, and a newly arrived first chunk joins one pass later.
-    # Same H100, same calls (2026-12-06, configs/single-gpu.yaml in one process): first audio at one
-    # session 90.5 -> 81.1 ms p50 (token2wav stage 52.5 -> 42.2 ms); at 68 sessions (60 s windows)
-    # 1 underran (p99 313 ms), 2 met the SLO (p99 259 ms, 66.5x real time).
+    # (about a millisecond a pass); 2: the next pass is prepared and queued while one runs, and a
+    # newly arrived first chunk joins one pass later. 2 lowered first audio at one session and met
+    # the SLO at a load where 1 underran (docs/tuning.md §2); 3-4 are not measured.
     passes_in_flight: int = Field(2, ge=1, le=4)
 
 
@@ -111,27 +107,25 @@ class SynthesizerConfig(DeploymentKnobs):
     # CUDA replicas with cuda_graphs: each LLM decode step is queued before the one before it has
     # been read, its rows fed that step's ids on the GPU (cosyvoice_runtime/llm/engine.py), so the
     # LLM's lane does not idle while the host reads, commits and delivers a step's tokens and packs
-    # the next. Same tokens; events one step behind. Measured (H100, 2026-12-06, same calls,
-    # configs/single-gpu.yaml): first audio at one stream 76.7 -> 70.6 ms p50 (LLM first chunk
-    # 30.4 -> 25.6 ms); 72 sessions met the SLO with and without it. Steps that feed a bistream
+    # the next. Same tokens; events one step behind; it lowers first audio at one stream (docs/tuning.md
+    # §2). Steps that feed a bistream
     # (WebSocket) row wait as without it; while such a request is parked waiting for text, the
     # others run ahead.
     llm_run_ahead: bool = True
     # CUDA replicas with an incremental flow: its pass (the walk over the estimator's blocks) through
     # torch.compile (inductor) under its CUDA graphs, as mode torchscript does too. A CosyVoice2 pass
-    # runs ~930 small kernels (H100 kernel profile, 2026-12-06; 1,173 before its channels-last
-    # walk): at small batches its time is their launches in sequence; fused, they are fewer. But the
-    # whole estimator compiled and graphed took 3.83 ms against 3.74 graphed alone at batch 2 x 256
-    # frames (H200, 2026-12-03): fusion may not pay there. Start-up compiles the walk before capturing the graphs: on an H100 (2026-12-06)
-    # it was still compiling 3 minutes after the model loaded, so its speed is not measured. Off.
+    # runs ~930 small kernels: at small batches its time is their launches in sequence; fused, they
+    # are fewer. But the whole estimator compiled and graphed was no faster than graphed alone, so
+    # fusion may not pay, and start-up compiles the walk for minutes before capturing the graphs:
+    # its speed is not measured (docs/tuning.md §2). Off.
     flow_compile: bool = False
     # CUDA replicas: each residual add and the norm after it as one hand-written Triton kernel
     # (cosyvoice_runtime/kernels.py): in the LLM (48 kernels fewer of a decode step's 521) and in
     # an incremental CosyVoice2 flow pass, with its cache-slot writes (154 fewer of ~930); at one
     # stream both cost their kernels' launches in sequence. Needs Triton (CUDA builds of torch
     # bring it; without it PyTorch's ops run); checked against PyTorch's under Triton's
-    # interpreter. Measured (H100, 2026-12-06, same calls): first audio at one stream 76.7 ->
-    # 68.4 ms p50 alone, 64.7-65.1 ms with llm_run_ahead; a pass 3.65 -> 3.32 ms. Not in a stage
+    # interpreter. It shortens a decode step and a flow pass and lowers first audio (GPU readings:
+    # docs/tuning.md §2). Not in a stage
     # compiled by torch.compile (mode torchscript, flow_compile: inductor fuses these
     # ops itself; the two together were never run). /health lists where it runs.
     fused_norms: bool = True
@@ -141,9 +135,8 @@ class SynthesizerConfig(DeploymentKnobs):
     overlap_stages: bool | None = None
     # Longest flow call (prompt + audio, seconds) served by a flow graph; longer calls run eagerly
     # (tts_cuda_graph_misses_total), each pass launching its hundreds of kernels one by one under
-    # the GIL instead of one replay. 24 s: a 3.5 s voice prompt + a 20 s answer. At 20 s the in-process deployments
-    # broke at 24 sessions (p99 first audio 2.3 s, 19 misses per probe); at 24 s they met the SLO
-    # at 36 (H100, 2026-12-05, bench/results/capacity-h100-2026-12-05.md).
+    # the GIL instead of one replay. 24 s: a 3.5 s voice prompt + a 20 s answer; at 20 s the misses
+    # of the longest answers broke the SLO at a load 24 s held (docs/tuning.md §2).
     flow_graph_max_s: PositiveFloat = 24.0
     # Where an utterance ends. "model": where the LLM predicts the end of speech (within the
     # official 2x-20x speech tokens per text token), what real weights do. "text_rate": after

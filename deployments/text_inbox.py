@@ -9,9 +9,9 @@ caller pushes text ids (and the end of the text) straight to that actor, and the
 request takes them from it (:meth:`InboxClient.text`). Closing the call closes the session, and
 text pushed after that is refused.
 
-Measured on local Ray (2-core VM, 2026-12-04, 200 one-id fragments): a push plus the replica's
-take of it 2.2 ms median, 2.5 ms p95. Starting the actor is a worker process (1.1 s on that VM
-the first time a replica did it), so a replica starts its inbox with itself, not at the first
+On local Ray (the 2-core VM, 200 one-id fragments) a push plus the replica's take of it took
+about 2 ms (docs/serving.md). Starting the actor is a worker process (about a second on that VM the first time a
+replica did it), so a replica starts its inbox with itself, not at the first
 bistream call.
 
 Bounded: sessions per inbox, ids queued per session (a caller that outruns the replica is

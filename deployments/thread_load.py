@@ -1,6 +1,6 @@
 """Where a replica's CPU goes, thread by thread, and how long its threads wait for the GIL.
 
-Why: on the H200 (2026-12-05) the whole Serve app held 7 sessions at the SLO where the same
+Why: on an H200 the whole Serve app once held 7 sessions at the SLO where the same
 runtime in the replica simulation held 42, with the GPU idle half the time and the token2wav
 stage's tail growing with load. A GPU left idle by a replica is a replica whose threads do not
 launch work: a thread busy on a core (the event loop streaming chunks through Ray, say) shows in

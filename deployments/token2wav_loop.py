@@ -8,18 +8,20 @@ repeats: start the jobs that arrived (one encoder batch), run one pass over the 
 :func:`~cosyvoice_runtime.stream_schedule.pick_rows` picks (earliest playback deadline first; a
 first chunk is due at once), queue the vocoder for the rows whose solve is done (the wait for
 their audio runs in the event loop's executor, which hands it back: the driver does not wait for
-the GPU there). A first chunk joins at the next pass and long jobs with audio to spare wait. Measured in the
-replica simulation on one H200 (2026-12-04, bench/results/capacity-h200-2026-12-04.md):
-sessions at the SLO 5-6 -> 11, and 21 once every last-chunk vocoder length was graphed too.
+the GPU there). A first chunk joins at the next pass and long jobs with audio to spare wait,
+which several times multiplied the sessions at the SLO in the H200 replica simulation
+(docs/tuning.md §2, ``scheduler``).
 The runtime keeps ``token2wav.passes_in_flight`` passes queued on the GPU (default 2): the next
 pass is picked and prepared while one runs, so the "next pass" a new job joins starts after the
-one queued now (one session 90.5 -> 81.1 ms first audio against 1, H100 2026-12-06).
+one queued now, which still lowered first audio against 1 (docs/tuning.md, ``passes_in_flight``).
 
 With ``gather_s`` (``token2wav.gather_ms``): when no row in hand is due within the slack, the
 driver waits up to that long (once per pass, woken at once by a new job) before the pass, so more
 streams' rows share it. The capacity runs found ~3.5 rows per pass at capacity with the GPU 95-98 %
 busy, and a pass costs mostly its fixed part (H200 timed model: ~3.6 ms at one row, ~0.3 ms per
-more); held rows have slack to spare by definition. Off (0) by default until measured.
+more); held rows have slack to spare by definition. Off (0) by default: on an H100 it did not
+fill the passes (the rows left out are urgent rows' longer neighbours, kept out by design) and
+underran once where the default did not (docs/tuning.md, ``gather_ms``).
 
 :meth:`SteppedToken2Wav.overdue` tells the LLM's step thread whether a job in hand is due already
 (``token2wav.give_way_ms``, :class:`~deployments.engine_loop.GiveWay`); ``on_rows_left`` wakes it

@@ -2,7 +2,7 @@
 
 With the CFM solve replayed as one graph (:mod:`cosyvoice_runtime.flow.graphs`), the conformer
 encoder was ~600 small ops launched from Python per flow call (counted with the profiler on
-the full-size spec, 2026-12-03). Same recipe as the solve: the batch is padded to its bucket with
+the full-size spec). Same recipe as the solve: the batch is padded to its bucket with
 empty rows, the output tokens to the next multiple of ``token_step``; the input holds that many
 plus the look-ahead context. Padding changes nothing on valid frames (keys past an item's
 length are hidden and the upsampling conv is causal; :meth:`~cosyvoice_runtime.flow.encoder.

@@ -3,8 +3,8 @@
 One estimator call of the full-size CosyVoice2 U-Net is ~1,400 small kernels; launched from
 Python it takes 21 ms on an H200 whatever the batch, while the same call replayed as a CUDA
 graph takes 4.1 ms at batch 2 and 10.9 ms at batch 32 (T = 250 frames, bf16;
-``bench/profile_stages.py``, 2026-12-02; figures kept in
-``bench/results/nvidia-h200-2026-12-03-capturestreams.md``). A streamed flow call runs ten of them, so the
+``bench/profile_stages.py``; the throughput readings that kept these figures: bench/results/INDEX.md).
+A streamed flow call runs ten of them, so the
 launch overhead was most of the flow's time and most of the time to first audio.
 
 :class:`GraphedSolver` is a drop-in for :class:`~cosyvoice_runtime.flow.cfm.CFMSolver` in

@@ -253,7 +253,7 @@ def _compiled_walk(backend: str):
     Duck sizing gives equal sizes one symbol (a bucket's cached and new frames both 256, its
     cached frames and the keys of another), and each such coincidence among the ~430 buckets was
     a recompile: 4 compiled walks for 27 tiny buckets, each an inductor build of minutes on the
-    real model; the replica had not started after 280 s (H100, 2026-12-05). Without it the walk
+    real model, and a replica did not start within minutes (docs/tuning.md, ``flow_compile``). Without it the walk
     compiles 2 (CosyVoice2) or 4 (CosyVoice3) times over every bucket: a batch of one, and
     nothing cached, are specialised (``tests/runtime/test_compiled_graphs.py``).
     """
@@ -277,11 +277,11 @@ class IncrementalStepper(SolverGraphs):
         compile_backend: ``torch.compile`` the pass's walk over the estimator with this backend
             (``dynamic``: one compiled walk serves the buckets' shapes; three on the CPU tiny model).
             A pass launches its kernels one by one inside its graph, ~930 of them for a CosyVoice2
-            pass, which bound its time at small batches (H100 kernel profile 2026-12-06): fused
-            kernels are fewer. None: eager.
+            pass, which bound its time at small batches (an H100 kernel profile): fused kernels
+            are fewer. None: eager.
         fused_norms: the U-Net walk's residual adds, LayerNorms and cache-slot writes as one
             Triton kernel each where one can run (:func:`~cosyvoice_runtime.kernels.add_layer_norm`:
-            154 kernels fewer a pass); not yet timed on a GPU.
+            154 kernels fewer a pass; the pass time it saves on a GPU: docs/tuning.md, ``fused_norms``).
     """
 
     def __init__(self, solver: CFMSolver, max_batch: int = 16, max_cached: int = 1024,
@@ -381,8 +381,8 @@ class IncrementalStepper(SolverGraphs):
 
     # -- internals -------------------------------------------------------------------------
     # _load and _store run on the token2wav driver thread once per pass. A tensor statement per
-    # row and field made ~850 dispatcher calls for a pass of 16 rows (~53 per row; CPU count,
-    # 2026-12-05), each statement's Python part (index parsing, views) under the GIL: host work
+    # row and field made ~850 dispatcher calls for a pass of 16 rows (~53 per row, counted on the
+    # CPU), each statement's Python part (index parsing, views) under the GIL: host work
     # of the order of the pass on the GPU, and GIL time the replica's other threads (the
     # engine's, Serve's) wait for. So each field is one call for all rows (the per-row loops run
     # in C++); per row only the views a list of copies needs.

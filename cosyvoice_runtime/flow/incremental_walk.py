@@ -209,8 +209,8 @@ def _unet_attention(block: TransformerBlock, h: torch.Tensor, normed: torch.Tens
 # them: the LayerNorms over channels then read contiguous rows, the convolutions are GEMMs
 # (Pass.conv_gemm), the 1x1 convolutions plain linear layers, and no block copies its input into
 # or out of a transposed layout. With the frame buffer and the time table: 926 kernels a pass
-# instead of 1,173, and a pass at batch 1 is the launches of its kernels in sequence (H100 kernel
-# profile, bench/results/kernel-profile-h100-2026-12-06-walk-*.md).
+# instead of 1,173, and a pass at batch 1 is the launches of its kernels in sequence (the kernel
+# profiles of the old and new walk: bench/results/INDEX.md, "Kernel and first-audio profiles").
 def _block(block: CausalBlock1D, x: torch.Tensor, p: Pass) -> torch.Tensor:
     conv, _, norm, _, mish = block.block
     return mish(norm(p.conv_gemm(conv, x)))
@@ -360,7 +360,7 @@ def plain_estimator(estimator: nn.Module) -> nn.Module:
     """The estimator module itself where mode torchscript wrapped it in ``torch.compile``: the
     incremental pass walks its blocks (and compiles the walk instead, :class:`IncrementalStepper`).
     The wrapper is no ``CausalUNet`` or ``DiT``, so the flow took it for a TensorRT engine and
-    solved every streamed chunk by recomputing, without a word (found 2026-12-05)."""
+    solved every streamed chunk by recomputing, without a word."""
     return getattr(estimator, "_orig_mod", estimator)
 
 

@@ -2,7 +2,7 @@
 
 A flow job is ten estimator passes. Solved whole (:class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`),
 a batch holds the GPU for all ten: a new stream's first chunk that arrives just after a batch
-with a late chunk of a 20 s CosyVoice2 utterance started (a ~200 ms solve, H200 2026-12-04)
+with a late chunk of a 20 s CosyVoice2 utterance started (a ~200 ms solve on an H200)
 waits for all of it, and that wait was most of the first-audio tail under load. Here each job
 is a :class:`SolveRow` (its encoder output, condition, speaker vector and ODE state ``x``) and
 the caller runs passes over whichever rows it picks

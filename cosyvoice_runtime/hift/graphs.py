@@ -126,7 +126,7 @@ class GraphedDecode(graph_capture.GraphOwner):
         batched decode. Why: start-up captures first-chunk lengths for batches of 1 and 2 and
         last-chunk lengths for 1; three first chunks or two last chunks of one length meeting in a
         pass would otherwise run eagerly (an eager last chunk held the token2wav thread 100-150 ms
-        under load, H200 2026-12-04) or be captured under traffic, stalling the lane."""
+        under load on an H200) or be captured under traffic, stalling the lane."""
         sizes = sorted(k[0] for k in self._buckets if k[1:] == key[1:])
         parts, start = [], 0
         while sizes and start < batch:
@@ -178,7 +178,7 @@ def graph_streaming_vocoder(hift, spec, max_batch: int, max_frames: int = 512,
     the stream's Token2Wav) for batches of 1 and 2, since first chunks rarely share a length;
     every last-chunk length (:func:`~cosyvoice_runtime.stream_schedule.final_chunk_frames`) for a
     batch of 1. A last chunk vocoded eagerly held the token2wav thread 100-150 ms under load
-    (H200, 2026-12-04, capacity traces), and a first chunk queued behind it.
+    (H200 capacity traces), and a first chunk queued behind it.
     """
     st, ratio = spec.stream, spec.flow.token_mel_ratio
     later = streaming_lengths(st.mel_cache_len, st.token_hop_len, st.token_max_hop_len, st.stream_scale_factor, ratio)

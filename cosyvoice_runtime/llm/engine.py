@@ -32,9 +32,8 @@ before it has been read. Each :meth:`LLMEngine.step` launches the next decode st
 each row that continues the step in flight that step's choice straight from the GPU
 (:meth:`~cosyvoice_runtime.llm.cuda_graph.DecodeRunner.launch`), and only then waits for the
 step in flight and commits its ids: the GPU has the next step queued while the host commits,
-delivers and packs. In a profiled one-stream request the LLM's lane idled 0.4-0.6 ms of each
-step (H100 2026-12-06); unprofiled, a replica's first chunk of tokens at one stream took 25.6 ms
-instead of 30.4 with it (same H100, same call; the replica's default since). Events therefore
+delivers and packs: without it, in a profiled one-stream request on an H100, the LLM's lane
+idled 0.4-0.6 ms of each step (what it gains: docs/tuning.md, ``llm_run_ahead``). Events therefore
 come one call behind. A row whose step in flight may end it
 (a stop id) has one wasted step queued after it, dropped when read; one whose step in flight is
 certainly its last (its length) is not queued again. Requests the in-step sampler does not

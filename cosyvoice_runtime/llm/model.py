@@ -34,8 +34,9 @@ class RMSNorm(nn.Module):
     kernel applies the gain in float32 and rounds once. Equal in float32 (tested against the
     official composite), within one bf16 ulp in bf16. Why: on CUDA it is one kernel where the
     composite is eight, and 49 norms were ~40 % of a decode step's ~1,000 kernel-launching ops
-    (aten ops of the full-size spec counted with the profiler on the CPU, 2026-12-03; with the
-    fused q/k/v below, ~550 remain). Not yet timed on a GPU.
+    (aten ops of the full-size spec counted with the profiler on the CPU; with the fused q/k/v
+    below, ~550 remain). Its own gain was not timed apart; what a decode step's kernels cost on a
+    GPU, with the fused add + norm of :class:`Qwen2Model` on and off: docs/tuning.md, ``fused_norms``.
     """
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -78,7 +79,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     ``out`` may be ``x`` itself (both products are taken before it is written)."""
     if out is not None and torch.compiler.is_compiling():
         # Dynamo cannot trace out= here (a graph break in every layer: 24 per decode step, each
-        # resume a recompile, and the compiled step never started, H100 2026-12-06); compiled, the
+        # resume a recompile, and the compiled step never started on an H100); compiled, the
         # copy into ``out`` is fused with the rotation anyway.
         return out.copy_(torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin))
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin, out=out)
@@ -155,7 +156,7 @@ class _AttnContext:
         query rows of a kv head's group, built once per forward before the layers (every layer
         shares it; built lazily by the first layer, it made dynamo recompile the compiled step).
         Given the boolean mask, attention turned it into that bias in every layer: three kernels
-        per layer of a decode step (H100 profile 2026-12-05). Every row sees at least key 0, so no
+        per layer of a decode step (an H100 profile). Every row sees at least key 0, so no
         row is all -inf."""
         if self.mask is not None:
             bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
@@ -181,7 +182,7 @@ class Qwen2MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate and up as one GEMM: a kernel fewer per layer in a launch-bound decode step (~706
-        # kernels per bf16 step at batch 1, one every ~2.9 ms, H100 profile 2026-12-05)
+        # kernels per bf16 step at batch 1 in an H100 profile, before the fused norms)
         gate, up = fused_linear(x, (self.gate_proj, self.up_proj), self._fused).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

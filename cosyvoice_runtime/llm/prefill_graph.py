@@ -1,7 +1,7 @@
 """Prompts of new requests as padded forwards from static buffers, one CUDA graph per shape.
 
 A prefill launched eagerly is ~600 small kernels (24 layers) whatever its length, bound by CPU
-launch overhead: 20-30 ms per new request on an H200 (capacity traces of 2026-12-04), and every
+launch overhead: 20-30 ms per new request on an H200 (capacity traces), and every
 running stream's next decode step waits behind it, so each arrival stalls all the others.
 :class:`PrefillRunner` runs the whole prefill - the 24 layers writing keys/values at positions
 0..T-1 of each row's slot, the final norm, the ``llm_decoder`` logits of each row's last
@@ -61,7 +61,7 @@ class PrefillRunner(graph_capture.GraphOwner):
 
     Why the sampler is inside: chosen eagerly after the replay, a first token took ~90 small
     launches and two pageable copies with their syncs (~2 ms under the profiler in an H100 trace of
-    2026-12-05, older code; at one stream without the profiler no gain was visible, 2026-12-06), on
+    older code; at one stream without the profiler no gain was visible), on
     the step thread that every running stream's next decode step waits behind.
 
     Args:

@@ -1,5 +1,6 @@
-"""bench/import_results.py: a device call's bundle lands under a tag, reports regenerated, the
-profile trace left out unless asked, latest.json's report names tagged."""
+"""bench/import_results.py: a device call's bundle lands in a run folder named by its day, card and
+tag, with its run record; reports regenerated, the profile trace left out unless asked,
+latest.json's report names the new reports by path."""
 from __future__ import annotations
 
 import io
@@ -14,7 +15,8 @@ from bench.import_results import import_bundle
 
 REPO = Path(__file__).resolve().parents[2]
 DEVICE_STEM = "capacity-synth-nvidia-h100-80gb-hbm3-2026-12-05"
-REPORT = REPO / "bench" / "results" / "capacity-synth-nvidia-h100-80gb-hbm3-2026-12-05-late.json"
+REPORT = (REPO / "bench" / "results" / "2026-12-05-h100-capacity-synth-late"
+          / "capacity-synth-nvidia-h100-80gb-hbm3-2026-12-05-late.json")
 
 
 def _bundle(tmp_path: Path) -> Path:
@@ -37,23 +39,38 @@ def _bundle(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_bundle_lands_under_its_tag_and_a_second_lease_keeps_the_first(tmp_path):
+def test_a_bundle_lands_in_its_run_folder_and_a_second_lease_keeps_the_first(tmp_path):
     out = tmp_path / "results"
     out.mkdir()
     bundle = _bundle(tmp_path)
-    written = {p.name for p in import_bundle(bundle, "late", out, latest=True)}
-    assert {f"{DEVICE_STEM}-late.json", f"{DEVICE_STEM}-late.md",
-            "profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-late.json",
-            "profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-late.md",
-            "gpu-tests-nvidia-h100-80gb-hbm3-2026-12-05-late.txt", "latest.json"} <= written
-    assert not any(name.endswith(".json.gz") for name in written)  # the trace only with trace=True
-    assert (out / f"{DEVICE_STEM}-late-latency.png").exists()  # the plots regenerated under the tag
-    assert "62 sessions" in (out / f"{DEVICE_STEM}-late.md").read_text()
-    assert json.loads((out / "latest.json").read_text())["capacity_report_synth"] == f"{DEVICE_STEM}-late.md"
+    written = import_bundle(bundle, "late", out, latest=True)
+    run = out / "2026-12-05-h100-late"  # the report's day and card, the tag
+    assert {p.relative_to(out).as_posix() for p in written} >= {
+        f"{run.name}/{DEVICE_STEM}-late.json", f"{run.name}/{DEVICE_STEM}-late.md",
+        f"{run.name}/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-late.json",
+        f"{run.name}/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-late.md",
+        f"{run.name}/gpu-tests-nvidia-h100-80gb-hbm3-2026-12-05-late.txt", f"{run.name}/run.json", "latest.json"}
+    assert not any(p.name.endswith(".json.gz") for p in written)  # the trace only with trace=True
+    assert (run / f"{DEVICE_STEM}-late-latency.png").exists()  # the plots regenerated under the tag
+    assert "62 sessions" in (run / f"{DEVICE_STEM}-late.md").read_text()
+    record = json.loads((run / "run.json").read_text())
+    assert record["date"] == "2026-12-05" and record["device"] == "NVIDIA H100 80GB HBM3"
+    assert record["main"] == f"{DEVICE_STEM}-late.md" and f"{DEVICE_STEM}-late.json" in record["files"]
+    latest_report = json.loads((out / "latest.json").read_text())["capacity_report_synth"]
+    assert latest_report == f"{run.name}/{DEVICE_STEM}-late.md" and (out / latest_report).exists()
     import_bundle(bundle, "night", out, trace=True)
-    assert (out / f"{DEVICE_STEM}-late.json").exists() and (out / f"{DEVICE_STEM}-night.json").exists()
-    assert (out / "profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-night-trace.json.gz").exists()
-    assert json.loads((out / "latest.json").read_text())["capacity_report_synth"] == f"{DEVICE_STEM}-late.md"
+    night = out / "2026-12-05-h100-night"
+    assert (run / f"{DEVICE_STEM}-late.json").exists() and (night / f"{DEVICE_STEM}-night.json").exists()
+    assert (night / "profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-night-trace.json.gz").exists()
+    assert json.loads((out / "latest.json").read_text())["capacity_report_synth"] == latest_report
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["latest.json"]  # nothing loose
+
+
+def test_the_same_tag_twice_is_refused(tmp_path):
+    bundle = _bundle(tmp_path)
+    import_bundle(bundle, "late", tmp_path)
+    with pytest.raises(ValueError, match="exists already"):
+        import_bundle(bundle, "late", tmp_path)
 
 
 @pytest.mark.parametrize("tag", ["", "Late", "a b", "../x"])

@@ -17,7 +17,7 @@ from deployments.synthesizer import Synthesizer
 from deployments.synthesizer_config import SynthesizerConfig
 from serve_app.args import AppArgs, application_of
 
-# One incremental flow pass on the H200, 2026-12-05 (bench/results/capacity-h200-2026-12-05.md §2,
+# One incremental flow pass on the H200, 2026-12-05 (bench/results/2026-12-05-h200-capacity/capacity-h200-2026-12-05.md §2,
 # CosyVoice2 column): (batch, cached frames) -> ms.
 H200_PASS_MS = {(1, 0): 3.90, (1, 1024): 5.11, (4, 512): 5.67, (4, 1024): 6.72, (16, 0): 8.64, (16, 512): 11.40,
                 (16, 1024): 14.06}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cosyvoice_runtime.lm_messages import LMRequest, TokenEvent
-from deployments import engine_loop
+from deployments import engine_loop, engine_mailbox
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
 from deployments.protocol import EngineDeadError, RequestFailedError
@@ -328,7 +328,7 @@ def _give_way_loop(due_s: float | None, step_s: float = 0.0, overdue_after: int 
         waits.append((seconds, engine.emitted("a")))
         done[0] = True
 
-    give_way = engine_loop.GiveWay(overdue=lambda: not done[0] and engine.emitted("a") >= overdue_after,
+    give_way = engine_mailbox.GiveWay(overdue=lambda: not done[0] and engine.emitted("a") >= overdue_after,
                                    slack_s=0.5, max_s=0.01, clock=lambda: now[0], wait=wait)
     loop = EngineLoop(engine, compute, give_way=give_way)
 
