@@ -211,7 +211,8 @@ async def closed_loop(target: Target, sessions: int, work: Workload, slo: Slo, c
 
     async def session(i: int) -> None:
         at, n = starts[i], 0
-        while not await clock.wait_until(judge.stop, at) and at < judge.window[1]:
+        # a session whose next request would fall after the window is done (no wait for it)
+        while at < judge.window[1] and not await clock.wait_until(judge.stop, at):
             trace = await serve_one(target, f"s{i}-{n}", work.source.draw(session_rngs[i], i), clock)
             judge.done(trace)
             n += 1

@@ -81,6 +81,7 @@ def summarize(traces: list[RequestTrace], wall_s: float) -> dict:
         "errors": len(traces) - len(ok),
         "ttfa_p50_ms": percentile(ttfa_ms, 50),
         "ttfa_p90_ms": percentile(ttfa_ms, 90),
+        "ttfa_p95_ms": percentile(ttfa_ms, 95),
         "ttfa_p99_ms": percentile(ttfa_ms, 99),
         "rtf_p50": percentile([t.rtf for t in ok], 50),
         "audio_s": audio,

@@ -77,6 +77,7 @@ class Utterance:
     text: str | None = None
     voice: VoiceSpec | None = None
     cold: bool = False
+    sentences: int = 0  # corpus sentences in the text (0: synthetic)
 
     @classmethod
     def of(cls, request: float | Utterance) -> Utterance:
@@ -175,11 +176,13 @@ class ProductionSource:
         prompt_s = round(rng.uniform(*self.prompt_range), 2)
         lang = _pick(rng, self.languages)
         text, said = [], 0.0  # a transcript about as long as the prompt (it is prefilled with every request)
-        while said < 0.8 * prompt_s and len(text) < 8:
+        for _ in range(32):  # bounded: no sentence may be short enough to fill the rest
             sentence = rng.choice(rng.choice(self.corpus[lang]))
             if not text or said + sentence.expected_s <= 1.25 * prompt_s:
                 text.append(sentence.text)
                 said += sentence.expected_s
+            if said >= 0.8 * prompt_s:
+                break
         return VoiceSpec(voice_id, prompt_s, (" " if lang == "en" else "").join(text), content)
 
     def session_voice(self, session: int) -> VoiceSpec:
@@ -193,9 +196,10 @@ class ProductionSource:
         drawn = round(sum(s.expected_s for s in picked), 3)
         if rng.random() < self.cold_share:
             n = next(self._cold)
-            return Utterance(drawn, text, self._voice(f"{self.prefix}-cold-{n}", rng, f"{self.seed}/cold/{n}"), True)
+            cold = self._voice(f"{self.prefix}-cold-{n}", rng, f"{self.seed}/cold/{n}")
+            return Utterance(drawn, text, cold, cold=True, sentences=len(picked))
         voice = rng.choice(self.voices) if session is None else self.session_voice(session)
-        return Utterance(drawn, text, voice)
+        return Utterance(drawn, text, voice, sentences=len(picked))
 
     @property
     def longest_s(self) -> float:
