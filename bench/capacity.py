@@ -45,12 +45,12 @@ import yaml
 
 from bench.capacity_counters import GpuSampler, probe_counters
 from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
-from bench.capacity_report import write_report
+from bench.capacity_report import update_latest, write_report
 from bench.capacity_targets import TOKENS_PER_S, HttpTarget, InProcessTarget, SimTarget
 from bench.gpu_bench import make_model, make_voice, mode_setup, parse_mode
 from bench.load import register_voices, synthetic_prompt_wav
 from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
-from bench.report import _slug, latest_path
+from bench.report import _slug
 from bench.soak import config_env, start_local, wait_idle
 from bench.timed_runtime import PROFILES
 from bench.workload import add_args, length_summary, register_pool, source_from_args
@@ -127,13 +127,15 @@ def _probe_extra(probe: Probe, sampler: GpuSampler | None, target) -> dict:
 
 def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
     base = make_model(args.family, args.size, args.device)
-    max_tokens = math.ceil(run.work.source.longest_s * TOKENS_PER_S)
+    source = run.work.source  # room for the workload's longest request and voice prompt
+    max_tokens = (math.ceil(source.longest_s * TOKENS_PER_S)
+                  + max(0, math.ceil(source.prompt_s_max * TOKENS_PER_S) - PROMPT_SPEECH))
     for mode in args.modes.split(","):
         model, sim_args = mode_setup(base, mode, args.flow_batch, max_tokens)
         voice, text = make_voice(model)
         ReplicaSim(model, 4, 60, **sim_args).run(voice, text, 2, 2)  # warm-up: allocations, kernel choice
         sim = ReplicaSim(model, max_batch=args.max_batch, n_tokens=max_tokens,
-                         max_text=math.ceil(run.work.source.longest_s * 4) + 1, **sim_args)
+                         max_text=math.ceil(source.longest_s * 4) + 1 + math.ceil(source.prompt_s_max * 4), **sim_args)
         if "gcfreeze" in parse_mode(mode)[2]:
             freeze_startup_heap()
         sim.start()
@@ -325,55 +327,6 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
         rates["capacity"], _ = rate_search(once, run.slo, start=args.rate_start, tolerance=args.tolerance)
         rates["capacity_p95"], _ = rate_search(once, run.slo_p95, start=args.rate_start, tolerance=args.tolerance)
         run.write()
-
-
-def update_latest(run: Run) -> dict:
-    """Add this level's capacity figures (the best mode's) to the family's ``latest.json`` (a
-    ``--timed`` run's are not GPU figures: returned, not written): sessions at the SLO and the
-    Poisson rate, each under the level's key with its own device and date, and the throughput and
-    streams in flight at the sessions' capacity. The replica level's keys (``slo_streams``,
-    ``slo_rate_rps``, ``ttfb_p50_ms_c1``, ...) are the synth level's: one replica's own
-    deployments in one process. The simulation (``--level replica``) no longer runs the replica's
-    code paths (give-way, run-ahead, fused norms, the stepped scheduler) and writes ``_sim`` keys;
-    the Serve level ``_serve``. The levels (and the throughput benchmark, whose ``device`` and
-    ``date`` the file's top level keeps) may come from different machines and days."""
-    path = latest_path(run.out, run.args.family)
-    latest = json.loads(path.read_text()) if path.exists() and not run.args.timed else {}
-    level = run.args.level
-    suffix = {"replica": "_sim", "serve": "_serve", "synth": ""}[level]
-    update: dict = {}
-    stale: list[str] = []
-    for kind, name, field in (("sessions", "slo_streams", "capacity"), ("rate", "slo_rate_rps", "capacity"),
-                              ("rate", "slo_rate_rps_p95", "capacity_p95")):
-        found = [s for s in run.searches if s["kind"] == kind and s.get(field) is not None]
-        if not found:
-            continue
-        best = max(found, key=lambda s: s[field])
-        key = name + suffix
-        update.update({key: best[field], f"{key}_mode": best["mode"], f"{key}_device": run.device,
-                       f"{key}_date": run.date, f"{key}_workload": run.work.source.name,
-                       f"capacity_report_{level}": f"{run.stem}.md", f"{key}_lower_bound": bool(best.get("at_ceiling"))})
-        # A hand-written note explains the value it sat beside; a new value makes it stale (the
-        # late H100 lease's 62 kept the 52's note and throughput, 2026-12-05).
-        stale.append(f"{key}_note")
-        if kind == "sessions":
-            at_cap = next((p for p in best["probes"] if p["load"] == best["capacity"]), {})
-            update["throughput_x_realtime_at_slo" + suffix] = at_cap.get("throughput_x_realtime")
-            update["slo_streams_in_flight" + suffix] = at_cap.get("streams_in_flight_mean")
-            stale.append("slo_streams_in_flight" + suffix + "_note")
-    if not update:
-        return latest
-    modes = [update.get(f"slo_streams{suffix}_mode"), update.get(f"slo_rate_rps{suffix}_mode")]
-    one = [p for s in run.searches if s["kind"] != "rate" and s["mode"] in modes for p in s["probes"] if p["load"] == 1]
-    update["ttfb_p50_ms_c1" + suffix] = one[0]["ttfa_p50_ms"] if one else None
-    stale.append("ttfb_p50_ms_c1" + suffix + "_note")
-    for key in stale:
-        latest.pop(key, None)
-    update["workload"] = run.workload()
-    latest.update(update)
-    if not run.args.timed:
-        path.write_text(json.dumps(latest, indent=1, default=str))
-    return latest
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,8 +4,11 @@ title names the workload (``bench/workload.py``); a report written before worklo
 ran the synthetic one."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
+
+from bench.report import latest_path
 
 COLUMNS = (("load", "load", "{}"), ("requests", "requests", "{}"), ("ttfa_p50_ms", "first audio p50 ms", "{:.0f}"),
            ("ttfa_p95_ms", "p95 ms", "{:.0f}"), ("ttfa_p99_ms", "p99 ms", "{:.0f}"),
@@ -50,6 +53,9 @@ def describe_workload(w: dict) -> str:
         text += (f" Served against drawn length over {lengths['requests']} requests: p50 {sv['p50']:g} s served vs "
                  f"{d['p50']:g} s drawn, p95 {sv['p95']:g} vs {d['p95']:g} s; served / drawn p5 {r['p5']:g}, "
                  f"p50 {r['p50']:g}, p95 {r['p95']:g}.")
+        if not 0.67 <= r["p50"] <= 1.5:  # random weights rarely end an utterance: they speak to the length limit
+            text += (" **The served length is not the text's**: first audio and capacity here are of longer "
+                     "(or shorter) answers than the text means.")
     return text
 
 
@@ -234,3 +240,54 @@ def write_report(out: Path, stem: str, doc: dict) -> Path:
     path = out / f"{stem}.md"
     path.write_text(markdown(doc, plot(out, stem, doc)))
     return path
+
+
+def update_latest(run) -> dict:
+    """Add a :class:`bench.capacity.Run`'s capacity figures (the best mode's) to the family's
+    ``latest.json`` (a ``--timed`` run's are not GPU figures: returned, not written): sessions at
+    the SLO, the Poisson rate at it and at p95 first audio (``slo_rate_rps_p95``), each under the
+    level's key with its own device, date and workload name (``<key>_workload``), the throughput and
+    streams in flight at the sessions' capacity, and the run's ``workload`` object (text, voices,
+    cold-voice share, served against drawn length). The replica level's keys (``slo_streams``,
+    ``slo_rate_rps``, ``ttfb_p50_ms_c1``, ...) are the synth level's: one replica's own
+    deployments in one process. The simulation (``--level replica``) no longer runs the replica's
+    code paths (give-way, run-ahead, fused norms, the stepped scheduler) and writes ``_sim`` keys;
+    the Serve level ``_serve``. The levels (and the throughput benchmark, whose ``device`` and
+    ``date`` the file's top level keeps) may come from different machines and days."""
+    path = latest_path(run.out, run.args.family)
+    latest = json.loads(path.read_text()) if path.exists() and not run.args.timed else {}
+    level = run.args.level
+    suffix = {"replica": "_sim", "serve": "_serve", "synth": ""}[level]
+    update: dict = {}
+    stale: list[str] = []
+    for kind, name, field in (("sessions", "slo_streams", "capacity"), ("rate", "slo_rate_rps", "capacity"),
+                              ("rate", "slo_rate_rps_p95", "capacity_p95")):
+        found = [s for s in run.searches if s["kind"] == kind and s.get(field) is not None]
+        if not found:
+            continue
+        best = max(found, key=lambda s: s[field])
+        key = name + suffix
+        update.update({key: best[field], f"{key}_mode": best["mode"], f"{key}_device": run.device,
+                       f"{key}_date": run.date, f"{key}_workload": run.work.source.name,
+                       f"capacity_report_{level}": f"{run.stem}.md", f"{key}_lower_bound": bool(best.get("at_ceiling"))})
+        # A hand-written note explains the value it sat beside; a new value makes it stale (the
+        # late H100 lease's 62 kept the 52's note and throughput, 2026-12-05).
+        stale.append(f"{key}_note")
+        if kind == "sessions":
+            at_cap = next((p for p in best["probes"] if p["load"] == best["capacity"]), {})
+            update["throughput_x_realtime_at_slo" + suffix] = at_cap.get("throughput_x_realtime")
+            update["slo_streams_in_flight" + suffix] = at_cap.get("streams_in_flight_mean")
+            stale.append("slo_streams_in_flight" + suffix + "_note")
+    if not update:
+        return latest
+    modes = [update.get(f"slo_streams{suffix}_mode"), update.get(f"slo_rate_rps{suffix}_mode")]
+    one = [p for s in run.searches if s["kind"] != "rate" and s["mode"] in modes for p in s["probes"] if p["load"] == 1]
+    update["ttfb_p50_ms_c1" + suffix] = one[0]["ttfa_p50_ms"] if one else None
+    stale.append("ttfb_p50_ms_c1" + suffix + "_note")
+    for key in stale:
+        latest.pop(key, None)
+    update["workload"] = run.workload()
+    latest.update(update)
+    if not run.args.timed:
+        path.write_text(json.dumps(latest, indent=1, default=str))
+    return latest
