@@ -102,7 +102,7 @@ class Run:
 
     def workload(self) -> dict:
         return {**self.work.source.describe(), "seed": self.work.seed, "window_s": self.work.window_s,
-                "ramp_s": self.work.ramp_s, "c1_window_s": self.args.c1_window_s, "prompt_s": PROMPT_SPEECH / TOKENS_PER_S,
+                "ramp_s": self.work.ramp_s, "c1_window_s": self.args.c1_window_s,
                 "served_length": length_summary(self.lengths), "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
                 "slo_ttfa_p95_ms": self.slo_p95.ttfa_p95_ms,
                 "slo_underruns": self.slo.max_underruns, "family": self.args.family, "level": self.args.level,
@@ -154,14 +154,14 @@ def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) 
 
 def graph_coverage(app: AppArgs, work: Workload) -> str | None:
     """Why a probe may measure eager flow calls: the config's flow graphs (``flow_graph_max_s``)
-    are shorter than the mix's longest request, voice prompt included. H100 2026-12-05: 20 s graphs
+    are shorter than the workload's longest request, voice prompt included. H100 2026-12-05: 20 s graphs
     broke at 24 sessions what 24 s graphs held at 36 (bench/results/capacity-h100-2026-12-05.md)."""
     synth = app.synthesizer
     need_s = work.source.prompt_s_max + work.source.longest_s
     if not synth.cuda_graphs or synth.device == "cpu" or synth.flow_graph_max_s >= need_s:
         return None
-    return (f"the config's flow graphs cover {synth.flow_graph_max_s:g} s of prompt + audio and the mix's longest "
-            f"request (its voice's prompt included) is {need_s:.1f} s: its last chunks run eagerly on a GPU (`graph misses`); raise "
+    return (f"the config's flow graphs cover {synth.flow_graph_max_s:g} s of prompt + audio and the workload's "
+            f"longest request (its voice's prompt included) is {need_s:.1f} s: its last chunks run eagerly on a GPU (`graph misses`); raise "
             "`synthesizer.flow_graph_max_s` to measure the replica, not that")
 
 

@@ -146,7 +146,7 @@ class SyntheticSource:
         return self.prompt_s
 
     def describe(self) -> dict:
-        return {"name": self.name, "mix": self.mix.describe(),
+        return {"name": self.name, "mix": self.mix.describe(), "prompt_s": round(self.prompt_s, 2),
                 "text": {"source": "one made-up consonant word per request, its letters set so the random-weight "
                                    "model speaks about the drawn length (capacity_targets.text_for)"},
                 "voices": {"count": 1, "prompt_s": [round(self.prompt_s, 2)] * 2}, "cold_voice_share": 0.0}
