@@ -1,8 +1,12 @@
 """Streaming capacity at an SLO: real-time streams per replica with p99 first audio <= 300 ms,
-no underrun and no failure (issue 14). Throughput delivered outside the SLO is not capacity.
+no underrun and no failure (issue 14). Throughput delivered outside the SLO is not capacity. The
+Poisson rate is also searched for p95 first audio <= 150 ms (issue 39: ``slo_rate_rps_p95``).
 
 Load and search live in ``bench/capacity_load.py`` (voice-agent sessions, Poisson arrivals,
-utterance-length mix, doubling then bisection), the two targets in ``bench/capacity_targets.py``:
+doubling then bisection), the workload in ``bench/workload.py`` (``--workload production``, the
+default: corpus sentences, a voice pool and cold voices; ``synthetic``: the ``--mix`` lengths as
+one made-up word in one voice, what every figure before it measured), the targets in
+``bench/capacity_targets.py``:
 
     # replica level: the engine + token2wav simulation (bench/replica_sim.py), per mode
     python -m bench.capacity --level replica --modes pytorch-bf16-allgraphs-early-edf --out bench/results
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import gc
 import json
@@ -38,15 +43,17 @@ import httpx
 import torch
 import yaml
 
+from bench.capacity_counters import GpuSampler, probe_counters
 from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
-from bench.capacity_report import write_report
-from bench.capacity_targets import TOKENS_PER_S, GpuSampler, HttpTarget, InProcessTarget, SimTarget, probe_counters
+from bench.capacity_report import update_latest, write_report
+from bench.capacity_targets import TOKENS_PER_S, HttpTarget, InProcessTarget, SimTarget
 from bench.gpu_bench import make_model, make_voice, mode_setup, parse_mode
 from bench.load import register_voices, synthetic_prompt_wav
 from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
-from bench.report import _slug, latest_path
+from bench.report import _slug
 from bench.soak import config_env, start_local, wait_idle
 from bench.timed_runtime import PROFILES
+from bench.workload import add_args, length_summary, register_pool, source_from_args
 from deployments.frontend import TextFrontend
 from deployments.python_gc import freeze_startup_heap
 from deployments.synthesizer import Synthesizer
@@ -61,6 +68,10 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, work: Workload, slo: Slo, device: str) -> None:
         self.args, self.work, self.slo, self.device = args, work, slo, device
+        # the Poisson target of issue 39 (p95 first audio), searched beside the p99 SLO
+        self.slo_p95 = Slo(ttfa_p99_ms=math.inf, max_underruns=slo.max_underruns,
+                           ttfa_p95_ms=getattr(args, "ttfa_p95_ms", 150.0))
+        self.lengths: list[tuple[float, float]] = []  # (drawn, served) s of every judged request served
         self.date = dt.date.today().isoformat()
         self.searches: list[dict] = []  # {"mode", "kind": sessions|rate, "capacity", "probes": [summary...]}
         # CosyVoice3 runs are named apart: the same day's CosyVoice2 report of that level is not overwritten
@@ -83,13 +94,17 @@ class Run:
     def record(self, entry: dict, probe: Probe, extra: dict) -> None:
         probe.extra.update(extra)
         row = probe.summary(self.slo)
+        row["meets_slo_p95"] = self.slo_p95.meets(row)
+        self.lengths += [(t.drawn_s, t.audio_s) for t in probe.traces if t.error is None and t.chunk_times_s]
         entry["probes"].append(row)
         print(json.dumps({"mode": entry["mode"], "kind": entry["kind"], **row}, default=str), flush=True)
         self.write()
 
     def workload(self) -> dict:
-        return {"mix": self.work.mix.describe(), "seed": self.work.seed, "window_s": self.work.window_s,
-                "ramp_s": self.work.ramp_s, "c1_window_s": self.args.c1_window_s, "prompt_s": PROMPT_SPEECH / TOKENS_PER_S, "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
+        return {**self.work.source.describe(), "seed": self.work.seed, "window_s": self.work.window_s,
+                "ramp_s": self.work.ramp_s, "c1_window_s": self.args.c1_window_s,
+                "served_length": length_summary(self.lengths), "slo_ttfa_p99_ms": self.slo.ttfa_p99_ms,
+                "slo_ttfa_p95_ms": self.slo_p95.ttfa_p95_ms,
                 "slo_underruns": self.slo.max_underruns, "family": self.args.family, "level": self.args.level,
                 "model": self.model, "random_weights": self.random_weights, "timing_model": self.args.timed,
                 "http_proxy": self.http_proxy, "notes": self.notes}
@@ -112,18 +127,21 @@ def _probe_extra(probe: Probe, sampler: GpuSampler | None, target) -> dict:
 
 def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
     base = make_model(args.family, args.size, args.device)
-    max_tokens = math.ceil(run.work.mix.longest_s * TOKENS_PER_S)
+    source = run.work.source  # room for the workload's longest request and voice prompt
+    max_tokens = (math.ceil(source.longest_s * TOKENS_PER_S)
+                  + max(0, math.ceil(source.prompt_s_max * TOKENS_PER_S) - PROMPT_SPEECH))
     for mode in args.modes.split(","):
         model, sim_args = mode_setup(base, mode, args.flow_batch, max_tokens)
         voice, text = make_voice(model)
         ReplicaSim(model, 4, 60, **sim_args).run(voice, text, 2, 2)  # warm-up: allocations, kernel choice
         sim = ReplicaSim(model, max_batch=args.max_batch, n_tokens=max_tokens,
-                         max_text=math.ceil(run.work.mix.longest_s * 4) + 1, **sim_args)
+                         max_text=math.ceil(source.longest_s * 4) + 1 + math.ceil(source.prompt_s_max * 4), **sim_args)
         if "gcfreeze" in parse_mode(mode)[2]:
             freeze_startup_heap()
         sim.start()
         target = SimTarget(sim, voice)
         try:
+            asyncio.run(register_pool(target, run.work.source.voices))
             _searches(args, run, mode, target, sampler)
         except RuntimeError as exc:  # this mode's replica died: report it, measure the next mode
             logger.exception("mode %s failed", mode)
@@ -136,14 +154,14 @@ def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) 
 
 def graph_coverage(app: AppArgs, work: Workload) -> str | None:
     """Why a probe may measure eager flow calls: the config's flow graphs (``flow_graph_max_s``)
-    are shorter than the mix's longest request, voice prompt included. H100 2026-12-05: 20 s graphs
-    broke at 24 sessions what 24 s graphs held at 36 (bench/results/capacity-h100-2026-12-05.md)."""
+    are shorter than the workload's longest request, voice prompt included. H100 2026-12-05: 20 s graphs
+    broke at 24 sessions what 24 s graphs held at 36 (bench/results/2026-12-05-h100-capacity/capacity-h100-2026-12-05.md)."""
     synth = app.synthesizer
-    need_s = PROMPT_SPEECH / TOKENS_PER_S + work.mix.longest_s
+    need_s = work.source.prompt_s_max + work.source.longest_s
     if not synth.cuda_graphs or synth.device == "cpu" or synth.flow_graph_max_s >= need_s:
         return None
-    return (f"the config's flow graphs cover {synth.flow_graph_max_s:g} s of prompt + audio and the mix's longest "
-            f"request is {need_s:.1f} s: its last chunks run eagerly on a GPU (`graph misses`); raise "
+    return (f"the config's flow graphs cover {synth.flow_graph_max_s:g} s of prompt + audio and the workload's "
+            f"longest request (its voice's prompt included) is {need_s:.1f} s: its last chunks run eagerly on a GPU (`graph misses`); raise "
             "`synthesizer.flow_graph_max_s` to measure the replica, not that")
 
 
@@ -157,6 +175,8 @@ def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
     _note_coverage(run, AppArgs.from_file(args.config))
     url = start_local(Path(args.config), num_cpus=args.num_cpus)
     voice = register_voices(url, 1, prefix="capacity", prompt_seconds=(PROMPT_SPEECH / TOKENS_PER_S,))[0]
+    target = HttpTarget(url, voice)
+    asyncio.run(register_pool(target, run.work.source.voices))
     run.model, run.random_weights = served_model(url)
     # Ray reads it from the environment when it starts (not a Serve config key)
     run.http_proxy = ("HAProxy with direct ingress" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
@@ -166,7 +186,7 @@ def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
         if not wait_idle(url, timeout_s=120):
             logger.warning("service not idle 120 s after a probe")
 
-    _searches(args, run, Path(args.config).stem, HttpTarget(url, voice), sampler, settle=settle)
+    _searches(args, run, Path(args.config).stem, target, sampler, settle=settle)
 
 
 def apply_replica_env(config: Path) -> None:
@@ -178,8 +198,8 @@ def apply_replica_env(config: Path) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-def in_process_target(app: AppArgs) -> InProcessTarget:
-    """The config's frontend and synthesizer in this process with the benchmark's voice
+def in_process_target(app: AppArgs, work: Workload) -> InProcessTarget:
+    """The config's frontend and synthesizer in this process with the benchmark's voices
     registered (the caller closes it)."""
     source = app.model_source()
     frontend_cfg = app.frontend.model_copy(update={"voices_dir": tempfile.mkdtemp(prefix="capacity-voices-")})
@@ -193,6 +213,7 @@ def in_process_target(app: AppArgs) -> InProcessTarget:
             raise ValueError("--level synth needs token2wav.scheduler steps (the CUDA default); the batch "
                              "scheduler's @serve.batch runs only inside Serve")
         target.register(synthetic_prompt_wav(PROMPT_SPEECH / TOKENS_PER_S), "Prompt number 0.")
+        target.call(register_pool(target, work.source.voices))
     except BaseException:
         target.close()
         raise
@@ -203,7 +224,7 @@ def run_synth(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
     """The config's frontend and synthesizer in this process (:class:`InProcessTarget`)."""
     app = AppArgs.from_file(args.config)
     _note_coverage(run, app)
-    target = in_process_target(app)
+    target = in_process_target(app, run.work)
     try:
         run.model, run.random_weights = describe_served({"mode": target.synth.mode,
                                                          "runtime": target.synth.runtime.details})
@@ -290,62 +311,22 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
         probes = entry["probes"]
         run.write()
     if not any(p["load"] == 1 for p in probes):  # first audio at one stream, for latest.json
-        short = Workload(run.work.mix, run.work.seed, window_s=args.c1_window_s, ramp_s=0.0, wait_playback=False)
+        short = dataclasses.replace(run.work, window_s=args.c1_window_s, ramp_s=0.0, wait_playback=False)
         one = run.search(mode, "one-session")
         asyncio.run(probe_fn("sessions", one, short)(1))
-    if args.open_loop:
+    if args.open_loop:  # two searches, one set of probes: a rate probed once is judged by both SLOs
         rates = run.search(mode, "rate")
-        rates["capacity"], _ = rate_search(probe_fn("rate", rates, run.work), run.slo, start=args.rate_start,
-                                           tolerance=args.tolerance)
+        measured: dict[float, Probe] = {}
+        rate_probe = probe_fn("rate", rates, run.work)
+
+        async def once(rate: float) -> Probe:
+            if rate not in measured:
+                measured[rate] = await rate_probe(rate)
+            return measured[rate]
+
+        rates["capacity"], _ = rate_search(once, run.slo, start=args.rate_start, tolerance=args.tolerance)
+        rates["capacity_p95"], _ = rate_search(once, run.slo_p95, start=args.rate_start, tolerance=args.tolerance)
         run.write()
-
-
-def update_latest(run: Run) -> dict:
-    """Add this level's capacity figures (the best mode's) to the family's ``latest.json`` (a
-    ``--timed`` run's are not GPU figures: returned, not written): sessions at the SLO and the
-    Poisson rate, each under the level's key with its own device and date, and the throughput and
-    streams in flight at the sessions' capacity. The replica level's keys (``slo_streams``,
-    ``slo_rate_rps``, ``ttfb_p50_ms_c1``, ...) are the synth level's: one replica's own
-    deployments in one process. The simulation (``--level replica``) no longer runs the replica's
-    code paths (give-way, run-ahead, fused norms, the stepped scheduler) and writes ``_sim`` keys;
-    the Serve level ``_serve``. The levels (and the throughput benchmark, whose ``device`` and
-    ``date`` the file's top level keeps) may come from different machines and days."""
-    path = latest_path(run.out, run.args.family)
-    latest = json.loads(path.read_text()) if path.exists() and not run.args.timed else {}
-    level = run.args.level
-    suffix = {"replica": "_sim", "serve": "_serve", "synth": ""}[level]
-    update: dict = {}
-    stale: list[str] = []
-    for kind, name in (("sessions", "slo_streams"), ("rate", "slo_rate_rps")):
-        found = [s for s in run.searches if s["kind"] == kind and s["capacity"] is not None]
-        if not found:
-            continue
-        best = max(found, key=lambda s: s["capacity"])
-        key = name + suffix
-        update.update({key: best["capacity"], f"{key}_mode": best["mode"], f"{key}_device": run.device,
-                       f"{key}_date": run.date, f"capacity_report_{level}": f"{run.stem}.md",
-                       f"{key}_lower_bound": bool(best.get("at_ceiling"))})
-        # A hand-written note explains the value it sat beside; a new value makes it stale (the
-        # late H100 lease's 62 kept the 52's note and throughput, 2026-12-05).
-        stale.append(f"{key}_note")
-        if kind == "sessions":
-            at_cap = next((p for p in best["probes"] if p["load"] == best["capacity"]), {})
-            update["throughput_x_realtime_at_slo" + suffix] = at_cap.get("throughput_x_realtime")
-            update["slo_streams_in_flight" + suffix] = at_cap.get("streams_in_flight_mean")
-            stale.append("slo_streams_in_flight" + suffix + "_note")
-    if not update:
-        return latest
-    modes = [update.get(f"slo_streams{suffix}_mode"), update.get(f"slo_rate_rps{suffix}_mode")]
-    one = [p for s in run.searches if s["kind"] != "rate" and s["mode"] in modes for p in s["probes"] if p["load"] == 1]
-    update["ttfb_p50_ms_c1" + suffix] = one[0]["ttfa_p50_ms"] if one else None
-    stale.append("ttfb_p50_ms_c1" + suffix + "_note")
-    for key in stale:
-        latest.pop(key, None)
-    update["workload"] = run.workload()
-    latest.update(update)
-    if not run.args.timed:
-        path.write_text(json.dumps(latest, indent=1, default=str))
-    return latest
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -361,11 +342,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="serve and synth levels: the synthesizer's runtime takes a GPU's times on the CPU "
                     "(bench/timed_runtime.py; default profile h200) instead of loading the model")
     ap.add_argument("--num-cpus", type=float, default=16, help="serve level: CPUs given to local Ray")
-    ap.add_argument("--mix", default=DEFAULT_MIX, help="utterance lengths, WEIGHT:LO-HI seconds, comma-separated")
+    ap.add_argument("--mix", default=DEFAULT_MIX, help="synthetic workload: utterance lengths, WEIGHT:LO-HI "
+                    "seconds, comma-separated")
+    add_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--window-s", type=float, default=60.0, help="steady-load window judged per probe")
     ap.add_argument("--ramp-s", type=float, default=5.0, help="span over which sessions start")
     ap.add_argument("--ttfa-ms", type=float, default=300.0, help="SLO: p99 time to first audio")
+    ap.add_argument("--ttfa-p95-ms", type=float, default=150.0,
+                    help="the Poisson rate's second search: p95 time to first audio (slo_rate_rps_p95)")
     ap.add_argument("--start", type=int, default=4, help="sessions of the first probe")
     ap.add_argument("--max-sessions", type=int, default=256)
     ap.add_argument("--tolerance", type=float, default=0.1, help="bisection stops within this fraction")
@@ -399,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.level == "synth":
         apply_replica_env(Path(args.config))
     torch.backends.cuda.matmul.allow_tf32 = False
-    work = Workload(Mix.parse(args.mix), seed=args.seed, window_s=args.window_s, ramp_s=args.ramp_s)
+    mix = Mix.parse(args.mix)
+    work = Workload(mix, seed=args.seed, window_s=args.window_s, ramp_s=args.ramp_s, source=source_from_args(args, mix))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.timed else "cpu"
     run = Run(args, work, Slo(ttfa_p99_ms=args.ttfa_ms), device)
     sampler = GpuSampler() if torch.cuda.is_available() and not args.timed else None
@@ -411,7 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
             sampler.close()
         latest = run.write()
     logger.info("done in %.0f s: %s", time.perf_counter() - t0,
-                {k: latest.get(k) for k in ("slo_streams", "slo_streams_serve", "slo_rate_rps", "ttfb_p50_ms_c1")})
+                {k: latest.get(k) for k in ("slo_streams", "slo_streams_serve", "slo_rate_rps", "slo_rate_rps_p95",
+                                            "ttfb_p50_ms_c1")})
     return latest
 
 

@@ -1,6 +1,7 @@
 """Load and search of ``bench/capacity.py``: voice-agent sessions (closed loop) or Poisson
-arrivals (open loop) with utterance lengths from a mix, the SLO verdict of one load level (a
-probe), and the doubling-then-bisection search for the largest load that meets the SLO.
+arrivals (open loop) with the requests of a workload (``bench/workload.py``), the SLO verdict of
+one load level (a probe), and the doubling-then-bisection search for the largest load that meets
+the SLO.
 
 A probe judges the requests submitted in a window of steady load (after every session has
 started, or after the open loop's warm-up); it stops at the first failed or underrun request in
@@ -9,6 +10,7 @@ the window, since the SLO allows none, else judges p99 time to first audio at it
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import time
@@ -17,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from bench.metrics import RequestTrace, percentile
+from bench.workload import RequestSource, SyntheticSource, Utterance, length_summary
+
+logger = logging.getLogger("bench.capacity")
 
 
 @dataclass(frozen=True)
@@ -60,13 +65,22 @@ class Mix:
 
 @dataclass(frozen=True)
 class Slo:
+    """Every request served, no more than ``max_underruns``, first audio p99 (and p95) within bounds."""
+
     ttfa_p99_ms: float = 300.0
     max_underruns: int = 0
+    ttfa_p95_ms: float = math.inf  # the Poisson target of issue 39: p95 <= 150 ms (Run.slo_p95)
+
+    def meets(self, row: dict) -> bool:
+        """The verdict on a probe's summary row."""
+        return (row["requests"] > row["errors"] and row["errors"] == 0 and row["underruns"] <= self.max_underruns
+                and row["ttfa_p99_ms"] <= self.ttfa_p99_ms and row["ttfa_p95_ms"] <= self.ttfa_p95_ms
+                and row["aborted"] is None)
 
 
 @dataclass(frozen=True)
 class Workload:
-    mix: Mix
+    mix: Mix | None = None  # the synthetic workload's lengths (when no source is given)
     seed: int = 0
     window_s: float = 60.0  # steady-load window whose requests are judged
     ramp_s: float = 5.0  # mean span over which session starts (or the open loop's warm-up) spread
@@ -74,13 +88,22 @@ class Workload:
     # False sends them back to back (the one-session latency probe: waiting, a 15 s window held
     # two requests, H100 2026-12-06).
     wait_playback: bool = True
+    source: RequestSource | None = None  # what each request says, in which voice (None: synthetic over mix)
+
+    def __post_init__(self) -> None:
+        if self.source is None:
+            if self.mix is None:
+                raise ValueError("a workload needs a mix or a request source")
+            object.__setattr__(self, "source", SyntheticSource(self.mix))
 
 
 class Target(Protocol):
     """Where requests go. ``synthesize`` returns the request's trace (``error`` set on failure);
-    chunk times are ``time.perf_counter`` seconds, the driver's clock."""
+    chunk times are ``time.perf_counter`` seconds, the driver's clock. ``add_voice`` /
+    ``remove_voice`` register a voice and take it away (the production workload's pool and cold
+    voices; a synthetic workload calls neither)."""
 
-    async def synthesize(self, rid: str, audio_s: float, submitted_s: float) -> RequestTrace: ...
+    async def synthesize(self, rid: str, request: Utterance, submitted_s: float) -> RequestTrace: ...
 
 
 @dataclass
@@ -97,21 +120,24 @@ class Probe:
     def summary(self, slo: Slo) -> dict:
         ok = [t for t in self.traces if t.error is None and t.chunk_times_s]
         ttfa = [t.ttfa_s * 1e3 for t in ok]
-        underruns = sum(t.underruns() for t in ok)
-        errors = len(self.traces) - len(ok)
-        p99 = percentile(ttfa, 99)
+        cold = [t.ttfa_s * 1e3 for t in ok if t.cold_voice]
         audio = sum(t.audio_s for t in ok)
-        meets = (bool(ok) and errors == 0 and underruns <= slo.max_underruns and p99 <= slo.ttfa_p99_ms
-                 and self.aborted is None)
-        return {"load": self.load, "requests": len(self.traces), "errors": errors,
-                "ttfa_p50_ms": percentile(ttfa, 50), "ttfa_p99_ms": p99, "ttfa_max_ms": max(ttfa, default=math.nan),
-                "underruns": underruns, "requests_with_underrun": sum(1 for t in ok if t.underruns()),
-                "audio_s": audio, "window_s": self.window_s,
-                # Little's law: mean requests open at once (what the autoscaler's load signal counts)
-                "streams_in_flight_mean": (sum(t.latency_s for t in ok) / self.window_s if self.window_s > 0
-                                           else math.nan),
-                "throughput_x_realtime": audio / self.window_s if self.window_s > 0 else math.nan,
-                "aborted": self.aborted, "meets_slo": meets, "stages_ms": stage_summary(ok), **self.extra}
+        lengths = length_summary([(t.drawn_s, t.audio_s) for t in ok])
+        row = {"load": self.load, "requests": len(self.traces), "errors": len(self.traces) - len(ok),
+               "ttfa_p50_ms": percentile(ttfa, 50), "ttfa_p95_ms": percentile(ttfa, 95),
+               "ttfa_p99_ms": percentile(ttfa, 99), "ttfa_max_ms": max(ttfa, default=math.nan),
+               "cold_voice_requests": len(cold), "ttfa_cold_p95_ms": percentile(cold, 95) if cold else None,
+               "drawn_s_p50": lengths["drawn_s"]["p50"] if lengths else None,
+               "served_s_p50": lengths["served_s"]["p50"] if lengths else None,
+               "served_over_drawn_p50": lengths["served_over_drawn"]["p50"] if lengths else None,
+               "underruns": sum(t.underruns() for t in ok), "requests_with_underrun": sum(1 for t in ok if t.underruns()),
+               "audio_s": audio, "window_s": self.window_s,
+               # Little's law: mean requests open at once (what the autoscaler's load signal counts)
+               "streams_in_flight_mean": (sum(t.latency_s for t in ok) / self.window_s if self.window_s > 0
+                                          else math.nan),
+               "throughput_x_realtime": audio / self.window_s if self.window_s > 0 else math.nan,
+               "aborted": self.aborted}
+        return {**row, "meets_slo": slo.meets(row), "stages_ms": stage_summary(ok), **self.extra}
 
 
 def stage_summary(traces: list[RequestTrace]) -> dict[str, list[float]]:
@@ -185,9 +211,9 @@ async def closed_loop(target: Target, sessions: int, work: Workload, slo: Slo, c
 
     async def session(i: int) -> None:
         at, n = starts[i], 0
-        while not await clock.wait_until(judge.stop, at) and at < judge.window[1]:
-            audio_s = work.mix.draw(session_rngs[i])
-            trace = await target.synthesize(f"s{i}-{n}", audio_s, clock.now())
+        # a session whose next request would fall after the window is done (no wait for it)
+        while at < judge.window[1] and not await clock.wait_until(judge.stop, at):
+            trace = await serve_one(target, f"s{i}-{n}", work.source.draw(session_rngs[i], i), clock)
             judge.done(trace)
             n += 1
             at = trace.playback_deadline_s() if trace.chunk_times_s and work.wait_playback else clock.now()
@@ -206,20 +232,40 @@ async def open_loop(target: Target, rate_rps: float, work: Workload, slo: Slo, c
     running: set[asyncio.Task] = set()
     at, n = t0, 0
 
-    async def one(rid: str, audio_s: float) -> None:
-        judge.done(await target.synthesize(rid, audio_s, clock.now()))
+    async def one(rid: str, request: Utterance) -> None:
+        judge.done(await serve_one(target, rid, request, clock))
 
     while True:
         at += rng.expovariate(rate_rps)
         if at >= judge.window[1] or await clock.wait_until(judge.stop, at):
             break
-        task = asyncio.create_task(one(f"p{n}", work.mix.draw(rng)))
+        task = asyncio.create_task(one(f"p{n}", work.source.draw(rng, None)))
         running.add(task)
         task.add_done_callback(running.discard)
         n += 1
     if running:
         await asyncio.gather(*running)
     return Probe(rate_rps, judge.judged, window_s=work.window_s, aborted=judge.reason, span=judge.window)
+
+
+async def serve_one(target: Target, rid: str, request: Utterance, clock: Clock) -> RequestTrace:
+    """One request; a cold voice is registered first (its time is not first audio's: the request is
+    submitted once the voice exists) and removed after, so the voice store does not grow by a run's
+    cold voices. A failed registration is a failed request."""
+    if request.cold:
+        try:
+            await target.add_voice(request.voice)
+        except Exception as exc:  # noqa: BLE001 - the service's failure is the probe's result
+            return RequestTrace(submitted_s=clock.now(), error=f"registering cold voice: {exc!r}",
+                                drawn_s=request.drawn_s, cold_voice=True)
+    trace = await target.synthesize(rid, request, clock.now())
+    trace.drawn_s, trace.cold_voice = request.drawn_s, request.cold
+    if request.cold:
+        try:
+            await target.remove_voice(request.voice.voice_id)
+        except Exception as exc:  # noqa: BLE001 - left behind in the store, the request was served
+            logger.warning("removing cold voice %s: %r", request.voice.voice_id, exc)
+    return trace
 
 
 def search(probe: Callable[[float], Awaitable[Probe]], slo: Slo, start: float, step: Callable[[float, bool], float],

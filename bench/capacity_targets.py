@@ -2,10 +2,13 @@
 
 * :class:`SimTarget`: the replica simulation of ``bench/replica_sim.py`` (continuous-batching
   engine thread + token2wav thread around one model, each on its own CUDA stream), in process;
-  a request decodes exactly the speech tokens of its drawn length.
+  a request decodes exactly the speech tokens of its drawn length (no text is read: random ids
+  stand for it; a voice of the workload's pool is random prompt features of its length).
 * :class:`HttpTarget`: the whole Serve application, ``POST /v1/audio/speech`` streaming raw PCM;
   time to first audio is the first body byte (raw PCM has no header: every byte is audio).
-* :class:`GpuSampler`: ``nvidia-smi`` utilisation once a second, averaged per probe window.
+* :class:`InProcessTarget`: the config's frontend and synthesizer objects in this process.
+
+What is sampled beside the requests (counters, GPU utilisation) is in ``bench/capacity_counters.py``.
 """
 from __future__ import annotations
 
@@ -14,24 +17,26 @@ import io
 import random
 import ssl
 import statistics
-import subprocess
 import threading
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+import numpy as np
 import soundfile as sf
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.capacity_counters import _scraped_durations, gc_counters, process_counters, thread_counters
 from bench.metrics import RequestTrace, percentile
 from bench.replica_sim import ReplicaSim
-from cosyvoice_runtime.graph_capture import captured_total, missed_total
+from bench.workload import PROMPT_RATE, Utterance, VoiceSpec
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 from deployments.protocol import SynthesisRequest
-from deployments.python_gc import SLOW_PAUSE_S, watched
-from deployments.thread_load import SLOW_WAIT_S, gil_wait, thread_cpu_seconds
+from deployments.python_gc import SLOW_PAUSE_S
+from deployments.thread_load import SLOW_WAIT_S
 from serve_app.stage_timing import first_audio_stages, parse_server_timing
 
 PCM_RATE = 24000
@@ -50,13 +55,30 @@ class SimTarget:
         self.sim = sim
         self.voice = voice
         self.text_tokens_per_s = text_tokens_per_s  # prompt-text length grows with the utterance (prefill)
+        self.voices: dict[str, VoicePrompt] = {}  # the workload's pool and cold voices
         self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._lock = threading.Lock()
         sim.on_error = self._fail_all
 
-    async def synthesize(self, rid: str, audio_s: float, submitted_s: float) -> RequestTrace:
-        n_tokens = max(2, round(audio_s * TOKENS_PER_S))
-        n_text = max(4, round(audio_s * self.text_tokens_per_s))
+    async def add_voice(self, spec: VoiceSpec) -> None:
+        """Random prompt features of the voice's prompt length, seeded by its content."""
+        g = torch.Generator().manual_seed(zlib.crc32(spec.content.encode()))
+        s, n = self.sim.model.spec, max(2, round(spec.prompt_s * TOKENS_PER_S))
+        n_text = max(2, round(spec.prompt_s * self.text_tokens_per_s))
+        self.voices[spec.voice_id] = VoicePrompt(
+            family=s.family, text_tokens=torch.randint(0, 150000, (n_text,), generator=g, dtype=torch.int32).numpy(),
+            speech_tokens=torch.randint(0, s.llm.speech_token_size, (n,), generator=g, dtype=torch.int32).numpy(),
+            mel=torch.randn(2 * n, s.flow.output_size, generator=g).numpy(),
+            embedding=torch.randn(s.flow.spk_embed_dim, generator=g).numpy().astype(np.float32))
+
+    async def remove_voice(self, voice_id: str) -> None:
+        self.voices.pop(voice_id, None)
+
+    async def synthesize(self, rid: str, request: Utterance | float, submitted_s: float) -> RequestTrace:
+        request = Utterance.of(request)
+        voice = self.voices[request.voice.voice_id] if request.voice else self.voice
+        n_tokens = max(2, round(request.drawn_s * TOKENS_PER_S))
+        n_text = max(4, round(request.drawn_s * self.text_tokens_per_s))
         text = torch.randint(0, 150000, (n_text,), generator=torch.Generator().manual_seed(hash(rid) % 2**31))
         if self.sim.model.spec.family == "cosyvoice3":
             text[0] = 151646  # <|endofprompt|> must be present
@@ -66,7 +88,7 @@ class SimTarget:
             if self.sim.error is not None:
                 return RequestTrace(submitted_s=submitted_s, error=f"replica failed: {self.sim.error!r}")
             self._waiting[rid] = (loop, fut)
-        self.sim.submit(rid, self.voice, text.to(self.sim.model.device), submitted_s, n_tokens=n_tokens,
+        self.sim.submit(rid, voice, text.to(self.sim.model.device), submitted_s, n_tokens=n_tokens,
                         on_finish=lambda st: self._finish(rid, st.trace))
         return await fut
 
@@ -183,14 +205,33 @@ class HttpTarget:
         # which delayed the other sessions' chunk times and counted into their first audio.
         self._tls = ssl.create_default_context()
 
-    async def synthesize(self, rid: str, audio_s: float, submitted_s: float) -> RequestTrace:
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, verify=self._tls,
+                                 transport=self.transport)
+
+    async def add_voice(self, spec: VoiceSpec) -> None:
+        """``POST /v1/voices`` with the voice's prompt (overwriting a voice of that id)."""
+        async with self._client() as client:
+            r = await client.post("/v1/voices", files={"audio": (f"{spec.voice_id}.wav", spec.wav(), "audio/wav")},
+                                  data={"voice_id": spec.voice_id, "prompt_text": spec.prompt_text, "overwrite": "true"})
+        if r.status_code != 201:
+            raise RuntimeError(f"registering voice {spec.voice_id}: HTTP {r.status_code} {r.text[:200]}")
+
+    async def remove_voice(self, voice_id: str) -> None:
+        async with self._client() as client:
+            r = await client.delete(f"/v1/voices/{voice_id}")
+        if r.status_code >= 300:
+            raise RuntimeError(f"removing voice {voice_id}: HTTP {r.status_code} {r.text[:200]}")
+
+    async def synthesize(self, rid: str, request: Utterance | float, submitted_s: float) -> RequestTrace:
+        request = Utterance.of(request)
         trace = RequestTrace(submitted_s=submitted_s, sample_rate=PCM_RATE)
-        body = {"model": "tts-1", "input": text_for(audio_s, random.Random(rid)), "voice": self.voice,
-                "response_format": "pcm", "stream": True}
+        body = {"model": "tts-1", "input": request.text or text_for(request.drawn_s, random.Random(rid)),
+                "voice": request.voice.voice_id if request.voice else self.voice, "response_format": "pcm",
+                "stream": True}
         carry = 0  # a chunk boundary may split a 16-bit sample
         try:
-            async with (httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, verify=self._tls,
-                                          transport=self.transport) as client,
+            async with (self._client() as client,
                         client.stream("POST", "/v1/audio/speech", json=body) as resp):
                 if resp.status_code != 200:
                     trace.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
@@ -210,8 +251,7 @@ class HttpTarget:
     async def counters(self) -> dict[str, float]:
         """The synthesizer's counters from the service's ``/metrics`` (summed over the replicas a
         scrape shows), to difference around a probe."""
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, verify=self._tls,
-                                     transport=self.transport) as client:
+        async with self._client() as client:
             text = (await client.get("/metrics")).text
         gc_families = {"tts_gc_pause_seconds": "gc", "tts_ingress_gc_pause_seconds": "ingress_gc"}
         out = {"graph_captures": 0.0, "graph_misses": 0.0}
@@ -244,28 +284,6 @@ class HttpTarget:
         return out
 
 
-def _scraped_durations(samples, slow_bound: float) -> dict:
-    """Scraped histogram samples (of every replica the scrape shows) back in the shape of
-    :meth:`deployments.observability.Durations.snapshot`: ``count``, ``seconds`` and ``slow`` (the
-    durations past ``slow_bound``, which must be one of the histogram's bounds)."""
-    count = seconds = within = 0.0
-    for sample in samples:
-        if sample.name.endswith("_count"):
-            count += sample.value
-        elif sample.name.endswith("_sum"):
-            seconds += sample.value
-        elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == slow_bound:
-            within += sample.value
-    return {"count": count, "seconds": seconds, "slow": count - within}
-
-
-def process_counters() -> dict[str, float]:
-    """The counters of this process (the replica simulation's, or the in-process level's deployments)."""
-    return {"graph_captures": float(captured_total()), "graph_misses": float(missed_total()),
-            **gc_counters(watched().snapshot()),
-            **thread_counters(thread_cpu_seconds(), gil_wait().snapshot())}
-
-
 class InProcessTarget:
     """The service's own frontend and synthesizer objects in this process, without Ray or HTTP
     (``--level synth``). Beside ``--level serve`` at the same load it separates what Ray's hops
@@ -293,14 +311,24 @@ class InProcessTarget:
         audio, rate = sf.read(io.BytesIO(prompt_wav), dtype="float32")
         self.call(self.frontend.register_voice(self.voice, prompt_text, audio, rate, True))
 
-    async def synthesize(self, rid: str, audio_s: float, submitted_s: float) -> RequestTrace:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._one(rid, audio_s, submitted_s),
-                                                                          self.loop))
+    async def _on_loop(self, coro) -> Any:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
-    async def _one(self, rid: str, audio_s: float, submitted_s: float) -> RequestTrace:
+    async def add_voice(self, spec: VoiceSpec) -> None:
+        await self._on_loop(self.frontend.register_voice(spec.voice_id, spec.prompt_text, spec.audio(), PROMPT_RATE,
+                                                         True))
+
+    async def remove_voice(self, voice_id: str) -> None:
+        await self._on_loop(self.frontend.delete_voice(voice_id))
+
+    async def synthesize(self, rid: str, request: Utterance | float, submitted_s: float) -> RequestTrace:
+        return await self._on_loop(self._one(rid, request, submitted_s))
+
+    async def _one(self, rid: str, request: Utterance | float, submitted_s: float) -> RequestTrace:
+        request = Utterance.of(request)
         trace = RequestTrace(submitted_s=submitted_s)
-        req = SynthesisRequest(request_id=rid, text=text_for(audio_s, random.Random(rid)), voice_id=self.voice,
-                               stream=True)
+        req = SynthesisRequest(request_id=rid, text=request.text or text_for(request.drawn_s, random.Random(rid)),
+                               voice_id=request.voice.voice_id if request.voice else self.voice, stream=True)
         try:  # the ingress's path (serve_app.ingress._synthesize), its handle calls made directly
             started = time.perf_counter()
             prepared = await self.frontend.prepare(req)
@@ -338,75 +366,3 @@ class InProcessTarget:
         self.call(cancel_rest())
         self.loop.call_soon_threadsafe(self.loop.stop)
 
-
-def gc_counters(snapshot: dict, prefix: str = "gc") -> dict[str, float]:
-    """Counters of the garbage collector's pauses (a :meth:`GcPauses.snapshot`): full collections,
-    pause time of every generation (ms), pauses longer than ``SLOW_PAUSE_S``."""
-    gens = snapshot["by_generation"]
-    return {f"{prefix}_full": float(gens.get("2", {}).get("count", 0)),
-            f"{prefix}_pause_ms": 1e3 * sum(g["seconds"] for g in gens.values()),
-            f"{prefix}_slow": float(snapshot["slow"])}
-
-
-def thread_counters(cpu_s: dict[str, float], gil: dict) -> dict[str, float]:
-    """Counters of a replica's threads: CPU seconds by thread group (``cpu_s:<group>``), the GIL
-    probe's readings, their total lateness (ms) and how many were past ``SLOW_WAIT_S``, and this
-    process's clock (``wall_s``) that :func:`probe_counters` divides the CPU seconds by."""
-    return {"wall_s": time.perf_counter(), **{f"cpu_s:{k}": v for k, v in cpu_s.items()},
-            "gil_readings": float(gil["count"]), "gil_wait_ms": 1e3 * gil["seconds"], "gil_slow": float(gil["slow"])}
-
-
-def probe_counters(before: dict[str, float], after: dict[str, float]) -> dict:
-    """What a probe reports of the counters read around it: their increments, with the threads'
-    CPU seconds as cores busy (``threads_busy``) and the GIL probe's mean wait."""
-    deltas = counter_deltas({k: v for k, v in before.items() if not k.startswith("cpu_s:")}, after)
-    wall = deltas.pop("wall_s", 0.0)
-    # a thread pool starts its threads at first use: one started during the probe had 0 s before it
-    cpu = {k.removeprefix("cpu_s:"): v - before.get(k, 0.0) for k, v in after.items() if k.startswith("cpu_s:")}
-    if wall > 0 and cpu:
-        deltas["threads_busy"] = {k: round(v / wall, 3) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}
-    rows, ready = deltas.pop("flow_rows_in_passes", None), deltas.pop("flow_rows_ready", None)
-    if rows is not None and deltas.get("flow_passes"):  # the serve and in-process levels' stepped token2wav
-        deltas["flow_rows_per_pass"] = round(rows / deltas["flow_passes"], 2)
-        if ready is not None:
-            deltas["flow_rows_ready_per_pass"] = round(ready / deltas["flow_passes"], 2)
-    readings = deltas.pop("gil_readings", 0.0)
-    if readings:
-        deltas["gil_wait_mean_ms"] = deltas["gil_wait_ms"] / readings
-    return deltas
-
-
-def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What each counter grew by over a probe (``graph_captures``: CUDA graphs captured under its
-    traffic, each a shape not captured at start-up)."""
-    return {k: after[k] - before[k] for k in before if k in after}
-
-
-class GpuSampler:
-    """Mean GPU utilisation (``nvidia-smi``, percent) over a time span; None without a GPU tool."""
-
-    def __init__(self, period_ms: int = 1000) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self._proc: subprocess.Popen | None = None
-        try:
-            self._proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", f"-lms={period_ms}"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except OSError:
-            return
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self._proc.stdout:
-            try:
-                self.samples.append((time.perf_counter(), float(line.split(",")[0])))
-            except ValueError:
-                continue
-
-    def mean(self, t0: float, t1: float) -> float | None:
-        vals = [v for t, v in self.samples if t0 <= t < t1]
-        return round(statistics.mean(vals), 1) if vals else None
-
-    def close(self) -> None:
-        if self._proc is not None:
-            self._proc.terminate()

@@ -22,6 +22,8 @@ class RequestTrace:
     sample_rate: int = 24000
     error: str | None = None
     stages_ms: dict[str, float] = field(default_factory=dict)  # first audio by stage, as the server reported it
+    drawn_s: float | None = None  # the audio length the request meant (capacity workloads: served vs drawn)
+    cold_voice: bool = False  # its voice was registered just before it (no replica had seen it)
 
     def add_chunk(self, t_s: float, n_samples: int) -> None:
         self.chunk_times_s.append(t_s)
@@ -79,6 +81,7 @@ def summarize(traces: list[RequestTrace], wall_s: float) -> dict:
         "errors": len(traces) - len(ok),
         "ttfa_p50_ms": percentile(ttfa_ms, 50),
         "ttfa_p90_ms": percentile(ttfa_ms, 90),
+        "ttfa_p95_ms": percentile(ttfa_ms, 95),
         "ttfa_p99_ms": percentile(ttfa_ms, 99),
         "rtf_p50": percentile([t.rtf for t in ok], 50),
         "audio_s": audio,

@@ -64,6 +64,18 @@ def latest_path(out: Path, family: str) -> Path:
     return out / ("latest.json" if family == "cosyvoice2" else f"{family}-latest.json")
 
 
+def latest_for(out: Path, family: str) -> tuple[Path, str]:
+    """The family's latest file a run written to ``out`` updates, and the prefix of the run's
+    report names in it: ``out``'s own file (a device call's staging folder, imported later by
+    ``bench/import_results.py``), else, for a run folder inside ``bench/results``
+    (bench/results/INDEX.md), the file beside that folder with names ``<folder>/<file>``."""
+    here = latest_path(out, family)
+    above = latest_path(out.parent, family)
+    if not here.exists() and above.exists():
+        return above, f"{out.name}/"
+    return here, ""
+
+
 def write_report(out: Path, device: str, family: str, n_tokens: int, baseline: dict, rows: list[dict],
                  date: str | None = None, notes: str = "", tag: str = "") -> Path:
     out.mkdir(parents=True, exist_ok=True)
@@ -74,7 +86,7 @@ def write_report(out: Path, device: str, family: str, n_tokens: int, baseline: d
     c1 = _at(rows, best["mode"], 1) or {}
     c16 = _at(rows, best["mode"], 16) or {}
     lines = [
-        f"# Streaming benchmark: {family}, {device}, {date}",
+        f"# Streaming benchmark: {family}, {device}, {date}, fixed-length workload",
         "",
         (f"Full-size {family} architecture, random weights, {n_tokens} speech tokens per request "
          f"({n_tokens / 25:.1f} s of audio), zero-shot prompt shapes (87 prompt speech tokens, 14 prompt text "
@@ -84,14 +96,15 @@ def write_report(out: Path, device: str, family: str, n_tokens: int, baseline: d
         (f"Sequential baseline: {baseline['throughput_x_realtime']:.2f}x real time, first audio p50 "
          f"{baseline['ttfa_p50_ms']:.0f} ms."),
         "",
-        "| mode | conc. | TTFA p50 ms | TTFA p99 ms | RTF p50 | x real time | vs baseline | underruns | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | conc. | TTFA p50 ms | TTFA p95 ms | TTFA p99 ms | RTF p50 | x real time | vs baseline | underruns | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["throughput_x_realtime"] / baseline["throughput_x_realtime"]
         mem = "" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.1f}"
+        p95 = "-" if r.get("ttfa_p95_ms") is None else f"{r['ttfa_p95_ms']:.0f}"  # rows measured before it had one
         lines.append(
-            f"| {r['mode']} | {r['concurrency']} | {r['ttfa_p50_ms']:.0f} | {r['ttfa_p99_ms']:.0f} | {r['rtf_p50']:.3f} "
+            f"| {r['mode']} | {r['concurrency']} | {r['ttfa_p50_ms']:.0f} | {p95} | {r['ttfa_p99_ms']:.0f} | {r['rtf_p50']:.3f} "
             f"| {r['throughput_x_realtime']:.1f} | {ratio:.1f}x | {r['underruns']} | {mem} |"
         )
     lines += ["", *[f"![{p}]({p})" for p in pngs], ""]
@@ -105,9 +118,10 @@ def write_report(out: Path, device: str, family: str, n_tokens: int, baseline: d
         "baseline_x_realtime": baseline["throughput_x_realtime"],
         "speedup_vs_baseline": best["throughput_x_realtime"] / baseline["throughput_x_realtime"],
         "ttfb_p50_ms_c1": c1.get("ttfa_p50_ms"), "ttfb_p99_ms_c16": c16.get("ttfa_p99_ms"),
-        "underruns_c16": c16.get("underruns"), "report": md.name, "rows": rows, "baseline": baseline,
+        "underruns_c16": c16.get("underruns"), "report": None, "rows": rows, "baseline": baseline,
     }
-    path = latest_path(out, family)
+    path, prefix = latest_for(out, family)
+    latest["report"] = prefix + md.name
     kept = json.loads(path.read_text()) if path.exists() else {}  # other tools' keys (capacity) stay
     path.write_text(json.dumps({**kept, **latest}, indent=1))
     return md

@@ -24,17 +24,10 @@ from starlette.routing import Route
 from bench import capacity as capacity_mod
 from bench import capacity_targets as targets_mod
 from bench.capacity import Run, _searches, main, parse_args
+from bench.capacity_counters import counter_deltas, gc_counters, probe_counters
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import _stage_table, _thread_table, markdown
-from bench.capacity_targets import (
-    HttpTarget,
-    InProcessTarget,
-    SimTarget,
-    counter_deltas,
-    gc_counters,
-    probe_counters,
-    text_for,
-)
+from bench.capacity_targets import HttpTarget, InProcessTarget, SimTarget, text_for
 from bench.metrics import RequestTrace
 from bench.soak import config_env
 from deployments.protocol import AudioChunk
@@ -229,7 +222,8 @@ class FakeTarget:
         self.underrun_at = underrun_at
         self.calls: list[tuple[str, float, float]] = []  # (rid, submitted, audio_s)
 
-    async def synthesize(self, rid, audio_s, submitted_s):
+    async def synthesize(self, rid, request, submitted_s):
+        audio_s = request.drawn_s
         self.calls.append((rid, submitted_s, audio_s))
         second = 1.5 if rid == self.underrun_at else 0.3
         return _trace(t0=submitted_s, chunks=((0.1, 0.5), (second, audio_s - 0.5)))
@@ -257,9 +251,9 @@ def test_closed_loop_sessions_wait_out_playback_and_only_the_window_is_judged():
 class _BusyTarget(FakeTarget):
     """Each answer takes 0.4 s to make (virtual time), then plays for its audio's length."""
 
-    async def synthesize(self, rid, audio_s, submitted_s):
+    async def synthesize(self, rid, request, submitted_s):
         await asyncio.sleep(0.4)
-        return await super().synthesize(rid, audio_s, submitted_s)
+        return await super().synthesize(rid, request, submitted_s)
 
 
 @pytest.mark.parametrize("wait_playback", [True, False])
@@ -426,7 +420,7 @@ def test_in_process_level_runs_the_configs_deployments_without_ray(tmp_path, mon
     monkeypatch.setattr(capacity_mod.torch, "set_num_threads", threads.append)
     main(["--level", "synth", "--config", str(_local_config(tmp_path, "steps")), "--window-s", "2", "--ramp-s", "0.2",
           "--start", "1", "--max-sessions", "1", "--c1-window-s", "1", "--no-open-loop", "--mix", "1:1-2",
-          "--ttfa-ms", "60000", "--out", str(tmp_path)])
+          "--ttfa-ms", "60000", "--out", str(tmp_path), "--workload", "synthetic"])
     doc = json.loads(next(tmp_path.glob("capacity-synth-cpu-*.json")).read_text())
     assert doc["workload"]["level"] == "synth"
     assert doc["workload"]["model"].startswith("cosyvoice2, ") and "token2wav scheduler steps" in doc["workload"]["model"]
@@ -476,14 +470,16 @@ def test_the_in_process_level_and_local_serve_give_the_configs_replica_env():
 
 def test_in_process_level_refuses_the_batch_scheduler(tmp_path):
     with pytest.raises(ValueError, match="needs token2wav.scheduler steps"):
-        main(["--level", "synth", "--config", str(_local_config(tmp_path, "batch")), "--out", str(tmp_path)])
+        main(["--level", "synth", "--config", str(_local_config(tmp_path, "batch")), "--out", str(tmp_path),
+              "--workload", "synthetic"])
 
 
 def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
     (tmp_path / "latest.json").write_text(json.dumps({"throughput_x_realtime": 1.5}))
     latest = main(["--level", "replica", "--size", "tiny", "--device", "cpu", "--modes", "pytorch-fp32-early-edf-steps",
                    "--window-s", "2", "--ramp-s", "0.2", "--start", "1", "--max-sessions", "1",
-                   "--c1-window-s", "1", "--no-open-loop", "--mix", "1:1-2", "--out", str(tmp_path), "--trace"])
+                   "--c1-window-s", "1", "--no-open-loop", "--mix", "1:1-2", "--out", str(tmp_path), "--trace",
+                   "--workload", "synthetic"])
     doc = json.loads(next(tmp_path.glob("capacity-replica-cpu-*.json")).read_text())
     assert doc["workload"]["mix"] == "100 % 1-2 s" and doc["workload"]["window_s"] == 2
     assert doc["workload"]["model"] == "cosyvoice2, tiny-size architecture, random weights"
@@ -513,7 +509,7 @@ def test_replica_mode_gcfreeze_freezes_the_set_up_heap_for_its_searches_only(tmp
     frozen = {}
     monkeypatch.setattr(capacity_mod, "_searches", lambda args, run, mode, *rest: frozen.setdefault(
         mode, gc.get_freeze_count()))
-    main(["--level", "replica", "--size", "tiny", "--device", "cpu", "--out", str(tmp_path),
+    main(["--level", "replica", "--size", "tiny", "--device", "cpu", "--out", str(tmp_path), "--workload", "synthetic",
           "--modes", "pytorch-fp32-early-edf-steps-gcfreeze,pytorch-fp32-early-edf-steps"])
     assert frozen["pytorch-fp32-early-edf-steps-gcfreeze"] > 0 and frozen["pytorch-fp32-early-edf-steps"] == 0
 
@@ -611,9 +607,10 @@ def test_no_sessions_searches_only_the_rate_and_latest_json_takes_it_per_level(t
     run = Run(args, Workload(Mix.parse("1:1-2"), window_s=1, ramp_s=0), SLO, "NVIDIA H100")
     _searches(args, run, "single-gpu", _FixedTarget(first_audio_s=0.04), sampler=None)
     run.write()
-    assert searched == ["rate"] and [s["kind"] for s in run.searches] == ["one-session", "rate"]
+    assert searched == ["rate", "rate"] and [s["kind"] for s in run.searches] == ["one-session", "rate"]
     latest = json.loads((tmp_path / "latest.json").read_text())
     assert latest["slo_rate_rps_serve"] == 2.5 and latest["slo_rate_rps_serve_device"] == "NVIDIA H100"
+    assert latest["slo_rate_rps_p95_serve"] == 2.5 and latest["slo_rate_rps_p95_serve_workload"] == "synthetic"
     assert latest["ttfb_p50_ms_c1_serve"] == pytest.approx(40.0) and "slo_streams_serve" not in latest
     assert "slo_rate_rps" not in latest  # the replica level's key is its own
 

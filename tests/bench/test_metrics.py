@@ -61,3 +61,16 @@ def test_edf_pick_serves_due_jobs_first_and_alone():
     assert [rid for rid, _ in ReplicaSim._pick(sim, list(jobs[:1]), 10.0, 2)] == ["long"]
     sim.edf_slack_s = None  # the default policy: first chunks first, then in order, up to the batch
     assert [rid for rid, _ in ReplicaSim._pick(sim, list(jobs), 10.0, 2)] == ["new", "long"]
+
+
+def test_a_run_folder_updates_the_latest_file_beside_it_with_the_folder_in_the_name(tmp_path):
+    from bench.report import latest_for
+
+    results = tmp_path / "results"
+    run = results / "2026-12-07-h100-capacity"
+    run.mkdir(parents=True)
+    (results / "latest.json").write_text("{}")
+    assert latest_for(run, "cosyvoice2") == (results / "latest.json", "2026-12-07-h100-capacity/")
+    assert latest_for(run, "cosyvoice3") == (run / "cosyvoice3-latest.json", "")  # none beside: its own
+    (run / "latest.json").write_text("{}")  # a device call's staging folder holds its own copy
+    assert latest_for(run, "cosyvoice2") == (run / "latest.json", "")

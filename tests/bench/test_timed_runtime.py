@@ -159,7 +159,7 @@ def test_a_timed_run_reports_but_leaves_latest_json_alone(tmp_path, monkeypatch)
     (tmp_path / "latest.json").write_text(json.dumps({"slo_streams": 42}))
     latest = main(["--level", "synth", "--timed", "--config", "configs/single-gpu.yaml", "--window-s", "2",
                    "--ramp-s", "0.2", "--start", "1", "--max-sessions", "1", "--c1-window-s", "1", "--no-open-loop",
-                   "--mix", "1:1-2", "--ttfa-ms", "60000", "--out", str(tmp_path)])
+                   "--mix", "1:1-2", "--ttfa-ms", "60000", "--out", str(tmp_path), "--workload", "synthetic"])
     assert json.loads((tmp_path / "latest.json").read_text()) == {"slo_streams": 42}
     assert latest["slo_streams"] == 1
     doc = json.loads(next(tmp_path.glob("capacity-synth-cpu-*-timed-h200.json")).read_text())
