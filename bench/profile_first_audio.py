@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     stem = f"profile-first-audio-{_slug(device)}-{date}" + (f"-{args.tag}" if args.tag else "")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = in_process_target(AppArgs.from_file(args.config))
+    target = in_process_target(AppArgs.from_file(args.config), Workload(Mix.parse(args.mix)))
     try:
         asyncio.run(target.synthesize("warm-up", args.audio_s, time.perf_counter()))
         rows = []
