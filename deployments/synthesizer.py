@@ -308,6 +308,7 @@ class Synthesizer:
         # only what the answer holds: stats() also reads every thread's CPU time from /proc, on the
         # event loop, which a /health probe has no use for
         allocated, total = self.probe.memory()
+        self.metrics.set_admission(self.admission.margin_s(self._active + 1))  # also without autoscaling
         return ReplicaHealth(
             deployment="Synthesizer", replica_id=replica_id(), ready=not self.loop.is_dead,
             device=self.runtime.device, gpu_memory_allocated_bytes=allocated, gpu_memory_total_bytes=total,
