@@ -12,8 +12,12 @@ exported for dashboards only (``deployments.gpu_stats``).
 
 Streams in flight are the replicas' own count (``record_autoscaling_stats`` reports
 ``streams_in_flight``, time-averaged by Serve over ``look_back_period_s``); streams queued are the
-requests waiting at handles (``ctx.total_queued_requests``). Before any replica has reported,
-Serve's ``total_num_requests`` (running + queued) stands in.
+requests waiting at handles (``ctx.total_queued_requests``). Streams refused by the replicas'
+admission by deadline (``deployments/admission.py``: 429 when a replica predicts it would start a
+stream's audio past the SLO) count as demand too: each replica reports ``streams_refused``, the
+streams its refusals would hold in flight (refusals per second x mean stream length, Little's
+law), and the policy adds them, so refused requests raise the replica count as queued ones would.
+Before any replica has reported, Serve's ``total_num_requests`` (running + queued) stands in.
 
 Decision per tick, with ``n`` running replicas and ``mid`` the band centre:
 
@@ -48,6 +52,7 @@ from typing import Any
 logger = logging.getLogger("ray.serve")
 
 STREAMS_METRIC = "streams_in_flight"
+REFUSED_METRIC = "streams_refused"  # demand refused by admission (deployments/admission.py)
 
 
 class LoadBandPolicy:
@@ -125,13 +130,18 @@ class LoadBandPolicy:
         return True
 
     def demand(self, ctx: Any) -> float:
-        """Streams in flight at the running replicas plus streams queued at handles."""
-        per_replica = (ctx.aggregated_metrics or {}).get(self.metric) or {}
+        """Streams in flight at the running replicas, plus those their admission refused, plus
+        streams queued at handles."""
+        metrics = ctx.aggregated_metrics or {}
         running = set(ctx.running_replicas or [])
-        values = [float(v) for rid, v in per_replica.items() if not running or rid in running]
+
+        def of_running(name: str) -> list[float]:
+            return [float(v) for rid, v in (metrics.get(name) or {}).items() if not running or rid in running]
+
+        values = of_running(self.metric)
         if not values:
             return float(ctx.total_num_requests or 0)
-        return sum(values) + float(ctx.total_queued_requests or 0)
+        return sum(values) + sum(of_running(REFUSED_METRIC)) + float(ctx.total_queued_requests or 0)
 
     def load_pct(self, demand: float, n: int) -> float | None:
         """The load signal: ``100 * demand / (n * slo_streams)``; None without replicas."""

@@ -72,6 +72,8 @@ class ReplicaMetrics:
             "running": Gauge("tts_engine_running", "Sequences holding a decode slot"),
             "waiting": Gauge("tts_engine_waiting", "Sequences waiting for a decode slot"),
             "util": Gauge("tts_device_utilization_pct", "Measured device utilisation (%)"),
+            "margin": Gauge("tts_first_audio_margin_s", "First-audio SLO less the predicted first audio of a "
+                            "request admitted now (s; negative: admission refuses)"),
         })
 
     def observe_ttfa(self, seconds: float) -> None:
@@ -103,6 +105,11 @@ class ReplicaMetrics:
             self._ex["running"].set(running)
             self._ex["waiting"].set(waiting)
             self._ex["util"].set(util_pct)
+
+    def set_admission(self, margin_s: float | None) -> None:
+        """The predicted first-audio margin (not set while the replica has no reading to predict from)."""
+        if self._ex and margin_s is not None:
+            self._ex["margin"].set(margin_s)
 
 
 def replica_id() -> str:

@@ -42,6 +42,7 @@ from ray import serve
 
 from cosyvoice_runtime.lm_messages import BistreamLMRequest, LMRequest
 from cosyvoice_runtime.modes import preflight
+from deployments.admission import Admission
 from deployments.compute import MAIN as MAIN_LANE
 from deployments.compute import ComputeExecutor
 from deployments.deadlines import DeadlineGate, Playback
@@ -56,6 +57,7 @@ from deployments.protocol import (
     CosyVoiceError,
     EngineDeadError,
     InvalidInputError,
+    OverloadedError,
     PreparedRequest,
     ReplicaHealth,
     RequestFailedError,
@@ -158,6 +160,9 @@ class Synthesizer:
                                             on_rows_left=self.loop.wake, rider_ratio=cfg.token2wav.rider_ratio)
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
         self._active = 0  # synthesize() calls in progress; 0 for a while -> freed memory given back
+        adm = cfg.admission
+        self.admission = Admission(adm.slo_first_audio_ms / 1e3, adm.enabled, adm.window_s, cfg.max_ongoing_requests,
+                                   cfg.retry_after_s, clock=clock)
         self.idle_trim = IdleTrim(self.runtime.device, self.compute.run, idle=lambda: self._active == 0)
         # max_mem_gb may lower the flow batch and the prompt length this replica accepts.
         self.max_prompt_tokens: int | None = self.runtime.max_prompt_tokens
@@ -177,6 +182,7 @@ class Synthesizer:
         makes them, the first before the text has ended. ``req.pieces`` is not used."""
         if not hasattr(self.runtime.engine, "add_bistream"):
             raise InvalidInputError("this replica's engine does not take bistream requests")
+        self._admit()  # before the ticket: a refusal is the call's first answer
         inbox, session = self._inbox, req.request_id
         await inbox.open(session)
         try:
@@ -191,12 +197,15 @@ class Synthesizer:
 
         ``text``: the text of a bistream request (:meth:`synthesize_bistream` only): one LLM
         sequence over the prompt of ``req`` instead of one per piece."""
+        if text is None:  # a bistream request was admitted by synthesize_bistream
+            self._admit()
         started = self.clock()
         playback = Playback(started)
         index = 0
         samples = 0
         status = "ok"
         self._active += 1
+        load = self._active
         self.idle_trim.cancel()
         try:
             n_prompt = len(req.prompt.speech_tokens)
@@ -212,6 +221,8 @@ class Synthesizer:
                     timing = None
                     if index == 0:
                         self.metrics.observe_ttfa(now - started)
+                        if text is None:  # a bistream request's first audio waits for its client's text
+                            self.admission.first_audio(load, now - started)
                         marks["first_audio"] = now
                         timing = {k: round((t - started) * 1e3, 2) for k, t in marks.items()}
                     self.underruns += playback.add(now, len(audio) / self.sample_rate)
@@ -239,6 +250,7 @@ class Synthesizer:
             self.metrics.count_request(status)
             if samples and status == "ok":
                 self.metrics.observe_rtf(elapsed / (samples / self.sample_rate))
+                self.admission.stream_ended(elapsed)
             self._active -= 1
             if self._active == 0:
                 self.idle_trim.arm()
@@ -287,6 +299,7 @@ class Synthesizer:
             "utilization_pct": self.probe.utilization_pct(self.compute.busy_fraction()),
             "sm_activity_pct": self.probe.sm_activity_pct(),
             "streams_in_flight": self._active,
+            "admission": self.admission.snapshot(self._active + 1),
             "gpu_memory_allocated_bytes": allocated,
             "gpu_memory_total_bytes": total,
         }
@@ -295,6 +308,7 @@ class Synthesizer:
         # only what the answer holds: stats() also reads every thread's CPU time from /proc, on the
         # event loop, which a /health probe has no use for
         allocated, total = self.probe.memory()
+        self.metrics.set_admission(self.admission.margin_s(self._active + 1))  # also without autoscaling
         return ReplicaHealth(
             deployment="Synthesizer", replica_id=replica_id(), ready=not self.loop.is_dead,
             device=self.runtime.device, gpu_memory_allocated_bytes=allocated, gpu_memory_total_bytes=total,
@@ -302,7 +316,9 @@ class Synthesizer:
             engine=self.loop.stats(),
             detail={"mode": self.mode, "mode_source": self.mode_source,
                     **{k: v for k, v in self.runtime.details.items() if k not in ("mode", "mode_source")},
-                    "plan": self.plan.as_dict()},  # what this replica runs (deployments.execution_plan)
+                    "plan": self.plan.as_dict(),  # what this replica runs (deployments.execution_plan)
+                    # predicted first-audio margin of a request admitted now (deployments.admission)
+                    "admission": self.admission.snapshot(self._active + 1)},
         )
 
     # ---------------------------------------------------------------- Serve hooks
@@ -314,11 +330,22 @@ class Synthesizer:
         util = self.probe.utilization_pct(self.compute.busy_fraction())
         engine = self.loop.stats()
         self.metrics.set_engine(engine.running, engine.waiting, util)
-        # streams_in_flight is the load policy's signal; utilisation is for dashboards only.
-        return {"streams_in_flight": float(self._active), "gpu_utilization_pct": util,
-                "engine_running": float(engine.running)}
+        margin = self.admission.margin_s(self._active + 1)
+        self.metrics.set_admission(margin)
+        # streams_in_flight (+ streams_refused: demand refused by admission) is the load policy's
+        # signal; utilisation is for dashboards only.
+        return {"streams_in_flight": float(self._active), "streams_refused": self.admission.streams_refused(),
+                "gpu_utilization_pct": util, "engine_running": float(engine.running)}
 
     # ---------------------------------------------------------------- internals
+    def _admit(self) -> None:
+        """Refuse (OverloadedError: 429) a request whose predicted first audio misses the SLO."""
+        try:
+            self.admission.admit(self._active + 1)
+        except OverloadedError:
+            self.metrics.count_request("refused")
+            raise
+
     async def _synthesize_piece(self, req: PreparedRequest, p: int, piece, playback: Playback,
                                 text: TextSource | None, marks: dict[str, float]) -> AsyncIterator[tuple[np.ndarray, bool]]:
         """The audio of one piece, chunk by chunk; stamps the first token and the first chunk's

@@ -82,6 +82,21 @@ class Token2WavBatchConfig(StrictModel):
     passes_in_flight: int = Field(2, ge=1, le=4)
 
 
+class AdmissionConfig(StrictModel):
+    """Admission by predicted first audio (deployments/admission.py): a request this replica would
+    start later than ``slo_first_audio_ms`` is refused at once (429 + Retry-After) instead of
+    answered late. The prediction is the replica's own recent first audio at that load."""
+
+    # Refuse when the prediction exceeds the SLO; false: measure and report the margin only (the
+    # CPU config: a 2-core machine's first audio exceeds a GPU SLO at one stream).
+    enabled: bool = False
+    # The replica's share of the first-audio SLO (from the synthesizer call's start to its first
+    # chunk): the end-to-end SLO (300 ms p99, docs/tuning.md) less the ingress and frontend time.
+    slo_first_audio_ms: PositiveFloat = 250.0
+    # Readings older than this are not used (a load refused for this long is measured again).
+    window_s: PositiveFloat = 30.0
+
+
 class SynthesizerConfig(DeploymentKnobs):
     """Synthesizer replica: model, device, engine capacity, token2wav batching.
 
@@ -150,6 +165,7 @@ class SynthesizerConfig(DeploymentKnobs):
     # request's seed and the piece's text ids; random without a seed). 0: the rate's exactly.
     speech_length_jitter: float = Field(0.1, ge=0, le=0.5)
     token2wav: Token2WavBatchConfig = Field(default_factory=Token2WavBatchConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     startup_timeout_s: PositiveFloat = constants.REPLICA_START_TIMEOUT_S
     warmup: bool = True  # one short utterance through LLM + flow + HiFT before serving
     # Import path "module:callable" of a factory (config, model source, execution plan) -> SynthesisRuntime

@@ -55,7 +55,9 @@ _FALLBACK = {
     ("DeploymentKnobs", "health_check_timeout_s"): "a health check slower than this counts as failed "
                                                    "(3 failures replace the replica)",
     ("DeploymentKnobs", "graceful_shutdown_timeout_s"): "on downscale/redeploy, how long in-flight requests may "
-                                                        "finish; raise it for long streamed utterances",
+                                                        "finish; the synthesizer's must cover the longest call the "
+                                                        "ingress admits (unset: derived from "
+                                                        "`ingress.max_input_chars`, docs/tuning.md \"Scale-in\")",
     ("AutoscalingKnobs", "min_replicas"): "lower bound (0 allows scale to zero, with a cold start)",
     ("AutoscalingKnobs", "max_replicas"): "upper bound",
     ("AutoscalingKnobs", "initial_replicas"): "replicas at deploy time (default `min_replicas`)",

@@ -7,17 +7,38 @@ reads either a bare args file or a whole serve config.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import Field, model_validator
 
+from cosyvoice_runtime.speech_length import ZH_CHARS_PER_S
 from deployments.frontend import FrontendConfig
 from deployments.model_source import ModelSource
 from deployments.options import StrictModel
 from deployments.synthesizer_config import SynthesizerConfig
 from serve_app.ingress import IngressConfig
+from serve_app.speech import MODEL_MIN_SPEED
+
+# The synthesizer's drain covers the longest call the ingress admits (docs/tuning.md, "Scale-in"):
+# its audio at the slowest speaking rate per character (Han, 4.5/s) and the lowest model speed,
+# times this margin for a voice slower than the typical rate and the call's first-audio time.
+DRAIN_MARGIN = 1.25
+
+
+def longest_call_audio_s(max_input_chars: int) -> float:
+    """Seconds of audio in the longest synthesizer call an ingress admitting ``max_input_chars``
+    sends: every character a Han syllable (the slowest rate per character), at the model's lowest
+    speed. A call makes its audio at least in real time (the SLO), so it lasts no longer."""
+    return max_input_chars / ZH_CHARS_PER_S / MODEL_MIN_SPEED
+
+
+def min_drain_s(max_input_chars: int) -> int:
+    """The least ``synthesizer.graceful_shutdown_timeout_s`` that lets a replica chosen to stop
+    finish the longest call the ingress admits (whole seconds)."""
+    return math.ceil(longest_call_audio_s(max_input_chars) * DRAIN_MARGIN)
 
 
 class AppArgs(StrictModel):
@@ -38,11 +59,40 @@ class AppArgs(StrictModel):
     frontend: FrontendConfig = Field(default_factory=FrontendConfig)
     synthesizer: SynthesizerConfig = Field(default_factory=SynthesizerConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_drain(cls, data: Any) -> Any:
+        """Unset ``synthesizer.graceful_shutdown_timeout_s``: :func:`min_drain_s` of the ingress's
+        ``max_input_chars``, so a scale-in cuts no stream by construction."""
+        if not isinstance(data, dict):
+            return data
+        ingress, synth = data.get("ingress"), data.get("synthesizer")
+        if isinstance(ingress, IngressConfig):
+            chars = ingress.max_input_chars
+        else:
+            chars = (ingress or {}).get("max_input_chars", IngressConfig.model_fields["max_input_chars"].default)
+        if not isinstance(chars, int) or chars <= 0:
+            return data  # the ingress's own validation names the error
+        drain = float(min_drain_s(chars))
+        if isinstance(synth, SynthesizerConfig):
+            if "graceful_shutdown_timeout_s" not in synth.model_fields_set:
+                synth = synth.model_copy(update={"graceful_shutdown_timeout_s": drain})
+        elif synth is None or isinstance(synth, dict):
+            synth = {"graceful_shutdown_timeout_s": drain, **(synth or {})}
+        return {**data, "synthesizer": synth}
+
     @model_validator(mode="after")
     def _consistent(self) -> AppArgs:
         fm, sm = self.frontend.model_dir, self.synthesizer.model_dir
         if fm and sm and fm != sm:
             raise ValueError("frontend.model_dir and synthesizer.model_dir must name the same model")
+        need = min_drain_s(self.ingress.max_input_chars)
+        if self.synthesizer.graceful_shutdown_timeout_s < need:
+            raise ValueError(
+                f"synthesizer.graceful_shutdown_timeout_s ({self.synthesizer.graceful_shutdown_timeout_s:g}) is shorter "
+                f"than the longest call the ingress admits: {need} s for ingress.max_input_chars "
+                f"{self.ingress.max_input_chars} (docs/tuning.md, Scale-in); a scale-in would cut such a stream. "
+                "Raise it, leave it unset (derived), or lower max_input_chars")
         return self
 
     @property

@@ -105,6 +105,20 @@ def test_replicas_no_longer_running_are_ignored():
     assert policy(ctx)[1]["demand_streams"] == 12
 
 
+def test_streams_refused_by_admission_count_as_demand():
+    # Two replicas inside the band (75 %) that refuse requests (429, deployments/admission.py):
+    # the refused streams they report (refusals/s x mean stream length) join the demand, so the
+    # policy scales out although the streams in flight alone would hold.
+    ctx = _ctx([6, 6])
+    assert policy(ctx)[0] == 2
+    ctx.aggregated_metrics["streams_refused"] = {r: 3.0 for r in ctx.running_replicas}
+    decision, state = policy(ctx)
+    assert state["demand_streams"] == 18 and decision == 3  # ceil(18 / 6)
+    stale = ReplicaID(unique_id="gone", deployment_id=DEP)
+    ctx.aggregated_metrics["streams_refused"][stale] = 50.0  # a replica no longer running: ignored
+    assert policy(ctx)[1]["demand_streams"] == 18
+
+
 def test_decisions_are_logged_with_their_inputs(caplog):
     policy = LoadBandPolicy(low_pct=70, high_pct=80, slo_streams=SLO)
     with caplog.at_level(logging.INFO, logger="ray.serve"):

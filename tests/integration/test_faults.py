@@ -44,8 +44,7 @@ def faults_app(ray_session):
     from serve_app.app import build_app
     from serve_app.args import AppArgs
 
-    args = {**TEST_ARGS, "synthesizer": {**TEST_ARGS["synthesizer"], "num_replicas": 2, "retry_after_s": RETRY_AFTER,
-                                         "graceful_shutdown_timeout_s": 1}}
+    args = {**TEST_ARGS, "synthesizer": {**TEST_ARGS["synthesizer"], "num_replicas": 2, "retry_after_s": RETRY_AFTER}}
     serve.run(build_app(AppArgs.model_validate(args)), name=APP, route_prefix=PREFIX)
     url = ray_session["base_url"] + PREFIX
     r = httpx.post(f"{url}/v1/voices", data={"voice_id": VOICE, "prompt_text": "carol speaking", "overwrite": "true"},

@@ -242,3 +242,44 @@ def test_every_gpu_config_runs_the_measured_replica(path):
     skip = FLEET_KEYS | (TRT_KEYS if other["mode"] == "trt" else set())
     differ = {k: (measured[k], other[k]) for k in measured if k not in skip and measured[k] != other[k]}
     assert differ == {}
+
+
+# ------------------------------------------------------------------ scale-in drain (issue 40)
+def test_drain_covers_the_longest_call_the_ingress_admits():
+    """4096 Han characters at 4.5 a second, at model speed 0.5: 1820.4 s of audio, made at least in
+    real time; times the 1.25 margin, 2276 s (docs/tuning.md, "Scale-in")."""
+    from serve_app.args import DRAIN_MARGIN, longest_call_audio_s, min_drain_s
+
+    assert longest_call_audio_s(4096) == pytest.approx(4096 / 4.5 / 0.5)
+    assert min_drain_s(4096) == 2276 and DRAIN_MARGIN == 1.25
+    assert min_drain_s(100) < min_drain_s(4096)
+
+
+@pytest.mark.parametrize("path", [*CONFIGS, ROOT / "deploy/docker/single-gpu.yaml"], ids=lambda p: p.name)
+def test_every_config_drains_its_longest_call(path):
+    from serve_app.args import min_drain_s
+
+    args = AppArgs.from_file(path)
+    assert args.synthesizer.graceful_shutdown_timeout_s >= min_drain_s(args.ingress.max_input_chars)
+
+
+@pytest.mark.parametrize("drain", [20, 60, 120])  # the default and what the configs had before issue 40
+def test_a_drain_shorter_than_the_longest_call_is_an_error(drain):
+    with pytest.raises(ValidationError, match="graceful_shutdown_timeout_s"):
+        AppArgs.model_validate({"synthesizer": {"graceful_shutdown_timeout_s": drain}})
+    # the same drain is enough for an ingress that admits only short inputs
+    short = AppArgs.model_validate({"ingress": {"max_input_chars": 30},  # 17 s
+                                    "synthesizer": {"graceful_shutdown_timeout_s": drain}})
+    assert short.synthesizer.graceful_shutdown_timeout_s == drain
+
+
+def test_an_unset_drain_is_derived_from_the_ingress_limit():
+    from deployments.synthesizer_config import SynthesizerConfig
+    from serve_app.args import min_drain_s
+
+    assert AppArgs().synthesizer.graceful_shutdown_timeout_s == min_drain_s(4096)
+    assert AppArgs.model_validate({"ingress": {"max_input_chars": 1000}}).synthesizer.graceful_shutdown_timeout_s \
+        == min_drain_s(1000)
+    built = AppArgs(synthesizer=SynthesizerConfig(device="cpu"))  # an object, not a dict
+    assert built.synthesizer.graceful_shutdown_timeout_s == min_drain_s(4096)
+    assert built.synthesizer.serve_options("Synthesizer")["graceful_shutdown_timeout_s"] == min_drain_s(4096)
