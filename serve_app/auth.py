@@ -6,7 +6,7 @@ Each key carries scopes:
 
 * ``synthesis``: ``POST /v1/audio/speech``, ``POST /v1/tts``, WebSocket routes, reading voices;
 * ``voices``: voice administration (``POST /v1/voices``, ``DELETE /v1/voices/{id}``) and reading;
-* ``metrics``: ``GET /metrics`` and the details of ``GET /health`` when those are protected.
+* ``metrics``: ``GET /metrics`` and ``GET /health?detail=1`` (the live probe) when those are protected.
 
 Clients send ``Authorization: Bearer <key>`` (what OpenAI clients send). WebSocket clients may
 also use an ``xi-api-key`` header, an ``api_key`` query parameter, or the subprotocol
@@ -14,8 +14,9 @@ also use an ``xi-api-key`` header, an ``api_key`` query parameter, or the subpro
 hashed and compared with every configured key's hash by ``hmac.compare_digest``, so the time taken
 does not depend on how much of a key matched, nor on which key matched.
 
-``GET /health`` (liveness) always answers with its status code; without a key holding ``metrics``
-(when ``health_details: key``) the body is reduced to ``{"status"}``. Responses: 401 without a
+``GET /health`` is open: it answers a cached status with counts only and calls no replica
+(serve_app/health.py); ``GET /health?detail=1`` runs the probe and, with ``health_details: key``,
+needs a key holding ``metrics``. Responses: 401 without a
 valid key (``WWW-Authenticate: Bearer``), 403 with a valid key lacking the scope, both in the JSON
 error shape of :mod:`serve_app.errors`. Without any configured key the service runs open and logs
 a warning once per replica, unless ``auth.required`` is set, in which case the replica refuses
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,6 +41,7 @@ from starlette.requests import Request
 from deployments import constants
 from deployments.options import StrictModel
 from serve_app.errors import error_response, request_id_of
+from serve_app.health import wants_detail
 from serve_app.middleware import route_path
 from serve_app.playground import OPEN_PATHS as PLAYGROUND_PATHS
 
@@ -59,7 +60,8 @@ class AuthConfig(StrictModel):
     required: bool = False
     # File with one key per line: `<key> [scope,scope]` (no scopes: synthesis); `#` starts a comment.
     keys_file: str | None = None
-    # GET /health without a `metrics` key: `open` full body, `key` only {"status"} (the status code always).
+    # GET /health?detail=1 (a live probe of every replica): `open` to anyone, `key` needs the `metrics` scope.
+    # Plain GET /health (cached status, counts only) is always open.
     health_details: Literal["open", "key"] = "key"
     # GET /metrics: `open` to anyone who reaches the port, `key` needs the `metrics` scope.
     metrics: Literal["open", "key"] = "key"
@@ -154,7 +156,8 @@ def load_keys(cfg: AuthConfig) -> KeyRing:
 
 # ------------------------------------------------------------------------ routes
 def required_scopes(method: str, path: str, websocket: bool = False) -> frozenset[str] | None:
-    """Scopes of which a key needs one for this request; None: open (``/health``, the playground
+    """Scopes of which a key needs one for this request; None: open (``/health`` without
+    ``?detail``, the playground
     page and its files, which hold no secret: the page asks for the key).
 
     An empty set means any valid key (unknown paths: a 404 is not answered to strangers).
@@ -220,11 +223,10 @@ class ApiKeyAuth:
             needed = None
         key = presented_key(scope)
         held = self.keys.scopes_of(key) if key else None
+        if path == "/health" and self.cfg.health_details == "key" and wants_detail(scope.get("query_string", b"")):
+            needed = frozenset({METRICS})  # the live probe of every replica: not for strangers
         if needed is None:
-            if path == "/health" and self.cfg.health_details == "key" and not (held and METRICS in held):
-                await self.app(scope, receive, _status_only(send))
-            else:
-                await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
             return
         denied = self._check(key, held, needed)
         if denied is None:
@@ -249,36 +251,6 @@ class ApiKeyAuth:
             return _Denied(403, f"this API key lacks the scope for this endpoint (needs one of: "
                                 f"{', '.join(sorted(needed))})", "permission_error", "insufficient_scope")
         return None
-
-
-def _status_only(send):
-    """Wraps ``send`` so a JSON body is reduced to ``{"status": ...}`` (status code and headers kept)."""
-    state: dict = {"start": None, "body": b""}
-
-    async def wrapped(message) -> None:
-        if message["type"] == "http.response.start":
-            state["start"] = message
-            return
-        if message["type"] != "http.response.body":
-            await send(message)
-            return
-        state["body"] += message.get("body", b"")
-        if message.get("more_body"):
-            return
-        try:
-            status = json.loads(state["body"]).get("status")
-        except (ValueError, AttributeError):
-            status = None
-        if status is None:
-            status = "ok" if state["start"]["status"] < 400 else "unavailable"
-        body = json.dumps({"status": status}).encode()
-        start = state["start"]
-        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",)]
-        headers.append((b"content-length", str(len(body)).encode()))
-        await send({**start, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-    return wrapped
 
 
 def auth_middleware(cfg: AuthConfig) -> list[Middleware]:

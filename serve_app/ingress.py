@@ -7,7 +7,7 @@ Routes (docs/serving.md has examples):
 * ``WS /v1/text-to-speech/{voice_id}/stream-input``  text in pieces, audio out (serve_app/stream_input.py)
 * ``POST /v1/tts``           native: zero-shot (multipart prompt upload), voice, cross-lingual, instruct
 * ``POST /v1/voices`` (multipart), ``GET /v1/voices``, ``GET/DELETE /v1/voices/{voice_id}``
-* ``GET /health``, ``GET /metrics``
+* ``GET /health`` (cached status; ``?detail=1`` the live probe, serve_app/health.py), ``GET /metrics``
 * ``GET /playground`` (and ``/``): the browser playground and its files (serve_app/playground.py)
 
 Only this package knows HTTP, status codes and containers; the deployments get typed messages.
@@ -40,7 +40,6 @@ from deployments.options import DeploymentKnobs
 from deployments.protocol import (
     AudioChunk,
     PayloadTooLargeError,
-    ReplicaHealth,
     SynthesisMode,
     SynthesisRequest,
     SynthesisResult,
@@ -53,10 +52,10 @@ from serve_app.auth import AuthConfig, auth_middleware
 from serve_app.errors import ApiError, install_exception_handlers, request_id_of
 from serve_app.handles import admitted as _admitted
 from serve_app.handles import cancel_stream as _cancel
+from serve_app.health import HealthMonitor, wants_detail
 from serve_app.metrics import CONTENT_TYPE, IngressMetrics
 from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
 from serve_app.request_body import read_form, read_json
-from serve_app.running_replicas import RunningReplicas
 from serve_app.schemas import NativeSynthesisFields, SpeechRequest, VoiceFields, VoiceOut
 from serve_app.speech import (
     DEFAULT_MODEL_NAMES,
@@ -76,8 +75,6 @@ logger = logging.getLogger(__name__)
 # Serve's concurrency limit of an ingress replica, as a multiple of what the app admits or queues
 # (the excess is room for the app's own fast 429s and for /health and /metrics, which are never held).
 SERVE_HEADROOM = 2
-HEALTH_MEMORY_S = 60.0  # how long /health keeps a replica's last answer when probes cannot reach it
-HEALTH_PROBE_ROUNDS = 4  # idle misses compound to (1/8)^4 for 2 replicas
 MAX_LOGGED_FIELDS = 20  # unknown request fields named in the log, at most
 EMPTY_STREAM_RATE = 24000  # rate named in the header of a stream that has no audio at all
 
@@ -92,6 +89,8 @@ class IngressConfig(DeploymentKnobs):
     # Voice names resolved to registered voices before synthesis (OpenAI's built-in names -> "default").
     voice_aliases: dict[str, str] = Field(default_factory=lambda: dict.fromkeys(OPENAI_VOICES, DEFAULT_VOICE))
     health_timeout_s: float = Field(5.0, gt=0)
+    # Pause between the background probes behind GET /health (its answer is at most this old).
+    health_refresh_s: float = Field(5.0, gt=0)
     # Longest prompt upload decoded (413 from the file's header above it); None: frontend.max_prompt_audio_s.
     max_prompt_audio_s: PositiveFloat | None = None
     auth: AuthConfig = Field(default_factory=AuthConfig)  # API keys, open endpoints, CORS (serve_app/auth.py)
@@ -119,13 +118,10 @@ class TTSIngress:
         self.frontend = frontend
         self.synth = synthesizer
         self.metrics = IngressMetrics(gc_pauses=settle_replica(cfg.gc_freeze))
-        self._health_memory: dict[str, tuple[float, dict]] = {}  # replica id -> (monotonic time, last answer)
-        # Serve's running count, read off the event loop by a background task (started here when
-        # Serve constructs the replica on its loop, else by the first /health).
-        self.running_synthesizers = RunningReplicas("Synthesizer")
-        self.running_synthesizers.start()
-        self.running_frontends = RunningReplicas("TextFrontend")
-        self.running_frontends.start()
+        # One background task keeps /health's status (started here when Serve constructs the
+        # replica on its loop, else by the first /health).
+        self.health_monitor = HealthMonitor(synthesizer, frontend, cfg.health_timeout_s, cfg.health_refresh_s)
+        self.health_monitor.start()
 
     # Serve calls this on the replica after __init__ (late-bound ASGI app).
     def __serve_build_asgi_app__(self) -> Starlette:
@@ -333,74 +329,13 @@ class TTSIngress:
 
     # ---------------------------------------------------------------- health / metrics
     async def health(self, request: Request) -> Response:
-        """Readiness of the synthesizer replicas (sampled through the handle) and the frontend.
-
-        The frontend counts as ready when a replica answers a ping through the handle, or else when
-        Serve counts a running one (the same fallback as below). Without it, a service whose
-        frontend was still loading reported ready: on the 2-core VM (2026-12-05) the first request
-        after start then waited 1.0-1.3 s in its ``frontend`` stage for a replica whose own work
-        took 7 ms. The ping also sets the ingress's frontend handle up before any user request.
-
-        NOTE: a probe is a handle call, so it queues behind synthesis requests: under overload
-        the replicas answer late or not at all (measured, bench/results/ramp-cpu-2026-12-03.md:
-        every probe failed for minutes while 2 req/s were offered to replicas completing ~0.8
-        req/s). A replica heard from within HEALTH_MEMORY_S but not reached now is listed under
-        ``synthesizer_replicas_unreached`` with its last answer and its age, and readiness then
-        rests on Serve's own count of running replicas, which its controller health-checks
-        outside the request queue; a busy service is not reported down. That count is the one a
-        background task last read (serve_app/running_replicas.py, every 2 s): nothing here waits
-        on Serve's controller.
-        """
-        now = time.monotonic()
-        ready_replicas = self.running_synthesizers.current()  # cached: no controller call on the loop
-        frontend_running = self.running_frontends.current()
-        # side by side: a busy frontend's late answer does not add to the synthesizers' probes
-        (seen, failed), frontend = await asyncio.gather(self._probe_synthesizers(ready_replicas), self._ping_frontend())
-        self._health_memory.update({rid: (now, entry) for rid, entry in seen.items()})
-        for rid in [rid for rid, (t, _) in self._health_memory.items() if now - t > HEALTH_MEMORY_S]:
-            del self._health_memory[rid]
-        unreached = {rid: {**entry, "age_s": round(now - t, 1)} for rid, (t, entry) in self._health_memory.items()
-                     if rid not in seen}
-        # Ready: no replica says otherwise, and one answered now or Serve counts running ones; the
-        # same for the frontend.
-        ready = (all(r["ready"] for r in (*seen.values(), *unreached.values()))
-                 and (bool(seen) or ready_replicas > 0) and (frontend is not None or frontend_running > 0))
-        body = {"status": "ok" if ready else "unavailable", "synthesizer_replicas": seen,
-                "synthesizer_replicas_unreached": unreached, "synthesizer_running_replicas": ready_replicas,
-                "probes_failed": failed,
-                "frontend": {"answered_by": frontend, "running_replicas": frontend_running}}
-        return JSONResponse(body, status_code=200 if ready else 503)
-
-    async def _ping_frontend(self) -> str | None:
-        """The id of the frontend replica that answered a ping, None when none did in time."""
-        try:
-            return await asyncio.wait_for(self.frontend.ping.remote(), self.cfg.health_timeout_s)
-        except Exception:  # noqa: BLE001 - busy, starting or gone: readiness falls back on Serve's count
-            return None
-
-    async def _probe_synthesizers(self, running: int) -> tuple[dict[str, dict], int]:
-        """Health answers by replica id, and how many probes failed.
-
-        The handle routes each probe to a replica of its choice, so one round of 2 probes per
-        replica can miss one (2 replicas, 4 probes: 1 in 8 when idle). Another round is sent
-        only while every probe of the last one was answered: a failed probe means busy
-        replicas, and more rounds would only make /health slower under load.
-        """
-        seen: dict[str, dict] = {}
-        failed = 0
-        for _ in range(HEALTH_PROBE_ROUNDS):
-            results = await asyncio.gather(
-                *(asyncio.wait_for(self.synth.health.remote(), self.cfg.health_timeout_s)
-                  for _ in range(2 * max(running, 1))),
-                return_exceptions=True)
-            for res in results:
-                if isinstance(res, BaseException):
-                    failed += 1
-                else:
-                    seen[res.replica_id] = _health_entry(res)
-            if failed or len(seen) >= running:
-                break
-        return seen, failed
+        """Cached status for anyone; the live probe with ``?detail=1`` (serve_app/health.py; the
+        auth middleware asks a key for the detail)."""
+        if wants_detail(request.scope.get("query_string", b"")):
+            body, status = await self.health_monitor.detail()
+        else:
+            body, status = self.health_monitor.summary()
+        return JSONResponse(body, status_code=status)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         try:
@@ -420,20 +355,4 @@ class TTSIngress:
         opts = cfg.serve_options("TTSIngress")
         opts["max_ongoing_requests"] = SERVE_HEADROOM * (cfg.max_ongoing_requests + cfg.max_queued_requests)
         return opts
-
-
-def _health_entry(res: ReplicaHealth) -> dict:
-    """One replica's /health entry from its health answer."""
-    detail = res.detail or {}
-    return {
-        "ready": res.ready, "device": res.device,
-        "gpu_memory_allocated_bytes": res.gpu_memory_allocated_bytes,
-        "gpu_memory_total_bytes": res.gpu_memory_total_bytes,
-        "utilization_pct": res.gpu_utilization_pct,
-        "engine": res.engine.__dict__ if res.engine else None,
-        # the execution mode and where it came from (config / FAST_COSY_MODE / default)
-        "mode": detail.get("mode"), "mode_source": detail.get("mode_source"),
-        # what the replica loaded: family, dtype, estimator, CUDA graphs captured, flow limits
-        "runtime": {k: v for k, v in detail.items() if k not in ("mode", "mode_source")},
-    }
 

@@ -96,22 +96,18 @@ def test_scopes(keys_env, method, path, key, status):
         assert r.json()["error"]["type"] == "permission_error" and r.json()["error"]["code"] == "insufficient_scope"
 
 
-def test_health_liveness_is_open_and_details_need_a_metrics_key(keys_env):
+def test_health_is_open_and_its_live_probe_needs_a_metrics_key(keys_env):
+    """Plain /health (a cached status, serve_app/health.py) is open; ?detail runs a probe of every
+    replica, so with keys on it needs the `metrics` scope."""
     r = _call(_app(), "GET", "/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
-    assert int(r.headers["content-length"]) == len(r.content)
-    assert _call(_app(), "GET", "/health", key=SYNTH_KEY).json() == {"status": "ok"}
-    assert "replicas" in _call(_app(), "GET", "/health", key=OPS_KEY).json()
-    assert "replicas" in _call(_app(AuthConfig(health_details="open")), "GET", "/health").json()
-
-
-def test_unhealthy_status_passes_through_the_reduced_body(keys_env):
-    async def down(request):
-        return JSONResponse({"status": "unavailable", "replicas": {"r1": {"ready": False}}}, status_code=503)
-
-    app = Starlette(routes=[Route("/health", down)], middleware=auth_middleware(AuthConfig()))
-    r = _call(app, "GET", "/health")
-    assert r.status_code == 503 and r.json() == {"status": "unavailable"}
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert _call(_app(), "GET", "/health?detail=0").status_code == 200
+    for query in ("?detail=1", "?detail", "?detail=true", "?x=1&detail=yes"):
+        assert _call(_app(), "GET", "/health" + query).status_code == 401, query
+        r = _call(_app(), "GET", "/health" + query, key=SYNTH_KEY)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope"
+        assert "replicas" in _call(_app(), "GET", "/health" + query, key=OPS_KEY).json()
+    assert "replicas" in _call(_app(AuthConfig(health_details="open")), "GET", "/health?detail=1").json()
 
 
 def test_metrics_can_be_left_open(keys_env):
