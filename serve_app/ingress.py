@@ -49,7 +49,7 @@ from deployments.python_gc import settle_replica
 from serve_app import playground
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, run_encoder
 from serve_app.auth import AuthConfig, auth_middleware
-from serve_app.errors import ApiError, install_exception_handlers, request_id_of
+from serve_app.errors import ApiError, error_body, install_exception_handlers, request_id_of
 from serve_app.handles import admitted as _admitted
 from serve_app.handles import cancel_stream as _cancel
 from serve_app.health import HealthMonitor, wants_detail
@@ -64,6 +64,7 @@ from serve_app.speech import (
     AudioOut,
     encode_whole,
     split_speed,
+    sse_event,
 )
 from serve_app.stage_timing import first_audio_stages, server_timing
 from serve_app.stream_input import ROUTE as STREAM_INPUT_ROUTE
@@ -79,6 +80,10 @@ MAX_LOGGED_FIELDS = 20  # unknown request fields named in the log, at most
 EMPTY_STREAM_RATE = 24000  # rate named in the header of a stream that has no audio at all
 
 
+class NoAudioError(Exception):
+    """A stream's next audio chunk did not come within ``stream_idle_timeout_s``."""
+
+
 class IngressConfig(DeploymentKnobs):
     """HTTP ingress replica: request limits."""
 
@@ -89,6 +94,9 @@ class IngressConfig(DeploymentKnobs):
     # Voice names resolved to registered voices before synthesis (OpenAI's built-in names -> "default").
     voice_aliases: dict[str, str] = Field(default_factory=lambda: dict.fromkeys(OPENAI_VOICES, DEFAULT_VOICE))
     health_timeout_s: float = Field(5.0, gt=0)
+    # Longest wait for a stream's next audio chunk, the first included (504 before the headers; after
+    # them an SSE error event or an aborted body). No limit on a stream's total time (docs/serving.md).
+    stream_idle_timeout_s: PositiveFloat = 60.0
     # Pause between the background probes behind GET /health (its answer is at most this old).
     health_refresh_s: float = Field(5.0, gt=0)
     # Longest prompt upload decoded (413 from the file's header above it); None: frontend.max_prompt_audio_s.
@@ -223,9 +231,13 @@ class TTSIngress:
                 return Response(data, media_type=MEDIA_TYPES[fmt])
             gen = self.synth.options(stream=True).synthesize.remote(prepared)
             try:
-                first = await _admitted(gen.__anext__())
+                first = await _admitted(self._next_audio(gen))
             except StopAsyncIteration:
                 first = None
+            except NoAudioError as exc:
+                _cancel(gen)
+                raise ApiError(504, f"{exc}; the service is busy or stalled", "server_error", "audio_timeout",
+                               {"Retry-After": str(self.cfg.retry_after_s)}) from None
             except BaseException:
                 _cancel(gen)
                 raise
@@ -243,10 +255,21 @@ class TTSIngress:
         finally:
             if not handed_to_stream:
                 self.metrics.in_flight.dec()
-        return StreamingResponse(self._stream_body(gen, first, out, started), media_type=out.media_type,
-                                 headers={"Server-Timing": server_timing(stages)})
+        return StreamingResponse(self._stream_body(gen, first, out, started, req.request_id),
+                                 media_type=out.media_type, headers={"Server-Timing": server_timing(stages)})
 
-    async def _stream_body(self, gen, first, out: AudioOut, started: float):
+    async def _next_audio(self, gen) -> AudioChunk:
+        """The stream's next chunk; :class:`NoAudioError` when none came within ``stream_idle_timeout_s``.
+
+        A progress timeout, not a total one: a long answer streams as long as its audio keeps
+        coming (docs/serving.md, Long answers); the work of one request is bounded by the input
+        limits (``max_input_chars``, the frontend's ``max_pieces``)."""
+        try:
+            return await asyncio.wait_for(gen.__anext__(), self.cfg.stream_idle_timeout_s)
+        except TimeoutError:
+            raise NoAudioError(f"no audio for {self.cfg.stream_idle_timeout_s:g} s") from None
+
+    async def _stream_body(self, gen, first, out: AudioOut, started: float, rid: str):
         # Encoding (and SSE's base64) runs in the encoder pool: an MP3/Opus/AAC chunk costs
         # milliseconds of CPU, which on the event loop would delay every other stream.
         first_at = None
@@ -255,7 +278,20 @@ class TTSIngress:
                 first_at = time.perf_counter()
                 if data := await run_encoder(out.feed, first.samples):
                     yield data
-                async for chunk in gen:
+                while True:
+                    try:
+                        chunk = await self._next_audio(gen)
+                    except StopAsyncIteration:
+                        break
+                    except NoAudioError as exc:
+                        # After the headers no status can change: SSE says why in an error event,
+                        # a plain audio body is aborted (the client sees an incomplete response).
+                        logger.warning("request %s: %s; stream ended", rid, exc)
+                        if not out.sse:
+                            raise
+                        yield sse_event({"type": "error", **error_body(rid, f"{exc}; stream ended", "server_error",
+                                                                      "audio_timeout")})
+                        return
                     if data := await run_encoder(out.feed, chunk.samples):
                         yield data
             if tail := await run_encoder(out.close):

@@ -39,16 +39,17 @@ class _Counted:
 class CountingHandle:
     """Wraps an in-process handle stand-in; ``calls`` counts ``.remote()`` calls by method name.
 
-    A ``synthesize`` stream yields its first chunk, sets ``at_gate`` and waits for ``gate``."""
+    A ``synthesize`` stream yields ``hold_at`` chunks, then sets ``at_gate`` and waits for ``gate``."""
 
     def __init__(self, inner, calls: collections.Counter | None = None, stream: bool = False,
-                 gate: asyncio.Event | None = None, at_gate: asyncio.Event | None = None) -> None:
+                 gate: asyncio.Event | None = None, at_gate: asyncio.Event | None = None, hold_at: int = 1) -> None:
         self._inner, self.stream = inner, stream
         self.calls = calls if calls is not None else collections.Counter()
-        self.gate, self.at_gate = gate, at_gate
+        self.gate, self.at_gate, self.hold_at = gate, at_gate, hold_at
 
     def options(self, stream: bool = False):
-        return CountingHandle(self._inner.options(stream=stream), self.calls, stream, self.gate, self.at_gate)
+        return CountingHandle(self._inner.options(stream=stream), self.calls, stream, self.gate, self.at_gate,
+                              self.hold_at)
 
     def __getattr__(self, name: str):
         return _Counted(getattr(self._inner, name), name, self)
@@ -64,7 +65,7 @@ class CountingHandle:
                 return self
 
             async def __anext__(self):
-                if self.n == 1 and owner.gate is not None:
+                if self.n == owner.hold_at and owner.gate is not None:
                     owner.at_gate.set()
                     await owner.gate.wait()
                 self.n += 1
