@@ -20,7 +20,8 @@ means busy replicas). Probes queue behind synthesis work: under overload they fa
 heard from within ``HEALTH_MEMORY_S`` but not reached now is kept with its last answer and age;
 readiness then rests on Serve's own count of running replicas (its controller health-checks them
 outside the request queue), so a busy service is not reported down. The frontend counts as ready
-when a replica answers or Serve counts a
+when a replica answers (its status also says whether the voice store accepts writes: a read-only
+store makes the status ``degraded``) or Serve counts a
 running one; without that check a service whose frontend was still loading said ready.
 """
 from __future__ import annotations
@@ -112,6 +113,7 @@ class HealthMonitor:
                                                                *body["synthesizer_replicas_unreached"].values())
                                                  if r["ready"]),
                "frontend_running_replicas": body["frontend"]["running_replicas"],
+               "voice_store_writable": body["frontend"]["voice_store_writable"],
                "checked_age_s": round(self._clock() - at, 1)}
         return out, _http_status(body["status"])
 
@@ -142,21 +144,27 @@ class HealthMonitor:
                      if rid not in seen}
         # Ready: no replica says otherwise, and one answered now or Serve counts running ones; the
         # same for the frontend.
+        answered_by = frontend.get("replica_id") if frontend else None
         ready = (all(r["ready"] for r in (*seen.values(), *unreached.values()))
-                 and (bool(seen) or ready_replicas > 0) and (frontend is not None or frontend_running > 0))
-        degraded = bool(failed or unreached)
+                 and (bool(seen) or ready_replicas > 0) and (answered_by is not None or frontend_running > 0))
+        store = (frontend or {}).get("voice_store") or {}
+        writable = store.get("writable")  # None: unknown (no frontend answered)
+        # A read-only voice store: synthesis with the stored voices works, registration does not.
+        degraded = bool(failed or unreached) or writable is False
         body = {"status": "unavailable" if not ready else "degraded" if degraded else "ok",
                 "synthesizer_replicas": seen, "synthesizer_replicas_unreached": unreached,
                 "synthesizer_running_replicas": ready_replicas, "probes_failed": failed,
-                "frontend": {"answered_by": frontend, "running_replicas": frontend_running}}
+                "frontend": {"answered_by": answered_by, "running_replicas": frontend_running,
+                             "voice_store_writable": writable, "voice_store": store or None}}
         self._last = (self._clock(), body)
         self.probes += 1
         return body
 
-    async def _frontend_status(self) -> str | None:
-        """The id of the frontend replica that answered a ping, None when none did in time."""
+    async def _frontend_status(self) -> dict | None:
+        """A frontend replica's status (its id; whether the voice store accepts writes), None when
+        none answered in time."""
         try:
-            return await asyncio.wait_for(self.frontend.ping.remote(), self.timeout_s)
+            return await asyncio.wait_for(self.frontend.status.remote(), self.timeout_s)
         except Exception:  # noqa: BLE001 - busy, starting or gone: readiness falls back on Serve's count
             return None
 

@@ -48,7 +48,7 @@ from deployments.protocol import (
 from deployments.python_gc import settle_replica
 from serve_app import playground
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, run_encoder
-from serve_app.auth import AuthConfig, auth_middleware
+from serve_app.auth import AuthConfig, auth_middleware, voice_access
 from serve_app.errors import ApiError, error_body, install_exception_handlers, request_id_of
 from serve_app.handles import admitted as _admitted
 from serve_app.handles import cancel_stream as _cancel
@@ -176,7 +176,7 @@ class TTSIngress:
         streamed = body.stream or sse
         req = SynthesisRequest(request_id=rid, text=body.input, mode=mode, voice_id=self.resolve_voice(body.voice_id),
                                instruct_text=instructions, speed=native_speed,
-                               stream=streamed and native_speed == 1.0, seed=body.seed)
+                               stream=streamed and native_speed == 1.0, seed=body.seed, access=voice_access(request))
         return await self._synthesize(req, body.response_format, streamed, tempo, sse)
 
     async def stream_input(self, websocket: WebSocket) -> None:
@@ -207,7 +207,8 @@ class TTSIngress:
         req = SynthesisRequest(request_id=request_id_of(request), text=body.text, mode=body.mode,
                                voice_id=body.voice_id, prompt_text=body.prompt_text, prompt_audio=audio,
                                prompt_sample_rate=sr, instruct_text=body.instruct_text, speed=native_speed,
-                               stream=body.stream and native_speed == 1.0, seed=body.seed)
+                               stream=body.stream and native_speed == 1.0, seed=body.seed,
+                               access=voice_access(request))
         return await self._synthesize(req, body.response_format, body.stream, tempo)
 
     async def _synthesize(self, req: SynthesisRequest, fmt: str, streamed: bool, tempo: float = 1.0,
@@ -323,21 +324,22 @@ class TTSIngress:
             raise ApiError(400, "missing the 'audio' file field", code="invalid_input")
         audio, sr = await asyncio.to_thread(decode_upload, files["audio"], self.cfg.max_prompt_audio_s)
         info = await _admitted(
-            self.frontend.register_voice.remote(body.voice_id, body.prompt_text, audio, sr, body.overwrite))
+            self.frontend.register_voice.remote(body.voice_id, body.prompt_text, audio, sr, body.overwrite,
+                                                voice_access(request)))
         return JSONResponse(_voice_out(info), status_code=201)
 
     async def list_voices(self, request: Request) -> Response:
-        infos = await _admitted(self.frontend.list_voices.remote())
+        infos = await _admitted(self.frontend.list_voices.remote(voice_access(request)))
         # aliases: voice names a request may use for a registered voice (OpenAI's built-in names)
         return JSONResponse({"voices": [_voice_out(i) for i in infos], "aliases": self.cfg.voice_aliases})
 
     async def get_voice(self, request: Request) -> Response:
-        info = await _admitted(self.frontend.get_voice.remote(request.path_params["voice_id"]))
+        info = await _admitted(self.frontend.get_voice.remote(request.path_params["voice_id"], voice_access(request)))
         return JSONResponse(_voice_out(info))
 
     async def delete_voice(self, request: Request) -> Response:
         voice_id = request.path_params["voice_id"]
-        await _admitted(self.frontend.delete_voice.remote(voice_id))
+        await _admitted(self.frontend.delete_voice.remote(voice_id, voice_access(request)))
         return JSONResponse({"voice_id": voice_id, "deleted": True})
 
     # ---------------------------------------------------------------- Python (handle) API

@@ -19,7 +19,8 @@ from serve_app.ingress import IngressConfig
 SYNTH_KEY = "sk-synth-0123456789abcdef"
 ADMIN_KEY = "sk-admin-0123456789abcdef"
 OPS_KEY = "sk-ops-000000000000000000"
-KEYS_ENV = f"{SYNTH_KEY},{ADMIN_KEY}:voices+synthesis,{OPS_KEY}:metrics"
+ROOT_KEY = "sk-root-00000000000000000"  # the `admin` scope
+KEYS_ENV = f"{SYNTH_KEY},{ADMIN_KEY}:voices+synthesis,{OPS_KEY}:metrics,{ROOT_KEY}:admin"
 
 
 async def _ok(request):
@@ -88,6 +89,10 @@ def test_401_without_a_key_in_the_json_error_shape(keys_env):
     ("GET", "/metrics", SYNTH_KEY, 403),
     ("GET", "/metrics", OPS_KEY, 200),
     ("GET", "/other", SYNTH_KEY, 200),              # any valid key reaches the app (its own 404s)
+    ("POST", "/v1/audio/speech", ROOT_KEY, 200),    # admin: every endpoint
+    ("DELETE", "/v1/voices/v1", ROOT_KEY, 200),
+    ("GET", "/metrics", ROOT_KEY, 200),
+    ("GET", "/health?detail=1", ROOT_KEY, 200),
 ])
 def test_scopes(keys_env, method, path, key, status):
     r = _call(_app(), method, path, key=key)
@@ -182,7 +187,7 @@ def test_key_file_parsing(tmp_path, monkeypatch):
 
 def test_env_keys_add_to_the_file(tmp_path, monkeypatch):
     assert parse_key_env(KEYS_ENV) == [(SYNTH_KEY, {"synthesis"}), (ADMIN_KEY, {"voices", "synthesis"}),
-                                       (OPS_KEY, {"metrics"})]
+                                       (OPS_KEY, {"metrics"}), (ROOT_KEY, {"admin"})]
     path = tmp_path / "keys"
     path.write_text(f"{OPS_KEY} metrics\n")
     monkeypatch.setenv(constants.ENV_API_KEYS, SYNTH_KEY)

@@ -21,6 +21,7 @@ from tests.serve_app.test_auth import KEYS_ENV, OPS_KEY, SYNTH_KEY
 from tests.serve_app.test_ingress_inproc import _ingress, _wav
 
 TEXT = "Hello there."
+GUARD_S = 60.0
 FLOOD = 500
 
 
@@ -106,10 +107,9 @@ def test_anonymous_health_flood_during_a_stream_calls_no_replica(monkeypatch):
     async def main():
         gate, at_gate = asyncio.Event(), asyncio.Event()
         ingress.synth.gate, ingress.synth.at_gate = gate, at_gate
-        auth = {"Authorization": f"Bearer {SYNTH_KEY}"}
+        auth = {"Authorization": f"Bearer {VOICES_KEY}"}  # voices + synthesis: registers and uses its voice
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            r = await c.post("/v1/voices", data={"voice_id": "v1", "prompt_text": "hi"},
-                             headers={"Authorization": f"Bearer {VOICES_KEY}"},
+            r = await c.post("/v1/voices", data={"voice_id": "v1", "prompt_text": "hi"}, headers=auth,
                              files={"audio": ("a.wav", _wav(), "audio/wav")})
             assert r.status_code == 201
             # The background task's first probe (shared by this call), then none for an hour.
@@ -117,7 +117,8 @@ def test_anonymous_health_flood_during_a_stream_calls_no_replica(monkeypatch):
             await ingress.health_monitor.probe()
             stream = asyncio.create_task(c.post("/v1/audio/speech", headers=auth, json={
                 "model": "tts-1", "input": TEXT, "voice": "v1", "response_format": "pcm", "stream": True}))
-            await at_gate.wait()  # the stream has delivered its first chunk and holds the rest
+            # the stream has delivered its first chunk and holds the rest (the guard only fails a hang)
+            await asyncio.wait_for(at_gate.wait(), GUARD_S)
             before = (dict(synth_calls), dict(frontend_calls), _policy_inputs(synthesizer))
             assert before[2]["streams_in_flight"] == 1.0
             answers = await asyncio.gather(*(c.get("/health") for _ in range(FLOOD)))
@@ -142,7 +143,7 @@ def test_health_before_the_first_probe_says_starting_without_probing():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             r = await c.get("/health")  # starts the background task; answers before it has run
             assert r.status_code == 503 and r.json() == {"status": "unavailable", "reason": "starting"}
-            assert ingress.synth.calls["health"] == 0 and ingress.frontend.calls["ping"] == 0
+            assert ingress.synth.calls["health"] == 0 and ingress.frontend.calls["status"] == 0
             await ingress.health_monitor.probe()  # shares the background task's first probe
             r = await c.get("/health")
             assert r.status_code == 200 and r.json()["status"] == "ok"
@@ -172,6 +173,6 @@ def test_detail_needs_a_metrics_key_and_concurrent_detail_calls_share_one_probe(
             assert all(r.json()["synthesizer_replicas"]["local"]["ready"] for r in answers)
             # one probe for all 50: one round of 2 calls (Serve counts no replica outside Serve)
             assert ingress.synth.calls["health"] == calls + 2
-            assert ingress.frontend.calls["ping"] == 2  # the background probe's and the shared one's
+            assert ingress.frontend.calls["status"] == 2  # the background probe's and the shared one's
 
     asyncio.run(main())

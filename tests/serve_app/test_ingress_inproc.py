@@ -167,7 +167,7 @@ def test_health_keeps_answering_when_probes_cannot_reach_busy_replicas(monkeypat
 
 
 def test_health_is_not_ready_while_no_frontend_replica_answers_or_runs():
-    """A frontend still loading (its ping fails, Serve counts none running) makes /health 503 even
+    """A frontend still loading (its status call fails, Serve counts none running) makes /health 503 even
     with the synthesizer ready; Serve's count alone keeps a busy frontend ready."""
     frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
     synth = Synthesizer(SynthesizerConfig(warmup=False), runtime_factory=fakes.fake_synthesis_runtime)
@@ -182,14 +182,16 @@ def test_health_is_not_ready_while_no_frontend_replica_answers_or_runs():
             return await c.get("/health?detail=1")
 
     r = asyncio.run(get())
-    assert r.status_code == 200 and r.json()["frontend"] == {"answered_by": "local", "running_replicas": 0}
+    assert r.status_code == 200 and r.json()["frontend"]["answered_by"] == "local"
+    assert r.json()["frontend"]["running_replicas"] == 0 and r.json()["frontend"]["voice_store_writable"]
 
     async def loading():
         raise RuntimeError("replica not started")
 
-    frontend.ping = loading
+    frontend.status = loading
     r = asyncio.run(get())
-    assert r.status_code == 503 and r.json()["frontend"] == {"answered_by": None, "running_replicas": 0}
+    assert r.status_code == 503 and r.json()["frontend"]["answered_by"] is None
+    assert r.json()["frontend"]["voice_store_writable"] is None  # nobody said
     assert r.json()["synthesizer_replicas"]["local"]["ready"]  # the synthesizer was fine all along
     running["n"] = 1  # busy, not gone: Serve counts it running
     assert asyncio.run(get()).status_code == 200
