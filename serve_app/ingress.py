@@ -143,7 +143,7 @@ class TTSIngress:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             WebSocketRoute(STREAM_INPUT_ROUTE, self.stream_input),
-            *playground.routes(self.synth, self.cfg.health_timeout_s),
+            *playground.routes(self.health_monitor.runtime_detail),
         ]
         cfg = self.cfg
         app = Starlette(routes=routes, middleware=[
