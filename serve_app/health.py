@@ -149,8 +149,11 @@ class HealthMonitor:
                  and (bool(seen) or ready_replicas > 0) and (answered_by is not None or frontend_running > 0))
         store = (frontend or {}).get("voice_store") or {}
         writable = store.get("writable")  # None: unknown (no frontend answered)
-        # A read-only voice store: synthesis with the stored voices works, registration does not.
-        degraded = bool(failed or unreached) or writable is False
+        # Probes that failed: replicas too busy to answer (readiness then rests on memory and Serve's
+        # count). A read-only voice store: synthesis with the stored voices works, registration not.
+        # A replica only remembered (unreached, no probe failed) is one that went away or that the
+        # handle's routing missed: not a degradation of the service.
+        degraded = failed > 0 or writable is False
         body = {"status": "unavailable" if not ready else "degraded" if degraded else "ok",
                 "synthesizer_replicas": seen, "synthesizer_replicas_unreached": unreached,
                 "synthesizer_running_replicas": ready_replicas, "probes_failed": failed,
