@@ -258,7 +258,7 @@ def timed_config(path: Path, profile: str = "h200") -> Path:
 
 def served_model(url: str) -> tuple[str, bool]:
     """What the service's synthesizer loaded, from its /health: a description, random weights."""
-    replicas = httpx.get(f"{url}/health", timeout=30).json().get("synthesizer_replicas") or {}
+    replicas = httpx.get(f"{url}/health?detail=1", timeout=30).json().get("synthesizer_replicas") or {}
     return describe_served(next(iter(replicas.values()), {}))
 
 

@@ -86,7 +86,7 @@ class HealthSampler(threading.Thread):
     def sample(self) -> dict[str, Any]:
         row: dict[str, Any] = {"t_s": round(time.perf_counter() - self.t0, 2)}
         try:
-            body = httpx.get(f"{self.url}/health", timeout=10).json()
+            body = httpx.get(f"{self.url}/health?detail=1", timeout=10).json()
         except (httpx.HTTPError, ValueError) as exc:
             return {**row, "error": type(exc).__name__}
         # Only answers of this poll (remembered ones are under synthesizer_replicas_unreached):

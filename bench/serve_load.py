@@ -10,8 +10,8 @@ figures include HTTP, the frontend, Serve's routing and the replica's batching:
 
 writes ``<out>.md`` (table, replica details from /health), ``<out>.json`` and two PNGs. With a
 random-weight model the LLM rarely emits its end token, so each request decodes to its length
-limit (20 speech tokens per text token): every request does about the same work. Keep requests
-shorter than the config's ``http_options.request_timeout_s``: past it the proxy cuts the stream.
+limit (20 speech tokens per text token): every request does about the same work. No response has
+a total time limit (the configs set no ``http_options.request_timeout_s``; docs/serving.md, Long answers).
 """
 from __future__ import annotations
 

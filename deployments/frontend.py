@@ -4,6 +4,12 @@ Turns a :class:`~deployments.protocol.SynthesisRequest` into a
 :class:`~deployments.protocol.PreparedRequest` for the synthesizer, applying the mode table of
 spec §1.2, and owns the voice registry (register / list / get / delete). It autoscales on its
 own, on CPU nodes; nothing here touches a GPU.
+
+Voices belong to the key that registered them (:class:`~deployments.protocol.VoiceAccess`, the
+owner's key id in the voice's ``meta``): a caller sees and uses its own voices and the shared ones
+(no owner: built-in, or registered with keys off), changes only its own; an admin key, and every
+caller of a service without keys, sees and changes all. A voice the caller may not see answers as
+unknown (404), whoever holds it.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from deployments.model_source import ModelSource
 from deployments.observability import replica_id
 from deployments.options import DeploymentKnobs
 from deployments.protocol import (
+    OWNER_META_KEY,
     CosyVoiceError,
     InvalidInputError,
     PayloadTooLargeError,
@@ -31,7 +38,9 @@ from deployments.protocol import (
     SynthesisMode,
     SynthesisRequest,
     TextPiece,
+    VoiceAccess,
     VoiceExistsError,
+    VoiceForbiddenError,
     VoiceInfo,
     VoiceNotFoundError,
     VoicePrompt,
@@ -106,36 +115,68 @@ class TextFrontend:
         return await self._run(self.rt.tokenize, text)
 
     async def register_voice(self, voice_id: str, prompt_text: str, audio: np.ndarray, sample_rate: int,
-                             overwrite: bool = False) -> VoiceInfo:
+                             overwrite: bool = False, access: VoiceAccess | None = None) -> VoiceInfo:
+        access = access or VoiceAccess()
         check_voice_id(voice_id)
         if not prompt_text or not prompt_text.strip():
             raise InvalidInputError("prompt_text (the transcript of the audio) is required")
-        if not overwrite and voice_id in self.rt.list_voices():  # cheap early answer; the store decides atomically
-            raise VoiceExistsError(f"voice '{voice_id}' already exists")
+        if voice_id in self.rt.list_voices():  # cheap early answer; the store decides atomically
+            if not overwrite:
+                raise VoiceExistsError(f"voice '{voice_id}' already exists")
+            # NOTE: checked here, not in the store's commit: two keys replacing one id at once race
+            # (last write wins), as two replicas registering it always did.
+            if not access.may_change(_owner(await self._run(self.rt.load_voice, voice_id))):
+                raise VoiceExistsError(f"voice '{voice_id}' already exists and is not yours to replace")
         prompt = await self._run(self._prompt_from_audio, audio, sample_rate, prompt_text)
+        prompt.meta = {k: v for k, v in prompt.meta.items() if k != OWNER_META_KEY}
+        if access.owner is not None:
+            prompt.meta[OWNER_META_KEY] = access.owner
         await self._run(self.rt.save_voice, voice_id, prompt, overwrite)
         return _info(voice_id, prompt)
 
-    async def list_voices(self) -> list[VoiceInfo]:
-        """Every readable voice; one that cannot be loaded (deleted meanwhile, unreadable) is left out."""
+    async def list_voices(self, access: VoiceAccess | None = None) -> list[VoiceInfo]:
+        """Every readable voice the caller may see; one that cannot be loaded (deleted meanwhile,
+        unreadable) is left out."""
         ids = await self._run(self.rt.list_voices)
         infos = []
         for voice_id in sorted(ids):
             try:
-                infos.append(await self.get_voice(voice_id))
+                prompt = await self._run(self.rt.load_voice, check_voice_id(voice_id))
             except (VoiceNotFoundError, InvalidInputError) as exc:
                 logger.warning("listing voices: skipped %s: %s", voice_id, exc)
+                continue
+            if access is None or access.may_see(_owner(prompt)):
+                infos.append(_info(voice_id, prompt))
         return infos
 
-    async def get_voice(self, voice_id: str) -> VoiceInfo:
+    async def get_voice(self, voice_id: str, access: VoiceAccess | None = None) -> VoiceInfo:
         check_voice_id(voice_id)
-        return _info(voice_id, await self._run(self.rt.load_voice, voice_id))
+        return _info(voice_id, self._visible(voice_id, await self._run(self.rt.load_voice, voice_id), access))
 
-    async def delete_voice(self, voice_id: str) -> None:
+    async def delete_voice(self, voice_id: str, access: VoiceAccess | None = None) -> None:
+        access = access or VoiceAccess()
         check_voice_id(voice_id)
         if voice_id not in self.rt.list_voices():
             raise VoiceNotFoundError(f"voice '{voice_id}' not found")
+        owner = _owner(self._visible(voice_id, await self._run(self.rt.load_voice, voice_id), access))
+        if not access.may_change(owner):
+            raise VoiceForbiddenError(f"voice '{voice_id}' is shared: only an admin key may delete it")
         await self._run(self.rt.delete_voice, voice_id)
+
+    @staticmethod
+    def _visible(voice_id: str, prompt: VoicePrompt, access: VoiceAccess | None) -> VoicePrompt:
+        """``prompt``, or the unknown-voice error when the caller may not see it."""
+        if access is not None and not access.may_see(_owner(prompt)):
+            raise VoiceNotFoundError(f"voice '{voice_id}' not found")
+        return prompt
+
+    async def status(self) -> dict:
+        """This replica's id and whether its voice store accepts writes: ``/health``'s background
+        probe (it also sets the ingress's frontend handle up before a user's first request needs
+        it). The store check creates and removes one small file."""
+        where, problem = await self._run(self.rt.voice_store_status)
+        return {"replica_id": replica_id(),
+                "voice_store": {"path": where, "writable": problem is None, "error": problem}}
 
     async def _run(self, fn, *args):
         """Blocking runtime work on the executor; runtime errors made portable across Ray."""
@@ -146,11 +187,6 @@ class TextFrontend:
             if portable is exc:
                 raise
             raise portable from None
-
-    async def ping(self) -> str:
-        """This replica's id: ``/health``'s probe that a frontend replica answers requests (and the
-        call that sets the ingress's handle up before a user's first request needs it)."""
-        return replica_id()
 
     def check_health(self) -> None:
         pass  # stateless CPU work: a replica that answers is healthy
@@ -183,7 +219,7 @@ class TextFrontend:
                                            req.prompt_text or "")
         if req.voice_id:
             check_voice_id(req.voice_id)
-            return self.rt.load_voice(req.voice_id)
+            return self._visible(req.voice_id, self.rt.load_voice(req.voice_id), req.access)
         raise InvalidInputError(f"mode '{req.mode.value}' needs a voice or prompt audio")
 
     def _prepare(self, req: SynthesisRequest) -> PreparedRequest:
@@ -232,6 +268,11 @@ class TextFrontend:
             ids = np.concatenate([self.rt.tokenize(self._with_cv3_prefix("")), ids]).astype(np.int32)
         return PreparedRequest(request_id=req.request_id, pieces=[], prompt=prompt, llm_prompt_text_ids=ids,
                                llm_use_prompt_speech=True, speed=req.speed, stream=True, seed=req.seed)
+
+
+def _owner(prompt: VoicePrompt) -> str | None:
+    owner = (prompt.meta or {}).get(OWNER_META_KEY)
+    return str(owner) if owner is not None else None
 
 
 def _info(voice_id: str, prompt: VoicePrompt) -> VoiceInfo:

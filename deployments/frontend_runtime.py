@@ -14,7 +14,13 @@ from pathlib import Path
 import numpy as np
 
 from deployments import constants
-from deployments.protocol import PayloadTooLargeError, VoiceExistsError, VoiceNotFoundError, VoicePrompt
+from deployments.protocol import (
+    PayloadTooLargeError,
+    VoiceExistsError,
+    VoiceNotFoundError,
+    VoicePrompt,
+    VoiceStoreUnavailableError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,13 @@ class RuntimeFrontend:
                                  cache_max_bytes=cfg.voice_cache_bytes)
         self.frontend = Frontend(spec, registry=registry, limits=limits)
         self.registry = self.frontend.registry
+        problem = self.registry.check_writable()
+        if problem is not None:
+            # Synthesis with the stored voices still works; registration and deletion answer 503
+            # and /health says `degraded` (voice_store_writable: false) until it is fixed.
+            logger.error("voice store %s is not writable (%s): POST/DELETE /v1/voices will fail; fix its "
+                         "permissions or mount, or set frontend.voices_dir", voices_dir, problem)
+            return
         self.registry.gc(min_age_s=cfg.voice_gc_min_age_s)  # orphans of writers that crashed before their commit
         self._register_default_voice(Path(model_dir))
 
@@ -69,6 +82,8 @@ class RuntimeFrontend:
             raise VoiceExistsError(str(exc)) from None
         except errors.VoiceStoreFullError as exc:
             raise PayloadTooLargeError(str(exc)) from None
+        except errors.VoiceStoreUnwritableError as exc:
+            raise VoiceStoreUnavailableError(str(exc)) from None
 
     def load_voice(self, voice_id: str) -> VoicePrompt:
         return self.registry.get(voice_id, family=self.family)
@@ -77,5 +92,14 @@ class RuntimeFrontend:
         return self.registry.list()
 
     def delete_voice(self, voice_id: str) -> None:
-        if not self.registry.delete(voice_id):
+        from cosyvoice_runtime.frontend import errors
+
+        try:
+            deleted = self.registry.delete(voice_id)
+        except errors.VoiceStoreUnwritableError as exc:
+            raise VoiceStoreUnavailableError(str(exc)) from None
+        if not deleted:
             raise VoiceNotFoundError(f"voice '{voice_id}' not found")
+
+    def voice_store_status(self) -> tuple[str, str | None]:
+        return str(self.registry.root), self.registry.check_writable()

@@ -46,10 +46,13 @@ __all__ = [
     "SynthesisRequest",
     "SynthesisResult",
     "TextPiece",
+    "VoiceAccess",
     "VoiceExistsError",
+    "VoiceForbiddenError",
     "VoiceInfo",
     "VoiceNotFoundError",
     "VoicePrompt",
+    "VoiceStoreUnavailableError",
 ]
 
 
@@ -60,6 +63,16 @@ class ServingError(CosyVoiceError):
 
 class VoiceExistsError(InvalidInputError):
     """A voice id is already registered (409)."""
+
+
+class VoiceForbiddenError(InvalidInputError):
+    """The caller may use this voice but not change it: a shared voice, deleted or replaced only
+    by an admin key (403)."""
+
+
+class VoiceStoreUnavailableError(ServingError):
+    """The voice store refuses writes (read-only, permissions, disk full); the message names its
+    path (503)."""
 
 
 class PayloadTooLargeError(InvalidInputError):
@@ -96,6 +109,30 @@ class SynthesisMode(enum.StrEnum):
     INSTRUCT = "instruct"  # prompt audio/voice + an instruction in the prompt-text slot
 
 
+OWNER_META_KEY = "owner"  # VoicePrompt.meta key of the key id that registered the voice (absent: shared)
+
+
+@dataclass(frozen=True)
+class VoiceAccess:
+    """Whose voices a call may see and change (issue 41 item 4).
+
+    ``owner``: the caller's key id (a fingerprint, never the key), stored with the voices it
+    registers; None registers shared voices. ``sees_all``: an admin key, or a service without keys
+    (the default: in-process callers and open mode see and change every voice, as before).
+    A caller sees its own voices and the shared ones (built-in, registered with keys off); it
+    changes only its own, unless it sees all.
+    """
+
+    owner: str | None = None
+    sees_all: bool = True
+
+    def may_see(self, voice_owner: str | None) -> bool:
+        return self.sees_all or voice_owner is None or voice_owner == self.owner
+
+    def may_change(self, voice_owner: str | None) -> bool:
+        return self.sees_all or (voice_owner is not None and voice_owner == self.owner)
+
+
 @dataclass
 class SynthesisRequest:
     """Ingress -> frontend: what to say and how."""
@@ -111,6 +148,7 @@ class SynthesisRequest:
     speed: float = 1.0
     stream: bool = False
     seed: int | None = None
+    access: VoiceAccess = field(default_factory=VoiceAccess)  # whose registered voices it may use
 
 
 @dataclass

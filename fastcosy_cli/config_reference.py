@@ -77,7 +77,7 @@ _FALLBACK = {
     ("ReplicaResources", "resources"): "custom resources, e.g. `{rtx5090: 1}` to pin to a node type",
     ("ReplicaResources", "accelerator_type"): "Ray accelerator type constraint",
     ("IngressConfig", "max_upload_bytes"): "largest multipart upload (prompt audio) accepted",
-    ("IngressConfig", "health_timeout_s"): "how long `/health` and `/metrics` wait for the synthesizer",
+    ("IngressConfig", "health_timeout_s"): "how long a `/health` probe and `/metrics` wait for the synthesizer",
     ("FrontendConfig", "threads"): "executor threads for normalisation, tokenisation and prompt features",
     ("FrontendConfig", "min_prompt_audio_s"): "shortest prompt audio accepted",
     ("FrontendConfig", "max_pieces"): "most sentence pieces one request may split into (413 above)",

@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from fastcosy_cli.common import CliError, out
-from fastcosy_cli.doctor_checks import run_checks
+from fastcosy_cli.doctor_checks import detect_family, run_checks
 from fastcosy_cli.doctor_results import Environment, GpuInfo, exit_code, format_report, results_json
 
 logger = logging.getLogger(__name__)
@@ -205,12 +205,32 @@ def needed_trt_profile(model_dir: Path | None, synth, max_mem_gb: float | None =
     return derive_profile(spec, limits).to_dict()
 
 
+def probe_voice_store(env: Environment, voices_dir: str | None, family: str | None) -> None:
+    """Where the frontend keeps voices (the replica's rule: ``frontend.voices_dir``, else
+    ``$FAST_COSY_HOME/voices/<family>``) and whether it accepts writes. A store not created yet is
+    judged by its nearest existing parent (the replica creates it)."""
+    from cosyvoice_runtime.frontend.atomic_files import probe_writable
+    from deployments import constants
+
+    default = constants.default_voices_dir()
+    path = Path(voices_dir).expanduser() if voices_dir else (default / family if family else default)
+    env.voices_dir = path
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        env.voices_dir_problem = f"{existing} is not a directory"
+        return
+    env.voices_dir_problem = probe_writable(existing)
+
+
 def probe_environment(args: argparse.Namespace) -> Environment:
     """Facts of this machine plus what the config and flags ask for."""
     from deployments import constants
 
     env = Environment(verify_checksums=not args.no_checksums, ray_address=args.ray_address, ray_probe=probe_ray)
     synth = None
+    voices_dir, family = None, None
     model_dir = args.model_dir
     if args.config:
         env.config_path = str(args.config)
@@ -221,12 +241,14 @@ def probe_environment(args: argparse.Namespace) -> Environment:
             synth = cfg.synthesizer
             model_dir = model_dir or synth.model_dir or cfg.frontend.model_dir or cfg.model_dir
             env.tiny_allowed = cfg.tiny_family is not None
+            voices_dir, family = cfg.frontend.voices_dir, cfg.tiny_family
         except CliError as exc:
             env.config_error = str(exc)
         except ImportError as exc:
             env.config_error = f"the serving stack does not import ({exc}); install the project first"
     model_dir = model_dir or constants.model_dir_override()
     env.model_dir = Path(model_dir).expanduser() if model_dir else None
+    probe_voice_store(env, voices_dir, (detect_family(env.model_dir) if env.model_dir else None) or family)
     from cosyvoice_runtime.modes import resolve_mode  # the replica's rule: config wins, then the env
 
     try:

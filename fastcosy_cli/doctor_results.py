@@ -67,6 +67,9 @@ class Environment:
         estimated_need_bytes: the probe's estimate (weights + KV cache) when max_mem_gb is None.
         config_path / config_error: the serve config and its validation error, if any.
         verify_checksums: hash the model files against ``checksums.json`` (slow for real models).
+        voices_dir / voices_dir_problem: the frontend's voice store and why it refuses writes
+            (None: it accepts them; the probe creates and removes one file, or checks the nearest
+            existing parent of a store not created yet).
     """
 
     torch_version: str | None = None
@@ -95,6 +98,8 @@ class Environment:
     config_path: str | None = None
     config_error: str | None = None
     verify_checksums: bool = True
+    voices_dir: Path | None = None
+    voices_dir_problem: str | None = None
     extra: dict = field(default_factory=dict)
 
     def device_index(self) -> int:

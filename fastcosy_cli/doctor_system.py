@@ -215,3 +215,17 @@ def check_gpu_memory(env: Environment) -> CheckResult:
     if gpu.free_bytes < need * 1.2:
         return CheckResult("gpu_memory", Status.WARN, msg + " (under 20% headroom: fragmentation can still OOM)", fix)
     return CheckResult("gpu_memory", Status.OK, msg)
+
+
+def check_voice_store(env: Environment) -> CheckResult:
+    """The frontend's voice store must accept writes: a read-only one answers voice registration and
+    deletion with 503 and makes /health say ``degraded`` (synthesis with stored voices still works)."""
+    if env.voices_dir is None:
+        return CheckResult("voice_store", Status.OK, "skipped (no voice store resolved)")
+    if env.voices_dir_problem is None:
+        return CheckResult("voice_store", Status.OK, f"voice store {env.voices_dir} is writable")
+    return CheckResult("voice_store", Status.FAIL,
+                       f"voice store {env.voices_dir} is not writable ({env.voices_dir_problem}): POST and DELETE "
+                       "/v1/voices will answer 503",
+                       f"make {env.voices_dir} writable by the user running the frontend replicas (a read-write "
+                       "mount on every node), or set frontend.voices_dir to writable shared storage")

@@ -6,7 +6,11 @@ Each key carries scopes:
 
 * ``synthesis``: ``POST /v1/audio/speech``, ``POST /v1/tts``, WebSocket routes, reading voices;
 * ``voices``: voice administration (``POST /v1/voices``, ``DELETE /v1/voices/{id}``) and reading;
-* ``metrics``: ``GET /metrics`` and the details of ``GET /health`` when those are protected.
+* ``metrics``: ``GET /metrics`` and ``GET /health?detail=1`` (the live probe) when those are protected;
+* ``admin``: every endpoint, and every voice (other keys see and use their own voices and the shared
+  ones, and delete only their own: :class:`~deployments.protocol.VoiceAccess`).
+
+A request's key is identified to the routes by a fingerprint (:func:`voice_access`), never the key.
 
 Clients send ``Authorization: Bearer <key>`` (what OpenAI clients send) or ``xi-api-key: <key>``
 (what ElevenLabs clients send; the same keys and scopes). WebSocket clients may also use an
@@ -15,8 +19,9 @@ Clients send ``Authorization: Bearer <key>`` (what OpenAI clients send) or ``xi-
 hashed and compared with every configured key's hash by ``hmac.compare_digest``, so the time taken
 does not depend on how much of a key matched, nor on which key matched.
 
-``GET /health`` (liveness) always answers with its status code; without a key holding ``metrics``
-(when ``health_details: key``) the body is reduced to ``{"status"}``. Responses: 401 without a
+``GET /health`` is open: it answers a cached status with counts only and calls no replica
+(serve_app/health.py); ``GET /health?detail=1`` runs the probe and, with ``health_details: key``,
+needs a key holding ``metrics``. Responses: 401 without a
 valid key (``WWW-Authenticate: Bearer``), 403 with a valid key lacking the scope, both in the JSON
 error shape of :mod:`serve_app.errors`. Without any configured key the service runs open and logs
 a warning once per replica, unless ``auth.required`` is set, in which case the replica refuses
@@ -26,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,14 +45,16 @@ from starlette.requests import Request
 
 from deployments import constants
 from deployments.options import StrictModel
+from deployments.protocol import VoiceAccess
 from serve_app.errors import error_response, request_id_of
+from serve_app.health import wants_detail
 from serve_app.middleware import route_path
 from serve_app.playground import OPEN_PATHS as PLAYGROUND_PATHS
 
 logger = logging.getLogger(__name__)
 
-SYNTHESIS, VOICES, METRICS = "synthesis", "voices", "metrics"
-SCOPES = frozenset({SYNTHESIS, VOICES, METRICS})
+SYNTHESIS, VOICES, METRICS, ADMIN = "synthesis", "voices", "metrics", "admin"
+SCOPES = frozenset({SYNTHESIS, VOICES, METRICS, ADMIN})
 DEFAULT_SCOPES = frozenset({SYNTHESIS})
 WS_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 
@@ -60,7 +66,8 @@ class AuthConfig(StrictModel):
     required: bool = False
     # File with one key per line: `<key> [scope,scope]` (no scopes: synthesis); `#` starts a comment.
     keys_file: str | None = None
-    # GET /health without a `metrics` key: `open` full body, `key` only {"status"} (the status code always).
+    # GET /health?detail=1 (a live probe of every replica): `open` to anyone, `key` needs the `metrics` scope.
+    # Plain GET /health (cached status, counts only) is always open.
     health_details: Literal["open", "key"] = "key"
     # GET /metrics: `open` to anyone who reaches the port, `key` needs the `metrics` scope.
     metrics: Literal["open", "key"] = "key"
@@ -103,30 +110,61 @@ def parse_key_env(value: str) -> list[tuple[str, frozenset[str]]]:
     return out
 
 
+def key_id(key: str) -> str:
+    """A key's stable public name (stored as the owner of the voices it registers): a fingerprint
+    under its own label, so it is not the digest the ring compares, and never the key."""
+    return "key-" + hashlib.sha256(b"fastcosy voice owner\0" + key.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    digest: bytes
+    scopes: frozenset[str]
+    id: str
+
+
 class KeyRing:
     """Configured keys as SHA-256 digests with their scopes; lookups compare in constant time."""
 
     def __init__(self, keys: Iterable[tuple[str, frozenset[str]]]) -> None:
-        self._entries: list[tuple[bytes, frozenset[str]]] = []
+        self._entries: list[KeyEntry] = []
         for key, scopes in keys:
             if len(key) < 16:
                 raise ValueError("API keys must be at least 16 characters long")
-            self._entries.append((_digest(key), scopes))
+            self._entries.append(KeyEntry(_digest(key), scopes, key_id(key)))
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def scopes_of(self, presented: str) -> frozenset[str] | None:
-        """The scopes of ``presented``, or None when it is not a configured key.
+    def lookup(self, presented: str) -> KeyEntry | None:
+        """The entry of ``presented``, or None when it is not a configured key.
 
         Every configured key is compared (no early exit), each by ``hmac.compare_digest``.
         """
         digest = _digest(presented)
-        found: frozenset[str] | None = None
-        for known, scopes in self._entries:
-            if hmac.compare_digest(digest, known):
-                found = scopes
+        found: KeyEntry | None = None
+        for entry in self._entries:
+            if hmac.compare_digest(digest, entry.digest):
+                found = entry
         return found
+
+    def scopes_of(self, presented: str) -> frozenset[str] | None:
+        """The scopes of ``presented``, or None when it is not a configured key."""
+        entry = self.lookup(presented)
+        return entry.scopes if entry is not None else None
+
+
+SCOPE_KEY = "tts_api_key"  # ASGI scope entry: the request's KeyEntry, set by ApiKeyAuth
+
+
+def voice_access(conn) -> VoiceAccess:
+    """Whose voices a request may see and change: everything without keys (open mode), all for an
+    admin key, else its own and the shared ones (``conn``: a Request, WebSocket or ASGI scope)."""
+    scope = conn if isinstance(conn, dict) else conn.scope
+    entry: KeyEntry | None = scope.get(SCOPE_KEY)
+    if entry is None:
+        return VoiceAccess()
+    return VoiceAccess(owner=entry.id, sees_all=ADMIN in entry.scopes)
 
 
 def load_keys(cfg: AuthConfig) -> KeyRing:
@@ -155,7 +193,8 @@ def load_keys(cfg: AuthConfig) -> KeyRing:
 
 # ------------------------------------------------------------------------ routes
 def required_scopes(method: str, path: str, websocket: bool = False) -> frozenset[str] | None:
-    """Scopes of which a key needs one for this request; None: open (``/health``, the playground
+    """Scopes of which a key needs one for this request; None: open (``/health`` without
+    ``?detail``, the playground
     page and its files, which hold no secret: the page asks for the key).
 
     An empty set means any valid key (unknown paths: a 404 is not answered to strangers).
@@ -220,12 +259,14 @@ class ApiKeyAuth:
         if path == "/metrics" and self.cfg.metrics == "open":
             needed = None
         key = presented_key(scope)
-        held = self.keys.scopes_of(key) if key else None
+        entry = self.keys.lookup(key) if key else None
+        held = entry.scopes if entry is not None else None
+        if entry is not None:
+            scope[SCOPE_KEY] = entry  # who is asking, for the voice routes (voice_access)
+        if path == "/health" and self.cfg.health_details == "key" and wants_detail(scope.get("query_string", b"")):
+            needed = frozenset({METRICS})  # the live probe of every replica: not for strangers
         if needed is None:
-            if path == "/health" and self.cfg.health_details == "key" and not (held and METRICS in held):
-                await self.app(scope, receive, _status_only(send))
-            else:
-                await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
             return
         denied = self._check(key, held, needed)
         if denied is None:
@@ -247,40 +288,10 @@ class ApiKeyAuth:
                            "missing_api_key")
         if held is None:
             return _Denied(401, "invalid API key", "authentication_error", "invalid_api_key")
-        if needed and not (held & needed):
+        if needed and not (held & (needed | {ADMIN})):
             return _Denied(403, f"this API key lacks the scope for this endpoint (needs one of: "
                                 f"{', '.join(sorted(needed))})", "permission_error", "insufficient_scope")
         return None
-
-
-def _status_only(send):
-    """Wraps ``send`` so a JSON body is reduced to ``{"status": ...}`` (status code and headers kept)."""
-    state: dict = {"start": None, "body": b""}
-
-    async def wrapped(message) -> None:
-        if message["type"] == "http.response.start":
-            state["start"] = message
-            return
-        if message["type"] != "http.response.body":
-            await send(message)
-            return
-        state["body"] += message.get("body", b"")
-        if message.get("more_body"):
-            return
-        try:
-            status = json.loads(state["body"]).get("status")
-        except (ValueError, AttributeError):
-            status = None
-        if status is None:
-            status = "ok" if state["start"]["status"] < 400 else "unavailable"
-        body = json.dumps({"status": status}).encode()
-        start = state["start"]
-        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",)]
-        headers.append((b"content-length", str(len(body)).encode()))
-        await send({**start, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-    return wrapped
 
 
 def auth_middleware(cfg: AuthConfig) -> list[Middleware]:

@@ -35,6 +35,7 @@ from starlette.routing import Route
 from cosyvoice_runtime.frontend.voice_id import VOICE_ID_RULE, is_voice_id
 from deployments.protocol import AudioChunk, InvalidInputError, SynthesisMode, SynthesisRequest
 from serve_app.audio_codec import run_encoder
+from serve_app.auth import voice_access
 from serve_app.elevenlabs import (
     DEFAULT_OUTPUT_FORMAT,
     CharSpans,
@@ -184,7 +185,7 @@ class ElevenLabsHttp:
         ingress._check_text(body.text)
         native, tempo = split_speed(body.speed)
         req = SynthesisRequest(request_id=rid, text=body.text, mode=SynthesisMode.VOICE, voice_id=voice, speed=native,
-                               stream=streamed and native == 1.0, seed=body.seed)
+                               stream=streamed and native == 1.0, seed=body.seed, access=voice_access(request))
         started = time.perf_counter()
         ingress.metrics.in_flight.inc()
         try:

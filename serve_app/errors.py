@@ -34,7 +34,9 @@ from deployments.protocol import (
     PayloadTooLargeError,
     RequestFailedError,
     VoiceExistsError,
+    VoiceForbiddenError,
     VoiceNotFoundError,
+    VoiceStoreUnavailableError,
 )
 
 logger = logging.getLogger(__name__)
@@ -113,6 +115,10 @@ def classify(exc: BaseException, retry_after_s: int = 1) -> tuple[int, str, str 
         return 429, "overloaded_error", "queue_full", {"Retry-After": str(exc.retry_after_s)}
     if isinstance(exc, VoiceNotFoundError):
         return 404, "not_found_error", "voice_not_found", {}
+    if isinstance(exc, VoiceForbiddenError):
+        return 403, "permission_error", "voice_not_owned", {}
+    if isinstance(exc, VoiceStoreUnavailableError):  # read-only store: the message names its path
+        return 503, "server_error", "voice_store_unavailable", {"Retry-After": str(retry_after_s)}
     if isinstance(exc, VoiceExistsError):
         return 409, "conflict_error", "voice_exists", {}
     if isinstance(exc, PayloadTooLargeError):

@@ -10,7 +10,7 @@ Routes (docs/serving.md has examples):
   (serve_app/elevenlabs_http.py)
 * ``POST /v1/tts``           native: zero-shot (multipart prompt upload), voice, cross-lingual, instruct
 * ``POST /v1/voices`` (multipart), ``GET /v1/voices``, ``GET/DELETE /v1/voices/{voice_id}``
-* ``GET /health``, ``GET /metrics``
+* ``GET /health`` (cached status; ``?detail=1`` the live probe, serve_app/health.py), ``GET /metrics``
 * ``GET /playground`` (and ``/``): the browser playground and its files (serve_app/playground.py)
 
 Only this package knows HTTP, status codes and containers; the deployments get typed messages.
@@ -43,7 +43,6 @@ from deployments.options import DeploymentKnobs
 from deployments.protocol import (
     AudioChunk,
     PayloadTooLargeError,
-    ReplicaHealth,
     SynthesisMode,
     SynthesisRequest,
     SynthesisResult,
@@ -52,14 +51,14 @@ from deployments.protocol import (
 from deployments.python_gc import settle_replica
 from serve_app import elevenlabs_http, multi_stream, playground
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, run_encoder
-from serve_app.auth import AuthConfig, auth_middleware
-from serve_app.errors import ApiError, install_exception_handlers, request_id_of
+from serve_app.auth import AuthConfig, auth_middleware, voice_access
+from serve_app.errors import ApiError, error_body, install_exception_handlers, request_id_of
 from serve_app.handles import admitted as _admitted
 from serve_app.handles import cancel_stream as _cancel
+from serve_app.health import HealthMonitor, wants_detail
 from serve_app.metrics import CONTENT_TYPE, IngressMetrics
 from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
 from serve_app.request_body import read_form, read_json
-from serve_app.running_replicas import RunningReplicas
 from serve_app.schemas import NativeSynthesisFields, SpeechRequest, VoiceFields, VoiceOut
 from serve_app.speech import (
     AUDIO_SECONDS_HEADER,
@@ -70,6 +69,7 @@ from serve_app.speech import (
     encode_whole,
     served_seconds,
     split_speed,
+    sse_event,
 )
 from serve_app.stage_timing import first_audio_stages, server_timing
 from serve_app.stream_input import ROUTE as STREAM_INPUT_ROUTE
@@ -81,10 +81,12 @@ logger = logging.getLogger(__name__)
 # Serve's concurrency limit of an ingress replica, as a multiple of what the app admits or queues
 # (the excess is room for the app's own fast 429s and for /health and /metrics, which are never held).
 SERVE_HEADROOM = 2
-HEALTH_MEMORY_S = 60.0  # how long /health keeps a replica's last answer when probes cannot reach it
-HEALTH_PROBE_ROUNDS = 4  # idle misses compound to (1/8)^4 for 2 replicas
 MAX_LOGGED_FIELDS = 20  # unknown request fields named in the log, at most
 EMPTY_STREAM_RATE = 24000  # rate named in the header of a stream that has no audio at all
+
+
+class NoAudioError(Exception):
+    """A stream's next audio chunk did not come within ``stream_idle_timeout_s``."""
 
 
 class IngressConfig(DeploymentKnobs):
@@ -97,6 +99,11 @@ class IngressConfig(DeploymentKnobs):
     # Voice names resolved to registered voices before synthesis (OpenAI's built-in names -> "default").
     voice_aliases: dict[str, str] = Field(default_factory=lambda: dict.fromkeys(OPENAI_VOICES, DEFAULT_VOICE))
     health_timeout_s: float = Field(5.0, gt=0)
+    # Longest wait for a stream's next audio chunk, the first included (504 before the headers; after
+    # them an SSE error event or an aborted body). No limit on a stream's total time (docs/serving.md).
+    stream_idle_timeout_s: PositiveFloat = 60.0
+    # Pause between the background probes behind GET /health (its answer is at most this old).
+    health_refresh_s: float = Field(5.0, gt=0)
     # Longest prompt upload decoded (413 from the file's header above it); None: frontend.max_prompt_audio_s.
     max_prompt_audio_s: PositiveFloat | None = None
     auth: AuthConfig = Field(default_factory=AuthConfig)  # API keys, open endpoints, CORS (serve_app/auth.py)
@@ -124,13 +131,10 @@ class TTSIngress:
         self.frontend = frontend
         self.synth = synthesizer
         self.metrics = IngressMetrics(gc_pauses=settle_replica(cfg.gc_freeze))
-        self._health_memory: dict[str, tuple[float, dict]] = {}  # replica id -> (monotonic time, last answer)
-        # Serve's running count, read off the event loop by a background task (started here when
-        # Serve constructs the replica on its loop, else by the first /health).
-        self.running_synthesizers = RunningReplicas("Synthesizer")
-        self.running_synthesizers.start()
-        self.running_frontends = RunningReplicas("TextFrontend")
-        self.running_frontends.start()
+        # One background task keeps /health's status (started here when Serve constructs the
+        # replica on its loop, else by the first /health).
+        self.health_monitor = HealthMonitor(synthesizer, frontend, cfg.health_timeout_s, cfg.health_refresh_s)
+        self.health_monitor.start()
 
     # Serve calls this on the replica after __init__ (late-bound ASGI app).
     def __serve_build_asgi_app__(self) -> Starlette:
@@ -146,7 +150,7 @@ class TTSIngress:
             WebSocketRoute(STREAM_INPUT_ROUTE, self.stream_input),
             multi_stream.route(self),
             *elevenlabs_http.routes(self),
-            *playground.routes(self.synth, self.cfg.health_timeout_s),
+            *playground.routes(self.health_monitor.runtime_detail),
         ]
         cfg = self.cfg
         app = Starlette(routes=routes, middleware=[
@@ -179,7 +183,7 @@ class TTSIngress:
         streamed = body.stream or sse
         req = SynthesisRequest(request_id=rid, text=body.input, mode=mode, voice_id=self.resolve_voice(body.voice_id),
                                instruct_text=instructions, speed=native_speed,
-                               stream=streamed and native_speed == 1.0, seed=body.seed)
+                               stream=streamed and native_speed == 1.0, seed=body.seed, access=voice_access(request))
         return await self._synthesize(req, body.response_format, streamed, tempo, sse)
 
     async def stream_input(self, websocket: WebSocket, session_cls: type = StreamInputSession) -> None:
@@ -211,7 +215,8 @@ class TTSIngress:
         req = SynthesisRequest(request_id=request_id_of(request), text=body.text, mode=body.mode,
                                voice_id=body.voice_id, prompt_text=body.prompt_text, prompt_audio=audio,
                                prompt_sample_rate=sr, instruct_text=body.instruct_text, speed=native_speed,
-                               stream=body.stream and native_speed == 1.0, seed=body.seed)
+                               stream=body.stream and native_speed == 1.0, seed=body.seed,
+                               access=voice_access(request))
         return await self._synthesize(req, body.response_format, body.stream, tempo)
 
     async def _synthesize(self, req: SynthesisRequest, fmt: str, streamed: bool, tempo: float = 1.0,
@@ -237,9 +242,13 @@ class TTSIngress:
                 return Response(data, media_type=MEDIA_TYPES[fmt], headers={AUDIO_SECONDS_HEADER: f"{served:.3f}"})
             gen = self.synth.options(stream=True).synthesize.remote(prepared)
             try:
-                first = await _admitted(gen.__anext__())
+                first = await _admitted(self._next_audio(gen))
             except StopAsyncIteration:
                 first = None
+            except NoAudioError as exc:
+                _cancel(gen)
+                raise ApiError(504, f"{exc}; the service is busy or stalled", "server_error", "audio_timeout",
+                               {"Retry-After": str(self.cfg.retry_after_s)}) from None
             except BaseException:
                 _cancel(gen)
                 raise
@@ -257,10 +266,21 @@ class TTSIngress:
         finally:
             if not handed_to_stream:
                 self.metrics.in_flight.dec()
-        return StreamingResponse(self._stream_body(gen, first, out, started), media_type=out.media_type,
-                                 headers={"Server-Timing": server_timing(stages)})
+        return StreamingResponse(self._stream_body(gen, first, out, started, req.request_id),
+                                 media_type=out.media_type, headers={"Server-Timing": server_timing(stages)})
 
-    async def _stream_body(self, gen, first, out: AudioOut, started: float):
+    async def _next_audio(self, gen) -> AudioChunk:
+        """The stream's next chunk; :class:`NoAudioError` when none came within ``stream_idle_timeout_s``.
+
+        A progress timeout, not a total one: a long answer streams as long as its audio keeps
+        coming (docs/serving.md, Long answers); the work of one request is bounded by the input
+        limits (``max_input_chars``, the frontend's ``max_pieces``)."""
+        try:
+            return await asyncio.wait_for(gen.__anext__(), self.cfg.stream_idle_timeout_s)
+        except TimeoutError:
+            raise NoAudioError(f"no audio for {self.cfg.stream_idle_timeout_s:g} s") from None
+
+    async def _stream_body(self, gen, first, out: AudioOut, started: float, rid: str):
         # Encoding (and SSE's base64) runs in the encoder pool: an MP3/Opus/AAC chunk costs
         # milliseconds of CPU, which on the event loop would delay every other stream.
         first_at = None
@@ -269,7 +289,20 @@ class TTSIngress:
                 first_at = time.perf_counter()
                 if data := await run_encoder(out.feed, first.samples):
                     yield data
-                async for chunk in gen:
+                while True:
+                    try:
+                        chunk = await self._next_audio(gen)
+                    except StopAsyncIteration:
+                        break
+                    except NoAudioError as exc:
+                        # After the headers no status can change: SSE says why in an error event,
+                        # a plain audio body is aborted (the client sees an incomplete response).
+                        logger.warning("request %s: %s; stream ended", rid, exc)
+                        if not out.sse:
+                            raise
+                        yield sse_event({"type": "error", **error_body(rid, f"{exc}; stream ended", "server_error",
+                                                                      "audio_timeout")})
+                        return
                     if data := await run_encoder(out.feed, chunk.samples):
                         yield data
             if tail := await run_encoder(out.close):
@@ -303,21 +336,22 @@ class TTSIngress:
             raise ApiError(400, "missing the 'audio' file field", code="invalid_input")
         audio, sr = await asyncio.to_thread(decode_upload, files["audio"], self.cfg.max_prompt_audio_s)
         info = await _admitted(
-            self.frontend.register_voice.remote(body.voice_id, body.prompt_text, audio, sr, body.overwrite))
+            self.frontend.register_voice.remote(body.voice_id, body.prompt_text, audio, sr, body.overwrite,
+                                                voice_access(request)))
         return JSONResponse(_voice_out(info), status_code=201)
 
     async def list_voices(self, request: Request) -> Response:
-        infos = await _admitted(self.frontend.list_voices.remote())
+        infos = await _admitted(self.frontend.list_voices.remote(voice_access(request)))
         # aliases: voice names a request may use for a registered voice (OpenAI's built-in names)
         return JSONResponse({"voices": [_voice_out(i) for i in infos], "aliases": self.cfg.voice_aliases})
 
     async def get_voice(self, request: Request) -> Response:
-        info = await _admitted(self.frontend.get_voice.remote(request.path_params["voice_id"]))
+        info = await _admitted(self.frontend.get_voice.remote(request.path_params["voice_id"], voice_access(request)))
         return JSONResponse(_voice_out(info))
 
     async def delete_voice(self, request: Request) -> Response:
         voice_id = request.path_params["voice_id"]
-        await _admitted(self.frontend.delete_voice.remote(voice_id))
+        await _admitted(self.frontend.delete_voice.remote(voice_id, voice_access(request)))
         return JSONResponse({"voice_id": voice_id, "deleted": True})
 
     # ---------------------------------------------------------------- Python (handle) API
@@ -345,74 +379,13 @@ class TTSIngress:
 
     # ---------------------------------------------------------------- health / metrics
     async def health(self, request: Request) -> Response:
-        """Readiness of the synthesizer replicas (sampled through the handle) and the frontend.
-
-        The frontend counts as ready when a replica answers a ping through the handle, or else when
-        Serve counts a running one (the same fallback as below). Without it, a service whose
-        frontend was still loading reported ready: on the 2-core VM (2026-12-05) the first request
-        after start then waited 1.0-1.3 s in its ``frontend`` stage for a replica whose own work
-        took 7 ms. The ping also sets the ingress's frontend handle up before any user request.
-
-        NOTE: a probe is a handle call, so it queues behind synthesis requests: under overload
-        the replicas answer late or not at all (measured, bench/results/ramp-cpu-2026-12-03.md:
-        every probe failed for minutes while 2 req/s were offered to replicas completing ~0.8
-        req/s). A replica heard from within HEALTH_MEMORY_S but not reached now is listed under
-        ``synthesizer_replicas_unreached`` with its last answer and its age, and readiness then
-        rests on Serve's own count of running replicas, which its controller health-checks
-        outside the request queue; a busy service is not reported down. That count is the one a
-        background task last read (serve_app/running_replicas.py, every 2 s): nothing here waits
-        on Serve's controller.
-        """
-        now = time.monotonic()
-        ready_replicas = self.running_synthesizers.current()  # cached: no controller call on the loop
-        frontend_running = self.running_frontends.current()
-        # side by side: a busy frontend's late answer does not add to the synthesizers' probes
-        (seen, failed), frontend = await asyncio.gather(self._probe_synthesizers(ready_replicas), self._ping_frontend())
-        self._health_memory.update({rid: (now, entry) for rid, entry in seen.items()})
-        for rid in [rid for rid, (t, _) in self._health_memory.items() if now - t > HEALTH_MEMORY_S]:
-            del self._health_memory[rid]
-        unreached = {rid: {**entry, "age_s": round(now - t, 1)} for rid, (t, entry) in self._health_memory.items()
-                     if rid not in seen}
-        # Ready: no replica says otherwise, and one answered now or Serve counts running ones; the
-        # same for the frontend.
-        ready = (all(r["ready"] for r in (*seen.values(), *unreached.values()))
-                 and (bool(seen) or ready_replicas > 0) and (frontend is not None or frontend_running > 0))
-        body = {"status": "ok" if ready else "unavailable", "synthesizer_replicas": seen,
-                "synthesizer_replicas_unreached": unreached, "synthesizer_running_replicas": ready_replicas,
-                "probes_failed": failed,
-                "frontend": {"answered_by": frontend, "running_replicas": frontend_running}}
-        return JSONResponse(body, status_code=200 if ready else 503)
-
-    async def _ping_frontend(self) -> str | None:
-        """The id of the frontend replica that answered a ping, None when none did in time."""
-        try:
-            return await asyncio.wait_for(self.frontend.ping.remote(), self.cfg.health_timeout_s)
-        except Exception:  # noqa: BLE001 - busy, starting or gone: readiness falls back on Serve's count
-            return None
-
-    async def _probe_synthesizers(self, running: int) -> tuple[dict[str, dict], int]:
-        """Health answers by replica id, and how many probes failed.
-
-        The handle routes each probe to a replica of its choice, so one round of 2 probes per
-        replica can miss one (2 replicas, 4 probes: 1 in 8 when idle). Another round is sent
-        only while every probe of the last one was answered: a failed probe means busy
-        replicas, and more rounds would only make /health slower under load.
-        """
-        seen: dict[str, dict] = {}
-        failed = 0
-        for _ in range(HEALTH_PROBE_ROUNDS):
-            results = await asyncio.gather(
-                *(asyncio.wait_for(self.synth.health.remote(), self.cfg.health_timeout_s)
-                  for _ in range(2 * max(running, 1))),
-                return_exceptions=True)
-            for res in results:
-                if isinstance(res, BaseException):
-                    failed += 1
-                else:
-                    seen[res.replica_id] = _health_entry(res)
-            if failed or len(seen) >= running:
-                break
-        return seen, failed
+        """Cached status for anyone; the live probe with ``?detail=1`` (serve_app/health.py; the
+        auth middleware asks a key for the detail)."""
+        if wants_detail(request.scope.get("query_string", b"")):
+            body, status = await self.health_monitor.detail()
+        else:
+            body, status = self.health_monitor.summary()
+        return JSONResponse(body, status_code=status)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         try:
@@ -432,20 +405,4 @@ class TTSIngress:
         opts = cfg.serve_options("TTSIngress")
         opts["max_ongoing_requests"] = SERVE_HEADROOM * (cfg.max_ongoing_requests + cfg.max_queued_requests)
         return opts
-
-
-def _health_entry(res: ReplicaHealth) -> dict:
-    """One replica's /health entry from its health answer."""
-    detail = res.detail or {}
-    return {
-        "ready": res.ready, "device": res.device,
-        "gpu_memory_allocated_bytes": res.gpu_memory_allocated_bytes,
-        "gpu_memory_total_bytes": res.gpu_memory_total_bytes,
-        "utilization_pct": res.gpu_utilization_pct,
-        "engine": res.engine.__dict__ if res.engine else None,
-        # the execution mode and where it came from (config / FAST_COSY_MODE / default)
-        "mode": detail.get("mode"), "mode_source": detail.get("mode_source"),
-        # what the replica loaded: family, dtype, estimator, CUDA graphs captured, flow limits
-        "runtime": {k: v for k, v in detail.items() if k not in ("mode", "mode_source")},
-    }
 

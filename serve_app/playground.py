@@ -4,15 +4,14 @@ Plain HTML/JS/CSS shipped in ``serve_app/static/`` (package data; no build step,
 page calls the public API with the key typed into it (kept in the tab's sessionStorage, sent as
 ``Authorization: Bearer``; the WebSocket carries it as the ``api_key`` query parameter), so the
 page, its two static files and ``/playground/info`` are open: they hold no secret and start no
-work beyond one cached health call. ``/playground/info`` tells the page whether the synthesizer
+work (the info comes from the ingress's cached health status). ``/playground/info`` tells the page whether the synthesizer
 serves the tiny random-weight model (noise, not speech). docs/serving.md#playground.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -36,25 +35,18 @@ _HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
 class PlaygroundInfo:
     """``GET /playground/info``: what the page states about the served model.
 
-    Asks one synthesizer replica once (its health detail names ``random_weights`` and the
-    family) and keeps the first answer for the life of the ingress replica: every synthesizer of
-    an app loads the same model, and an open endpoint must not turn into a stream of handle calls.
+    Read from the ingress's health status (a synthesizer replica's health detail names
+    ``random_weights`` and the family; serve_app/health.py keeps the last one): an open endpoint
+    never turns into handle calls, however often it is asked. Unknown (null) until a probe landed.
     """
 
-    def __init__(self, synth: Any, timeout_s: float) -> None:
-        self.synth, self.timeout_s = synth, timeout_s
-        self._known: dict | None = None
+    def __init__(self, latest: Callable[[], dict | None]) -> None:
+        self.latest = latest
 
     async def endpoint(self, request: Request) -> Response:
-        if self._known is None:
-            try:
-                res = await asyncio.wait_for(self.synth.health.remote(), self.timeout_s)
-            except Exception:  # noqa: BLE001 - any failure: the page says "unknown", asked again on the next load
-                logger.warning("playground info: no synthesizer health answer")
-                return JSONResponse({"random_weights": None, "family": None}, headers=_HEADERS)
-            detail = res.detail or {}
-            self._known = {"random_weights": detail.get("random_weights"), "family": detail.get("family")}
-        return JSONResponse(self._known, headers=_HEADERS)
+        detail = self.latest() or {}
+        return JSONResponse({"random_weights": detail.get("random_weights"), "family": detail.get("family")},
+                            headers=_HEADERS)
 
 
 def _files() -> dict[str, tuple[bytes, str]]:
@@ -63,8 +55,10 @@ def _files() -> dict[str, tuple[bytes, str]]:
     return out
 
 
-def routes(synth: Any, timeout_s: float) -> list[Route]:
-    """The playground's routes; the files are read once, when the ingress replica builds its app."""
+def routes(runtime_detail: Callable[[], dict | None]) -> list[Route]:
+    """The playground's routes; the files are read once, when the ingress replica builds its app.
+
+    ``runtime_detail``: what a synthesizer replica last said it loaded (``HealthMonitor.runtime_detail``)."""
     files = _files()
 
     def serve(name: str):
@@ -77,5 +71,5 @@ def routes(synth: Any, timeout_s: float) -> list[Route]:
 
     page = serve(PAGE)
     return [*(Route(path, page, methods=["GET"]) for path in PAGE_PATHS),
-            Route(INFO_PATH, PlaygroundInfo(synth, timeout_s).endpoint, methods=["GET"]),
+            Route(INFO_PATH, PlaygroundInfo(runtime_detail).endpoint, methods=["GET"]),
             *(Route(f"/static/{name}", serve(name), methods=["GET"]) for name in ASSETS)]

@@ -53,6 +53,7 @@ from cosyvoice_runtime.frontend.split import CLOSING_QUOTES, EN_SENTENCE_END, ZH
 from cosyvoice_runtime.frontend.voice_id import VOICE_ID_RULE, is_voice_id
 from deployments.protocol import AudioChunk, CosyVoiceError, InvalidInputError, OverloadedError, SynthesisRequest
 from serve_app.audio_codec import run_encoder
+from serve_app.auth import voice_access
 from serve_app.elevenlabs import (
     DEFAULT_CHARS_PER_S,
     DEFAULT_OUTPUT_FORMAT,
@@ -155,6 +156,7 @@ class StreamInputSession:
                  on_served: Callable[[float], None] | None = None) -> None:
         self.ws, self.frontend, self.synth, self.voice_id = ws, frontend, synth, voice_id
         self.on_served = on_served  # audio seconds of each synthesis call (segment or turn) once it is sent
+        self.access = voice_access(ws)  # the key's own and the shared voices (serve_app/auth.py)
         self.rid = request_id_of(ws)
         self.segments: asyncio.Queue = asyncio.Queue()  # sentence: segments; bistream: fragments, FLUSH; None: end
         self.out: AudioOut | None = None
@@ -251,7 +253,7 @@ class StreamInputSession:
         n = 0
         while (segment := await self.segments.get()) is not None:
             req = SynthesisRequest(request_id=f"{self.rid}-{n}", text=segment, voice_id=self.voice_id, speed=native,
-                                   stream=native == 1.0)
+                                   stream=native == 1.0, access=self.access)
             n += 1
             prepared = await admitted(self.frontend.prepare.remote(req))
             gen = self.synth.options(stream=True).synthesize.remote(prepared)
@@ -292,7 +294,8 @@ class StreamInputSession:
 
     async def _start_turn(self, request_id: str, speed: float, fmt: OutputFormat, tempo: float) -> _Turn:
         """A bistream sequence for the voice: its ticket, and a task sending its audio."""
-        req = SynthesisRequest(request_id=request_id, text="", voice_id=self.voice_id, speed=speed, stream=True)
+        req = SynthesisRequest(request_id=request_id, text="", voice_id=self.voice_id, speed=speed, stream=True,
+                               access=self.access)
         prepared = await admitted(self.frontend.prepare_bistream.remote(req))
         gen = self.synth.options(stream=True).synthesize_bistream.remote(prepared)
         try:

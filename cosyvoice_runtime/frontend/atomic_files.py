@@ -41,3 +41,21 @@ def atomic_write(path: Path, data: bytes, exclusive: bool = False) -> None:
     finally:
         tmp.unlink(missing_ok=True)  # after link: the second name; after replace: already gone
     fsync_dir(path.parent)
+
+
+def probe_writable(directory: Path) -> str | None:
+    """None when a file can be created and removed in ``directory``; else why not (the OS's words).
+
+    The probe file is a dot file with the temp suffix: never listed, and collected by the store's gc
+    if a crash leaves it behind."""
+    probe = Path(directory) / f".write-check.{uuid.uuid4().hex}{TMP_SUFFIX}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+        probe.unlink()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None

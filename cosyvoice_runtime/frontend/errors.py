@@ -6,7 +6,7 @@ its message and never shows a stack trace. Messages say what is wrong and what i
 """
 from __future__ import annotations
 
-from cosyvoice_runtime.errors import InvalidInputError, VoiceNotFoundError
+from cosyvoice_runtime.errors import CosyVoiceError, InvalidInputError, VoiceNotFoundError
 
 __all__ = [
     "EmptyTextError",
@@ -20,6 +20,7 @@ __all__ = [
     "VoiceFamilyMismatchError",
     "VoiceNotFoundError",
     "VoiceStoreFullError",
+    "VoiceStoreUnwritableError",
 ]
 
 
@@ -89,3 +90,9 @@ class VoiceExistsError(InvalidInputError):
 
 class VoiceStoreFullError(InvalidInputError):
     """Registering would pass the voice store's quota (voice count or bytes)."""
+
+
+class VoiceStoreUnwritableError(CosyVoiceError):
+    """The voice store's directory refuses writes (a read-only mount, permissions, a full disk).
+
+    Not the client's fault: the serving layer answers 503 with this message, which names the path."""

@@ -26,6 +26,10 @@ A record that cannot be read or lacks a field (a hand edit, a foreign file, a di
 skipped by :meth:`VoiceRegistry.list` and reported (a warning, once per record version, and
 :meth:`VoiceRegistry.problems`); looking it up is :class:`VoiceNotFoundError`. Listing never fails.
 
+A store that refuses writes (a read-only mount, permissions, a full disk) makes ``put`` and
+``delete`` raise :class:`VoiceStoreUnwritableError` naming the directory; :meth:`VoiceRegistry.check_writable`
+probes it without touching any voice (readiness, ``fastcosy doctor``). Reading still works.
+
 Quotas (``max_voices``, ``max_bytes``) are checked before a new voice is written
 (:class:`VoiceStoreFullError`). With a quota set, the check and the write hold an exclusive
 ``flock`` on ``<root>/.quota.lock``, so writers of every replica sharing the directory take turns
@@ -47,13 +51,14 @@ from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_runtime.frontend.atomic_files import TMP_SUFFIX, atomic_write, fsync_dir
+from cosyvoice_runtime.frontend.atomic_files import TMP_SUFFIX, atomic_write, fsync_dir, probe_writable
 from cosyvoice_runtime.frontend.errors import (
     InvalidVoiceIdError,
     VoiceExistsError,
     VoiceFamilyMismatchError,
     VoiceNotFoundError,
     VoiceStoreFullError,
+    VoiceStoreUnwritableError,
 )
 from cosyvoice_runtime.frontend.voice_id import check_voice_id
 from cosyvoice_runtime.voice_prompt import VoicePrompt
@@ -162,6 +167,16 @@ class VoiceRegistry:
         """Records found unusable by the last :meth:`list` (or lookups since): id -> reason."""
         return dict(self._problems)
 
+    def check_writable(self) -> str | None:
+        """None when the store accepts writes now; else why not (a probe file created and removed)."""
+        return probe_writable(self.root)
+
+    def _unwritable(self, exc: OSError) -> VoiceStoreUnwritableError:
+        why = exc.strerror or type(exc).__name__
+        logger.error("voice store %s refuses writes: %s", self.root, why)
+        return VoiceStoreUnwritableError(f"the voice store {self.root} is not writable ({why}): voices cannot be "
+                                         "registered or deleted until it is")
+
     # -- cache ------------------------------------------------------------------------------
     def _cached(self, voice_id: str, sha: str) -> VoicePrompt | None:
         with self._lock:
@@ -246,6 +261,7 @@ class VoiceRegistry:
         Raises:
             VoiceExistsError: ``overwrite=False`` and the id exists (or was created meanwhile).
             VoiceStoreFullError: the store would pass ``max_voices`` or ``max_bytes``.
+            VoiceStoreUnwritableError: the directory refuses writes.
         """
         record_path = self._record_path(voice_id)
         blob = _serialize(voice)
@@ -268,16 +284,19 @@ class VoiceRegistry:
                   "meta": voice.meta}
         data = json.dumps(record, ensure_ascii=False, indent=1).encode("utf-8")
         new_bytes = len(data) + (len(blob) if created_tensors else 0)
-        with self._quota_turn():
-            self._check_quota(new_record=not record_path.exists(), new_bytes=new_bytes)
-            if created_tensors:
-                atomic_write(tensor_path, blob)
-            try:
-                atomic_write(record_path, data, exclusive=not overwrite)
-            except FileExistsError:
+        try:
+            with self._quota_turn():
+                self._check_quota(new_record=not record_path.exists(), new_bytes=new_bytes)
                 if created_tensors:
-                    tensor_path.unlink(missing_ok=True)  # ours alone: the winner's record names its own file
-                raise VoiceExistsError(f"voice '{voice_id}' already exists") from None
+                    atomic_write(tensor_path, blob)
+                try:
+                    atomic_write(record_path, data, exclusive=not overwrite)
+                except FileExistsError:
+                    if created_tensors:
+                        tensor_path.unlink(missing_ok=True)  # ours alone: the winner's record names its own file
+                    raise VoiceExistsError(f"voice '{voice_id}' already exists") from None
+        except OSError as exc:
+            raise self._unwritable(exc) from None
         if old is not None and old["tensors"] != tensor_name:
             (self.root / old["tensors"]).unlink(missing_ok=True)
         with self._lock:
@@ -320,7 +339,10 @@ class VoiceRegistry:
             record = None  # unusable: the record goes, gc() collects whatever it named
         if record is None and not path.exists():
             return False
-        path.unlink(missing_ok=True)  # the commit: the voice is gone
+        try:
+            path.unlink(missing_ok=True)  # the commit: the voice is gone
+        except OSError as exc:
+            raise self._unwritable(exc) from None
         fsync_dir(self.root)
         if record is not None:
             (self.root / record["tensors"]).unlink(missing_ok=True)

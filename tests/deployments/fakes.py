@@ -296,6 +296,11 @@ class FakeFrontendRuntime:
         self.load_voice(voice_id)
         del self.voices[voice_id]
 
+    store_problem: str | None = None  # set by a test: the store "refuses writes" for this reason
+
+    def voice_store_status(self) -> tuple[str, str | None]:
+        return "memory", self.store_problem
+
 
 def fake_frontend_runtime(cfg, source) -> FakeFrontendRuntime:
     """``runtime_factory`` for FrontendConfig (import path ``tests.deployments.fakes:fake_frontend_runtime``)."""

@@ -577,3 +577,34 @@ def test_ray_probe_against_a_dashboard_like_http_server():
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ------------------------------------------------------------------------------- voice store
+def test_voice_store_check_fails_on_a_store_that_refuses_writes_and_names_it(tmp_path):
+    from fastcosy_cli.doctor_checks import check_voice_store
+
+    writable = tmp_path / "voices"
+    writable.mkdir()
+    env = Environment()
+    doctor.probe_voice_store(env, str(writable), None)
+    assert env.voices_dir == writable and env.voices_dir_problem is None
+    assert check_voice_store(env).status is Status.OK and list(writable.iterdir()) == []  # probe removed
+    doctor.probe_voice_store(env, str(tmp_path / "not-yet" / "voices"), None)  # the replica creates it
+    assert env.voices_dir_problem is None
+    # A store the OS refuses writes to, whoever runs the test (root ignores permission bits): its
+    # name is taken by a file, so nothing can be created in it.
+    blocked = tmp_path / "blocked"
+    blocked.write_bytes(b"")
+    doctor.probe_voice_store(env, str(blocked / "voices"), None)
+    result = check_voice_store(env)
+    assert result.status is Status.FAIL and str(blocked / "voices") in result.message
+    assert "503" in result.message and "frontend.voices_dir" in result.fix
+
+
+def test_voice_store_of_a_config_is_its_frontend_voices_dir_or_the_family_default(tmp_path, monkeypatch):
+    from deployments import constants
+
+    monkeypatch.setenv(constants.ENV_HOME, str(tmp_path / "home"))
+    cfg = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
+    env = doctor.probe_environment(_doctor_args(config=str(cfg)))
+    assert env.voices_dir == tmp_path / "home" / "voices" / "cosyvoice2" and env.voices_dir_problem is None

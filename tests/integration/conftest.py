@@ -25,7 +25,7 @@ APP_NAME = "tts"
 # (slots, abort), hop schedule and batching are real; the model math is not.
 TEST_ARGS = {
     "ingress": {"num_replicas": 1, "max_ongoing_requests": 64, "max_queued_requests": 64,
-                "resources": {"num_cpus": 0.1}, "max_input_chars": 2000},
+                "resources": {"num_cpus": 0.1}, "max_input_chars": 2000, "health_refresh_s": 1.0},
     "frontend": {"num_replicas": 1, "max_ongoing_requests": 32, "max_queued_requests": 64,
                  "resources": {"num_cpus": 0.1}, "runtime_factory": "tests.deployments.fakes:fake_frontend_runtime"},
     "synthesizer": {"num_replicas": 1, "max_running": 4, "max_ongoing_requests": 4, "max_queued_requests": 4,
@@ -62,12 +62,17 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def tts_app(ray_session):
+    import httpx
     from ray import serve
 
     from serve_app.app import build_app
     from serve_app.args import AppArgs
+    from tests.integration.waiting import wait_for
 
     handle = serve.run(build_app(AppArgs.model_validate(TEST_ARGS)), name=APP_NAME, route_prefix="/")
+    base = ray_session["base_url"]
+    # /health answers the background probe's last status: "starting" (503) until the first one lands
+    wait_for(lambda: httpx.get(f"{base}/health", timeout=30).status_code == 200, "the first health probe")
     yield {
         "handle": handle,
         "synth": serve.get_deployment_handle("Synthesizer", app_name=APP_NAME),

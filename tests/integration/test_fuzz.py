@@ -48,7 +48,7 @@ def app(tts_app):
 def _replica_ids(url: str) -> set[str]:
     seen: set[str] = set()
     for _ in range(3):
-        seen |= set(httpx.get(f"{url}/health", timeout=30).json()["synthesizer_replicas"])
+        seen |= set(httpx.get(f"{url}/health?detail=1", timeout=30).json()["synthesizer_replicas"])
     return seen
 
 

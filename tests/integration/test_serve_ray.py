@@ -284,7 +284,9 @@ def test_disconnect_mid_stream_frees_the_decode_slot(tts_app, voice):
 # ------------------------------------------------------------------------------ health / metrics
 def test_health_and_metrics(tts_app, voice):
     url = tts_app["base_url"]
-    h = httpx.get(f"{url}/health", timeout=30)
+    # the cached status (the background probe may still be on its way right after start)
+    wait_for(lambda: httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok", "/health says ok")
+    h = httpx.get(f"{url}/health?detail=1", timeout=30)  # the live probe
     assert h.status_code == 200 and h.json()["status"] == "ok"
     replicas = h.json()["synthesizer_replicas"]
     assert len(replicas) == 1

@@ -19,7 +19,8 @@ from serve_app.ingress import IngressConfig
 SYNTH_KEY = "sk-synth-0123456789abcdef"
 ADMIN_KEY = "sk-admin-0123456789abcdef"
 OPS_KEY = "sk-ops-000000000000000000"
-KEYS_ENV = f"{SYNTH_KEY},{ADMIN_KEY}:voices+synthesis,{OPS_KEY}:metrics"
+ROOT_KEY = "sk-root-00000000000000000"  # the `admin` scope
+KEYS_ENV = f"{SYNTH_KEY},{ADMIN_KEY}:voices+synthesis,{OPS_KEY}:metrics,{ROOT_KEY}:admin"
 
 
 async def _ok(request):
@@ -89,6 +90,10 @@ def test_401_without_a_key_in_the_json_error_shape(keys_env):
     ("GET", "/metrics", SYNTH_KEY, 403),
     ("GET", "/metrics", OPS_KEY, 200),
     ("GET", "/other", SYNTH_KEY, 200),              # any valid key reaches the app (its own 404s)
+    ("POST", "/v1/audio/speech", ROOT_KEY, 200),    # admin: every endpoint
+    ("DELETE", "/v1/voices/v1", ROOT_KEY, 200),
+    ("GET", "/metrics", ROOT_KEY, 200),
+    ("GET", "/health?detail=1", ROOT_KEY, 200),
 ])
 def test_scopes(keys_env, method, path, key, status):
     r = _call(_app(), method, path, key=key)
@@ -97,22 +102,18 @@ def test_scopes(keys_env, method, path, key, status):
         assert r.json()["error"]["type"] == "permission_error" and r.json()["error"]["code"] == "insufficient_scope"
 
 
-def test_health_liveness_is_open_and_details_need_a_metrics_key(keys_env):
+def test_health_is_open_and_its_live_probe_needs_a_metrics_key(keys_env):
+    """Plain /health (a cached status, serve_app/health.py) is open; ?detail runs a probe of every
+    replica, so with keys on it needs the `metrics` scope."""
     r = _call(_app(), "GET", "/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
-    assert int(r.headers["content-length"]) == len(r.content)
-    assert _call(_app(), "GET", "/health", key=SYNTH_KEY).json() == {"status": "ok"}
-    assert "replicas" in _call(_app(), "GET", "/health", key=OPS_KEY).json()
-    assert "replicas" in _call(_app(AuthConfig(health_details="open")), "GET", "/health").json()
-
-
-def test_unhealthy_status_passes_through_the_reduced_body(keys_env):
-    async def down(request):
-        return JSONResponse({"status": "unavailable", "replicas": {"r1": {"ready": False}}}, status_code=503)
-
-    app = Starlette(routes=[Route("/health", down)], middleware=auth_middleware(AuthConfig()))
-    r = _call(app, "GET", "/health")
-    assert r.status_code == 503 and r.json() == {"status": "unavailable"}
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert _call(_app(), "GET", "/health?detail=0").status_code == 200
+    for query in ("?detail=1", "?detail", "?detail=true", "?x=1&detail=yes"):
+        assert _call(_app(), "GET", "/health" + query).status_code == 401, query
+        r = _call(_app(), "GET", "/health" + query, key=SYNTH_KEY)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope"
+        assert "replicas" in _call(_app(), "GET", "/health" + query, key=OPS_KEY).json()
+    assert "replicas" in _call(_app(AuthConfig(health_details="open")), "GET", "/health?detail=1").json()
 
 
 def test_metrics_can_be_left_open(keys_env):
@@ -200,7 +201,7 @@ def test_key_file_parsing(tmp_path, monkeypatch):
 
 def test_env_keys_add_to_the_file(tmp_path, monkeypatch):
     assert parse_key_env(KEYS_ENV) == [(SYNTH_KEY, {"synthesis"}), (ADMIN_KEY, {"voices", "synthesis"}),
-                                       (OPS_KEY, {"metrics"})]
+                                       (OPS_KEY, {"metrics"}), (ROOT_KEY, {"admin"})]
     path = tmp_path / "keys"
     path.write_text(f"{OPS_KEY} metrics\n")
     monkeypatch.setenv(constants.ENV_API_KEYS, SYNTH_KEY)

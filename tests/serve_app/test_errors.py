@@ -12,7 +12,9 @@ from deployments.protocol import (
     OverloadedError,
     PayloadTooLargeError,
     VoiceExistsError,
+    VoiceForbiddenError,
     VoiceNotFoundError,
+    VoiceStoreUnavailableError,
 )
 from serve_app.errors import ApiError, response_for
 
@@ -28,6 +30,8 @@ def _request(headers=()) -> Request:
     (PayloadTooLargeError("big"), 413, "payload_too_large"),
     (OverloadedError("full"), 429, "queue_full"),
     (EngineDeadError("dead"), 503, "engine_unavailable"),
+    (VoiceForbiddenError("shared"), 403, "voice_not_owned"),
+    (VoiceStoreUnavailableError("the voice store /v is not writable"), 503, "voice_store_unavailable"),
     (ApiError(415, "nope", code="unsupported_media_type"), 415, "unsupported_media_type"),
 ])
 def test_mapping(exc, status, code):

@@ -91,22 +91,22 @@ def test_health_answers_from_cache_while_the_serve_controller_call_is_held(monke
 
     async def main():
         async with _client_with_voice(app) as c:
-            r = await c.get("/health")  # starts the background reader; answers without waiting for it
+            r = await c.get("/health?detail=1")  # starts the background reader; answers without waiting for it
             assert r.status_code == 200 and r.json()["synthesizer_replicas"]["local"]["ready"]
             assert await asyncio.to_thread(held.entered.wait, GUARD_S)
             # The controller call is in progress and held: /health and a stream are still served.
-            r = await c.get("/health")
+            r = await c.get("/health?detail=1")
             body = r.json()
             assert r.status_code == 200 and body["synthesizer_running_replicas"] == 0  # not read yet
             assert body["probes_failed"] == 0 and "local" in body["synthesizer_replicas"]
             r = await c.post("/v1/audio/speech", json=_speech("pcm"))
             assert r.status_code == 200 and len(r.content) == 2 * _n_samples(TEXT)
             held.release.set()
-            assert await ingress.running_synthesizers.refresh() == 1  # what the reader will find next
-            assert (await c.get("/health")).json()["synthesizer_running_replicas"] == 1
+            assert await ingress.health_monitor.running_synthesizers.refresh() == 1  # what the reader will find next
+            assert (await c.get("/health?detail=1")).json()["synthesizer_running_replicas"] == 1
             # Readiness still rests on that count when probes fail (the busy-replica case).
-            ingress.synth = SimpleNamespace(health=SimpleNamespace(remote=_failing_probe))
-            r = await c.get("/health")
+            ingress.health_monitor.synth = SimpleNamespace(health=SimpleNamespace(remote=_failing_probe))
+            r = await c.get("/health?detail=1")
             assert r.status_code == 200 and r.json()["probes_failed"] == 2
 
     asyncio.run(main())

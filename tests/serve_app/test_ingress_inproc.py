@@ -115,8 +115,10 @@ def test_routes_end_to_end_in_process():
             assert 'status="404"' in r.text and "tts_engine_running" in r.text
             # the two synthesised requests' audio seconds (3 and 12 text ids' worth)
             assert 'tts_served_audio_seconds_count{ingress_replica="local"} 2.0' in r.text
-            r = await c.get("/health")
+            r = await c.get("/health?detail=1")
             assert r.status_code == 200 and r.json()["synthesizer_replicas"]["local"]["ready"]
+            r = await c.get("/health")  # the cached status: counts only
+            assert r.status_code == 200 and r.json()["status"] == "ok" and "synthesizer_replicas" not in r.json()
 
     asyncio.run(main())
 
@@ -124,7 +126,7 @@ def test_routes_end_to_end_in_process():
 def test_health_keeps_answering_when_probes_cannot_reach_busy_replicas(monkeypatch):
     """Probes queue behind synthesis work; under overload they fail. /health then keeps each
     replica's last answer (with its age) and rests readiness on Serve's running count."""
-    import serve_app.ingress as ingress_mod
+    import serve_app.health as health_mod
 
     frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
     synth = Synthesizer(SynthesizerConfig(max_running=4, max_ongoing_requests=4, warmup=False,
@@ -132,13 +134,13 @@ def test_health_keeps_answering_when_probes_cannot_reach_busy_replicas(monkeypat
     ingress = TTSIngress(IngressConfig(), FakeHandle(frontend), FakeHandle(synth))
     app = ingress.__serve_build_asgi_app__()
     running = {"n": 1}
-    ingress.running_synthesizers = RunningReplicas("Synthesizer", read=lambda name: running["n"])
+    ingress.health_monitor.running_synthesizers = RunningReplicas("Synthesizer", read=lambda name: running["n"])
     healthy = synth.health
 
     async def get():
-        await ingress.running_synthesizers.refresh()  # the count its background task reads
+        await ingress.health_monitor.running_synthesizers.refresh()  # the count its background task reads
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.get("/health")
+            return await c.get("/health?detail=1")
 
     r = asyncio.run(get())
     body = r.json()
@@ -156,40 +158,42 @@ def test_health_keeps_answering_when_probes_cannot_reach_busy_replicas(monkeypat
     assert last["ready"] and last["age_s"] >= 0 and last["engine"]["running"] == 0
     running["n"] = 0  # Serve counts no running replica and none answers: down
     assert asyncio.run(get()).status_code == 503
-    monkeypatch.setattr(ingress_mod, "HEALTH_MEMORY_S", -1.0)  # memory expired
+    monkeypatch.setattr(health_mod, "HEALTH_MEMORY_S", -1.0)  # memory expired
     running["n"] = 1
     r = asyncio.run(get())
     assert r.status_code == 200 and r.json()["synthesizer_replicas_unreached"] == {}
     synth.health = healthy
-    monkeypatch.setattr(ingress_mod, "HEALTH_MEMORY_S", 60.0)
+    monkeypatch.setattr(health_mod, "HEALTH_MEMORY_S", 60.0)
     body = asyncio.run(get()).json()
     assert "local" in body["synthesizer_replicas"] and body["synthesizer_replicas_unreached"] == {}
 
 
 def test_health_is_not_ready_while_no_frontend_replica_answers_or_runs():
-    """A frontend still loading (its ping fails, Serve counts none running) makes /health 503 even
+    """A frontend still loading (its status call fails, Serve counts none running) makes /health 503 even
     with the synthesizer ready; Serve's count alone keeps a busy frontend ready."""
     frontend = TextFrontend(FrontendConfig(), runtime_factory=fakes.fake_frontend_runtime)
     synth = Synthesizer(SynthesizerConfig(warmup=False), runtime_factory=fakes.fake_synthesis_runtime)
     ingress = TTSIngress(IngressConfig(), FakeHandle(frontend), FakeHandle(synth))
     app = ingress.__serve_build_asgi_app__()
     running = {"n": 0}
-    ingress.running_frontends = RunningReplicas("TextFrontend", read=lambda name: running["n"])
+    ingress.health_monitor.running_frontends = RunningReplicas("TextFrontend", read=lambda name: running["n"])
 
     async def get():
-        await ingress.running_frontends.refresh()
+        await ingress.health_monitor.running_frontends.refresh()
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.get("/health")
+            return await c.get("/health?detail=1")
 
     r = asyncio.run(get())
-    assert r.status_code == 200 and r.json()["frontend"] == {"answered_by": "local", "running_replicas": 0}
+    assert r.status_code == 200 and r.json()["frontend"]["answered_by"] == "local"
+    assert r.json()["frontend"]["running_replicas"] == 0 and r.json()["frontend"]["voice_store_writable"]
 
     async def loading():
         raise RuntimeError("replica not started")
 
-    frontend.ping = loading
+    frontend.status = loading
     r = asyncio.run(get())
-    assert r.status_code == 503 and r.json()["frontend"] == {"answered_by": None, "running_replicas": 0}
+    assert r.status_code == 503 and r.json()["frontend"]["answered_by"] is None
+    assert r.json()["frontend"]["voice_store_writable"] is None  # nobody said
     assert r.json()["synthesizer_replicas"]["local"]["ready"]  # the synthesizer was fine all along
     running["n"] = 1  # busy, not gone: Serve counts it running
     assert asyncio.run(get()).status_code == 200
@@ -204,7 +208,7 @@ def test_health_probes_again_until_every_running_replica_answered():
     synth = Synthesizer(SynthesizerConfig(warmup=False), runtime_factory=fakes.fake_synthesis_runtime)
     ingress = TTSIngress(IngressConfig(), FakeHandle(frontend), FakeHandle(synth))
     app = ingress.__serve_build_asgi_app__()
-    ingress.running_synthesizers = RunningReplicas("Synthesizer", read=lambda name: 2)
+    ingress.health_monitor.running_synthesizers = RunningReplicas("Synthesizer", read=lambda name: 2)
     calls = {"n": 0}
     real = synth.health
 
@@ -215,9 +219,9 @@ def test_health_probes_again_until_every_running_replica_answered():
     synth.health = routed
 
     async def get():
-        await ingress.running_synthesizers.refresh()
+        await ingress.health_monitor.running_synthesizers.refresh()
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return (await c.get("/health")).json()
+            return (await c.get("/health?detail=1")).json()
 
     body = asyncio.run(get())
     assert set(body["synthesizer_replicas"]) == {"a", "b"} and calls["n"] == 8 and body["probes_failed"] == 0

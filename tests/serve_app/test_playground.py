@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from types import SimpleNamespace
 
 import pytest
 from starlette.applications import Starlette
@@ -18,26 +17,23 @@ from serve_app.auth import AuthConfig, auth_middleware
 from tests.serve_app.test_auth import KEYS_ENV, OPS_KEY, SYNTH_KEY, _call
 
 
-class _Synth:
-    """A synthesizer handle whose ``health.remote()`` answers ``detail`` (or raises) and counts calls."""
+class _Latest:
+    """The health monitor's last runtime detail of a synthesizer replica (None: no probe yet); counts reads."""
 
-    def __init__(self, detail: dict | None = None, fail: bool = False) -> None:
-        self.calls, self.detail, self.fail = 0, detail, fail
-        self.health = SimpleNamespace(remote=self._remote)
+    def __init__(self, detail: dict | None = None) -> None:
+        self.detail, self.reads = detail, 0
 
-    async def _remote(self):
-        self.calls += 1
-        if self.fail:
-            raise RuntimeError("no replica")
-        return SimpleNamespace(detail=self.detail)
+    def __call__(self) -> dict | None:
+        self.reads += 1
+        return self.detail
 
 
-def _app(synth, cfg: AuthConfig | None = None) -> Starlette:
-    return Starlette(routes=playground.routes(synth, 1.0), middleware=auth_middleware(cfg or AuthConfig()))
+def _app(latest, cfg: AuthConfig | None = None) -> Starlette:
+    return Starlette(routes=playground.routes(latest), middleware=auth_middleware(cfg or AuthConfig()))
 
 
 def test_page_and_files_are_served_with_a_same_origin_policy():
-    app = _app(_Synth({}))
+    app = _app(_Latest({}))
     for path in ("/", "/playground"):
         r = _call(app, "GET", path)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
@@ -67,22 +63,32 @@ def test_the_page_is_open_when_keys_are_required_and_the_api_is_not(monkeypatch)
     assert _call(app, "GET", "/v1/voices", key=OPS_KEY).status_code == 403
 
 
-def test_info_names_the_random_weight_model_and_asks_once():
-    synth = _Synth({"family": "cosyvoice2", "random_weights": True, "mode": "pytorch"})
-    app = _app(synth)
+def test_info_names_the_random_weight_model_from_the_cached_health_status():
+    latest = _Latest({"family": "cosyvoice2", "random_weights": True, "dtype": "float32"})
+    app = _app(latest)
     for _ in range(3):
         r = _call(app, "GET", "/playground/info")
         assert r.status_code == 200 and r.json() == {"random_weights": True, "family": "cosyvoice2"}
-    assert synth.calls == 1
+    assert latest.reads == 3  # read from memory each time: no replica call behind it
 
 
-def test_info_without_an_answer_is_unknown_and_asks_again():
-    synth = _Synth(fail=True)
-    app = _app(synth)
+def test_info_before_any_probe_is_unknown():
+    latest = _Latest(None)
+    app = _app(latest)
     assert _call(app, "GET", "/playground/info").json() == {"random_weights": None, "family": None}
-    synth.fail, synth.detail = False, {"family": "cosyvoice3", "random_weights": False}
+    latest.detail = {"family": "cosyvoice3", "random_weights": False}
     assert _call(app, "GET", "/playground/info").json() == {"random_weights": False, "family": "cosyvoice3"}
-    assert synth.calls == 2
+
+
+def test_info_of_the_ingress_comes_from_its_health_probe():
+    from tests.serve_app.test_ingress_inproc import _ingress
+
+    ingress = _ingress()
+    ingress.synth._target.runtime.details.update(family="cosyvoice2", random_weights=True)
+    app = ingress.__serve_build_asgi_app__()
+    assert _call(app, "GET", "/playground/info").json()["random_weights"] is None  # no probe yet
+    asyncio.run(ingress.health_monitor.probe())
+    assert _call(app, "GET", "/playground/info").json() == {"random_weights": True, "family": "cosyvoice2"}
 
 
 @pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
@@ -94,12 +100,3 @@ def test_random_weight_directories_are_recognised(tmp_path, family):
     (official / f"{family}.yaml").write_text("# set random seed, so that you may reproduce your result.\n")
     assert not is_random_weight_model(official)
     assert not is_random_weight_model(tmp_path / "missing")
-
-
-def test_the_info_call_is_bounded():
-    class _Hang(_Synth):
-        async def _remote(self):
-            await asyncio.Event().wait()
-
-    app = Starlette(routes=playground.routes(_Hang(), 0.05))
-    assert _call(app, "GET", "/playground/info").json()["random_weights"] is None

@@ -237,3 +237,27 @@ def test_listing_again_parses_only_changed_records(tmp_path, monkeypatch):
     assert "v3" in reg.problems()  # still reported while it stays damaged
     reg.put("v3", _voice(3))  # repaired
     assert reg.list() == [f"v{i}" for i in range(5)] and reg.problems() == {}
+
+
+# ------------------------------------------------------------------------------ refused writes
+def _refuse_writes(root) -> None:
+    """The store's directory moves away and a file takes its name: every write there now fails in
+    the OS (ENOTDIR), as on a read-only mount, whoever runs the test (root ignores permission bits)."""
+    root.rename(root.with_name(root.name + ".moved"))
+    root.write_bytes(b"")
+
+
+def test_a_store_that_refuses_writes_says_why_and_names_its_path(tmp_path):
+    import re
+
+    from cosyvoice_runtime.frontend.errors import VoiceStoreUnwritableError
+
+    root = tmp_path / "voices"
+    reg = VoiceRegistry(root)
+    reg.put("kept", _voice(0))
+    assert reg.check_writable() is None
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".write-check")) == []  # probe removed
+    _refuse_writes(root)
+    assert reg.check_writable() == os.strerror(20)  # ENOTDIR: "Not a directory"
+    with pytest.raises(VoiceStoreUnwritableError, match=re.escape(f"the voice store {root} is not writable")):
+        reg.put("new", _voice(1))
