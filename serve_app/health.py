@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deployments.protocol import ReplicaHealth
-from serve_app.running_replicas import RunningReplicas
+from serve_app.running_replicas import RunningReplicas, background_task
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +82,7 @@ class HealthMonitor:
         one or while it runs. A task whose loop ended (each ``asyncio.run`` of a test) is replaced."""
         self.running_synthesizers.start()
         self.running_frontends.start()
-        if self._task is not None and not self._task.done():
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # constructed outside an event loop: the first /health starts it
-            return
-        self._task = loop.create_task(self._refresh_forever(), name="health-refresh")
+        self._task = background_task(self._task, self._refresh_forever, "health-refresh")
 
     async def _refresh_forever(self) -> None:
         while True:

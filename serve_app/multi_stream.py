@@ -48,12 +48,11 @@ from serve_app.stream_input import (
     CLOSE_NORMAL,
     CLOSE_POLICY,
     CLOSE_TRY_AGAIN,
-    DEFAULT_INACTIVITY_S,
     FLUSH,
-    MAX_INACTIVITY_S,
     MAX_SESSION_CHARS,
     InactivityTimeout,
     StreamInputSession,
+    inactivity_timeout,
     speed_of,
 )
 
@@ -151,7 +150,7 @@ class MultiStreamSession(StreamInputSession):
         await ws.accept()
         try:
             fmt = parse_output_format(ws.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT))
-            timeout = _inactivity(ws.query_params.get("inactivity_timeout"))
+            timeout = inactivity_timeout(ws.query_params.get("inactivity_timeout"), clamp=True)
             if not is_voice_id(self.voice_id):
                 raise InvalidInputError(f"invalid voice_id {self.voice_id!r}: use {VOICE_ID_RULE}")
             self.ask_voice_rate()
@@ -260,15 +259,4 @@ def _forget(ctx: _Context) -> None:
     if session.contexts.get(ctx.context_id) is ctx:
         del session.contexts[ctx.context_id]
 
-
-def _inactivity(value: str | None) -> float:
-    if value is None:
-        return DEFAULT_INACTIVITY_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise InvalidInputError("inactivity_timeout must be a number of seconds") from None
-    if not seconds > 0:
-        raise InvalidInputError("inactivity_timeout must be positive")
-    return min(seconds, MAX_INACTIVITY_S)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 from ray import serve
 
@@ -68,13 +68,7 @@ class RunningReplicas:
         """Start the background reader on the running event loop (no-op without one, or when it runs).
 
         A reader whose loop ended (each ``asyncio.run`` of a test) is done and gets replaced."""
-        if self._task is not None and not self._task.done():
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # constructed outside an event loop: the first /health starts it
-            return
-        self._task = loop.create_task(self._refresh_forever(), name=f"running-replicas-{self.deployment}")
+        self._task = background_task(self._task, self._refresh_forever, f"running-replicas-{self.deployment}")
 
     async def refresh(self) -> int:
         """Read the count once now, in a worker thread, and keep it."""
@@ -91,3 +85,16 @@ class RunningReplicas:
         while True:
             await self.refresh()
             await asyncio.sleep(self.period_s)  # a periodic refresh, not a wait on a condition
+
+
+def background_task(task: asyncio.Task | None, make: Callable[[], Coroutine], name: str) -> asyncio.Task | None:
+    """``task`` while it runs, else a new task of ``make()`` on the running loop; None without a
+    running loop (constructed outside one: the first request starts it). A task whose loop ended
+    (each ``asyncio.run`` of a test) is done and gets replaced."""
+    if task is not None and not task.done():
+        return task
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return task
+    return loop.create_task(make(), name=name)

@@ -171,7 +171,7 @@ class StreamInputSession:
         worker: asyncio.Task | None = None
         try:
             fmt = parse_output_format(ws.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT))
-            timeout = _inactivity(ws.query_params.get("inactivity_timeout"))
+            timeout = inactivity_timeout(ws.query_params.get("inactivity_timeout"))
             mode = ws.query_params.get("mode", MODES[0])
             if mode not in MODES:
                 raise InvalidInputError(f"mode must be one of {', '.join(MODES)}")
@@ -417,16 +417,18 @@ def _ends_sentence(fragment: str) -> bool:
     return bool(text) and text[-1] in SENTENCE_END
 
 
-def _inactivity(value: str | None) -> float:
+def inactivity_timeout(value: str | None, clamp: bool = False) -> float:
+    """The query's ``inactivity_timeout`` (seconds): past ``MAX_INACTIVITY_S`` an error, or with
+    ``clamp`` cut to it (multi-stream-input: LiveKit asks for 300 s)."""
     if value is None:
         return DEFAULT_INACTIVITY_S
     try:
         seconds = float(value)
     except ValueError:
         raise InvalidInputError("inactivity_timeout must be a number of seconds") from None
-    if not 0 < seconds <= MAX_INACTIVITY_S:
+    if not seconds > 0 or (seconds > MAX_INACTIVITY_S and not clamp):
         raise InvalidInputError(f"inactivity_timeout must be within (0, {MAX_INACTIVITY_S:g}] s")
-    return seconds
+    return min(seconds, MAX_INACTIVITY_S)
 
 
 def speed_of(first: dict) -> float:

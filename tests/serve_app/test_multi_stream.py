@@ -185,3 +185,14 @@ def test_alignment_with_each_audio_message_covers_each_context_text(client):
             chars[msg["contextId"]] += "".join(a["chars"])
         assert m["code"] == 1000
     assert chars == {"a": "The first context speaks slowly.", "b": "and the second one too"}
+
+
+def test_the_inactivity_timeout_is_refused_past_its_cap_on_stream_input_and_cut_to_it_on_multi_stream():
+    from deployments.protocol import InvalidInputError
+    from serve_app.stream_input import DEFAULT_INACTIVITY_S, MAX_INACTIVITY_S, inactivity_timeout
+
+    assert inactivity_timeout(None) == DEFAULT_INACTIVITY_S
+    assert inactivity_timeout("300", clamp=True) == MAX_INACTIVITY_S  # LiveKit's ask
+    for bad, clamp in (("300", False), ("0", True), ("-1", False), ("soon", True)):
+        with pytest.raises(InvalidInputError, match="inactivity_timeout"):
+            inactivity_timeout(bad, clamp)
