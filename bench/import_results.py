@@ -86,7 +86,7 @@ def import_bundle(bundle: Path, tag: str, out: Path, latest: bool = False, trace
             (run / f"{stem}.json").write_text(json.dumps(doc, indent=1))
             written += [run / f"{stem}.json", write_report(run, stem, doc)]
             renamed[f"{src.stem}.md"] = f"{run.name}/{stem}.md"
-        for src in sorted(results.glob("profile-first-audio-*")):
+        for src in sorted([*results.glob("profile-first-audio-*"), *results.glob("cold-start-*.json")]):
             if src.name.endswith(".json.gz") and not trace:
                 continue
             written.append(run / _tagged(src.name, tag))

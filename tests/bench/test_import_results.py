@@ -25,6 +25,7 @@ def _bundle(tmp_path: Path) -> Path:
         "results/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05.json": b'{"requests": []}',
         "results/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05.md": b"# profile\n",
         "results/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-trace.json.gz": b"\x1f\x8b big",
+        "results/cold-start-nvidia-h100-80gb-hbm3-2026-12-05-run1.json": b'{"cold_start_s": 107.4}',
         "results/latest.json": json.dumps({"slo_streams": 62,
                                            "capacity_report_synth": f"{DEVICE_STEM}.md"}).encode(),
         "gpu.txt": b"name, driver_version\nNVIDIA H100 80GB HBM3, 580.1\n",
@@ -49,7 +50,8 @@ def test_a_bundle_lands_in_its_run_folder_and_a_second_lease_keeps_the_first(tmp
         f"{run.name}/{DEVICE_STEM}-late.json", f"{run.name}/{DEVICE_STEM}-late.md",
         f"{run.name}/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-late.json",
         f"{run.name}/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05-late.md",
-        f"{run.name}/gpu-tests-nvidia-h100-80gb-hbm3-2026-12-05-late.txt", f"{run.name}/run.json", "latest.json"}
+        f"{run.name}/gpu-tests-nvidia-h100-80gb-hbm3-2026-12-05-late.txt", f"{run.name}/run.json", "latest.json",
+        f"{run.name}/cold-start-nvidia-h100-80gb-hbm3-2026-12-05-run1-late.json"}
     assert not any(p.name.endswith(".json.gz") for p in written)  # the trace only with trace=True
     assert (run / f"{DEVICE_STEM}-late-latency.png").exists()  # the plots regenerated under the tag
     assert "62 sessions" in (run / f"{DEVICE_STEM}-late.md").read_text()

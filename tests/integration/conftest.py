@@ -136,3 +136,21 @@ def replica_ongoing(app: str, deployment: str) -> dict[str, int]:
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
     return {name: ray.get(ray.get_actor(name, namespace="serve").get_num_ongoing_requests.remote(), timeout=30)
             for name in names}
+
+
+def fake_samples(text: str) -> int:
+    """The samples the fake runtime (tests/deployments/fakes.py) makes for ``text``."""
+    from tests.deployments import fakes
+
+    return len(text.encode()) * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
+
+
+def register_default_voice(url: str) -> None:
+    """Voice 'default' (what OpenAI's built-in names alias to) on the app at ``url``."""
+    import httpx
+
+    from tests.integration.test_serve_ray import _prompt_wav
+
+    r = httpx.post(f"{url}/v1/voices", data={"voice_id": "default", "prompt_text": "hello", "overwrite": "true"},
+                   files={"audio": ("a.wav", _prompt_wav(), "audio/wav")}, timeout=30)
+    assert r.status_code == 201, r.text

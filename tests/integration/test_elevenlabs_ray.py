@@ -7,29 +7,25 @@ from __future__ import annotations
 import base64
 import json
 
-import httpx
 import pytest
 from websockets.sync.client import connect
 
-from tests.deployments import fakes
 from tests.deployments.fakes import GUARD_S
+from tests.integration.conftest import fake_samples, register_default_voice
 from tests.integration.test_openai_contract_ray import _engine, _wait_for
-from tests.integration.test_serve_ray import _prompt_wav
 
 pytestmark = pytest.mark.ray
 TEXT = "Hello there. How are you?"
 
 
 def _samples(text: str) -> int:
-    return len(text.encode()) * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
+    return fake_samples(text)
 
 
 @pytest.fixture(scope="module")
 def service(tts_app):
     url = tts_app["base_url"]
-    r = httpx.post(f"{url}/v1/voices", data={"voice_id": "default", "prompt_text": "hello", "overwrite": "true"},
-                   files={"audio": ("a.wav", _prompt_wav(), "audio/wav")}, timeout=30)
-    assert r.status_code == 201, r.text
+    register_default_voice(url)
     return {**tts_app, "ws_url": url.replace("http://", "ws://")}
 
 

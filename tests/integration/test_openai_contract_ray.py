@@ -15,7 +15,6 @@ import json
 import time
 
 import av
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -23,7 +22,7 @@ from websockets.sync.client import connect
 
 from tests.deployments import fakes
 from tests.deployments.fakes import GUARD_S, HOLD_SEED
-from tests.integration.test_serve_ray import _prompt_wav
+from tests.integration.conftest import fake_samples, register_default_voice
 
 pytestmark = pytest.mark.ray
 
@@ -31,16 +30,14 @@ SR = fakes.SAMPLE_RATE
 
 
 def _samples(text: str) -> int:
-    return len(text.encode()) * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
+    return fake_samples(text)
 
 
 @pytest.fixture(scope="module")
 def service(tts_app):
     """The app with a voice 'default' (what OpenAI's built-in names alias to) and an SDK client."""
     url = tts_app["base_url"]
-    r = httpx.post(f"{url}/v1/voices", data={"voice_id": "default", "prompt_text": "hello", "overwrite": "true"},
-                   files={"audio": ("a.wav", _prompt_wav(), "audio/wav")}, timeout=30)
-    assert r.status_code == 201, r.text
+    register_default_voice(url)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     return {**tts_app, "client": client, "ws_url": url.replace("http://", "ws://")}
 
