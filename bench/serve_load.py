@@ -38,7 +38,7 @@ TEXT = "Hello, world!"
 
 def _health(url: str) -> dict:
     try:
-        return httpx.get(f"{url}/health", timeout=30).json()
+        return httpx.get(f"{url}/health?detail=1", timeout=30).json()
     except (httpx.HTTPError, ValueError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
 

@@ -162,7 +162,7 @@ def wait_idle(base_url: str, timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            body = httpx.get(f"{base_url}/health", timeout=10).json()
+            body = httpx.get(f"{base_url}/health?detail=1", timeout=10).json()
             engines = [r.get("engine") or {} for r in body.get("synthesizer_replicas", {}).values()]
             if engines and all(e.get("running", 1) == 0 and e.get("waiting", 1) == 0 and e.get("open_streams", 1) == 0
                                for e in engines):
