@@ -201,13 +201,17 @@ def test_kuberay_ingress_terminates_tls_in_front_of_the_serve_service():
     assert backend["name"] == f"{service['metadata']['name']}-serve-svc"
     serve = yaml.safe_load(service["spec"]["serveConfigV2"])
     assert backend["port"]["number"] == serve["http_options"]["port"]
-    # The edge neither cuts a stream the Serve config still allows, nor buffers it, nor refuses a
-    # body the ingress would answer itself (with its own 413).
-    timeout_s = serve["http_options"]["request_timeout_s"]
+    # The edge neither cuts a stream the service still allows, nor buffers it, nor refuses a body
+    # the ingress would answer itself (with its own 413). Serve has no total limit
+    # (http_options.request_timeout_s unset): the ingress ends a stream with no audio for
+    # stream_idle_timeout_s, and nginx's timeouts are between two reads or writes, so they must
+    # outlast that gap.
+    assert "request_timeout_s" not in serve["http_options"]
+    args = load_serve_config(REPO / "configs" / "production.yaml").args
+    timeout_s = args.ingress.stream_idle_timeout_s
     assert int(notes["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= timeout_s
     assert int(notes["nginx.ingress.kubernetes.io/proxy-send-timeout"]) >= timeout_s
     assert notes["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
     assert notes["nginx.ingress.kubernetes.io/ssl-redirect"] == "true"
     body_mib = int(notes["nginx.ingress.kubernetes.io/proxy-body-size"].removesuffix("m"))
-    args = load_serve_config(REPO / "configs" / "production.yaml").args
     assert body_mib * 1024 * 1024 > args.ingress.max_upload_bytes

@@ -296,7 +296,7 @@ class VoiceRegistry:
                         tensor_path.unlink(missing_ok=True)  # ours alone: the winner's record names its own file
                     raise VoiceExistsError(f"voice '{voice_id}' already exists") from None
         except OSError as exc:
-            raise self._unwritable(exc) from None
+            raise self._unwritable(exc) from exc
         if old is not None and old["tensors"] != tensor_name:
             (self.root / old["tensors"]).unlink(missing_ok=True)
         with self._lock:
@@ -342,7 +342,7 @@ class VoiceRegistry:
         try:
             path.unlink(missing_ok=True)  # the commit: the voice is gone
         except OSError as exc:
-            raise self._unwritable(exc) from None
+            raise self._unwritable(exc) from exc
         fsync_dir(self.root)
         if record is not None:
             (self.root / record["tensors"]).unlink(missing_ok=True)

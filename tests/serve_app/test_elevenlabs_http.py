@@ -19,7 +19,7 @@ from deployments.protocol import InvalidInputError
 from serve_app.elevenlabs import PieceAligner, StreamAligner, parse_output_format, voice_chars_per_s
 from serve_app.ingress import IngressConfig
 from tests.deployments import fakes
-from tests.serve_app.test_ingress_inproc import _ingress, _wav
+from tests.serve_app.test_ingress_inproc import _ingress
 
 KEY = "sk-synth-0123456789abcdef"
 OPS_KEY = "sk-ops-000000000000000000"
@@ -45,18 +45,12 @@ def _run(app, fn):
 
 @pytest.fixture
 def voiced(monkeypatch):
-    """An app whose `default` voice is registered (by an admin key)."""
-    admin = "sk-admin-0123456789abcdef"
-    monkeypatch.setenv(constants.ENV_API_KEYS, f"{KEY},{OPS_KEY}:metrics,{admin}:voices+synthesis")
-    app = _ingress(IngressConfig(max_input_chars=1000)).__serve_build_asgi_app__()
-
-    async def register(c):
-        r = await c.post("/v1/voices", data={"voice_id": "default", "prompt_text": "hi"},
-                         files={"audio": ("a.wav", _wav(), "audio/wav")}, headers={"xi-api-key": admin})
-        assert r.status_code == 201
-
-    _run(app, register)
-    return app
+    """An app whose `default` voice is a shared one (registered without a key, as built-in voices
+    are: every key may use it; tests/serve_app/test_ingress_voice_owners.py has the owned ones)."""
+    monkeypatch.setenv(constants.ENV_API_KEYS, f"{KEY},{OPS_KEY}:metrics")
+    ingress = _ingress(IngressConfig(max_input_chars=1000))
+    asyncio.run(ingress.frontend._target.register_voice("default", "hi", np.full(16000, 0.1, np.float32), 16000))
+    return ingress.__serve_build_asgi_app__()
 
 
 def _post(app, path: str, body: dict, key: str | None = KEY) -> httpx.Response:

@@ -12,7 +12,7 @@ import torch
 
 from cosyvoice_runtime.errors import VoiceNotFoundError
 from cosyvoice_runtime.frontend import atomic_files
-from cosyvoice_runtime.frontend.errors import InvalidVoiceIdError, VoiceFamilyMismatchError
+from cosyvoice_runtime.frontend.errors import InvalidVoiceIdError, VoiceFamilyMismatchError, VoiceStoreUnwritableError
 from cosyvoice_runtime.frontend.spk2info import import_spk2info
 from cosyvoice_runtime.frontend.voices import VoiceRegistry, check_voice_id
 from cosyvoice_runtime.voice_prompt import VoicePrompt
@@ -94,10 +94,11 @@ def test_crash_between_tensor_write_and_commit_keeps_old_voice(tmp_path, monkeyp
         return real_replace(src, dst)
 
     monkeypatch.setattr(atomic_files.os, "replace", crash_on_commit)
-    with pytest.raises(OSError):
-        reg.put("bob", _voice(2))
-    with pytest.raises(OSError):
-        reg.put("carol", _voice(3))
+    # a write the filesystem refuses is the store's own error (a 503 naming the store), its cause kept
+    for voice_id, seed in (("bob", 2), ("carol", 3)):
+        with pytest.raises(VoiceStoreUnwritableError) as failed:
+            reg.put(voice_id, _voice(seed))
+        assert "simulated crash" in str(failed.value.__cause__)
     monkeypatch.undo()
     fresh = VoiceRegistry(tmp_path)
     assert fresh.list() == ["bob"]
