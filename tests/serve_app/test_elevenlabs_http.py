@@ -19,7 +19,7 @@ from deployments.protocol import InvalidInputError
 from serve_app.elevenlabs import PieceAligner, StreamAligner, parse_output_format, voice_chars_per_s
 from serve_app.ingress import IngressConfig
 from tests.deployments import fakes
-from tests.serve_app.test_ingress_inproc import _ingress
+from tests.serve_app.test_ingress_inproc import _ingress, client
 
 KEY = "sk-synth-0123456789abcdef"
 OPS_KEY = "sk-ops-000000000000000000"
@@ -37,7 +37,7 @@ def _pieces_samples(text: str) -> int:  # the fake frontend splits at sentence e
 
 def _run(app, fn):
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             return await fn(c)
 
     return asyncio.run(main())
@@ -155,9 +155,9 @@ def test_official_elevenlabs_sdk_stream_and_timestamps(voiced):
     elevenlabs = pytest.importorskip("elevenlabs")
 
     async def main():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=voiced), base_url="http://t")
-        client = elevenlabs.AsyncElevenLabs(api_key=KEY, base_url="http://t", httpx_client=http)
-        tts = client.text_to_speech
+        http = client(voiced)
+        sdk = elevenlabs.AsyncElevenLabs(api_key=KEY, base_url="http://t", httpx_client=http)
+        tts = sdk.text_to_speech
         whole = b"".join([c async for c in tts.convert("alloy", text=TEXT, model_id="eleven_flash_v2_5",
                                                         output_format="pcm_24000")])
         streamed = b"".join([c async for c in tts.stream("alloy", text=TEXT, output_format="pcm_24000",

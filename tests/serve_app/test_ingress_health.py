@@ -11,14 +11,12 @@ from __future__ import annotations
 import asyncio
 import collections
 
-import httpx
-
 from deployments import constants
 from serve_app.ingress import IngressConfig
 from tests.deployments import fakes
 from tests.serve_app.test_auth import ADMIN_KEY as VOICES_KEY
 from tests.serve_app.test_auth import KEYS_ENV, OPS_KEY, SYNTH_KEY
-from tests.serve_app.test_ingress_inproc import _ingress, _wav
+from tests.serve_app.test_ingress_inproc import _ingress, _wav, client
 
 TEXT = "Hello there."
 GUARD_S = 60.0
@@ -108,7 +106,7 @@ def test_anonymous_health_flood_during_a_stream_calls_no_replica(monkeypatch):
         gate, at_gate = asyncio.Event(), asyncio.Event()
         ingress.synth.gate, ingress.synth.at_gate = gate, at_gate
         auth = {"Authorization": f"Bearer {VOICES_KEY}"}  # voices + synthesis: registers and uses its voice
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             r = await c.post("/v1/voices", data={"voice_id": "v1", "prompt_text": "hi"}, headers=auth,
                              files={"audio": ("a.wav", _wav(), "audio/wav")})
             assert r.status_code == 201
@@ -140,7 +138,7 @@ def test_health_before_the_first_probe_says_starting_without_probing():
     app = ingress.__serve_build_asgi_app__()
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             r = await c.get("/health")  # starts the background task; answers before it has run
             assert r.status_code == 503 and r.json() == {"status": "unavailable", "reason": "starting"}
             assert ingress.synth.calls["health"] == 0 and ingress.frontend.calls["status"] == 0
@@ -159,7 +157,7 @@ def test_detail_needs_a_metrics_key_and_concurrent_detail_calls_share_one_probe(
     app = ingress.__serve_build_asgi_app__()
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             ingress.health_monitor.start()
             await ingress.health_monitor.probe()
             calls = ingress.synth.calls["health"]

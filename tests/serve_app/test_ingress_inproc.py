@@ -84,6 +84,11 @@ def _ingress(ingress_cfg: IngressConfig | None = None) -> TTSIngress:
     return TTSIngress(ingress_cfg or IngressConfig(max_input_chars=100), FakeHandle(frontend), FakeHandle(synth))
 
 
+def client(app) -> httpx.AsyncClient:
+    """An HTTP client calling the ASGI ``app`` in this process."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+
+
 def _wav(seconds=1.0, sr=16000) -> bytes:
     buf = io.BytesIO()
     sf.write(buf, np.full(int(seconds * sr), 0.1, np.float32), sr, format="WAV")
@@ -139,7 +144,7 @@ def test_health_keeps_answering_when_probes_cannot_reach_busy_replicas(monkeypat
 
     async def get():
         await ingress.health_monitor.running_synthesizers.refresh()  # the count its background task reads
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             return await c.get("/health?detail=1")
 
     r = asyncio.run(get())
@@ -180,7 +185,7 @@ def test_health_is_not_ready_while_no_frontend_replica_answers_or_runs():
 
     async def get():
         await ingress.health_monitor.running_frontends.refresh()
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             return await c.get("/health?detail=1")
 
     r = asyncio.run(get())
@@ -220,7 +225,7 @@ def test_health_probes_again_until_every_running_replica_answered():
 
     async def get():
         await ingress.health_monitor.running_synthesizers.refresh()
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             return (await c.get("/health?detail=1")).json()
 
     body = asyncio.run(get())

@@ -22,7 +22,7 @@ from serve_app.args import AppArgs, application_of
 from serve_app.ingress import IngressConfig, NoAudioError, TTSIngress
 from tests.deployments import fakes
 from tests.serve_app.test_ingress_health import CountingHandle
-from tests.serve_app.test_ingress_inproc import FakeHandle, _ingress, _wav
+from tests.serve_app.test_ingress_inproc import FakeHandle, _ingress, _wav, client
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_CONFIGS = sorted((ROOT / "configs").glob("*.yaml")) + [ROOT / "deploy/docker/single-gpu.yaml"]
@@ -69,7 +69,7 @@ def test_a_stream_that_stalls_after_its_headers_is_aborted_and_sse_says_why():
     app = ingress.__serve_build_asgi_app__()
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             await _with_voice(c)
             with pytest.raises(NoAudioError):  # a plain audio body cannot carry a status: aborted
                 await c.post("/v1/audio/speech", json=_speech())
@@ -89,7 +89,7 @@ def test_no_first_audio_within_the_idle_timeout_is_a_504():
     app = ingress.__serve_build_asgi_app__()
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             await _with_voice(c)
             r = await c.post("/v1/audio/speech", json=_speech())
             assert r.status_code == 504 and r.headers["retry-after"]
@@ -120,7 +120,7 @@ def test_a_10000_character_text_streams_start_to_end_on_the_local_config():
     n_samples = spoken * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             await _with_voice(c)
             got = 0
             async with c.stream("POST", "/v1/audio/speech", json=_speech(input=text)) as r:

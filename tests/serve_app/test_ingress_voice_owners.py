@@ -14,7 +14,7 @@ from deployments.model_source import ModelSource
 from deployments.protocol import OWNER_META_KEY
 from serve_app.auth import key_id
 from serve_app.ingress import IngressConfig, TTSIngress
-from tests.serve_app.test_ingress_inproc import FakeHandle, _ingress, _wav
+from tests.serve_app.test_ingress_inproc import FakeHandle, _ingress, _wav, client
 
 ALICE = "sk-alice-0123456789abcdef"  # synthesis + voices
 BOB = "sk-bob-00000000000000000000"  # synthesis + voices
@@ -53,7 +53,7 @@ def test_each_key_sees_uses_and_deletes_only_its_own_voices_and_admin_sees_all(m
     async def main():
         # a shared voice: registered without a key (built-in voices and open mode do this)
         await frontend.register_voice("shared", "hi", np.full(16000, 0.1, np.float32), 16000)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             assert (await _register(c, ALICE, "a1")).status_code == 201
             assert (await _register(c, BOB, "b1")).status_code == 201
             assert await _listed(c, ALICE) == {"shared", "a1"}
@@ -89,7 +89,7 @@ def test_the_owner_stored_is_a_fingerprint_of_the_key_never_the_key(monkeypatch)
     app = ingress.__serve_build_asgi_app__()
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             assert (await _register(c, ALICE, "a1")).status_code == 201
 
     asyncio.run(main())
@@ -103,7 +103,7 @@ def test_without_keys_every_voice_is_everyones_as_before(monkeypatch):
     app = ingress.__serve_build_asgi_app__()
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             r = await c.post("/v1/voices", data={"voice_id": "v1", "prompt_text": "hi"},
                              files={"audio": ("a.wav", _wav(), "audio/wav")})
             assert r.status_code == 201
@@ -131,7 +131,7 @@ def test_a_store_that_refuses_writes_is_a_503_naming_it_and_health_says_degraded
     app = ingress.__serve_build_asgi_app__()
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             await ingress.health_monitor.probe()
             r = await c.get("/health")
             assert r.json()["status"] == "ok" and r.json()["voice_store_writable"] is True
@@ -183,7 +183,7 @@ def test_the_elevenlabs_routes_use_only_the_keys_own_and_shared_voices(monkeypat
     app = ingress.__serve_build_asgi_app__()
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with client(app) as c:
             assert (await _register(c, BOB, "b1")).status_code == 201
             for key, status in ((ALICE, 404), (BOB, 200), (ROOT_KEY, 200)):
                 r = await c.post("/v1/text-to-speech/b1?output_format=pcm_24000", headers={"xi-api-key": key},
