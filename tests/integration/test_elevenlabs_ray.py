@@ -53,7 +53,10 @@ def test_multi_stream_barge_in_frees_the_slot_while_another_context_speaks(servi
         assert first["contextId"] == "a" and first["audio"]
         assert _engine(service)["running"] == before["running"] + 1
         ws.send(json.dumps({"context_id": "a", "close_context": True}))
-        assert json.loads(ws.recv(timeout=GUARD_S)) == {"isFinal": True, "contextId": "a"}
+        # audio already sent on its way before the close was read may still arrive (a loaded
+        # machine makes more of it): only context a's audio, then its final message
+        while (m := json.loads(ws.recv(timeout=GUARD_S))) != {"isFinal": True, "contextId": "a"}:
+            assert m["contextId"] == "a" and m["audio"] and not m["isFinal"], m
         _wait_for(lambda: _engine(service)["running"] == before["running"], "the decode slot is freed")
         assert _engine(service)["aborted"] == before["aborted"] + 1
         ws.send(json.dumps({"text": "now b speaks", "context_id": "b", "flush": True}))
