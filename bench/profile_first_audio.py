@@ -37,6 +37,7 @@ import torch
 from bench.capacity import DEFAULT_MIX, apply_replica_env, describe_served, in_process_target
 from bench.capacity_load import Mix, Slo, Workload, closed_loop
 from bench.report import _slug
+from bench.workload import add_args, source_from_args
 from bench.trace_export import chrome_trace, trace_profiler
 from serve_app.args import AppArgs
 
@@ -162,10 +163,11 @@ def profile_request(target, rid: str, audio_s: float, cuda: bool, chrome: Path |
             "whole_request": whole}
 
 
-def profile_load(target, sessions: int, seconds: float, mix: str, cuda: bool) -> dict:
+def profile_load(target, sessions: int, seconds: float, base: Workload, cuda: bool) -> dict:
     """``sessions`` closed-loop voice-agent sessions; once they have all started, ``seconds`` of
-    them under the profiler. The kernels of that span, and the requests that finished in it."""
-    work = Workload(Mix.parse(mix), window_s=seconds + 2.0, ramp_s=3.0)
+    them under the profiler. The kernels of that span, and the requests that finished in it. The
+    sessions draw from ``base``'s workload (its voice pool is registered when the target is made)."""
+    work = Workload(base.mix, seed=base.seed, window_s=seconds + 2.0, ramp_s=3.0, source=base.source)
     prof = trace_profiler(cuda)
     span = {}
 
@@ -263,7 +265,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-ops", action="store_true", help="on a GPU, profile the requests' CPU ops too (the trace)")
     ap.add_argument("--sessions", type=int, default=0, help="also profile steady load of this many sessions")
     ap.add_argument("--load-seconds", type=float, default=3.0, help="seconds of that load under the profiler")
-    ap.add_argument("--mix", default=DEFAULT_MIX, help="the load's utterance lengths (the capacity tool's)")
+    ap.add_argument("--mix", default=DEFAULT_MIX, help="synthetic workload: the load's utterance lengths")
+    ap.add_argument("--seed", type=int, default=0, help="the load's workload seed")
+    add_args(ap)  # the load's workload, as the capacity tool's (production by default)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     return ap.parse_args(argv)
@@ -279,7 +283,9 @@ def main(argv: list[str] | None = None) -> dict:
     stem = f"profile-first-audio-{_slug(device)}-{date}" + (f"-{args.tag}" if args.tag else "")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = in_process_target(AppArgs.from_file(args.config), Workload(Mix.parse(args.mix)))
+    mix = Mix.parse(args.mix)
+    work = Workload(mix, seed=args.seed, source=source_from_args(args, mix))
+    target = in_process_target(AppArgs.from_file(args.config), work)
     try:
         asyncio.run(target.synthesize("warm-up", args.audio_s, time.perf_counter()))
         rows = []
@@ -288,12 +294,12 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(profile_request(target, f"profile-{i}", args.audio_s, cuda, chrome, args.cpu_ops))
             logger.info("request %d: first audio %.1f ms, GPU busy %.1f ms before it", i, rows[-1]["ttfa_ms"],
                         rows[-1]["first_audio"]["gpu_busy_ms"])
-        load = profile_load(target, args.sessions, args.load_seconds, args.mix, cuda) if args.sessions else None
+        load = profile_load(target, args.sessions, args.load_seconds, work, cuda) if args.sessions else None
         model, _ = describe_served({"mode": target.synth.mode, "runtime": target.synth.runtime.details})
     finally:
         target.close()
     doc = {"device": device, "date": date, "config": args.config, "audio_s": args.audio_s, "model": model,
-           "requests": rows, "load": load}
+           "requests": rows, "load": load, "load_workload": work.source.describe() if load else None}
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     (out / f"{stem}.md").write_text(markdown(doc))
     return doc
