@@ -75,7 +75,7 @@ def test_crud_ownership_versions_and_the_error_shape(app, tmp_path):
         assert r.status_code == 401 and _detail(r)["status"] == "missing_api_key"
         shared = (await c.post(f"{BASE}/add-from-rules", headers=_h(ROOT_KEY), json={"name": "b", "rules": []})).json()
         # listing: each key its own; an admin all; newest first by default
-        ids = lambda r: [d["id"] for d in r.json()["pronunciation_dictionaries"]]  # noqa: E731
+        ids = lambda r: [d["id"] for d in r.json()["pronunciation_dictionaries"]]
         assert ids(await c.get(BASE, headers=_h(ALICE))) == [did]
         assert ids(await c.get(BASE, headers=_h(READER))) == []
         assert ids(await c.get(BASE, headers=_h(ROOT_KEY))) == [shared["id"], did]
