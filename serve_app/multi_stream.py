@@ -198,8 +198,9 @@ class MultiStreamSession(StreamInputSession):
                                                     "close one first", "invalid_request_error",
                                                     "max_active_conversations", CLOSE_POLICY, cid))
                 return
+            spec = spec_of_message(msg)  # this context's aliases (malformed ones fail the socket, as bad JSON does)
             ctx = self.contexts[cid] = _Context(self, cid, self.opened, speed_of(msg))
-            ctx.pronunciation = spec_of_message(msg)  # this context's aliases
+            ctx.pronunciation = spec
             self.opened += 1
             ctx.task = asyncio.create_task(self._speak(ctx, fmt))
         self.chars += len(text)

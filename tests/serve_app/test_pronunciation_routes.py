@@ -255,13 +255,19 @@ def test_multi_stream_input_contexts_have_their_own_dictionaries(app):
         ws.send_json({"text": "NYC rocks", "context_id": "b", "flush": True})
         ws.send_json({"context_id": "a", "close_context": True})
         ws.send_json({"context_id": "b", "close_context": True})
-        finals = set()
-        while finals != {"a", "b"}:
+        ws.send_json({"text": "Hi.", "context_id": "c", "flush": True,
+                      "pronunciation_dictionary_locators": [{"pronunciation_dictionary_id": "nosuchdictionary"}]})
+        finals, errors = set(), []
+        while finals != {"a", "b"} or not errors:
             m = ws.receive_json()
-            assert "error" not in m, m
+            if "error" in m:
+                errors.append(m)
+                continue
             if m.get("audio"):
                 audio[m["contextId"]] = audio.get(m["contextId"], 0) + len(base64.b64decode(m["audio"]))
             if m.get("isFinal"):
                 finals.add(m["contextId"])
         ws.send_json({"close_socket": True})
     assert audio == {"a": 2 * _samples("New York City rocks"), "b": 2 * _samples("NYC rocks")}
+    # an unknown dictionary fails its context only
+    assert [(e["contextId"], e["error"]) for e in errors] == [("c", "pronunciation_dictionary_not_found")]
