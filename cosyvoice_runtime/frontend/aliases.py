@@ -20,7 +20,9 @@ Matching (one pass over the text, :meth:`Lexicon.apply`):
 
 Cost: building is one dictionary entry per rule; applying looks, at each position whose
 character starts some rule, at the distinct rule lengths of that character, longest first (a
-slice and a hash each). Text whose characters start no rule costs one set lookup per character.
+slice and a hash each); inside a word only at those of rules that may match there. Text whose
+characters start no rule costs one dictionary lookup per character. At most (text length x
+distinct lengths <= ``MAX_GRAPHEME_CHARS``) lookups.
 The output is bounded (``max_chars``): nothing is built past it.
 
 :class:`AliasStream` applies a lexicon to text that arrives in pieces (a WebSocket's text),
@@ -95,12 +97,14 @@ class Lexicon:
     exact: dict[str, tuple[int, AliasRule]] = field(default_factory=dict)  # grapheme -> (order, rule)
     folded: dict[str, tuple[int, AliasRule]] = field(default_factory=dict)  # folded grapheme -> (order, rule)
     lengths: dict[str, tuple[int, ...]] = field(default_factory=dict)  # folded first char -> lengths, longest first
+    # the same for the rules that may match inside a word (no word boundaries, or no word character first)
+    inner: dict[str, tuple[int, ...]] = field(default_factory=dict)
     max_len: int = 0
 
     @classmethod
     def compile(cls, rule_lists: Iterable[Sequence[AliasRule]]) -> Lexicon:
         """Rules of several lists (request rules, then each dictionary), earlier ones first."""
-        lex, lengths, order = cls(), {}, 0
+        lex, lengths, inner, order = cls(), {}, {}, 0
         for rules in rule_lists:
             for rule in rules:
                 table, key = (lex.exact, rule.grapheme) if rule.case_sensitive else (lex.folded,
@@ -110,9 +114,13 @@ class Lexicon:
                 table[key] = (order, rule)
                 order += 1
                 n = len(rule.grapheme)
-                lengths.setdefault(fold(rule.grapheme[0]), set()).add(n)
+                first = fold(rule.grapheme[0])
+                lengths.setdefault(first, set()).add(n)
+                if not rule.word_boundaries or not is_word_char(rule.grapheme[0]):
+                    inner.setdefault(first, set()).add(n)
                 lex.max_len = max(lex.max_len, n)
         lex.lengths = {c: tuple(sorted(ns, reverse=True)) for c, ns in lengths.items()}
+        lex.inner = {c: tuple(sorted(ns, reverse=True)) for c, ns in inner.items()}
         return lex
 
     def __bool__(self) -> bool:
@@ -138,10 +146,14 @@ class Lexicon:
         character preceding ``text`` ("" at the start). ``final``: ``text`` ends the stream (its
         end is a boundary). Returns (output, characters consumed, output length)."""
         parts, size, copied, i = [], 0, 0, 0
-        n, lengths = len(text), self.lengths
+        n, lengths, inner = len(text), self.lengths, self.inner
         while i < stop:
             ns = lengths.get(folded[i])
-            hit = self._longest(text, folded, i, before if i == 0 else text[i - 1], ns, final) if ns else None
+            if ns:
+                prev = before if i == 0 else text[i - 1]
+                if is_word_char(prev) and is_word_char(text[i]):  # inside a word: only rules that may match there
+                    ns = inner.get(folded[i])
+            hit = self._longest(text, folded, i, prev, ns) if ns else None
             if hit is None:
                 i += 1
                 continue
@@ -162,8 +174,7 @@ class Lexicon:
         parts.append(text[copied:i])
         return "".join(parts), i, size + i - copied
 
-    def _longest(self, text: str, folded: str, i: int, prev: str, ns: tuple[int, ...],
-                 final: bool) -> tuple[int, str] | None:
+    def _longest(self, text: str, folded: str, i: int, prev: str, ns: tuple[int, ...]) -> tuple[int, str] | None:
         n = len(text)
         starts_word = is_word_char(text[i])
         for length in ns:
@@ -175,7 +186,7 @@ class Lexicon:
                 found = table.get(key)
                 if found is not None and (best is None or found[0] < best[0]):
                     rule = found[1]
-                    if rule.word_boundaries and not _bounded(text, i, j, prev, starts_word, final):
+                    if rule.word_boundaries and not _bounded(text, i, j, prev, starts_word):
                         continue
                     best = found
             if best is not None:
@@ -183,7 +194,7 @@ class Lexicon:
         return None
 
 
-def _bounded(text: str, i: int, j: int, prev: str, starts_word: bool, final: bool) -> bool:
+def _bounded(text: str, i: int, j: int, prev: str, starts_word: bool) -> bool:
     if starts_word and is_word_char(prev):
         return False
     after = text[j] if j < len(text) else ""
