@@ -271,3 +271,21 @@ def test_multi_stream_input_contexts_have_their_own_dictionaries(app):
     assert audio == {"a": 2 * _samples("New York City rocks"), "b": 2 * _samples("NYC rocks")}
     # an unknown dictionary fails its context only
     assert [(e["contextId"], e["error"]) for e in errors] == [("c", "pronunciation_dictionary_not_found")]
+
+
+def test_openai_sdk_sends_rules_with_extra_body(app):
+    openai = pytest.importorskip("openai")
+    d = _dictionary(app)
+
+    async def main():
+        http = client(app)
+        sdk = openai.AsyncOpenAI(base_url="http://t/v1", api_key=ALICE, http_client=http, max_retries=0)
+        r = await sdk.audio.speech.create(model="tts-1", voice="alloy", input="NYC and SQL", response_format="pcm",
+                                          extra_body={"pronunciation_rules": [{"string_to_replace": "and",
+                                                                               "alias": "plus"}],
+                                                      "pronunciation_dictionary_locators": [
+                                                          {"pronunciation_dictionary_id": d["id"]}]})
+        await http.aclose()
+        return r.content
+
+    assert len(asyncio.run(main())) == 2 * _samples("New York City plus sequel")
