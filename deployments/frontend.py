@@ -175,12 +175,15 @@ class TextFrontend(PronunciationHandles):
         return prompt
 
     async def status(self) -> dict:
-        """This replica's id and whether its voice store accepts writes: ``/health``'s background
-        probe (it also sets the ingress's frontend handle up before a user's first request needs
-        it). The store check creates and removes one small file."""
+        """This replica's id and whether its voice and pronunciation stores accept writes:
+        ``/health``'s background probe (it also sets the ingress's frontend handle up before a
+        user's first request needs it). Each store check creates and removes one small file."""
         where, problem = await self._run(self.rt.voice_store_status)
+        lexicons, lexicons_problem = await self._run(self.pronunciation.store_status)
         return {"replica_id": replica_id(),
-                "voice_store": {"path": where, "writable": problem is None, "error": problem}}
+                "voice_store": {"path": where, "writable": problem is None, "error": problem},
+                "pronunciation_store": {"path": lexicons, "writable": lexicons_problem is None,
+                                        "error": lexicons_problem}}
 
     async def _run(self, fn, *args):
         """Blocking runtime work on the executor; runtime errors made portable across Ray."""

@@ -156,12 +156,15 @@ class LexiconStore:
         return sorted(records, key=lambda r: (r.get("created_at", 0), r.get("id", "")))
 
     def check_writable(self) -> str | None:
-        """None when the store accepts writes now (or its directory can be made); else why not."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            return exc.strerror or type(exc).__name__
-        return probe_writable(self.root)
+        """None when the store accepts writes now; else why not. Before the first write (no
+        directory yet) the nearest existing directory above it is probed: the store can be made
+        there. Nothing is left behind."""
+        where = self.root
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if where != self.root and not where.is_dir():
+            return "Not a directory"
+        return probe_writable(where)
 
     # -- writing ------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -124,6 +124,9 @@ def test_crud_ownership_versions_and_the_error_shape(app, tmp_path):
             "pronunciation_dictionary_id": did, "deleted": True}
         assert (await c.get(f"{BASE}/{did}", headers=_h(ALICE))).status_code == 404
 
+    assert not (tmp_path / "pronunciation").exists()  # made at the first write, not by /health
+    assert _run(app, lambda c: c.get("/health?detail=1", headers=_h(ROOT_KEY))).json()["frontend"][
+        "pronunciation_store_writable"] is True
     _run(app, main)
     assert (tmp_path / "pronunciation").is_dir()  # $FAST_COSY_HOME/pronunciation
 
@@ -136,6 +139,9 @@ def test_a_store_that_refuses_writes_is_a_503_naming_it(app, tmp_path):
         assert r.status_code == 503 and _detail(r)["status"] == "pronunciation_store_unavailable"
         assert str(tmp_path / "pronunciation") in _detail(r)["message"]
         assert (await c.get(BASE, headers=_h(ALICE))).json()["pronunciation_dictionaries"] == []
+        health = (await c.get("/health?detail=1", headers=_h(ROOT_KEY))).json()
+        assert health["status"] == "degraded" and health["frontend"]["pronunciation_store_writable"] is False
+        assert health["frontend"]["pronunciation_store"]["path"] == str(tmp_path / "pronunciation")
 
     _run(app, main)
 
