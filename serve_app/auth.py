@@ -313,7 +313,7 @@ def auth_middleware(cfg: AuthConfig) -> list[Middleware]:
     if cfg.cors_origins:
         # NOTE: before the key check, so a browser's preflight (OPTIONS, which carries no key) is answered.
         out.append(Middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins),
-                              allow_methods=["GET", "POST", "DELETE"],
+                              allow_methods=["GET", "POST", "PATCH", "DELETE"],
                               allow_headers=["authorization", "content-type", "x-request-id", "xi-api-key"],
                               expose_headers=["x-request-id", "retry-after"]))
     out.append(Middleware(ApiKeyAuth, cfg=cfg, keys=keys))
