@@ -166,8 +166,8 @@ class PronunciationService:
     # -- requests -----------------------------------------------------------------------------
     def lexicon(self, spec: PronunciationSpec | None, access: VoiceAccess) -> Lexicon | None:
         """The compiled aliases of a request (None: it has none). Named dictionaries must be
-        visible to the caller (404 otherwise); an archived one still applies (ElevenLabs keeps
-        archived versions usable by locators that name them)."""
+        visible to the caller (404 otherwise); an archived one still applies where a request names
+        it (archiving only hides it from the list)."""
         if spec is None or not (spec.locators or spec.rules):
             return None
         if len(spec.locators) > MAX_LOCATORS:

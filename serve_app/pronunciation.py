@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from cosyvoice_runtime.frontend.aliases import AliasStream
+from cosyvoice_runtime.frontend.aliases import MAX_ALIAS_CHARS, MAX_GRAPHEME_CHARS, AliasStream
 from deployments.pronunciation import MAX_LOCATORS, MAX_REQUEST_RULES, DictionaryInfo, expanded_limit
 from deployments.protocol import AliasRule, InvalidInputError, PronunciationSpec
 from serve_app.auth import voice_access
@@ -54,9 +54,9 @@ class RuleIn(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    string_to_replace: str = Field(min_length=1, max_length=100)
+    string_to_replace: str = Field(min_length=1, max_length=MAX_GRAPHEME_CHARS)
     type: Literal["alias", "phoneme"] = "alias"
-    alias: str | None = Field(None, max_length=500)
+    alias: str | None = Field(None, max_length=MAX_ALIAS_CHARS)
     case_sensitive: bool | None = None
     word_boundaries: bool | None = None
 
