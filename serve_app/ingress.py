@@ -219,7 +219,7 @@ class TTSIngress:
                                voice_id=body.voice_id, prompt_text=body.prompt_text, prompt_audio=audio,
                                prompt_sample_rate=sr, instruct_text=body.instruct_text, speed=native_speed,
                                stream=body.stream and native_speed == 1.0, seed=body.seed,
-                               access=voice_access(request))
+                               access=voice_access(request), pronunciation=body.pronunciation())
         return await self._synthesize(req, body.response_format, body.stream, tempo)
 
     async def _synthesize(self, req: SynthesisRequest, fmt: str, streamed: bool, tempo: float = 1.0,

@@ -21,8 +21,8 @@ refused with a 400: CosyVoice reads text, not a phonetic alphabet.
 Requests name dictionaries with ``pronunciation_dictionary_locators`` (at most 3:
 ``{"pronunciation_dictionary_id", "version_id"}``, no version: the latest) on the ElevenLabs
 HTTP routes and in the first message of a WebSocket (of each context on multi-stream-input); the
-OpenAI route takes the same field and, like every route, ``pronunciation_rules`` (our extension:
-rules given with the request, before any dictionary's).
+OpenAI route and ``POST /v1/tts`` (JSON) take the same field and, like every route,
+``pronunciation_rules`` (our extension: rules given with the request, before any dictionary's).
 """
 from __future__ import annotations
 

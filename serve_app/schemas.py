@@ -65,8 +65,9 @@ class SpeechRequest(PronunciationFields):
         return sorted(self.model_extra or {})
 
 
-class NativeSynthesisFields(_Strict):
-    """``POST /v1/tts`` fields (JSON body, or form fields next to a ``prompt_audio`` file)."""
+class NativeSynthesisFields(PronunciationFields, _Strict):
+    """``POST /v1/tts`` fields (JSON body, or form fields next to a ``prompt_audio`` file; the
+    pronunciation fields, being lists, in a JSON body only)."""
 
     text: str = Field(min_length=1)
     mode: SynthesisMode = SynthesisMode.VOICE

@@ -167,6 +167,11 @@ def test_aliases_reach_the_audio_on_the_http_routes(app):
         out["openai"] = r
         out["bob"] = await c.post("/v1/text-to-speech/alloy?output_format=pcm_24000", headers=_h(BOB),
                                   json={"text": "NYC", "pronunciation_dictionary_locators": loc})
+        out["native"] = await c.post("/v1/tts", headers=_h(ALICE), json={
+            "text": "NYC", "voice_id": "default", "response_format": "pcm",
+            "pronunciation_rules": [{"string_to_replace": "NYC", "alias": "the city"}]})
+        out["native_typo"] = await c.post("/v1/tts", headers=_h(ALICE), json={"text": "NYC", "voice_id": "default",
+                                                                             "pronunciation_rule": []})
         out["four"] = await c.post("/v1/text-to-speech/alloy?output_format=pcm_24000", headers=_h(ALICE),
                                    json={"text": "NYC", "pronunciation_dictionary_locators": loc * 4})
         out["openai_bad"] = await c.post("/v1/audio/speech", headers=_h(ALICE), json={
@@ -176,6 +181,8 @@ def test_aliases_reach_the_audio_on_the_http_routes(app):
     out = _run(app, main)
     assert out["eleven"].status_code == 200 and len(out["eleven"].content) == 2 * _samples("New York City and sequel")
     assert len(out["openai"].content) == 2 * _samples("New York City plus sequel")
+    assert len(out["native"].content) == 2 * _samples("the city")
+    assert out["native_typo"].status_code == 400  # /v1/tts still refuses unknown fields
     assert out["bob"].status_code == 404 and _detail(out["bob"])["status"] == "pronunciation_dictionary_not_found"
     assert out["four"].status_code == 400 and "pronunciation_dictionary_locators" in _detail(out["four"])["message"]
     assert out["openai_bad"].status_code == 400 and out["openai_bad"].json()["error"]["param"].startswith(
