@@ -82,5 +82,9 @@ def default_voices_dir() -> Path:
     return home_dir() / "voices"
 
 
+def default_pronunciation_dir() -> Path:
+    return home_dir() / "pronunciation"
+
+
 def tiny_model_dir(family: str) -> Path:
     return home_dir() / f"tiny-{family}"

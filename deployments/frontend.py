@@ -29,6 +29,7 @@ from deployments.compute import ComputeExecutor
 from deployments.model_source import ModelSource
 from deployments.observability import replica_id
 from deployments.options import DeploymentKnobs
+from deployments.pronunciation import PronunciationConfig, PronunciationHandles, PronunciationService
 from deployments.protocol import (
     OWNER_META_KEY,
     CosyVoiceError,
@@ -70,6 +71,8 @@ class FrontendConfig(DeploymentKnobs):
     voice_gc_min_age_s: PositiveFloat = 3600.0  # orphaned voice files older than this are removed at start
     # CosyVoice3 needs <|endofprompt|> in the LLM text; this prefix is added where it is missing.
     cv3_system_prompt: str = CV3_SYSTEM_PROMPT
+    # Pronunciation dictionaries: where they are stored, and their limits (deployments/pronunciation.py).
+    pronunciation: PronunciationConfig = Field(default_factory=PronunciationConfig)
     runtime_factory: str | None = None  # "module:callable" (tests inject fakes)
     startup_timeout_s: PositiveFloat = Field(300.0)
 
@@ -80,7 +83,7 @@ def _default_factory(cfg: FrontendConfig, source: ModelSource) -> FrontendRuntim
     return load_frontend_runtime(cfg, str(source.resolve()))
 
 
-class TextFrontend:
+class TextFrontend(PronunciationHandles):
     """See the module docstring. Constructed by ``serve_app.app.build_app``."""
 
     def __init__(self, cfg: FrontendConfig, source: ModelSource | None = None,
@@ -96,6 +99,7 @@ class TextFrontend:
         factory, source = runtime_factory, source or ModelSource(cfg.model_dir)
         self.rt = call_with_timeout(lambda: factory(cfg, source), cfg.startup_timeout_s, "frontend runtime")
         self.compute = ComputeExecutor(cfg.threads, name="frontend")
+        self.pronunciation = PronunciationService(cfg.pronunciation)
         settle_replica(cfg.gc_freeze)
         logger.info("frontend ready (%s) in %.1f s", self.rt.family, time.perf_counter() - started)
 
@@ -171,12 +175,15 @@ class TextFrontend:
         return prompt
 
     async def status(self) -> dict:
-        """This replica's id and whether its voice store accepts writes: ``/health``'s background
-        probe (it also sets the ingress's frontend handle up before a user's first request needs
-        it). The store check creates and removes one small file."""
+        """This replica's id and whether its voice and pronunciation stores accept writes:
+        ``/health``'s background probe (it also sets the ingress's frontend handle up before a
+        user's first request needs it). Each store check creates and removes one small file."""
         where, problem = await self._run(self.rt.voice_store_status)
+        lexicons, lexicons_problem = await self._run(self.pronunciation.store_status)
         return {"replica_id": replica_id(),
-                "voice_store": {"path": where, "writable": problem is None, "error": problem}}
+                "voice_store": {"path": where, "writable": problem is None, "error": problem},
+                "pronunciation_store": {"path": lexicons, "writable": lexicons_problem is None,
+                                        "error": lexicons_problem}}
 
     async def _run(self, fn, *args):
         """Blocking runtime work on the executor; runtime errors made portable across Ray."""
@@ -226,6 +233,7 @@ class TextFrontend:
         text = (req.text or "").strip()
         if not text:
             raise InvalidInputError("input text is empty")
+        text = self.pronunciation.rewrite(text, req.pronunciation, req.access)  # before normalisation
         mode = SynthesisMode(req.mode)
         rule = MODES[mode.value]  # what the LLM reads before the text (spec §1.2)
         if mode == SynthesisMode.ZERO_SHOT and req.prompt_audio is None:

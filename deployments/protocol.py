@@ -27,12 +27,23 @@ from cosyvoice_runtime.errors import (
     ModelLoadError,
     VoiceNotFoundError,
 )
+from cosyvoice_runtime.frontend.aliases import AliasRule
+from cosyvoice_runtime.frontend.errors import (
+    DictionaryLimitError,
+    DictionaryNotFoundError,
+    DictionaryStoreUnwritableError,
+)
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 __all__ = [
+    "AliasRule",
     "AudioChunk",
     "ConfigError",
     "CosyVoiceError",
+    "DictionaryForbiddenError",
+    "DictionaryLimitError",
+    "DictionaryNotFoundError",
+    "DictionaryStoreUnwritableError",
     "EngineDeadError",
     "EngineStats",
     "InvalidInputError",
@@ -40,6 +51,7 @@ __all__ = [
     "OverloadedError",
     "PayloadTooLargeError",
     "PreparedRequest",
+    "PronunciationSpec",
     "ReplicaHealth",
     "ServingError",
     "SynthesisMode",
@@ -68,6 +80,10 @@ class VoiceExistsError(InvalidInputError):
 class VoiceForbiddenError(InvalidInputError):
     """The caller may use this voice but not change it: a shared voice, deleted or replaced only
     by an admin key (403)."""
+
+
+class DictionaryForbiddenError(InvalidInputError):
+    """A shared pronunciation dictionary, changed or deleted only by an admin key (403)."""
 
 
 class VoiceStoreUnavailableError(ServingError):
@@ -133,6 +149,15 @@ class VoiceAccess:
         return self.sees_all or (voice_owner is not None and voice_owner == self.owner)
 
 
+@dataclass(frozen=True)
+class PronunciationSpec:
+    """A request's pronunciation aliases: its own rules, then stored dictionaries (id, version
+    or None for the latest), earlier ones winning (cosyvoice_runtime/frontend/aliases.py)."""
+
+    locators: tuple[tuple[str, str | None], ...] = ()
+    rules: tuple[AliasRule, ...] = ()
+
+
 @dataclass
 class SynthesisRequest:
     """Ingress -> frontend: what to say and how."""
@@ -149,6 +174,7 @@ class SynthesisRequest:
     stream: bool = False
     seed: int | None = None
     access: VoiceAccess = field(default_factory=VoiceAccess)  # whose registered voices it may use
+    pronunciation: PronunciationSpec | None = None  # aliases applied before normalisation
 
 
 @dataclass

@@ -209,19 +209,34 @@ def probe_voice_store(env: Environment, voices_dir: str | None, family: str | No
     """Where the frontend keeps voices (the replica's rule: ``frontend.voices_dir``, else
     ``$FAST_COSY_HOME/voices/<family>``) and whether it accepts writes. A store not created yet is
     judged by its nearest existing parent (the replica creates it)."""
-    from cosyvoice_runtime.frontend.atomic_files import probe_writable
     from deployments import constants
 
     default = constants.default_voices_dir()
     path = Path(voices_dir).expanduser() if voices_dir else (default / family if family else default)
     env.voices_dir = path
+    env.voices_dir_problem = _store_problem(path)
+
+
+def _store_problem(path: Path) -> str | None:
+    """Why a store directory refuses writes (None: it accepts them); one not created yet is
+    judged by its nearest existing parent (the replica creates it)."""
+    from cosyvoice_runtime.frontend.atomic_files import probe_writable
+
     existing = path
     while not existing.exists() and existing.parent != existing:
         existing = existing.parent
     if not existing.is_dir():
-        env.voices_dir_problem = f"{existing} is not a directory"
-        return
-    env.voices_dir_problem = probe_writable(existing)
+        return f"{existing} is not a directory"
+    return probe_writable(existing)
+
+
+def probe_pronunciation_store(env: Environment, pronunciation_dir: str | None) -> None:
+    """Where the frontend keeps pronunciation dictionaries (``frontend.pronunciation.dir``, else
+    ``$FAST_COSY_HOME/pronunciation``) and whether it accepts writes."""
+    from deployments import constants
+
+    path = Path(pronunciation_dir).expanduser() if pronunciation_dir else constants.default_pronunciation_dir()
+    env.pronunciation_dir, env.pronunciation_dir_problem = path, _store_problem(path)
 
 
 def probe_environment(args: argparse.Namespace) -> Environment:
@@ -230,7 +245,7 @@ def probe_environment(args: argparse.Namespace) -> Environment:
 
     env = Environment(verify_checksums=not args.no_checksums, ray_address=args.ray_address, ray_probe=probe_ray)
     synth = None
-    voices_dir, family = None, None
+    voices_dir, family, pronunciation_dir = None, None, None
     model_dir = args.model_dir
     if args.config:
         env.config_path = str(args.config)
@@ -242,6 +257,7 @@ def probe_environment(args: argparse.Namespace) -> Environment:
             model_dir = model_dir or synth.model_dir or cfg.frontend.model_dir or cfg.model_dir
             env.tiny_allowed = cfg.tiny_family is not None
             voices_dir, family = cfg.frontend.voices_dir, cfg.tiny_family
+            pronunciation_dir = cfg.frontend.pronunciation.dir
         except CliError as exc:
             env.config_error = str(exc)
         except ImportError as exc:
@@ -249,6 +265,7 @@ def probe_environment(args: argparse.Namespace) -> Environment:
     model_dir = model_dir or constants.model_dir_override()
     env.model_dir = Path(model_dir).expanduser() if model_dir else None
     probe_voice_store(env, voices_dir, (detect_family(env.model_dir) if env.model_dir else None) or family)
+    probe_pronunciation_store(env, pronunciation_dir)
     from cosyvoice_runtime.modes import resolve_mode  # the replica's rule: config wins, then the env
 
     try:

@@ -36,6 +36,7 @@ from fastcosy_cli.doctor_system import (
     check_gpu,
     check_gpu_arch,
     check_gpu_memory,
+    check_pronunciation_store,
     check_ray,
     check_torch,
     check_voice_store,
@@ -47,14 +48,16 @@ from fastcosy_cli.doctor_trt import check_engine_cache, check_tensorrt
 __all__ = [
     "CHECKS", "CheckResult", "Environment", "GpuInfo", "Status", "arch_support", "check_config", "check_driver",
     "check_engine_cache", "check_gpu", "check_gpu_arch", "check_gpu_memory", "check_model_dir",
-    "check_model_files", "check_ray", "check_tensorrt", "check_torch", "check_voice_store", "check_wetext",
+    "check_model_files", "check_pronunciation_store", "check_ray", "check_tensorrt", "check_torch",
+    "check_voice_store", "check_wetext",
     "detect_family",
     "exit_code", "format_report", "results_json", "run_checks",
 ]
 
 CHECKS: tuple[Callable[[Environment], CheckResult | list[CheckResult]], ...] = (
     check_config, check_torch, check_gpu, check_driver, check_gpu_arch, check_tensorrt,
-    check_engine_cache, check_model_dir, check_model_files, check_voice_store, check_wetext, check_ray,
+    check_engine_cache, check_model_dir, check_model_files, check_voice_store, check_pronunciation_store,
+    check_wetext, check_ray,
     check_gpu_memory,
 )
 

@@ -70,6 +70,7 @@ class Environment:
         voices_dir / voices_dir_problem: the frontend's voice store and why it refuses writes
             (None: it accepts them; the probe creates and removes one file, or checks the nearest
             existing parent of a store not created yet).
+        pronunciation_dir / pronunciation_dir_problem: the same for the pronunciation dictionaries.
     """
 
     torch_version: str | None = None
@@ -100,6 +101,8 @@ class Environment:
     verify_checksums: bool = True
     voices_dir: Path | None = None
     voices_dir_problem: str | None = None
+    pronunciation_dir: Path | None = None
+    pronunciation_dir_problem: str | None = None
     extra: dict = field(default_factory=dict)
 
     def device_index(self) -> int:

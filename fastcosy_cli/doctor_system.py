@@ -229,3 +229,17 @@ def check_voice_store(env: Environment) -> CheckResult:
                        "/v1/voices will answer 503",
                        f"make {env.voices_dir} writable by the user running the frontend replicas (a read-write "
                        "mount on every node), or set frontend.voices_dir to writable shared storage")
+
+
+def check_pronunciation_store(env: Environment) -> CheckResult:
+    """The frontend's pronunciation dictionary store must accept writes: a read-only one answers
+    dictionary changes with 503 and makes /health say ``degraded``."""
+    if env.pronunciation_dir is None:
+        return CheckResult("pronunciation_store", Status.OK, "skipped (no pronunciation store resolved)")
+    if env.pronunciation_dir_problem is None:
+        return CheckResult("pronunciation_store", Status.OK, f"pronunciation store {env.pronunciation_dir} is writable")
+    return CheckResult("pronunciation_store", Status.FAIL,
+                       f"pronunciation store {env.pronunciation_dir} is not writable "
+                       f"({env.pronunciation_dir_problem}): changes to /v1/pronunciation-dictionaries will answer 503",
+                       f"make {env.pronunciation_dir} writable by the user running the frontend replicas, or set "
+                       "frontend.pronunciation.dir to writable shared storage")

@@ -6,6 +6,8 @@ Each key carries scopes:
 
 * ``synthesis``: ``POST /v1/audio/speech``, ``POST /v1/tts``, WebSocket routes, reading voices;
 * ``voices``: voice administration (``POST /v1/voices``, ``DELETE /v1/voices/{id}``) and reading;
+  also the pronunciation dictionaries' changes (``/v1/pronunciation-dictionaries``; reading them
+  needs ``synthesis`` or ``voices``, as for voices);
 * ``metrics``: ``GET /metrics`` and ``GET /health?detail=1`` (the live probe) when those are protected;
 * ``admin``: every endpoint, and every voice (other keys see and use their own voices and the shared
   ones, and delete only their own: :class:`~deployments.protocol.VoiceAccess`).
@@ -207,7 +209,7 @@ def required_scopes(method: str, path: str, websocket: bool = False) -> frozense
         return frozenset({METRICS})
     if path in ("/v1/audio/speech", "/v1/tts") or path.startswith("/v1/text-to-speech/"):
         return frozenset({SYNTHESIS})
-    if path == "/v1/voices" or path.startswith("/v1/voices/"):
+    if path == "/v1/voices" or path.startswith(("/v1/voices/", "/v1/pronunciation-dictionaries")):
         if method in ("GET", "HEAD"):
             return frozenset({SYNTHESIS, VOICES})
         return frozenset({VOICES})
@@ -311,7 +313,7 @@ def auth_middleware(cfg: AuthConfig) -> list[Middleware]:
     if cfg.cors_origins:
         # NOTE: before the key check, so a browser's preflight (OPTIONS, which carries no key) is answered.
         out.append(Middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins),
-                              allow_methods=["GET", "POST", "DELETE"],
+                              allow_methods=["GET", "POST", "PATCH", "DELETE"],
                               allow_headers=["authorization", "content-type", "x-request-id", "xi-api-key"],
                               expose_headers=["x-request-id", "retry-after"]))
     out.append(Middleware(ApiKeyAuth, cfg=cfg, keys=keys))

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.protocol import InvalidInputError
+from serve_app.pronunciation import PronunciationFields
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
 
 DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
@@ -67,7 +68,7 @@ class VoiceSettings(BaseModel):
     speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
 
 
-class TextToSpeechBody(BaseModel):
+class TextToSpeechBody(PronunciationFields):  # + pronunciation_dictionary_locators
     """Body of ``POST /v1/text-to-speech/{voice_id}`` (and its ``/stream``, ``/with-timestamps``
     variants). Unknown fields are ignored, as ElevenLabs' SDKs send many optional ones."""
 

@@ -185,7 +185,8 @@ class ElevenLabsHttp:
         ingress._check_text(body.text)
         native, tempo = split_speed(body.speed)
         req = SynthesisRequest(request_id=rid, text=body.text, mode=SynthesisMode.VOICE, voice_id=voice, speed=native,
-                               stream=streamed and native == 1.0, seed=body.seed, access=voice_access(request))
+                               stream=streamed and native == 1.0, seed=body.seed, access=voice_access(request),
+                               pronunciation=body.pronunciation())
         started = time.perf_counter()
         ingress.metrics.in_flight.inc()
         try:

@@ -8,7 +8,8 @@ outside Serve a fresh id is made. Domain errors (``deployments.protocol``) map t
 message; anything unexpected is logged with its traceback and answered with a generic 500
 that carries only the request id (house style §2.6 rule 23).
 
-The ElevenLabs-compatible routes (paths under ``/v1/text-to-speech/``) answer in ElevenLabs' own
+The ElevenLabs-compatible routes (paths under ``/v1/text-to-speech/`` and
+``/v1/pronunciation-dictionaries``) answer in ElevenLabs' own
 shape instead, which its SDKs and the voice-agent frameworks parse: ``{"detail": {"status",
 "message", "request_id"}}`` (``status`` is our ``code``, else the ``type``); their WebSocket
 routes send ``{"error", "message", "code", "request_id"}`` (``code``: the close code that follows).
@@ -28,6 +29,10 @@ from starlette.responses import JSONResponse
 from deployments.constants import REQUEST_ID_HEADER
 from deployments.protocol import (
     CosyVoiceError,
+    DictionaryForbiddenError,
+    DictionaryLimitError,
+    DictionaryNotFoundError,
+    DictionaryStoreUnwritableError,
     EngineDeadError,
     InvalidInputError,
     OverloadedError,
@@ -71,6 +76,7 @@ def error_body(request_id: str, message: str, type_: str, code: str | None = Non
 
 
 ELEVENLABS_PREFIX = "/v1/text-to-speech/"
+ELEVENLABS_PREFIXES = (ELEVENLABS_PREFIX, "/v1/pronunciation-dictionaries")  # paths answered in its shape
 
 
 def elevenlabs_body(request_id: str, message: str, type_: str, code: str | None = None) -> dict:
@@ -91,7 +97,7 @@ def error_response(request_id: str, status: int, message: str, type_: str, code:
                    headers: dict[str, str] | None = None, param: str | None = None,
                    path: str | None = None) -> JSONResponse:
     """The error response of the API family that ``path`` belongs to (OpenAI's shape by default)."""
-    if path is not None and path.startswith(ELEVENLABS_PREFIX):
+    if path is not None and path.startswith(ELEVENLABS_PREFIXES):
         body = elevenlabs_body(request_id, message, type_, code)
     else:
         body = error_body(request_id, message, type_, code, param)
@@ -119,6 +125,14 @@ def classify(exc: BaseException, retry_after_s: int = 1) -> tuple[int, str, str 
         return 403, "permission_error", "voice_not_owned", {}
     if isinstance(exc, VoiceStoreUnavailableError):  # read-only store: the message names its path
         return 503, "server_error", "voice_store_unavailable", {"Retry-After": str(retry_after_s)}
+    if isinstance(exc, DictionaryNotFoundError):
+        return 404, "not_found_error", "pronunciation_dictionary_not_found", {}
+    if isinstance(exc, DictionaryForbiddenError):
+        return 403, "permission_error", "pronunciation_dictionary_not_owned", {}
+    if isinstance(exc, DictionaryStoreUnwritableError):  # the message names the directory
+        return 503, "server_error", "pronunciation_store_unavailable", {"Retry-After": str(retry_after_s)}
+    if isinstance(exc, DictionaryLimitError):
+        return 413, "invalid_request_error", "payload_too_large", {}
     if isinstance(exc, VoiceExistsError):
         return 409, "conflict_error", "voice_exists", {}
     if isinstance(exc, PayloadTooLargeError):

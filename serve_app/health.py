@@ -108,6 +108,7 @@ class HealthMonitor:
                                                  if r["ready"]),
                "frontend_running_replicas": body["frontend"]["running_replicas"],
                "voice_store_writable": body["frontend"]["voice_store_writable"],
+               "pronunciation_store_writable": body["frontend"]["pronunciation_store_writable"],
                "checked_age_s": round(self._clock() - at, 1)}
         return out, _http_status(body["status"])
 
@@ -143,16 +144,19 @@ class HealthMonitor:
                  and (bool(seen) or ready_replicas > 0) and (answered_by is not None or frontend_running > 0))
         store = (frontend or {}).get("voice_store") or {}
         writable = store.get("writable")  # None: unknown (no frontend answered)
+        lexicons = (frontend or {}).get("pronunciation_store") or {}
         # Probes that failed: replicas too busy to answer (readiness then rests on memory and Serve's
         # count). A read-only voice store: synthesis with the stored voices works, registration not.
         # A replica only remembered (unreached, no probe failed) is one that went away or that the
         # handle's routing missed: not a degradation of the service.
-        degraded = failed > 0 or writable is False
+        degraded = failed > 0 or writable is False or lexicons.get("writable") is False
         body = {"status": "unavailable" if not ready else "degraded" if degraded else "ok",
                 "synthesizer_replicas": seen, "synthesizer_replicas_unreached": unreached,
                 "synthesizer_running_replicas": ready_replicas, "probes_failed": failed,
                 "frontend": {"answered_by": answered_by, "running_replicas": frontend_running,
-                             "voice_store_writable": writable, "voice_store": store or None}}
+                             "voice_store_writable": writable, "voice_store": store or None,
+                             "pronunciation_store_writable": lexicons.get("writable"),
+                             "pronunciation_store": lexicons or None}}
         self._last = (self._clock(), body)
         self.probes += 1
         return body

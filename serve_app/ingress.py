@@ -10,6 +10,7 @@ Routes (docs/serving.md has examples):
   (serve_app/elevenlabs_http.py)
 * ``POST /v1/tts``           native: zero-shot (multipart prompt upload), voice, cross-lingual, instruct
 * ``POST /v1/voices`` (multipart), ``GET /v1/voices``, ``GET/DELETE /v1/voices/{voice_id}``
+* ``/v1/pronunciation-dictionaries...``: ElevenLabs-shaped dictionary CRUD (serve_app/pronunciation.py)
 * ``GET /health`` (cached status; ``?detail=1`` the live probe, serve_app/health.py), ``GET /metrics``
 * ``GET /playground`` (and ``/``): the browser playground and its files (serve_app/playground.py)
 
@@ -49,7 +50,7 @@ from deployments.protocol import (
     VoiceInfo,
 )
 from deployments.python_gc import settle_replica
-from serve_app import elevenlabs_http, multi_stream, playground
+from serve_app import elevenlabs_http, multi_stream, playground, pronunciation
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, run_encoder
 from serve_app.auth import AuthConfig, auth_middleware, voice_access
 from serve_app.errors import ApiError, error_body, install_exception_handlers, request_id_of
@@ -150,6 +151,7 @@ class TTSIngress:
             WebSocketRoute(STREAM_INPUT_ROUTE, self.stream_input),
             multi_stream.route(self),
             *elevenlabs_http.routes(self),
+            *pronunciation.routes(self),
             *playground.routes(self.health_monitor.runtime_detail),
         ]
         cfg = self.cfg
@@ -183,7 +185,8 @@ class TTSIngress:
         streamed = body.stream or sse
         req = SynthesisRequest(request_id=rid, text=body.input, mode=mode, voice_id=self.resolve_voice(body.voice_id),
                                instruct_text=instructions, speed=native_speed,
-                               stream=streamed and native_speed == 1.0, seed=body.seed, access=voice_access(request))
+                               stream=streamed and native_speed == 1.0, seed=body.seed, access=voice_access(request),
+                               pronunciation=body.pronunciation())
         return await self._synthesize(req, body.response_format, streamed, tempo, sse)
 
     async def stream_input(self, websocket: WebSocket, session_cls: type = StreamInputSession) -> None:
@@ -216,7 +219,7 @@ class TTSIngress:
                                voice_id=body.voice_id, prompt_text=body.prompt_text, prompt_audio=audio,
                                prompt_sample_rate=sr, instruct_text=body.instruct_text, speed=native_speed,
                                stream=body.stream and native_speed == 1.0, seed=body.seed,
-                               access=voice_access(request))
+                               access=voice_access(request), pronunciation=body.pronunciation())
         return await self._synthesize(req, body.response_format, body.stream, tempo)
 
     async def _synthesize(self, req: SynthesisRequest, fmt: str, streamed: bool, tempo: float = 1.0,

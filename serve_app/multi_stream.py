@@ -43,6 +43,7 @@ from cosyvoice_runtime.frontend.voice_id import VOICE_ID_RULE, is_voice_id
 from deployments.protocol import CosyVoiceError, InvalidInputError, OverloadedError
 from serve_app.elevenlabs import DEFAULT_OUTPUT_FORMAT, OutputFormat, parse_output_format
 from serve_app.errors import classify, elevenlabs_ws_error, message_of
+from serve_app.pronunciation import spec_of_message
 from serve_app.stream_input import (
     CLOSE_INTERNAL,
     CLOSE_NORMAL,
@@ -197,7 +198,9 @@ class MultiStreamSession(StreamInputSession):
                                                     "close one first", "invalid_request_error",
                                                     "max_active_conversations", CLOSE_POLICY, cid))
                 return
+            spec = spec_of_message(msg)  # this context's aliases (malformed ones fail the socket, as bad JSON does)
             ctx = self.contexts[cid] = _Context(self, cid, self.opened, speed_of(msg))
+            ctx.pronunciation = spec
             self.opened += 1
             ctx.task = asyncio.create_task(self._speak(ctx, fmt))
         self.chars += len(text)

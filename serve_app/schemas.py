@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from cosyvoice_runtime.frontend.voice_id import VOICE_ID_PATTERN
 from deployments.protocol import SynthesisMode
+from serve_app.pronunciation import PronunciationFields
 
 # OpenAI's formats, all produced (serve_app.audio_codec).
 OpenAIFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
@@ -32,13 +33,15 @@ class VoiceRef(_Strict):
     id: VoiceId
 
 
-class SpeechRequest(BaseModel):
+class SpeechRequest(PronunciationFields):
     """``POST /v1/audio/speech`` (OpenAI-compatible).
 
     ``voice`` names a registered voice or an alias of one (``ingress.voice_aliases``), as a string
     or ``{"id": ...}``. ``instructions`` switches to CosyVoice's instruct mode with that voice.
     The body streams as audio is made (as OpenAI's does); ``stream: false`` (our extension) asks
     for one buffered body with a Content-Length. ``stream_format: "sse"`` sends Server-Sent Events.
+    ``pronunciation_rules`` / ``pronunciation_dictionary_locators`` (our extension): aliases applied
+    before normalisation (serve_app/pronunciation.py).
     """
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
@@ -62,8 +65,9 @@ class SpeechRequest(BaseModel):
         return sorted(self.model_extra or {})
 
 
-class NativeSynthesisFields(_Strict):
-    """``POST /v1/tts`` fields (JSON body, or form fields next to a ``prompt_audio`` file)."""
+class NativeSynthesisFields(PronunciationFields, _Strict):
+    """``POST /v1/tts`` fields (JSON body, or form fields next to a ``prompt_audio`` file; the
+    pronunciation fields, being lists, in a JSON body only)."""
 
     text: str = Field(min_length=1)
     mode: SynthesisMode = SynthesisMode.VOICE

@@ -64,6 +64,7 @@ from serve_app.elevenlabs import (
 )
 from serve_app.errors import classify, error_body, message_of, request_id_of
 from serve_app.handles import admitted, cancel_stream
+from serve_app.pronunciation import aliasing_cutter, spec_of_message
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
 from serve_app.speech import AudioOut, served_seconds, split_speed
 
@@ -164,6 +165,7 @@ class StreamInputSession:
         self._rate: asyncio.Future | None = None  # the voice's speaking rate (chars/s), asked at the start
         self.speed = 1.0
         self.chars = 0
+        self.pronunciation = None  # the aliases of the first message (serve_app/pronunciation.py)
 
     async def run(self) -> None:
         ws = self.ws
@@ -179,7 +181,7 @@ class StreamInputSession:
                 raise InvalidInputError(f"invalid voice_id {self.voice_id!r}: use {VOICE_ID_RULE}")
             self.ask_voice_rate()
             first = await self._receive(timeout)
-            self.speed = speed_of(first)
+            self.speed, self.pronunciation = speed_of(first), spec_of_message(first)
             bistream = mode == "bistream"
             worker = asyncio.create_task(self._bistream_all(fmt) if bistream else self._synthesize_all(fmt))
             buffer = SentenceBuffer()
@@ -253,7 +255,7 @@ class StreamInputSession:
         n = 0
         while (segment := await self.segments.get()) is not None:
             req = SynthesisRequest(request_id=f"{self.rid}-{n}", text=segment, voice_id=self.voice_id, speed=native,
-                                   stream=native == 1.0, access=self.access)
+                                   stream=native == 1.0, access=self.access, pronunciation=self.pronunciation)
             n += 1
             prepared = await admitted(self.frontend.prepare.remote(req))
             gen = self.synth.options(stream=True).synthesize.remote(prepared)
@@ -264,7 +266,7 @@ class StreamInputSession:
         """Bistream turns one after another: a turn starts at its first non-blank piece, each
         piece's ids go to its sequence, and it ends at flush / the end / the turn bound."""
         native, tempo = split_speed(self.speed)
-        cutter = WordCutter()
+        cutter = await aliasing_cutter(self, WordCutter(), MAX_SESSION_CHARS)
         turn: _Turn | None = None
         n = 0
         try:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from cosyvoice_runtime.errors import CosyVoiceError, InvalidInputError, VoiceNotFoundError
 
 __all__ = [
+    "DictionaryLimitError",
+    "DictionaryNotFoundError",
+    "DictionaryStoreUnwritableError",
     "EmptyTextError",
     "InvalidAudioError",
     "InvalidInputError",
@@ -96,3 +99,16 @@ class VoiceStoreUnwritableError(CosyVoiceError):
     """The voice store's directory refuses writes (a read-only mount, permissions, a full disk).
 
     Not the client's fault: the serving layer answers 503 with this message, which names the path."""
+
+
+class DictionaryNotFoundError(InvalidInputError):
+    """A pronunciation dictionary (or the version of it asked for) does not exist (404)."""
+
+
+class DictionaryLimitError(InvalidInputError):
+    """A pronunciation dictionary or the store would pass a limit: rules per dictionary,
+    dictionaries per key, dictionaries or bytes in the store (413)."""
+
+
+class DictionaryStoreUnwritableError(CosyVoiceError):
+    """The pronunciation store's directory refuses writes; the message names it (503)."""

@@ -601,6 +601,23 @@ def test_voice_store_check_fails_on_a_store_that_refuses_writes_and_names_it(tmp
     assert "503" in result.message and "frontend.voices_dir" in result.fix
 
 
+def test_pronunciation_store_check_names_a_store_that_refuses_writes(tmp_path, monkeypatch):
+    from deployments import constants
+    from fastcosy_cli.doctor_checks import check_pronunciation_store
+
+    monkeypatch.setenv(constants.ENV_HOME, str(tmp_path / "home"))
+    env = Environment()
+    doctor.probe_pronunciation_store(env, None)  # the default, not made yet: judged by its parents
+    assert env.pronunciation_dir == tmp_path / "home" / "pronunciation"
+    assert check_pronunciation_store(env).status is Status.OK and not (tmp_path / "home").exists()
+    blocked = tmp_path / "blocked"
+    blocked.write_bytes(b"")
+    doctor.probe_pronunciation_store(env, str(blocked / "pron"))
+    result = check_pronunciation_store(env)
+    assert result.status is Status.FAIL and str(blocked / "pron") in result.message
+    assert "503" in result.message and "frontend.pronunciation.dir" in result.fix
+
+
 def test_voice_store_of_a_config_is_its_frontend_voices_dir_or_the_family_default(tmp_path, monkeypatch):
     from deployments import constants
 
