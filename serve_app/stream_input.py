@@ -63,6 +63,7 @@ from serve_app.elevenlabs import (
     voice_chars_per_s,
 )
 from serve_app.errors import classify, error_body, message_of, request_id_of
+from serve_app.failover import DEFAULT_RETRIES, FailoverStream, lost_as_error
 from serve_app.handles import admitted, cancel_stream
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
 from serve_app.speech import AudioOut, served_seconds, split_speed
@@ -151,6 +152,8 @@ class WordCutter:
 
 class StreamInputSession:
     """One WebSocket session: receive text, synthesise segments in order, send audio messages."""
+
+    failover_retries = DEFAULT_RETRIES  # of a sentence-mode segment (serve_app/failover.py); the ingress sets it
 
     def __init__(self, ws: WebSocket, frontend: Any, synth: Any, voice_id: str,
                  on_served: Callable[[float], None] | None = None) -> None:
@@ -256,7 +259,7 @@ class StreamInputSession:
                                    stream=native == 1.0, access=self.access)
             n += 1
             prepared = await admitted(self.frontend.prepare.remote(req))
-            gen = self.synth.options(stream=True).synthesize.remote(prepared)
+            gen = FailoverStream(self.synth, prepared, self.failover_retries)  # continued if its replica dies
             await self._play(gen, fmt, tempo, lambda segment=segment: segment)
         await self._close_audio()
 
@@ -345,7 +348,7 @@ class StreamInputSession:
         samples, rate = 0, 0
         try:
             chunks_seen = 0
-            async for chunk in gen:
+            async for chunk in lost_as_error(gen):  # a bistream sequence is not continued
                 if not isinstance(chunk, AudioChunk):
                     continue
                 samples, rate = samples + len(chunk.samples), chunk.sample_rate
