@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from ray.exceptions import RayActorError
 
-from deployments.protocol import AudioChunk, EngineDeadError, PreparedRequest, Resume
+from deployments.protocol import AudioChunk, EngineDeadError, InvalidInputError, PreparedRequest, Resume
 from serve_app.handles import admitted, cancel_stream
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,15 @@ def with_seed(prepared: PreparedRequest) -> PreparedRequest:
     if prepared.seed is not None:
         return prepared
     return replace(prepared, seed=secrets.randbits(SEED_BITS))
+
+
+def seed_param(value: str | None) -> int | None:
+    """A seed given as a query parameter (WebSocket sessions), as the JSON bodies' ``seed``."""
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) >= 2**63:
+        raise InvalidInputError("seed must be an integer in [0, 2**63)")
+    return int(value)
 
 
 class Progress:
@@ -73,7 +82,8 @@ class FailoverStream:
     that continues on another replica when the one serving it dies (module docstring).
 
     ``retries``: continuations allowed (0: none; the death is :class:`StreamLostError` at once).
-    ``on_failover``: called with the reason each time a continuation starts (metrics, logs).
+    ``on_failover``: called with ``"continued"`` when a continuation starts and ``"lost"`` when
+    none is left (metrics).
     """
 
     def __init__(self, synth, prepared: PreparedRequest, retries: int = DEFAULT_RETRIES, on_failover=None) -> None:
@@ -108,6 +118,8 @@ class FailoverStream:
     def _continue(self, exc: BaseException) -> None:
         rid = self.prepared.request_id
         if self.failovers >= self.retries:
+            if self._on_failover is not None:
+                self._on_failover("lost")
             logger.warning("request %s: its synthesizer replica died (%s); no continuation left", rid,
                            type(exc).__name__)
             raise StreamLostError(f"the synthesizer replica serving this stream died ({type(exc).__name__}) and "
@@ -117,7 +129,7 @@ class FailoverStream:
         logger.warning("request %s: its synthesizer replica died (%s); continuing on another at piece %d, "
                        "sample %d", rid, type(exc).__name__, resume.piece, resume.samples)
         if self._on_failover is not None:
-            self._on_failover(type(exc).__name__)
+            self._on_failover("continued")
         cancel_stream(self._gen)
         self._gen = self._call(replace(self.prepared, resume=resume))
 

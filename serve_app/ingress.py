@@ -246,7 +246,7 @@ class TTSIngress:
                 self._observe(started, started + result.time_to_first_audio_s, len(result.samples), result.sample_rate,
                               served)
                 return Response(data, media_type=MEDIA_TYPES[fmt], headers={AUDIO_SECONDS_HEADER: f"{served:.3f}"})
-            gen = FailoverStream(self.synth, prepared, self.cfg.stream_failover_retries)
+            gen = FailoverStream(self.synth, prepared, self.cfg.stream_failover_retries, self._failed_over)
             try:
                 first = await _admitted(self._next_audio(gen))
             except StopAsyncIteration:
@@ -319,6 +319,9 @@ class TTSIngress:
             # Disconnect / error: cancel the handle call so the replica aborts the sequence.
             _cancel(gen)
             self.metrics.in_flight.dec()
+
+    def _failed_over(self, outcome: str) -> None:
+        self.metrics.failovers.labels(outcome).inc()
 
     def _observe(self, started: float, first_at: float | None, samples: int, sample_rate: int,
                  served_s: float) -> None:

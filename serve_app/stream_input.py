@@ -63,7 +63,7 @@ from serve_app.elevenlabs import (
     voice_chars_per_s,
 )
 from serve_app.errors import classify, error_body, message_of, request_id_of
-from serve_app.failover import DEFAULT_RETRIES, FailoverStream, lost_as_error
+from serve_app.failover import DEFAULT_RETRIES, FailoverStream, lost_as_error, seed_param
 from serve_app.handles import admitted, cancel_stream
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
 from serve_app.speech import AudioOut, served_seconds, split_speed
@@ -253,10 +253,10 @@ class StreamInputSession:
 
     async def _synthesize_all(self, fmt: OutputFormat) -> None:
         native, tempo = split_speed(self.speed)
-        n = 0
+        n, seed = 0, seed_param(self.ws.query_params.get("seed"))  # every segment's (a reproducible session)
         while (segment := await self.segments.get()) is not None:
             req = SynthesisRequest(request_id=f"{self.rid}-{n}", text=segment, voice_id=self.voice_id, speed=native,
-                                   stream=native == 1.0, access=self.access)
+                                   stream=native == 1.0, access=self.access, seed=seed)
             n += 1
             prepared = await admitted(self.frontend.prepare.remote(req))
             gen = FailoverStream(self.synth, prepared, self.failover_retries)  # continued if its replica dies

@@ -185,7 +185,7 @@ def test_unary_is_retried_on_another_replica(setup):
     counter = itertools.count()
 
     class Unary:
-        class synthesize_unary:  # noqa: N801 - the handle's method name
+        class synthesize_unary:  # the handle method's name
             @staticmethod
             def remote(p):
                 n = next(counter)
@@ -201,7 +201,7 @@ def test_unary_is_retried_on_another_replica(setup):
     counter = itertools.count()
 
     class Dead(Unary):
-        class synthesize_unary:  # noqa: N801
+        class synthesize_unary:  # the handle method's name
             @staticmethod
             def remote(p):
                 next(counter)
