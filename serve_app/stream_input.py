@@ -298,7 +298,7 @@ class StreamInputSession:
     async def _start_turn(self, request_id: str, speed: float, fmt: OutputFormat, tempo: float) -> _Turn:
         """A bistream sequence for the voice: its ticket, and a task sending its audio."""
         req = SynthesisRequest(request_id=request_id, text="", voice_id=self.voice_id, speed=speed, stream=True,
-                               access=self.access)
+                               access=self.access, seed=seed_param(self.ws.query_params.get("seed")))
         prepared = await admitted(self.frontend.prepare_bistream.remote(req))
         gen = self.synth.options(stream=True).synthesize_bistream.remote(prepared)
         try:
