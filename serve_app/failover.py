@@ -20,6 +20,7 @@ import secrets
 from dataclasses import replace
 
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
 
 from deployments.protocol import AudioChunk, EngineDeadError, InvalidInputError, PreparedRequest, Resume
 from serve_app.handles import admitted, cancel_stream
@@ -108,6 +109,9 @@ class FailoverStream:
             except StopAsyncIteration:
                 raise
             except Exception as exc:
+                if self.failovers and isinstance(exc, BackPressureError):  # no replica has room for it
+                    raise self._lost(f"the synthesizer replica serving this stream died and no other replica "
+                                     f"had room to continue it ({type(exc).__name__})") from None
                 if not replica_lost(exc):
                     raise
                 self._continue(exc)
@@ -118,12 +122,8 @@ class FailoverStream:
     def _continue(self, exc: BaseException) -> None:
         rid = self.prepared.request_id
         if self.failovers >= self.retries:
-            if self._on_failover is not None:
-                self._on_failover("lost")
-            logger.warning("request %s: its synthesizer replica died (%s); no continuation left", rid,
-                           type(exc).__name__)
-            raise StreamLostError(f"the synthesizer replica serving this stream died ({type(exc).__name__}) and "
-                                  f"it could not be continued after {self.failovers} continuation(s)") from None
+            raise self._lost(f"the synthesizer replica serving this stream died ({type(exc).__name__}) and "
+                             f"it could not be continued after {self.failovers} continuation(s)") from None
         self.failovers += 1
         resume = self.progress.snapshot()
         logger.warning("request %s: its synthesizer replica died (%s); continuing on another at piece %d, "
@@ -132,6 +132,12 @@ class FailoverStream:
             self._on_failover("continued")
         cancel_stream(self._gen)
         self._gen = self._call(replace(self.prepared, resume=resume))
+
+    def _lost(self, message: str) -> StreamLostError:
+        logger.warning("request %s: %s", self.prepared.request_id, message)
+        if self._on_failover is not None:
+            self._on_failover("lost")
+        return StreamLostError(message)
 
     def cancel(self) -> None:
         cancel_stream(self._gen)

@@ -14,6 +14,7 @@ Default run: CosyVoice2 over HTTP; the other family and transports are ``slow``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import threading
@@ -84,11 +85,9 @@ def _replicas(app: str) -> dict[str, int]:
     out = {}
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["name"].startswith(prefix):
-            try:
+            with contextlib.suppress(Exception):  # a replica dying as we ask is left out
                 actor = ray.get_actor(a["name"], namespace="serve")
                 out[a["name"]] = ray.get(actor.get_num_ongoing_requests.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - a replica dying as we ask
-                continue
     return out
 
 
