@@ -23,12 +23,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class LMRequest:
-    """Inputs of one LLM sequence (one sentence piece)."""
+    """Inputs of one LLM sequence (one sentence piece).
+
+    ``prefix``: speech ids this sequence already emitted on another replica (every id the LLM
+    chose, before any serving filter), to continue from: they are prefilled after the prompt and
+    sampling goes on at draw ``len(prefix)`` (the counter-based sampler's draws depend on the seed
+    and the step only), so a seeded sequence continues as it would have. ``prefix_done``: the
+    sequence had already ended; nothing more is decoded. The engine's first event of such a
+    request carries the prefix (``TokenEvent.raw``, and ``tokens`` as filtered)."""
 
     text_ids: np.ndarray
     prompt_text_ids: np.ndarray
     prompt_speech_ids: np.ndarray
     seed: int | None = None
+    prefix: np.ndarray | None = None
+    prefix_done: bool = False
 
 
 @dataclass
@@ -52,6 +61,8 @@ class TokenEvent:
         finished / finish_reason: the request ended (``stop``, ``length``, ...).
         error: the request failed alone (it is finished): the message for its client.
         logits: (V,) of the step, only from an engine built with ``return_logits=True`` (tests).
+        raw: every id the LLM emitted, before the serving layer's silent-token filter (what a
+            continuation on another replica prefills, ``LMRequest.prefix``); None: ``tokens``.
     """
 
     request_id: str
@@ -60,3 +71,4 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None
     logits: torch.Tensor | None = None
+    raw: list[int] | None = None

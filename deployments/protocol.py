@@ -53,6 +53,7 @@ __all__ = [
     "PreparedRequest",
     "PronunciationSpec",
     "ReplicaHealth",
+    "Resume",
     "ServingError",
     "SynthesisMode",
     "SynthesisRequest",
@@ -186,6 +187,24 @@ class TextPiece:
 
 
 @dataclass
+class Resume:
+    """Where a stream continues on another replica after the one serving it died
+    (``serve_app/failover.py``; docs/serving.md, Failover).
+
+    The pieces before ``piece`` were delivered whole; of ``piece``, the client has ``samples``
+    samples, made from the LLM's ids ``tokens`` (all it had emitted for that piece, unfiltered),
+    and ``llm_done`` says the piece's sequence had ended. ``chunks``: audio chunks sent so far
+    (the continuation numbers its chunks on from there).
+    """
+
+    piece: int = 0
+    tokens: list[int] = field(default_factory=list)
+    samples: int = 0
+    llm_done: bool = False
+    chunks: int = 0
+
+
+@dataclass
 class PreparedRequest:
     """Frontend -> synthesizer: tokenised pieces plus the prompt, per mode.
 
@@ -203,6 +222,7 @@ class PreparedRequest:
     speed: float = 1.0
     stream: bool = False
     seed: int | None = None
+    resume: Resume | None = None  # a continuation of a stream whose replica died
 
 
 FIRST_AUDIO_STAGES = ("first_token", "first_chunk_tokens", "first_audio")
@@ -226,6 +246,10 @@ class AudioChunk:
     # speech token, the first chunk's tokens and the first audio (FIRST_AUDIO_STAGES); the
     # ingress sends them on as a Server-Timing header.
     timing: dict[str, float] | None = None
+    # The LLM's ids of this piece emitted since the previous chunk (unfiltered), and whether its
+    # sequence has ended: what a continuation on another replica starts from (Resume).
+    tokens: list[int] = field(default_factory=list)
+    llm_done: bool = False
 
 
 @dataclass

@@ -90,6 +90,7 @@ class RuntimeTokenEngine:
         self.max_running = max_running
         self.max_model_len = max_model_len
         self._filters: dict[str, Any] = {}
+        self._pending: list[TokenEvent] = []  # continuations' prefix events, handed out by the next step
         self.length_rule = length_rule
         self._bistream_text: dict[str, tuple[list[int], int | None]] = {}  # with length_rule: (ids so far, seed)
         self._stream = own_stream(next(model.llm.parameters()).device, priority=LLM_STREAM_PRIORITY)
@@ -121,8 +122,16 @@ class RuntimeTokenEngine:
             raise InvalidInputError(f"text piece too long for a decode slot: needs at least {need} positions, "
                                     f"slots hold {self.max_model_len}")
         params = SamplingParams.from_spec(self.spec.llm, seed=request.seed)
-        self.engine.add_request(request_id, lm.embeds, lm.min_len, min(lm.max_len, room), params)
-        self._filters[request_id] = SilentTokenFilter(self.spec)
+        keep = SilentTokenFilter(self.spec)
+        prefix = [] if request.prefix is None else [int(t) for t in request.prefix]
+        if not request.prefix_done:
+            self.engine.add_request(request_id, lm.embeds, lm.min_len, min(lm.max_len, room), params,
+                                    prefix=prefix or None)
+        if prefix or request.prefix_done:  # a continuation: its first event is what it had emitted
+            self._pending.append(TokenEvent(request_id, [t for t in prefix if keep.keep(t)], request.prefix_done,
+                                            "stop" if request.prefix_done else None, raw=prefix))
+        if not request.prefix_done:
+            self._filters[request_id] = keep
 
     def add_bistream(self, request_id: str, request: BistreamLMRequest) -> None:
         import torch
@@ -148,26 +157,27 @@ class RuntimeTokenEngine:
     def step(self) -> list[TokenEvent]:
         import torch
 
-        out = []
+        out, self._pending = self._pending, []  # continuations' prefixes go before their new ids
         with torch.cuda.stream(self._stream):
-            events = self.engine.step()
+            events = self.engine.step() if self.engine.has_unfinished() or not out else []
         for ev in events:
             keep = self._filters.get(ev.request_id)
             tokens = [t for t in ev.tokens if keep is None or keep.keep(t)]
             out.append(TokenEvent(ev.request_id, tokens, ev.finished, ev.finish_reason,
-                                  self._errors.get(ev.finish_reason)))
+                                  self._errors.get(ev.finish_reason), raw=list(ev.tokens)))
             if ev.finished:
                 self._filters.pop(ev.request_id, None)
                 self._bistream_text.pop(ev.request_id, None)
         return out
 
     def abort(self, request_id: str) -> None:
+        self._pending = [ev for ev in self._pending if ev.request_id != request_id]
         self.engine.abort(request_id)
         self._filters.pop(request_id, None)
         self._bistream_text.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished()
+        return bool(self._pending) or self.engine.has_unfinished()
 
     def num_running(self) -> int:
         return self.engine.num_running()

@@ -65,10 +65,11 @@ from deployments.protocol import (
     portable_error,
 )
 from deployments.python_gc import settle_replica
+from deployments.resume import PieceCursor, start_of
 from deployments.runtime_adapter import call_with_timeout
 from deployments.runtime_protocol import SynthesisRuntime
 from deployments.synthesizer_config import SynthesizerConfig
-from deployments.text_inbox import ActorInbox, BistreamTicket, InboxClient, LocalInbox
+from deployments.text_inbox import BistreamTicket, InboxClient, default_inbox
 from deployments.thread_load import gil_wait, thread_cpu_seconds
 from deployments.token2wav_loop import SteppedToken2Wav
 from deployments.warmup import warm_up
@@ -115,7 +116,7 @@ class Synthesizer:
         # Started with the replica, in the background while the model loads: a Ray actor's worker
         # process took about a second to come up on the 2-core VM, which the first bistream
         # session of a replica otherwise waited for before its first audio.
-        self._inbox = inbox or _default_inbox()
+        self._inbox = inbox or default_inbox()
         if runtime_factory is None:
             runtime_factory = _import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
         started = time.perf_counter()
@@ -197,13 +198,12 @@ class Synthesizer:
 
         ``text``: the text of a bistream request (:meth:`synthesize_bistream` only): one LLM
         sequence over the prompt of ``req`` instead of one per piece."""
-        if text is None:  # a bistream request was admitted by synthesize_bistream
+        if text is None and req.resume is None:  # bistream: synthesize_bistream admits; a resume was admitted
             self._admit()
         started = self.clock()
         playback = Playback(started)
-        index = 0
-        samples = 0
-        status = "ok"
+        first_piece, index = start_of(req.resume)
+        samples, status = 0, "ok"
         self._active += 1
         load = self._active
         self.idle_trim.cancel()
@@ -215,8 +215,11 @@ class Synthesizer:
             pieces = req.pieces if text is None else [None]
             last_piece = len(pieces) - 1
             marks: dict[str, float] = {}  # FIRST_AUDIO_STAGES, clock times (the first piece stamps them)
-            for p, piece in enumerate(pieces):
-                async for audio, final in self._synthesize_piece(req, p, piece, playback, text, marks):
+            for p, piece in enumerate(pieces[first_piece:], first_piece):
+                cursor = PieceCursor(req.resume if p == first_piece else None)
+                async for audio, final in self._synthesize_piece(req, p, piece, playback, text, marks, cursor):
+                    if (audio := cursor.trim(audio, keep_empty=final and p == last_piece)) is None:
+                        continue  # a continuation: all of it is audio its client has
                     now = self.clock()
                     timing = None
                     if index == 0:
@@ -228,7 +231,8 @@ class Synthesizer:
                     self.underruns += playback.add(now, len(audio) / self.sample_rate)
                     samples += len(audio)
                     yield AudioChunk(request_id=req.request_id, samples=audio, sample_rate=self.sample_rate,
-                                     index=index, piece=p, is_last=final and p == last_piece, timing=timing)
+                                     index=index, piece=p, is_last=final and p == last_piece, timing=timing,
+                                     tokens=cursor.take(), llm_done=cursor.llm_done)
                     index += 1
         except asyncio.CancelledError:
             status = "cancelled"
@@ -347,9 +351,10 @@ class Synthesizer:
             raise
 
     async def _synthesize_piece(self, req: PreparedRequest, p: int, piece, playback: Playback,
-                                text: TextSource | None, marks: dict[str, float]) -> AsyncIterator[tuple[np.ndarray, bool]]:
+                                text: TextSource | None, marks: dict[str, float],
+                                cursor: PieceCursor) -> AsyncIterator[tuple[np.ndarray, bool]]:
         """The audio of one piece, chunk by chunk; stamps the first token and the first chunk's
-        tokens into ``marks`` unless an earlier piece did."""
+        tokens into ``marks`` unless an earlier piece did; ``cursor`` sees every token event."""
         prompt = req.prompt
         speech = prompt.speech_tokens if req.llm_use_prompt_speech else np.zeros(0, dtype=np.int32)
         if text is not None:
@@ -358,7 +363,7 @@ class Synthesizer:
             raise InvalidInputError(f"text piece {p} has no tokens")
         else:
             lm = LMRequest(text_ids=piece.text_ids, prompt_text_ids=req.llm_prompt_text_ids,
-                           prompt_speech_ids=speech, seed=req.seed)
+                           prompt_speech_ids=speech, seed=req.seed, **cursor.lm_fields())
         state = self.t2w.new_stream(prompt, stream=req.stream, speed=req.speed, seed=req.seed)
         tokens: list[int] = []
         # Woken when the next chunk's tokens are there (or at the end), not on every decode step.
@@ -367,6 +372,7 @@ class Synthesizer:
                                               on_first_token=lambda: marks.setdefault("first_token", self.clock()),
                                               due=playback.deadline_s):
             tokens.extend(event.tokens)
+            cursor.saw(event)
             while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
                 marks.setdefault("first_chunk_tokens", self.clock())
                 if self.stepped is not None:
@@ -442,13 +448,3 @@ class Synthesizer:
     @classmethod
     def deployment_options(cls, cfg: SynthesizerConfig) -> dict[str, Any]:
         return cap_malloc_arenas(cfg.serve_options("Synthesizer"))  # RSS that does not ratchet up
-
-
-def _default_inbox() -> InboxClient:
-    """The text inbox actor inside a Serve replica, one in this process outside (tests)."""
-    try:
-        serve.get_replica_context()
-    except Exception:  # noqa: BLE001 - outside a replica (unit tests, in-process apps)
-        return LocalInbox()
-    return ActorInbox.start()
-

@@ -190,3 +190,14 @@ class BistreamTicket:
 
     async def push(self, ids: Sequence[int], end: bool = False) -> None:
         await self.inbox.push(self.session, ids, end)
+
+
+def default_inbox() -> InboxClient:
+    """The text inbox actor inside a Serve replica, one in this process outside (tests)."""
+    from ray import serve
+
+    try:
+        serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - outside a replica (unit tests, in-process apps)
+        return LocalInbox()
+    return ActorInbox.start()

@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import Field, PositiveFloat, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -54,6 +54,7 @@ from serve_app import elevenlabs_http, multi_stream, playground, pronunciation
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, run_encoder
 from serve_app.auth import AuthConfig, auth_middleware, voice_access
 from serve_app.errors import ApiError, error_body, install_exception_handlers, request_id_of
+from serve_app.failover import DEFAULT_RETRIES, FailoverStream, StreamLostError, unary
 from serve_app.handles import admitted as _admitted
 from serve_app.handles import cancel_stream as _cancel
 from serve_app.health import HealthMonitor, wants_detail
@@ -100,6 +101,9 @@ class IngressConfig(DeploymentKnobs):
     # Voice names resolved to registered voices before synthesis (OpenAI's built-in names -> "default").
     voice_aliases: dict[str, str] = Field(default_factory=lambda: dict.fromkeys(OPENAI_VOICES, DEFAULT_VOICE))
     health_timeout_s: float = Field(5.0, gt=0)
+    # Continuations of a stream on another synthesizer replica when the one serving it dies
+    # (serve_app/failover.py); 0: the stream ends with an error instead.
+    stream_failover_retries: NonNegativeInt = DEFAULT_RETRIES
     # Longest wait for a stream's next audio chunk, the first included (504 before the headers; after
     # them an SSE error event or an aborted body). No limit on a stream's total time (docs/serving.md).
     stream_idle_timeout_s: PositiveFloat = 60.0
@@ -195,7 +199,9 @@ class TTSIngress:
         voice = self.resolve_voice(websocket.path_params["voice_id"])
         self.metrics.in_flight.inc()
         try:
-            await session_cls(websocket, self.frontend, self.synth, voice, on_served=self.metrics.served.observe).run()
+            session = session_cls(websocket, self.frontend, self.synth, voice, on_served=self.metrics.served.observe)
+            session.failover_retries = self.cfg.stream_failover_retries
+            await session.run()
         finally:
             self.metrics.in_flight.dec()
 
@@ -236,14 +242,14 @@ class TTSIngress:
             prepared = await _admitted(self.frontend.prepare.remote(req))
             prepared_at = time.perf_counter()
             if not streamed:
-                result = await _admitted(self.synth.synthesize_unary.remote(prepared))
+                result = await unary(self.synth, prepared, self.cfg.stream_failover_retries)
                 # a minute of MP3 takes ~0.3 s to encode: off the event loop
                 data = await asyncio.to_thread(encode_whole, result.samples, result.sample_rate, fmt, tempo)
                 served = served_seconds(len(result.samples), result.sample_rate, tempo)
                 self._observe(started, started + result.time_to_first_audio_s, len(result.samples), result.sample_rate,
                               served)
                 return Response(data, media_type=MEDIA_TYPES[fmt], headers={AUDIO_SECONDS_HEADER: f"{served:.3f}"})
-            gen = self.synth.options(stream=True).synthesize.remote(prepared)
+            gen = FailoverStream(self.synth, prepared, self.cfg.stream_failover_retries, self._failed_over)
             try:
                 first = await _admitted(self._next_audio(gen))
             except StopAsyncIteration:
@@ -297,14 +303,15 @@ class TTSIngress:
                         chunk = await self._next_audio(gen)
                     except StopAsyncIteration:
                         break
-                    except NoAudioError as exc:
+                    except (NoAudioError, StreamLostError) as exc:
                         # After the headers no status can change: SSE says why in an error event,
                         # a plain audio body is aborted (the client sees an incomplete response).
                         logger.warning("request %s: %s; stream ended", rid, exc)
                         if not out.sse:
                             raise
+                        code = "audio_timeout" if isinstance(exc, NoAudioError) else "replica_lost"
                         yield sse_event({"type": "error", **error_body(rid, f"{exc}; stream ended", "server_error",
-                                                                      "audio_timeout")})
+                                                                      code)})
                         return
                     if data := await run_encoder(out.feed, chunk.samples):
                         yield data
@@ -315,6 +322,9 @@ class TTSIngress:
             # Disconnect / error: cancel the handle call so the replica aborts the sequence.
             _cancel(gen)
             self.metrics.in_flight.dec()
+
+    def _failed_over(self, outcome: str) -> None:
+        self.metrics.failovers.labels(outcome).inc()
 
     def _observe(self, started: float, first_at: float | None, samples: int, sample_rate: int,
                  served_s: float) -> None:
@@ -361,7 +371,7 @@ class TTSIngress:
     async def synthesize(self, req: SynthesisRequest) -> SynthesisResult:
         """Unary synthesis for other Serve apps: ``await app_handle.synthesize.remote(req)``."""
         prepared = await _admitted(self.frontend.prepare.remote(req))
-        return await _admitted(self.synth.synthesize_unary.remote(prepared))
+        return await unary(self.synth, prepared, self.cfg.stream_failover_retries)
 
     async def stream(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         """Streaming synthesis: ``async for chunk in app_handle.options(stream=True).stream.remote(req)``.
@@ -369,7 +379,7 @@ class TTSIngress:
         Cancelling the caller's generator (or ``.cancel()`` on it) aborts the sequence.
         """
         prepared = await _admitted(self.frontend.prepare.remote(req))
-        gen = self.synth.options(stream=True).synthesize.remote(prepared)
+        gen = FailoverStream(self.synth, prepared, self.cfg.stream_failover_retries)
         try:
             async for chunk in gen:
                 yield chunk

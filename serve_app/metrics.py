@@ -192,6 +192,9 @@ class IngressMetrics:
         self.served = Histogram("tts_served_audio_seconds",
                                 "Audio seconds served per synthesis call (a request; a WebSocket segment or turn)",
                                 buckets=constants.SERVED_AUDIO_BUCKETS_S, registry=self.registry)
+        self.failovers = Counter("tts_stream_failovers", "Streams whose synthesizer replica died: continued on "
+                                 "another replica, or lost (serve_app/failover.py)", ["outcome"],
+                                 registry=self.registry)
         self.in_flight = Gauge("tts_requests_in_flight", "Synthesis requests being served", registry=self.registry)
         self._replica = _ReplicaSnapshotCollector()
         self.registry.register(self._replica)

@@ -63,6 +63,7 @@ from serve_app.elevenlabs import (
     voice_chars_per_s,
 )
 from serve_app.errors import classify, error_body, message_of, request_id_of
+from serve_app.failover import DEFAULT_RETRIES, FailoverStream, lost_as_error, seed_param
 from serve_app.handles import admitted, cancel_stream
 from serve_app.pronunciation import aliasing_cutter, spec_of_message
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
@@ -152,6 +153,8 @@ class WordCutter:
 
 class StreamInputSession:
     """One WebSocket session: receive text, synthesise segments in order, send audio messages."""
+
+    failover_retries = DEFAULT_RETRIES  # of a sentence-mode segment (serve_app/failover.py); the ingress sets it
 
     def __init__(self, ws: WebSocket, frontend: Any, synth: Any, voice_id: str,
                  on_served: Callable[[float], None] | None = None) -> None:
@@ -252,13 +255,14 @@ class StreamInputSession:
 
     async def _synthesize_all(self, fmt: OutputFormat) -> None:
         native, tempo = split_speed(self.speed)
-        n = 0
+        n, seed = 0, seed_param(self.ws.query_params.get("seed"))  # every segment's (a reproducible session)
         while (segment := await self.segments.get()) is not None:
             req = SynthesisRequest(request_id=f"{self.rid}-{n}", text=segment, voice_id=self.voice_id, speed=native,
-                                   stream=native == 1.0, access=self.access, pronunciation=self.pronunciation)
+                                   stream=native == 1.0, access=self.access, pronunciation=self.pronunciation,
+                                   seed=seed)
             n += 1
             prepared = await admitted(self.frontend.prepare.remote(req))
-            gen = self.synth.options(stream=True).synthesize.remote(prepared)
+            gen = FailoverStream(self.synth, prepared, self.failover_retries)  # continued if its replica dies
             await self._play(gen, fmt, tempo, lambda segment=segment: segment)
         await self._close_audio()
 
@@ -297,7 +301,7 @@ class StreamInputSession:
     async def _start_turn(self, request_id: str, speed: float, fmt: OutputFormat, tempo: float) -> _Turn:
         """A bistream sequence for the voice: its ticket, and a task sending its audio."""
         req = SynthesisRequest(request_id=request_id, text="", voice_id=self.voice_id, speed=speed, stream=True,
-                               access=self.access)
+                               access=self.access, seed=seed_param(self.ws.query_params.get("seed")))
         prepared = await admitted(self.frontend.prepare_bistream.remote(req))
         gen = self.synth.options(stream=True).synthesize_bistream.remote(prepared)
         try:
@@ -347,7 +351,7 @@ class StreamInputSession:
         samples, rate = 0, 0
         try:
             chunks_seen = 0
-            async for chunk in gen:
+            async for chunk in lost_as_error(gen):  # a bistream sequence is not continued
                 if not isinstance(chunk, AudioChunk):
                     continue
                 samples, rate = samples + len(chunk.samples), chunk.sample_rate

@@ -66,6 +66,7 @@ from cosyvoice_runtime.llm.generate import (
     default_sample_fn,
     select_tokens,
 )
+from cosyvoice_runtime.llm.inputs import with_prefix
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.prefill_graph import PrefillRunner
 from cosyvoice_runtime.llm.sampling import SamplingParams, make_generator, min_len_mask_ids
@@ -182,7 +183,7 @@ class LLMEngine:
     # -- request lifecycle -----------------------------------------------------------------
     def add_request(self, request_id: str, lm_input: torch.Tensor, min_len: int, max_len: int,
                     params: SamplingParams | None = None, sample_fn: SampleFn | None = None,
-                    generator: torch.Generator | None = None) -> None:
+                    generator: torch.Generator | None = None, prefix=None) -> None:
         """Queue one sequence.
 
         Args:
@@ -191,6 +192,10 @@ class LLMEngine:
             params: sampling settings (default: the spec's RAS); ``params.seed`` seeds the
                 request's generator unless ``generator`` is given.
             sample_fn: override of the sampler (tests).
+            prefix: speech ids the sequence already emitted (a continuation on another replica,
+                ``LMRequest.prefix``): prefilled after ``lm_input`` as the decode steps would have
+                fed them, and the request's state starts after them (its RAS history, its step:
+                the counter-based sampler's next draw is the one an unbroken run made there).
 
         Raises:
             InvalidInputError: bad shape, or the request cannot fit in a KV slot.
@@ -203,6 +208,10 @@ class LLMEngine:
         params = params or SamplingParams.from_spec(self.spec)
         gen = generator or make_generator(params.seed, self.device)
         state = DecodeState(min_len=min_len, max_len=max_len, generator=gen, params=params)
+        if prefix is not None and len(prefix):  # a continuation: its emitted ids are prompt positions now
+            lm_input, state.tokens = with_prefix(self.model, lm_input, prefix, max_len)
+            state.step = len(state.tokens)
+            max_len -= state.step  # positions still to generate (the slot's size below)
         # The last emitted token is never fed, so T0 + max_len - 1 positions suffice.
         try:
             self.scheduler.add(request_id, lm_input.shape[0] + max_len - 1)

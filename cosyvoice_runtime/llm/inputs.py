@@ -103,3 +103,19 @@ def build_lm_input(model, text_ids, prompt_text_ids=None, prompt_speech_ids=None
 def _check_range(what: str, ids: torch.Tensor, limit: int) -> None:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
         raise InvalidInputError(f"{what} ids must lie in [0, {limit}), got [{int(ids.min())}, {int(ids.max())}]")
+
+
+def with_prefix(model, lm_input: torch.Tensor, prefix, max_len: int) -> tuple[torch.Tensor, list[int]]:
+    """``lm_input`` followed by the fed-back embeddings of ``prefix``, the speech ids a sequence
+    already emitted (its continuation on another replica), and those ids as a list.
+
+    Raises:
+        InvalidInputError: ids out of range, or as many as ``max_len`` (nothing would be left).
+    """
+    done = [int(t) for t in prefix]
+    if len(done) >= max_len or max(done) >= model.spec.speech_token_size or min(done) < 0:
+        raise InvalidInputError(f"a continuation's {len(done)} speech ids do not fit this request")
+    ids = torch.as_tensor(done, dtype=torch.long, device=model.speech_embedding.weight.device)
+    with torch.inference_mode():
+        fed = model.embed_speech(ids).to(lm_input.device, lm_input.dtype)
+    return torch.cat([lm_input, fed]), done

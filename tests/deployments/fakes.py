@@ -107,6 +107,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.steps = 0
         self.progress: dict[str, int] = {}  # tokens emitted per request id, kept after it ends
+        self.pending: list[TokenEvent] = []  # continuations' prefix events, handed out by the next step
         self._changed = threading.Condition()  # notified after every step and abort
 
     def wait_until(self, predicate, timeout_s: float = GUARD_S) -> bool:
@@ -125,7 +126,12 @@ class FakeEngine:
 
     def add(self, request_id: str, request: LMRequest) -> None:
         target = TOKENS_PER_TEXT_ID * len(request.text_ids)
-        self.waiting[request_id] = _Seq(request, target, held=request.seed in _HOLD_SEEDS)
+        prefix = [] if request.prefix is None else [int(t) for t in request.prefix]
+        if prefix or request.prefix_done:  # a continuation (LMRequest.prefix): its first event is the prefix
+            self.pending.append(TokenEvent(request_id, prefix, request.prefix_done,
+                                           "stop" if request.prefix_done else None))
+        if not request.prefix_done:
+            self.waiting[request_id] = _Seq(request, target, emitted=len(prefix), held=request.seed in _HOLD_SEEDS)
 
     def add_bistream(self, request_id: str, request) -> None:
         self.waiting[request_id] = _Seq(request, 0, text=[], ended=False)
@@ -140,13 +146,14 @@ class FakeEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+        self.pending = [ev for ev in self.pending if ev.request_id != request_id]
         self.waiting.pop(request_id, None)
         self.running.pop(request_id, None)
         self._notify()
 
     def has_unfinished(self) -> bool:
         # a bistream request that has spoken all its text so far waits for more: no work
-        return bool(self.waiting) or any(s.ended or s.emitted < s.target for s in self.running.values())
+        return bool(self.waiting or self.pending) or any(s.ended or s.emitted < s.target for s in self.running.values())
 
     def num_running(self) -> int:
         return len(self.running)
@@ -159,7 +166,7 @@ class FakeEngine:
             rid, seq = self.waiting.popitem(last=False)
             self.running[rid] = seq
         _spend(self.step_s, self.clock)
-        events = []
+        events, self.pending = self.pending, []
         for rid, seq in list(self.running.items()):
             if seq.held and seq.emitted >= min(HOP, seq.target - 1):  # never ends while held
                 if not _release_marker(seq.request.seed).exists():
