@@ -56,7 +56,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[Path], str]:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from bench.calibrate import ROOT, GPU_TARGETS, configured, derive, record_path, write_configs, write_record
+    from bench.calibrate import GPU_TARGETS, ROOT, configured, derive, record_path, write_configs, write_record
 
     reports, commit = (list(args.reports), None) if args.reports else _measure(args)
     missing = [str(p) for p in reports if not p.is_file()]

@@ -132,8 +132,9 @@ def test_invalid_arguments(kwargs):
 
 def _synth(slo_ms: float, enabled: bool = True) -> Synthesizer:
     cfg = SynthesizerConfig(max_running=4, max_ongoing_requests=4, token2wav={"max_batch_size": 2},
+                            # one reading refuses (its weight fades from 1 as the fake time goes on), none explored
                             admission={"enabled": enabled, "slo_first_audio_ms": slo_ms, "half_life_s": 30,
-                                       "min_samples": 1, "explore_share": 0.0},
+                                       "min_samples": 0.5, "explore_share": 0.0},
                             retry_after_s=3, warmup=False)
     clock = fakes.FakeClock()
     s = Synthesizer(cfg, runtime_factory=fakes.fake_runtime_on(clock), clock=clock)
