@@ -161,6 +161,12 @@ class Admission:
         self._refusals: dict[int, int] = {}  # whole second -> refusals in it (the last RATE_WINDOW_S only)
         self._mean_stream_s = 0.0
 
+    @classmethod
+    def from_config(cls, cfg, max_load: int, retry_after_s: int, clock: Callable[[], float]) -> Admission:
+        """From ``synthesizer.admission`` (``deployments.synthesizer_config.AdmissionConfig``)."""
+        return cls(cfg.slo_first_audio_ms / 1e3, cfg.enabled, cfg.half_life_s, max_load, retry_after_s,
+                   min_samples=cfg.min_samples, explore_share=cfg.explore_share, clock=clock)
+
     def margin_s(self, load: int) -> float | None:
         """``slo - predicted`` first audio of a request admitted at ``load``; None without evidence."""
         predicted = self.model.predict(load)
