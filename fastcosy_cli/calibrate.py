@@ -20,7 +20,10 @@ logger = logging.getLogger(__name__)
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure replica capacity (or read a measurement) and write the "
-                       "load band's slo_streams into the configs, with its provenance")
+                       "load band's slo_streams into the configs, with its provenance",
+                       description="Measures this node's replica capacity with bench/capacity.py (serve level, "
+                       "production workload; flags after -- go to that tool) or reads --from reports, derives "
+                       "slo_streams and writes it with a provenance record (docs/cli.md).")
     p.add_argument("--from", dest="reports", nargs="+", type=Path, metavar="CAPACITY_JSON",
                    help="derive from these bench/capacity.py reports (one node, one workload) instead of measuring")
     p.add_argument("--config", default="configs/single-gpu.yaml",
