@@ -373,6 +373,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    return measure(argv)[0]
+
+
+def measure(argv: list[str] | None = None) -> tuple[dict, Path]:
+    """Runs the tool; returns ``latest.json``'s figures and the path of the report's JSON
+    (``fastcosy calibrate`` derives the load band's setpoint from it)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
@@ -399,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info("done in %.0f s: %s", time.perf_counter() - t0,
                 {k: latest.get(k) for k in ("slo_streams", "slo_streams_serve", "slo_rate_rps", "slo_rate_rps_p95",
                                             "ttfb_p50_ms_c1")})
-    return latest
+    return latest, run.out / f"{run.stem}.json"
 
 
 if __name__ == "__main__":

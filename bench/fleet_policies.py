@@ -8,8 +8,12 @@
 * ``gpu_util``: keep NVML utilisation in a band, ``ceil(n * util / centre)`` outside it, never
   under the queue answer (the sketch of ray-serve-notes.md 5.2).
 * ``load_band``: the real ``deployments.autoscaling_policy.LoadBandPolicy``, imported, with the
-  setpoint measured by the Serve capacity report (``slo_streams`` = its streams in flight at
-  capacity); ``load_band_config``: the same with the setpoint the configs type (12).
+  setpoint ``fastcosy calibrate`` derives from the simulation's capacity report
+  (``bench/calibrate.py``: streams in flight at the highest load that met the SLO);
+  ``load_band_config``: the same with the configs' setpoint (calibrated on the GPU the configs
+  name, which need not be the report's GPU or workload).
+* ``load_band_no_latch``: ``load_band`` without its scale-in latch (a scale-in asked under the band
+  goes on until the load is back at the centre): the band's decision rule before it had one.
 * ``load_band_admission``: ``load_band`` with admission at the replicas (``SimConfig.admission``).
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from bench.calibrate import ROOT, derive
 from bench.fleet_inputs import ReplicaModel, ServeSettings
 from bench.fleet_model import UTIL
 from deployments.autoscaling_policy import LoadBandPolicy
@@ -69,6 +74,23 @@ class _Clocked:
         return self.policy(ctx)
 
 
+class NoLatchLoadBand(LoadBandPolicy):
+    """The band's stateless rule: scale in only on the ticks whose load reads under ``low``."""
+
+    def by_load(self, n: int, demand: float, load: float) -> int:
+        at_mid = max(1, math.ceil(demand / (self.slo_streams * (self.low + self.high) / 200.0)))
+        if load > self.high:
+            return max(n + 1, at_mid)
+        return at_mid if load < self.low and at_mid < n else n
+
+
+def calibrated_setpoint(replica: ReplicaModel) -> float:
+    """What ``fastcosy calibrate`` writes for the replica model's capacity report (its
+    ``source`` starts with the report's path)."""
+    report = ROOT / replica.source.split(" (")[0]
+    return derive([report]).slo_streams if report.is_file() else replica.slo_streams
+
+
 @dataclass(frozen=True)
 class PolicySpec:
     name: str
@@ -82,15 +104,15 @@ def policies(settings: ServeSettings, replica: ReplicaModel) -> list[PolicySpec]
     """The compared policies; ``load_band*`` read the band from the serve config."""
     band = dict(settings.load_band)
     low, high = float(band.get("low_pct", 70)), float(band.get("high_pct", 80))
-    measured = replica.slo_streams
+    measured = calibrated_setpoint(replica)
     configured = float(band.get("slo_streams", 12))
 
-    def ours(slo_streams: float) -> Callable[[], LoadBandPolicy]:
+    def ours(slo_streams: float, cls: type[LoadBandPolicy] = LoadBandPolicy) -> Callable[[], LoadBandPolicy]:
         # Its clock is the simulation's (``SimContext.current_time``): the rate limit of its log
         # lines runs in simulated time, so the day counts the lines a controller would write.
         def make() -> LoadBandPolicy:
             clock = _Clock()
-            policy = LoadBandPolicy(low_pct=low, high_pct=high, slo_streams=slo_streams, clock=clock)
+            policy = cls(low_pct=low, high_pct=high, slo_streams=slo_streams, clock=clock)
             return _Clocked(policy, clock)
         return make
 
@@ -101,10 +123,12 @@ def policies(settings: ServeSettings, replica: ReplicaModel) -> list[PolicySpec]
         PolicySpec("queue_measured", f"queue length only (target {centre:.1f} = band centre x measured)",
                    lambda: partial(queue_length_policy, target=centre), setpoint=f"measured: {replica.source}"),
         PolicySpec("gpu_util", f"GPU utilisation band {low:g}-{high:g} %", lambda: GpuUtilBandPolicy(low, high)),
-        PolicySpec("load_band", f"load band {low:g}-{high:g} %, slo_streams {measured:.1f} (measured)",
-                   ours(measured), setpoint=f"measured: {replica.source}"),
+        PolicySpec("load_band", f"load band {low:g}-{high:g} %, slo_streams {measured:g} (calibrated)",
+                   ours(measured), setpoint=f"fastcosy calibrate of {replica.source}"),
         PolicySpec("load_band_config", f"load band {low:g}-{high:g} %, slo_streams {configured:g} (config)",
                    ours(configured), setpoint=f"configured: {settings.source}"),
+        PolicySpec("load_band_no_latch", f"load band {low:g}-{high:g} % without the scale-in latch, slo_streams "
+                   f"{measured:g}", ours(measured, NoLatchLoadBand), setpoint=f"fastcosy calibrate of {replica.source}"),
         PolicySpec("load_band_admission", f"load band {low:g}-{high:g} % + admission (429), slo_streams "
-                   f"{measured:.1f}", ours(measured), admission=True, setpoint=f"measured: {replica.source}"),
+                   f"{measured:g}", ours(measured), admission=True, setpoint=f"fastcosy calibrate of {replica.source}"),
     ]

@@ -24,6 +24,13 @@ Decision per tick, with ``n`` running replicas and ``mid`` the band centre:
 * ``load > high``: ``max(n + 1, ceil(demand / (slo_streams * mid)))`` (proportional when far above);
 * ``load < low``: ``ceil(demand / (slo_streams * mid))`` if that is below ``n`` (the result sits at
   or under ``mid``, so it cannot bounce back above ``high``), never below 1; else ``n``;
+* a scale-in, once started (load under ``low``), goes on until the load is back at ``mid``: while
+  the load stays between ``low`` and ``mid`` the policy keeps asking for
+  ``ceil(demand / (slo_streams * mid))`` (when below ``n``). Serve scales in only after the policy has
+  asked for fewer replicas without a break for ``downscale_delay_s``; a demand that hovers at the
+  band's lower edge (streams in flight are noisy) would otherwise break that wait on every tick
+  it reads just above ``low`` and hold a fleet that should shrink (the fleet simulation's day:
+  bench/fleet_sim.py, docs/tuning.md);
 * otherwise ``n``;
 * never below the queue-length answer ``ceil(total_num_requests / target_ongoing_requests)``, so
   scale-in needs both signals to agree.
@@ -86,6 +93,7 @@ class LoadBandPolicy:
         self._logged_at = -math.inf
         self._changes = 0  # changes of decision since the last line (some held back by the rate limit)
         self._seen: int | None = None  # the previous tick's decision
+        self._scaling_in = False  # the load went under the band and has not come back to its centre
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         n = int(ctx.current_num_replicas)
@@ -104,7 +112,8 @@ class LoadBandPolicy:
         if bounded != decision:
             reason += f", bounded to [{lo}, {hi}]"
         state = dict(ctx.policy_state or {})
-        state.update(demand_streams=demand, load_pct=load, by_queue=by_queue, decision=bounded, reason=reason)
+        state.update(demand_streams=demand, load_pct=load, by_queue=by_queue, decision=bounded, reason=reason,
+                     scaling_in=self._scaling_in)
         if self._should_log(bounded, n):
             logger.info("autoscaling %s: %d -> %d replicas (%s; load %s %% of %g SLO streams per replica, "
                         "demand %.1f streams, queue asks %d%s)", ctx.deployment_name, n, bounded, reason,
@@ -151,7 +160,12 @@ class LoadBandPolicy:
         mid = (self.low + self.high) / 200.0
         at_mid = max(1, math.ceil(demand / (self.slo_streams * mid)))
         if load > self.high:
+            self._scaling_in = False
             return max(n + 1, at_mid)
-        if load < self.low and at_mid < n:
+        if load < self.low:
+            self._scaling_in = True
+        elif load >= 100.0 * mid:  # back at the centre: the scale-in is over
+            self._scaling_in = False
+        if self._scaling_in and at_mid < n:
             return at_mid
         return n

@@ -43,9 +43,9 @@ class LoadBandConfig(StrictModel):
     load = (streams in flight + queued) / (replicas * ``slo_streams``); see
     ``deployments.autoscaling_policy``. ``slo_streams``: the mean syntheses in flight of one replica
     at its SLO capacity, measured with ``bench/capacity.py`` (``streams_in_flight_mean`` of the
-    largest load that met the SLO). Default: one H100, CosyVoice2, voice-agent mix, the whole Serve
-    app (configs/single-gpu.yaml) at its capacity, rounded down to 12 (the reading and why it
-    stays: docs/tuning.md §5); measure the target GPU.
+    largest load that met the SLO). The GPU configs' value is written by ``fastcosy calibrate``
+    from a recorded measurement (``configs/calibration/``, docs/tuning.md §5); the default here is
+    only a placeholder for configs without one: measure the target GPU.
     """
 
     enabled: bool = False

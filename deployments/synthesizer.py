@@ -161,9 +161,7 @@ class Synthesizer:
                                             on_rows_left=self.loop.wake, rider_ratio=cfg.token2wav.rider_ratio)
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
         self._active = 0  # synthesize() calls in progress; 0 for a while -> freed memory given back
-        adm = cfg.admission
-        self.admission = Admission(adm.slo_first_audio_ms / 1e3, adm.enabled, adm.window_s, cfg.max_ongoing_requests,
-                                   cfg.retry_after_s, clock=clock)
+        self.admission = Admission.from_config(cfg.admission, cfg.max_ongoing_requests, cfg.retry_after_s, clock)
         self.idle_trim = IdleTrim(self.runtime.device, self.compute.run, idle=lambda: self._active == 0)
         # max_mem_gb may lower the flow batch and the prompt length this replica accepts.
         self.max_prompt_tokens: int | None = self.runtime.max_prompt_tokens

@@ -85,7 +85,8 @@ class Token2WavBatchConfig(StrictModel):
 class AdmissionConfig(StrictModel):
     """Admission by predicted first audio (deployments/admission.py): a request this replica would
     start later than ``slo_first_audio_ms`` is refused at once (429 + Retry-After) instead of
-    answered late. The prediction is the replica's own recent first audio at that load."""
+    answered late. The prediction is a monotone fit of the replica's own first audio against its
+    load, over every load it measured, with fading readings."""
 
     # Refuse when the prediction exceeds the SLO; false: measure and report the margin only (the
     # CPU config: a 2-core machine's first audio exceeds a GPU SLO at one stream).
@@ -93,8 +94,12 @@ class AdmissionConfig(StrictModel):
     # The replica's share of the first-audio SLO (from the synthesizer call's start to its first
     # chunk): the end-to-end SLO (300 ms p99, docs/tuning.md) less the ingress and frontend time.
     slo_first_audio_ms: PositiveFloat = 250.0
-    # Readings older than this are not used (a load refused for this long is measured again).
-    window_s: PositiveFloat = 30.0
+    # A reading's weight halves every half_life_s: the fit follows the replica's recent state.
+    half_life_s: PositiveFloat = 20.0
+    # The least weight of readings behind a prediction that refuses (one slow reading refuses nothing).
+    min_samples: PositiveFloat = 5.0
+    # The share of would-be refusals admitted anyway, so a refused load keeps being measured.
+    explore_share: float = Field(0.1, ge=0.0, le=1.0)
 
 
 class SynthesizerConfig(DeploymentKnobs):

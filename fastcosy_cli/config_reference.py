@@ -69,7 +69,7 @@ _FALLBACK = {
     ("LoadBandConfig", "low_pct"): "scale in below this load (% of `slo_streams` per replica)",
     ("LoadBandConfig", "high_pct"): "scale out above this load (% of `slo_streams` per replica)",
     ("LoadBandConfig", "slo_streams"): "mean streams in flight of one replica at its SLO capacity "
-                                       "(`bench/capacity.py`); 12 = one H100, CosyVoice2, Serve level (docs/tuning.md)",
+                                       "(`bench/capacity.py`); written by `fastcosy calibrate` from a measurement, never typed (docs/tuning.md)",
     ("LoadBandConfig", "metric"): "replica autoscaling metric counting streams in flight",
     ("ReplicaResources", "num_cpus"): "logical CPUs per replica (fractions pack replicas)",
     ("ReplicaResources", "num_gpus"): "GPUs per replica; 0.5 packs two replicas on one GPU (memory is not isolated)",

@@ -8,6 +8,7 @@ Subcommands (``fastcosy <cmd> --help`` for each):
 * ``build-trt``        offline TensorRT plan build for the flow estimator
 * ``bench``            benchmarks / load generator
 * ``doctor``           check this node can serve, with the fix for each problem
+* ``calibrate``        measure replica capacity and write the load band's setpoint into the configs
 * ``config-reference`` write docs/configuration.md from the pydantic config models
 
 Exit codes: 0 success; 1 the command found a problem (doctor failure, stale reference);
@@ -19,7 +20,7 @@ import argparse
 import logging
 import sys
 
-from fastcosy_cli import doctor, serve, synth, tools
+from fastcosy_cli import calibrate, doctor, serve, synth, tools
 from fastcosy_cli.common import CliError
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_build_trt(sub)
     tools.add_bench(sub)
     doctor.add_parser(sub)
+    calibrate.add_parser(sub)
     tools.add_config_reference(sub)
     return parser
 

@@ -12,6 +12,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from bench import fleet_sim
+from bench.calibrate import derive
 from bench.fleet_inputs import Curve, load_replica_model, load_serve_settings, serve_report_path
 from bench.fleet_model import STREAMS, DelayRule, ServeConfigView, SimConfig, SimContext, oracle_replicas, simulate
 from bench.fleet_policies import GpuUtilBandPolicy, policies, queue_length_policy
@@ -270,3 +271,23 @@ def test_the_cli_replays_a_ramp_and_its_bins_compare(tmp_path):
     assert curve.startswith("bench/results/") and "/capacity-serve-" in curve  # a reading in its run folder
     assert summary["inputs"]["assumed"]["node_start_s"]["value"] == 180.0
     assert summary["oracle"]["gpu_hours"] <= summary["policies"]["load_band"]["gpu_hours"]
+
+
+# --- the load band as the product runs it -----------------------------------------------------------
+
+def test_our_policy_runs_the_setpoint_calibrate_derives_from_the_report():
+    specs = {p.name: p for p in policies(_settings(), REPLICA)}
+    setpoint = derive([serve_report_path()]).slo_streams
+    assert specs["load_band"].make().policy.slo_streams == setpoint == math.floor(REPLICA.slo_streams * 100) / 100
+    assert type(specs["load_band"].make().policy) is LoadBandPolicy  # the product's class, not a variant
+
+
+def test_the_scale_in_latch_follows_a_slow_decline_sooner():
+    # 4,000 sessions falling to 2,500 over an hour: the stateless band scales in only on the ticks
+    # whose load reads under the band, and each tick inside it restarts Serve's downscale delay.
+    trace = ramp_trace([(0, 4000), (3600, 2500), (5400, 2500)])
+    specs = {p.name: p for p in policies(_settings(), REPLICA)}
+    latch, no_latch = (simulate(trace, specs[n].make(), _cfg(), n) for n in ("load_band", "load_band_no_latch"))
+    assert latch.running.sum() < no_latch.running.sum()
+    assert latch.late.sum() == 0 == no_latch.late.sum()
+    assert latch.running[-1] == no_latch.running[-1]  # the same fleet once the decline is over

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from deployments.admission import EWMA_WEIGHT, RATE_WINDOW_S, Admission
+from deployments.admission import RATE_WINDOW_S, Admission
 from deployments.protocol import OverloadedError
 from deployments.synthesizer import Synthesizer
 from deployments.synthesizer_config import SynthesizerConfig
@@ -14,9 +14,16 @@ from tests.deployments import fakes
 from tests.deployments.test_synthesizer_unit import _req
 
 
-def _admission(enabled: bool = True, slo_s: float = 0.3, window_s: float = 30.0) -> tuple[Admission, fakes.FakeClock]:
+def _admission(enabled: bool = True, slo_s: float = 0.3, half_life_s: float = 10.0, min_samples: float = 3,
+               explore_share: float = 0.0) -> tuple[Admission, fakes.FakeClock]:
     clock = fakes.FakeClock()
-    return Admission(slo_s, enabled, window_s, max_load=8, retry_after_s=2, clock=clock), clock
+    return Admission(slo_s, enabled, half_life_s, max_load=8, retry_after_s=2, min_samples=min_samples,
+                     explore_share=explore_share, clock=clock), clock
+
+
+def _read(adm: Admission, load: int, seconds: float, times: int = 1) -> None:
+    for _ in range(times):
+        adm.first_audio(load, seconds)
 
 
 def test_without_readings_every_request_is_admitted_and_the_margin_is_unknown():
@@ -27,22 +34,41 @@ def test_without_readings_every_request_is_admitted_and_the_margin_is_unknown():
     assert adm.refused == 0
 
 
-def test_prediction_is_the_recent_first_audio_at_the_nearest_load_at_or_below():
+def test_the_prediction_is_a_monotone_fit_over_every_load():
     adm, _ = _admission()
-    adm.first_audio(1, 0.08)
-    adm.first_audio(4, 0.20)
-    assert adm.model.predict(1) == pytest.approx(0.08)
-    assert adm.model.predict(3) == pytest.approx(0.08)  # nearest measured load below
-    assert adm.model.predict(6) == pytest.approx(0.20)
-    adm.first_audio(4, 0.30)  # a moving average per load
-    assert adm.model.predict(4) == pytest.approx(0.20 + EWMA_WEIGHT * 0.10)
-    assert adm.margin_s(4) == pytest.approx(0.3 - 0.23)
+    _read(adm, 1, 0.08, 3)
+    _read(adm, 4, 0.20, 2)
+    assert adm.model.predict(1).first_audio_s == pytest.approx(0.08)
+    assert adm.model.predict(3).first_audio_s == pytest.approx(0.08)  # the highest measured load below
+    assert adm.model.predict(6).first_audio_s == pytest.approx(0.20)
+    _read(adm, 4, 0.35)  # a weighted mean per load: (2 x 0.20 + 0.35) / 3
+    assert adm.model.predict(4).first_audio_s == pytest.approx(0.25)
+    assert adm.margin_s(4) == pytest.approx(0.3 - 0.25)
+    # a slow load below faster ones is pooled with them: more streams never predict faster
+    _read(adm, 2, 0.50)
+    _read(adm, 3, 0.10, 3)
+    pooled = (0.50 + 3 * 0.10) / 4
+    assert adm.model.predict(2).first_audio_s == pytest.approx(pooled) == adm.model.predict(3).first_audio_s
+    assert adm.model.weight_over(3, 0.15) == 4 and adm.model.weight_over(8, 0.15) == 4 + 3
 
 
-def test_a_load_predicted_over_the_slo_is_refused_with_retry_after_and_lower_loads_are_not():
-    adm, _ = _admission()
-    adm.first_audio(2, 0.10)
-    adm.first_audio(5, 0.45)
+def test_readings_fade_with_their_half_life():
+    adm, clock = _admission(half_life_s=10.0)
+    _read(adm, 2, 0.10, 4)
+    clock.advance(10)
+    assert adm.model.weight_over(2, 0.0) == pytest.approx(2.0)
+    _read(adm, 2, 0.40, 2)  # the newer readings weigh as much as the four older ones now
+    assert adm.model.predict(2).first_audio_s == pytest.approx(0.25)
+    clock.advance(200)  # faded out: forgotten
+    assert adm.model.predict(2) is None and adm.margin_s(2) is None
+
+
+def test_a_load_predicted_over_the_slo_with_enough_readings_is_refused_with_retry_after():
+    adm, _ = _admission(min_samples=3)
+    _read(adm, 2, 0.10, 3)
+    _read(adm, 5, 0.45, 2)
+    adm.admit(5)  # 450 ms predicted, but from 2 readings: admitted (and measured)
+    _read(adm, 5, 0.45)
     adm.admit(4)  # 100 ms predicted: admitted
     with pytest.raises(OverloadedError, match="450 ms at 5 streams") as err:
         adm.admit(5)
@@ -52,43 +78,43 @@ def test_a_load_predicted_over_the_slo_is_refused_with_retry_after_and_lower_loa
     assert adm.refused == 2 and adm.margin_s(5) == pytest.approx(-0.15)
 
 
+def test_a_share_of_would_be_refusals_is_admitted_to_keep_measuring():
+    adm, _ = _admission(min_samples=1, explore_share=0.25)
+    _read(adm, 2, 0.50)
+    outcomes = []
+    for _ in range(12):
+        try:
+            adm.admit(3)
+            outcomes.append("admitted")
+        except OverloadedError:
+            outcomes.append("refused")
+    assert outcomes == ["refused", "refused", "refused", "admitted"] * 3
+    assert (adm.refused, adm.explored) == (9, 3) and adm.snapshot(3)["explored_total"] == 3
+
+
 def test_an_idle_replica_always_admits():
-    adm, _ = _admission()
-    adm.first_audio(1, 5.0)  # one slow reading (a graph captured on first use)
+    adm, _ = _admission(min_samples=1)
+    _read(adm, 1, 5.0)  # a slow reading (a graph captured on first use)
     adm.admit(1)
     with pytest.raises(OverloadedError):
         adm.admit(2)
 
 
 def test_disabled_admission_measures_and_reports_but_never_refuses():
-    adm, _ = _admission(enabled=False)
-    adm.first_audio(1, 2.0)
-    adm.admit(1)
+    adm, _ = _admission(enabled=False, min_samples=1)
+    _read(adm, 1, 2.0)
+    _read(adm, 2, 2.0, 5)
+    adm.admit(2)
     assert adm.margin_s(1) == pytest.approx(-1.7) and adm.refused == 0
-    assert adm.snapshot(1)["margin_ms"] == pytest.approx(-1700.0)
-
-
-def test_old_readings_expire_so_a_refused_load_is_measured_again():
-    adm, clock = _admission(window_s=30.0)
-    adm.first_audio(1, 0.05)
-    clock.advance(20)
-    adm.first_audio(3, 0.50)
-    with pytest.raises(OverloadedError):
-        adm.admit(3)
-    clock.advance(11)  # the load-1 reading is 31 s old, the load-3 one 11 s: still refused
-    with pytest.raises(OverloadedError):
-        adm.admit(3)
-    clock.advance(20)  # both expired: no evidence, admitted (and measured again)
-    adm.admit(3)
-    adm.first_audio(3, 0.12)
-    assert adm.margin_s(3) == pytest.approx(0.18)  # a fresh reading replaces the expired one
+    snap = adm.snapshot(1)
+    assert snap["margin_ms"] == pytest.approx(-1700.0) and snap["first_audio_ms_by_load"][2]["weight"] == 5
 
 
 def test_streams_refused_is_the_refusal_rate_times_the_mean_stream_length():
-    adm, clock = _admission()
+    adm, clock = _admission(min_samples=1, half_life_s=1000.0)
     adm.stream_ended(4.0)
     adm.stream_ended(6.0)  # mean 4.0 + 0.1 * 2.0 = 4.2 s
-    adm.first_audio(1, 1.0)
+    _read(adm, 1, 1.0)
     for _ in range(5):
         with pytest.raises(OverloadedError):
             adm.admit(2)
@@ -98,9 +124,17 @@ def test_streams_refused_is_the_refusal_rate_times_the_mean_stream_length():
     assert adm.streams_refused() == 0.0 and adm.refused == 5
 
 
+@pytest.mark.parametrize("kwargs", [{"explore_share": 1.5}, {"half_life_s": 0.0}])
+def test_invalid_arguments(kwargs):
+    with pytest.raises(ValueError):
+        _admission(**kwargs)
+
+
 def _synth(slo_ms: float, enabled: bool = True) -> Synthesizer:
     cfg = SynthesizerConfig(max_running=4, max_ongoing_requests=4, token2wav={"max_batch_size": 2},
-                            admission={"enabled": enabled, "slo_first_audio_ms": slo_ms, "window_s": 30},
+                            # one reading refuses (its weight fades from 1 as the fake time goes on), none explored
+                            admission={"enabled": enabled, "slo_first_audio_ms": slo_ms, "half_life_s": 30,
+                                       "min_samples": 0.5, "explore_share": 0.0},
                             retry_after_s=3, warmup=False)
     clock = fakes.FakeClock()
     s = Synthesizer(cfg, runtime_factory=fakes.fake_runtime_on(clock), clock=clock)

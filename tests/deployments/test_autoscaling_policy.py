@@ -81,6 +81,30 @@ def test_a_decision_never_undoes_itself():
             assert again == decided, (demand, n, decided)
 
 
+def test_a_scale_in_goes_on_until_the_load_is_back_at_the_band_centre():
+    # Serve scales in only after the policy asked for fewer replicas without a break for
+    # downscale_delay_s: a demand hovering at the lower edge must not break that wait.
+    latch = LoadBandPolicy(low_pct=70, high_pct=80, slo_streams=SLO)
+    hovering = [_ctx([5.4] * 10, hi=100), _ctx([5.7] * 10, hi=100), _ctx([5.5] * 10, hi=100),
+                _ctx([5.8] * 10, hi=100)]  # 67.5-72.5 %
+    decisions = [latch(ctx)[0] for ctx in hovering]
+    assert decisions == [9, 10, 10, 10]  # 57 streams need 10 replicas at the centre: the ceil holds n
+    wider = [_ctx([v] * 30, hi=100) for v in (5.3, 5.7, 5.5, 5.75)]  # 66.25-71.9 %
+    # 30 replicas: ceil(171 / 6) = 29 < 30 at 71.25 %: the scale-in asked at 66.25 % goes on
+    assert [latch(ctx)[0] for ctx in wider] == [27, 29, 28, 29]
+    assert latch(wider[1])[1]["scaling_in"]
+    # the stateless rule would have held 30 whenever the load read above 70 %
+    fresh = LoadBandPolicy(low_pct=70, high_pct=80, slo_streams=SLO)
+    assert [fresh(ctx)[0] for ctx in wider[1:2] + wider[3:]] == [30, 30]
+    # back at the centre (75 %): the scale-in is over, and the band holds n again
+    decision, state = latch(_ctx([6.0] * 30, hi=100))
+    assert decision == 30 and not state["scaling_in"]
+    assert latch(_ctx([5.7] * 30, hi=100))[0] == 30
+    # above the band: scale out, and no scale-in carries over
+    assert latch(_ctx([5.3] * 30, hi=100))[0] == 27 and latch(_ctx([7.0] * 30, hi=100))[0] == 35
+    assert not latch(_ctx([5.7] * 35, hi=100))[1]["scaling_in"]
+
+
 def test_queue_length_is_a_floor():
     # 100 requests at target 24 per replica -> 5 replicas although the replicas' load says scale in.
     decision, state = policy(_ctx([1, 1], requests=100))

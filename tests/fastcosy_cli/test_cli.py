@@ -26,7 +26,7 @@ def test_every_subcommand_is_registered(capsys):
         main(["--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
-    for cmd in ("serve", "synth", "make-tiny-model", "build-trt", "bench", "doctor", "config-reference"):
+    for cmd in ("serve", "synth", "make-tiny-model", "build-trt", "bench", "doctor", "calibrate", "config-reference"):
         assert cmd in text
 
 

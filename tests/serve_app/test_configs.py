@@ -11,6 +11,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from bench.calibrate import named_record
 from serve_app.args import AppArgs, application_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +91,10 @@ def test_load_band_policy_is_wired_into_autoscaling_config():
     args = AppArgs.from_file(ROOT / "configs/production.yaml")
     cfg = args.synthesizer.serve_options("Synthesizer")["autoscaling_config"]
     assert cfg["policy"]["policy_function"] == "deployments.autoscaling_policy:LoadBandPolicy"
-    assert cfg["policy"]["policy_kwargs"] == {"low_pct": 70.0, "high_pct": 80.0, "slo_streams": 12.0,
+    # the setpoint is fastcosy calibrate's (tests/bench/test_calibrate.py checks it against its measurement)
+    (record,) = set(named_record((ROOT / "configs/production.yaml").read_text()))
+    slo_streams = json.loads((ROOT / record).read_text())["slo_streams"]
+    assert cfg["policy"]["policy_kwargs"] == {"low_pct": 70.0, "high_pct": 80.0, "slo_streams": slo_streams,
                                               "metric": "streams_in_flight"}
     from ray.serve.config import AutoscalingConfig
 
