@@ -200,9 +200,12 @@ class Sampler(threading.Thread):
         return row
 
     def run(self) -> None:
+        tick = 0
         while not self._halt.is_set():
             self.samples.append(self.sample())
-            self._halt.wait(self.every_s)
+            # on the bin grid: a slow sample (a loaded machine) skips a tick rather than shifting the rest
+            tick = max(tick + 1, math.ceil((time.perf_counter() - self.t0) / self.every_s))
+            self._halt.wait(max(0.0, self.t0 + tick * self.every_s - time.perf_counter()))
 
     def stop(self) -> None:
         self._halt.set()

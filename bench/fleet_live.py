@@ -6,7 +6,8 @@ sessions it recorded open every half second, its autoscaling settings (the confi
 the live run scaled them with its ramp), its replica start time (over the time scale), Serve's
 10 s metrics push, every GPU already up (one machine: no node start, no node released), one
 replica at the start, the policy the live run deployed (``LoadBandPolicy`` at its setpoint), and
-the replica curve of the capacity reading the live replicas were calibrated from. It compares
+the replica curve of the capacity reading the live replicas were calibrated from (with one stream
+in flight per session when the live sessions asked back to back, ``--back-to-back``). It compares
 the simulated running replicas, as the mean per 10 s bin, with the live run's per bin
 (:func:`bench.fleet_report.compare_replicas`): ``sim_vs_live_replica_error`` is the mean absolute
 difference in replicas. Written to ``sim-vs-live.json`` and ``sim-vs-live.png`` in the live run's
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.fleet_inputs import ROOT, ServeSettings, load_replica_model
+from bench.fleet_inputs import ROOT, Curve, ServeSettings, load_replica_model
 from bench.fleet_model import SimConfig, simulate
 from bench.fleet_policies import policies
 from bench.fleet_report import compare_replicas, replica_bins
@@ -50,6 +52,9 @@ def simulate_live(live: dict[str, Any]) -> dict[str, Any]:
     points[0] = (0.0, points[0][1])  # the first record is a few ms into the run
     trace = ramp_trace(points)
     replica = load_replica_model(ROOT / run["calibration"]["source"])
+    if not run["wait_playback"]:  # back-to-back sessions: each always has its one stream in flight
+        replica = replace(replica, streams_per_session=Curve([(0.0, 1.0), (1.0, 1.0)], hold_below=True,
+                                                             hold_above=True))
     settings = settings_of(run)
     (spec,) = [p for p in policies(settings, replica) if p.name == "load_band_config"]  # the live setpoint
     cfg = SimConfig(settings=settings, replica=replica,

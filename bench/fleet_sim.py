@@ -162,6 +162,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"the sharpest 10-minute rise ({jump / 3600:.2f} h), second by second")
     if args.latest:
         summary["output"] = str(args.out)
+        if args.latest.exists():  # a live comparison already there stays (bench/fleet_live.py writes it)
+            kept = json.loads(args.latest.read_text())
+            for key in ("sim_vs_live_replica_error", "sim_vs_live_note", "sim_vs_live"):
+                if kept.get("sim_vs_live") and key in kept:
+                    summary[key] = kept[key]
         args.latest.write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
