@@ -245,7 +245,7 @@ class SessionDriver:
         tasks: list[asyncio.Task] = []
         tick = 0
         while (t := self.clock.now() - t0) < self.duration_s:
-            want = int(round(self.sessions_at(t)))
+            want = round(self.sessions_at(t))
             live = [k for k, e in enumerate(self._leave) if not e.is_set()]
             for _ in range(want - len(live)):
                 leave = asyncio.Event()
@@ -296,9 +296,9 @@ def settle(sampler: Sampler, min_replicas: int, guard_s: float) -> bool:
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
+                             timeout=10, check=False)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
         return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -309,7 +309,7 @@ def machine() -> tuple[str, str]:
     gpu = ""
     with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10).stdout.strip().splitlines()[0]
+                             text=True, timeout=10, check=False).stdout.strip().splitlines()[0]
     return (f"{os.cpu_count()} CPUs{f' ({gpu} host, its GPU unused)' if gpu else ''}, {platform.platform()}; "
             "timed replicas: no GPU work ran"), gpu or "cpu"
 

@@ -72,8 +72,10 @@ def bins(run: dict[str, Any], open_per_s: list, requests: list[dict], samples: l
                              "by_queue": state.get("by_queue"), "reason": state.get("reason"),
                              "streams_in_flight": last["streams_in_flight"]}
         rows.append(row)
+    def short(r: dict[str, Any]) -> bool:  # the fleet was short of what the policy wanted
+        return r.get("starting", 0) > 0 or (r.get("policy") or {}).get("asked_more", False)
+
     for i, row in enumerate(rows):
-        short = lambda r: r.get("starting", 0) > 0 or (r.get("policy") or {}).get("asked_more", False)  # noqa: E731
         row["scale_up"] = short(row) or (i > 0 and short(rows[i - 1]))
     return rows
 
@@ -188,11 +190,11 @@ def markdown(result: dict[str, Any]) -> str:
     cal = run["calibration"]
     lines = [f"# Live autoscaling ramp, {run['date']}: {run['gpus']} logical GPUs, timed replicas", "",
              f"Machine: {run['machine']}. Command: `{run['command']}` at {run['commit']}.",
-             "", "**No model ran**: every synthesizer replica slept the calibrated GPU times of "
+             "", ("**No model ran**: every synthesizer replica slept the calibrated GPU times of "
              f"`bench/timed_fleet.py` (H100 reading `{cal['source']}`: {cal['sessions_per_replica']:g} sessions, "
              f"{cal['slo_streams']:g} streams in flight at the SLO, times x{cal['time_factor']:g} of the H200 "
              f"profile) and a start of {run['replica_start_s']:g} s (the measured GPU cold start x "
-             f"{run['start_scale']:g}). The ramp and Serve's delays ran at time scale {run['time_scale']:g}.", "",
+             f"{run['start_scale']:g}). The ramp and Serve's delays ran at time scale {run['time_scale']:g}."), "",
              "| figure | value |", "|---|---|"]
     lines += [f"| `{k}` | {v} |" for k, v in s.items()]
     lines += ["", "![replicas](replicas.png)", "", "![first audio](first-audio.png)", "",

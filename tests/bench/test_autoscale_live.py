@@ -70,7 +70,7 @@ def test_the_factory_name_carries_the_start_time():
     module, _, attr = path.partition(":")
     assert module == "bench.timed_fleet" and callable(getattr(timed_fleet, attr))
     with pytest.raises(AttributeError):
-        getattr(timed_fleet, "calibrated_start_ms_x")
+        timed_fleet.__getattr__("calibrated_start_ms_x")
 
 
 def test_the_ramp_goes_up_holds_bursts_and_comes_back_to_zero():
@@ -159,7 +159,7 @@ def _live(tmp_path: Path, *extra: str) -> dict:
     (results / "fleet-sim-latest.json").write_text("{}")
     cmd = [sys.executable, "-m", "bench.autoscale_live", "--gpus", "2", "--frontends", "1", "--results",
            str(results), "--latest", "--tag", "test", *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     latest = json.loads((results / "autoscale-latest.json").read_text())
     folder = results / latest["output"]
