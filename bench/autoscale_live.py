@@ -310,8 +310,9 @@ def machine() -> tuple[str, str]:
     with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=10, check=False).stdout.strip().splitlines()[0]
+    load = os.getloadavg()[0]  # a shared machine's other work shows here
     return (f"{os.cpu_count()} CPUs{f' ({gpu} host, its GPU unused)' if gpu else ''}, {platform.platform()}; "
-            "timed replicas: no GPU work ran"), gpu or "cpu"
+            f"load average {load:.1f} at the end; timed replicas: no GPU work ran"), gpu or "cpu"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -34,7 +34,7 @@ class RecordedPolicy:
                     "target": int(ctx.target_num_replicas), "decision": int(decision),
                     "total_requests": float(ctx.total_num_requests or 0),
                     "queued_requests": float(ctx.total_queued_requests or 0),
-                    "streams_in_flight": {str(k): round(float(v), 3) for k, v in
+                    "streams_in_flight": {str(getattr(k, "unique_id", k)): round(float(v), 3) for k, v in
                                           (metrics.get("streams_in_flight") or {}).items()},
                     "state": {k: v for k, v in (state or {}).items() if isinstance(v, (int, float, str, type(None)))}}
             with open(self.record, "a", encoding="utf-8") as f:

@@ -18,6 +18,7 @@ folder and, with ``update_latest``, into ``fleet-sim-latest.json``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -60,7 +61,13 @@ def simulate_live(live: dict[str, Any]) -> dict[str, Any]:
     cfg = SimConfig(settings=settings, replica=replica,
                     replica_start_s=run["replica_start_s"] / run["time_scale"], node_start_s=0.0,
                     metrics_push_s=10.0, initial_replicas=settings.min_replicas)
-    sim = simulate(trace, spec.make(), cfg, "live-ramp")
+    serve_log = logging.getLogger("ray.serve")  # the policy's decision lines: the controller's, not ours
+    saved = serve_log.level
+    serve_log.setLevel(logging.WARNING)
+    try:
+        sim = simulate(trace, spec.make(), cfg, "live-ramp")
+    finally:
+        serve_log.setLevel(saved)
     sim_bins = replica_bins(sim.running, BIN_S)
     live_bins = [float(r["running"]) if "running" in r else math.nan for r in live["series"]]
     n = min(len(sim_bins), len(live_bins))
@@ -101,14 +108,22 @@ def compare_live(live_json: Path, results: Path = RESULTS, update_latest: bool =
     shown = str(live_json.resolve().relative_to(results.resolve())) if live_json.resolve().is_relative_to(
         results.resolve()) else str(live_json)
     result["live"] = shown
+    result["live_machine"] = live["run"]["machine"]
     (folder / "sim-vs-live.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, live, folder / "sim-vs-live.png")
+    record = folder / "run.json"
+    if record.exists():  # the run folder's record lists its files: these two too
+        data = json.loads(record.read_text())
+        data["files"] = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != "run.json")
+        record.write_text(json.dumps(data, indent=1) + "\n")
     if update_latest:
         path = results / FLEET_LATEST
         latest = json.loads(path.read_text()) if path.exists() else {}
         latest["sim_vs_live_replica_error"] = result["sim_vs_live_replica_error"]
         latest["sim_vs_live_note"] = ("mean absolute difference of running replicas per 10 s bin, the live ramp "
-                                      f"{shown} replayed in the fleet model (bench/fleet_live.py); side by side: "
+                                      f"{shown} ({live['run']['gpus']} logical GPUs of timed replicas on "
+                                      f"{live['run']['machine'].split(',')[0]}) replayed in the fleet model "
+                                      f"(bench/fleet_live.py); side by side: "
                                       f"{Path(shown).parent / 'sim-vs-live.png'}")
         latest["sim_vs_live"] = {k: v for k, v in result.items() if k not in ("sim_bins", "live_bins")}
         path.write_text(json.dumps(latest, indent=1) + "\n")
