@@ -218,6 +218,8 @@ def write_outputs(result: dict[str, Any], results: Path, tag: str, latest: bool)
     if latest:
         out = {**result["summary"], "output": str(folder.relative_to(results)), "date": run["date"],
                "machine": run["machine"], "time_scale": run["time_scale"], "start_scale": run["start_scale"],
-               "gpus": run["gpus"], "series": result["series"]}
+               "gpus": run["gpus"], "plots": [f"{folder.name}/{name}" for name in ("replicas.png", "first-audio.png",
+                                                                              "sim-vs-live.png")],
+               "series": result["series"]}
         (results / LATEST).write_text(json.dumps(out, indent=1) + "\n")
     return folder

@@ -194,3 +194,14 @@ def test_a_longer_live_ramp_with_voice_agent_sessions(tmp_path):
     latest = _live(tmp_path, "--time-scale", "0.2")["latest"]
     assert latest["max_replicas"] == 2 and latest["cut_streams"] == 0 and latest["scaled_in_after_ramp"]
     assert not math.isnan(latest["replica_tracking"])
+
+
+def test_the_committed_latest_names_its_run_folder_and_plots():
+    results = ROOT / "bench" / "results"
+    latest = json.loads((results / "autoscale-latest.json").read_text())
+    assert KEYS <= latest.keys() and (results / latest["output"] / "run.json").is_file()
+    assert all((results / plot).is_file() for plot in latest["plots"])
+    fleet = json.loads((results / "fleet-sim-latest.json").read_text())
+    if fleet.get("sim_vs_live"):
+        assert (results / fleet["sim_vs_live"]["live"]).is_file()
+        assert fleet["sim_vs_live_replica_error"] == fleet["sim_vs_live"]["mae_replicas"]
