@@ -12,7 +12,9 @@ writes ``<out>/fleet-sim.json`` (inputs with their sources, per-policy figures, 
 ``<out>/day.png``, ``<out>/curve.png`` and, with ``--latest``, the summary to that path. ``--ramp
 0:0,60:200,...`` replays a ramp of ``(time s, sessions)`` points instead of the day, as the live
 ramp takes it, and adds each policy's replica counts per 10 s bin (``replicas_per_bin``) for
-:func:`bench.fleet_report.compare_replicas` against the live run's.
+:func:`bench.fleet_report.compare_replicas` against the live run's; ``--live <run>/autoscale.json``
+replays a live ramp of ``bench/autoscale_live.py`` with its own inputs (``bench/fleet_live.py``) and
+writes ``sim_vs_live_replica_error`` into ``--latest``.
 """
 from __future__ import annotations
 
