@@ -23,6 +23,11 @@
 #   PROFILE_ARGS="--cpu-ops" adds the requests' CPU ops to the profile (what each thread did between kernels)
 #   SERVE_PROXY=haproxy: the serve level behind HAProxy with direct ingress (RAY_SERVE_ENABLE_HA_PROXY=1)
 #   instead of Serve's HTTP proxy actor (docs/tuning.md, "The HTTP path")
+#   AUTOSCALE_S=540 runs the live autoscaling ramp (bench/autoscale_live.py) alone: AUTOSCALE_GPUS (8)
+#   logical GPUs of timed replicas (no GPU work, no model), time scale AUTOSCALE_SCALE (0.3: the
+#   1,260 s ramp in 378 s; replicas start in the measured cold start x 0.3), AUTOSCALE_ARGS adds flags;
+#   it writes its run folder, autoscale-latest.json and fleet-sim-latest.json (sim_vs_live) under
+#   results/ of capacity.tgz (docs/tuning.md, "The live ramp": how to bring them in)
 # Timing on an H100 (2026-12-06): an in-process arm starts in 65-92 s (model, 430 flow + 143 vocoder
 # + 71 decode graphs), a 60 s probe takes ~80 s, a one-session probe ~15 s + its window: an arm of
 # one-session probe alone needs SYNTH_S >= 120 (95 s cut it), a compiled arm more (not known yet).
@@ -53,6 +58,14 @@ export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=
 if ! python3 -c "import av" 2>/dev/null; then
   mkdir -p /tmp/noav/av && : > /tmp/noav/av/__init__.py && export PYTHONPATH=$PYTHONPATH:/tmp/noav
   echo "note: no PyAV here: compressed response formats are off for this run (PCM probes)"
+fi
+if [ "${AUTOSCALE_S:-0}" -gt 0 ]; then  # the live ramp: no model, so first (alone in its call: 540 s of 600)
+  cp bench/results/fleet-sim-latest.json "$W/results/"  # the tool writes its live comparison into it
+  timeout "$AUTOSCALE_S" python3 -m bench.autoscale_live --gpus "${AUTOSCALE_GPUS:-8}" \
+    --time-scale "${AUTOSCALE_SCALE:-0.3}" --ingresses 2 --settle-s 120 ${AUTOSCALE_ARGS:-} --results "$W/results" \
+    --latest ${TAG:+--tag "$TAG"} 2>&1 | grep -v Warning > "$W/autoscale.log"
+  grep -E "run folder|Error|error|Traceback" "$W/autoscale.log" | cut -c1-600 | tail -8
+  pack
 fi
 if [ "${REPLICA_S:-0}" -gt 0 ]; then
   timeout "$REPLICA_S" python3 -m bench.capacity --level replica --family "${FAMILY:-cosyvoice2}" \

@@ -97,10 +97,11 @@ def load_replica_model(report_json: Path) -> ReplicaModel:
     """The curves from a capacity report's JSON: its sessions search and its one-session probe."""
     data = json.loads(report_json.read_text())
     slo = float(data["workload"]["slo_ttfa_p99_ms"])
-    (search,) = [s for s in data["searches"] if s["kind"] == "sessions"]
+    # a sessions search, or fixed loads (``--loads``: its capacity is the largest load that met the SLO)
+    (search,) = [s for s in data["searches"] if s["kind"] in ("sessions", "loads")]
     met = sorted((p for p in search["probes"] if p["meets_slo"]), key=lambda p: p["load"])
-    if len(met) < 2:
-        raise ValueError(f"{report_json.name}: need two loads meeting the SLO for the in-flight curve")
+    if not met:
+        raise ValueError(f"{report_json.name}: need a load meeting the SLO for the in-flight curve")
     latency = [(p["load"], p["ttfa_p99_ms"]) for p in search["probes"]]
     one = [p for s in data["searches"] if s["kind"] == "one-session" for p in s["probes"]]
     latency += [(p["load"], p["ttfa_p99_ms"]) for p in one if p["load"] not in {x for x, _ in latency}]
@@ -108,10 +109,13 @@ def load_replica_model(report_json: Path) -> ReplicaModel:
     # cover seconds, not the window: only loads that met the SLO describe steady service.
     per_session = [(p["load"], p["streams_in_flight_mean"] / p["load"]) for p in met]
     audio = [(p["load"], p["audio_s"] / p["window_s"] / p["load"]) for p in met]
+    if len(met) == 1:  # one steady load measured (a fixed-loads reading): its shares held at every load
+        per_session.insert(0, (0.0, per_session[0][1]))
+        audio.insert(0, (0.0, audio[0][1]))
     # An idle GPU reads 0 % (assumed anchor); the rest is measured (one-session probe included).
     util = [(0.0, 0.0)] + sorted({(p["streams_in_flight_mean"], p["gpu_util_pct"]) for p in met + one
                                   if p.get("gpu_util_pct") is not None})
-    cap = int(search["capacity"])
+    cap = int(search["capacity"]) if search.get("capacity") is not None else int(met[-1]["load"])
     at_cap = [p for p in met if p["load"] == cap]
     return ReplicaModel(
         # Below the lightest steady load the share of a session in synthesis is held (assumed: less

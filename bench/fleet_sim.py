@@ -12,7 +12,9 @@ writes ``<out>/fleet-sim.json`` (inputs with their sources, per-policy figures, 
 ``<out>/day.png``, ``<out>/curve.png`` and, with ``--latest``, the summary to that path. ``--ramp
 0:0,60:200,...`` replays a ramp of ``(time s, sessions)`` points instead of the day, as the live
 ramp takes it, and adds each policy's replica counts per 10 s bin (``replicas_per_bin``) for
-:func:`bench.fleet_report.compare_replicas` against the live run's.
+:func:`bench.fleet_report.compare_replicas` against the live run's; ``--live <run>/autoscale.json``
+replays a live ramp of ``bench/autoscale_live.py`` with its own inputs (``bench/fleet_live.py``) and
+writes ``sim_vs_live_replica_error`` into ``--latest``.
 """
 from __future__ import annotations
 
@@ -58,7 +60,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--node-idle-timeout-s", type=float, help="replaces the KubeRay manifest's idleTimeoutSeconds")
     p.add_argument("--gpu-hour-usd", type=float, default=a["gpu_hour_usd"])
     p.add_argument("--bin-s", type=int, default=10, help="bin of the replica counts for the live comparison")
-    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--live", type=Path, help="a live ramp's autoscale.json (bench/autoscale_live.py): replay it "
+                   "and compare replica counts (bench/fleet_live.py); only --latest applies")
+    p.add_argument("--out", type=Path, help="output folder (required unless --live)")
     p.add_argument("--latest", type=Path, help="also write the summary here (e.g. bench/results/fleet-sim-latest.json)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-series", action="store_true", help="skip series.json (per-minute series)")
@@ -115,8 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ours["gpu_hours_vs_oracle"] <= TARGETS["gpu_hours_vs_oracle_max"]
             and ours["slo_violation_minutes_pct"] <= TARGETS["slo_violation_minutes_pct_max"])},
         "sim_vs_live_replica_error": None,
-        "sim_vs_live_note": "no live ramp yet: replay it with --ramp and compare the bins with "
-                            "bench.fleet_report.compare_replicas",
+        "sim_vs_live_note": "not compared in this run: python -m bench.fleet_sim --live <run>/autoscale.json "
+                            "--latest <this file> replays a live ramp (bench/fleet_live.py)",
         "inputs": {
             "measured": {
                 "replica_curve": replica.source,
@@ -160,6 +164,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"the sharpest 10-minute rise ({jump / 3600:.2f} h), second by second")
     if args.latest:
         summary["output"] = str(args.out)
+        if args.latest.exists():  # a live comparison already there stays (bench/fleet_live.py writes it)
+            kept = json.loads(args.latest.read_text())
+            for key in ("sim_vs_live_replica_error", "sim_vs_live_note", "sim_vs_live"):
+                if kept.get("sim_vs_live") and key in kept:
+                    summary[key] = kept[key]
         args.latest.write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
@@ -195,7 +204,18 @@ def _minute_peaks(values) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    summary = run(_args(argv))
+    args = _args(argv)
+    if args.live:
+        from bench.fleet_live import compare_live
+
+        result = compare_live(args.live, update_latest=args.latest is not None,
+                              results=args.latest.parent if args.latest else args.live.parent.parent)
+        logger.info("sim vs live: %.3f replicas mean absolute difference over %d bins",
+                    result["sim_vs_live_replica_error"], result["bins"])
+        return 0
+    if args.out is None:
+        raise SystemExit("--out is required (or --live)")
+    summary = run(args)
     for name, p in summary["policies"].items():
         logger.info("%-20s GPU-h %8.1f (x%.3f oracle)  over SLO %6.2f %% of minutes  refused %.3f %%  "
                     "$%.3f per audio hour  peak %d replicas", name, p["gpu_hours"], p["gpu_hours_vs_oracle"],

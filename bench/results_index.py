@@ -4,8 +4,8 @@ and ``INDEX.md``, one line per run grouped by topic, written from those records.
 A run folder is named ``<date>-<card>-<what>`` (``2026-12-06-h100-capacity-synth-rate``) and holds
 every file of one run: the report (``.md``), its data (``.json``), plots and logs. Its ``run.json``
 names the date, the device, the commit, the command and the configuration, each ``"unknown"`` where
-the run did not record it. Only ``latest.json``, ``cosyvoice3-latest.json``, ``fleet-sim-latest.json``
-and ``INDEX.md`` lie at the top; the latest files name their reports by path from there
+the run did not record it. Only ``latest.json``, ``cosyvoice3-latest.json``, ``fleet-sim-latest.json``,
+``autoscale-latest.json`` and ``INDEX.md`` lie at the top; the latest files name their reports by path from there
 (``<run folder>/<report>.md``).
 
     python -m bench.results_index           # rewrite bench/results/INDEX.md from the run records
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 RUN_RECORD = "run.json"
-TOP_LEVEL = ("latest.json", "cosyvoice3-latest.json", "fleet-sim-latest.json", "INDEX.md")
+TOP_LEVEL = ("latest.json", "cosyvoice3-latest.json", "fleet-sim-latest.json", "autoscale-latest.json", "INDEX.md")
 UNKNOWN = "unknown"
 
 # (topic, heading, what the run folder's name has after its date and card); first match wins
@@ -34,6 +34,7 @@ TOPICS = (
      ("kernel-profile", "profile-first-audio", "stepper-check", "incremental-flow", "cv3-vocoder")),
     ("gpu-tests", "GPU tests (`bench/device_gpu_tests.sh`)", ("gpu-tests",)),
     ("fleet", "Fleet simulation (`bench/fleet_sim.py`)", ("fleet-sim",)),
+    ("autoscale", "Live autoscaling ramps, timed replicas (`bench/autoscale_live.py`)", ("autoscale",)),
     ("reliability", "Soak, load and fuzz runs, serving layer", ("soak", "fuzz", "loaded", "ramp", "serving-layer")),
     ("tools", "Other tools", ("normalize",)),
 )
@@ -111,7 +112,8 @@ def render(results: Path = RESULTS, root: Path = ROOT) -> str:
         "At the top level only: `latest.json` (CosyVoice2) and `cosyvoice3-latest.json`, the figures the",
         "README quotes, naming their reports as `<run folder>/<report>.md`; `fleet-sim-latest.json`, the",
         "last fleet simulation's summary (`bench/fleet_sim.py --latest`; its full output is in its own",
-        "folder); and this index.",
+        "folder); `autoscale-latest.json`, the last live autoscaling ramp's summary and series",
+        "(`bench/autoscale_live.py --latest`); and this index.",
         "",
         "Readings no document, test or other reading named were removed from the tree. Their history",
         "stays: `git log --all --format='%h %ad' -- 'bench/results/<name>'` finds the commit that removed",

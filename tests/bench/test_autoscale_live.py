@@ -1,0 +1,207 @@
+"""The live autoscaling ramp (bench/autoscale_live.py): calibration from the readings, the recorded
+policy, the bins and their figures, and a small ramp on a real local Ray with 2 logical GPUs."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bench import timed_fleet
+from bench.autoscale_live import RampShape, recorded_policy
+from bench.autoscale_record import RecordedPolicy
+from bench.autoscale_report import bins, summarise
+from bench.timed_fleet import AUDIO_PER_TOKEN_S, calibrate, cold_start_record, factory_name
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = {"max_replicas", "cut_streams", "p99_ttfa_ms_outside_scaleup_max", "replica_tracking", "cold_start_s_gpu",
+        "series"}
+
+
+def _reading(tmp_path: Path, folder: str, probes: list[dict], device: str = "NVIDIA H100 80GB HBM3") -> Path:
+    path = tmp_path / folder / "capacity-serve-x.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"device": device, "date": folder[:10], "workload": {"slo_ttfa_p99_ms": 300.0},
+                                "searches": [{"kind": "loads", "probes": probes}]}))
+    return path
+
+
+def test_calibration_matches_the_readings_stream_speed_at_its_streams_in_flight(tmp_path):
+    probes = [{"load": 20, "meets_slo": True, "streams_in_flight_mean": 3.0, "audio_s": 900.0, "window_s": 60.0},
+              {"load": 30, "meets_slo": False, "streams_in_flight_mean": 5.0, "audio_s": 1000.0, "window_s": 60.0}]
+    _reading(tmp_path, "2026-01-01-h100-production-old", [dict(probes[0], load=10)])
+    newest = _reading(tmp_path, "2026-02-01-h100-production-new", probes)
+    assert timed_fleet.newest_reading(tmp_path) == newest
+    cal = calibrate(newest)
+    assert (cal.sessions_per_replica, cal.slo_streams) == (20, 3.0)  # the largest load that met the SLO
+    measured = 900.0 / 60.0 / 3.0
+    assert cal.stream_speed_x == pytest.approx(measured)
+    # the scaled profile's decode step at that batch makes audio at the measured speed per stream
+    assert AUDIO_PER_TOKEN_S / cal.times.step_s(3) == pytest.approx(measured, rel=1e-3)
+    assert cal.times.host_frac == timed_fleet.H200.host_frac
+
+
+def test_the_shipped_calibration_and_cold_start_come_from_bench_results():
+    cal = calibrate()
+    assert cal.source.startswith("bench/results/") and "h100" in cal.source
+    data = json.loads((ROOT / cal.source).read_text())
+    assert cal.sessions_per_replica in {p["load"] for s in data["searches"] for p in s["probes"] if p["meets_slo"]}
+    cold = cold_start_record()
+    assert cold is None or json.loads((ROOT / cold["source"]).read_text())["cold_start_s"] == cold["cold_start_s"]
+
+
+def test_cold_start_takes_the_newest_gpu_record(tmp_path):
+    for folder, device, date, s in (("a", "cuda", "2026-01-01", 90.0), ("b", "cpu", "2026-03-01", 5.0),
+                                    ("c", "cuda", "2026-02-01", 40.0)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "cold-start-x.json").write_text(json.dumps({"device": device, "date": date,
+                                                                        "cold_start_s": s}))
+    assert cold_start_record(tmp_path)["cold_start_s"] == 40.0
+    assert cold_start_record(tmp_path / "a" / "none") is None
+
+
+def test_the_factory_name_carries_the_start_time():
+    path = factory_name(3.25)
+    module, _, attr = path.partition(":")
+    assert module == "bench.timed_fleet" and callable(getattr(timed_fleet, attr))
+    with pytest.raises(AttributeError):
+        timed_fleet.__getattr__("calibrated_start_ms_x")
+
+
+def test_the_ramp_goes_up_holds_bursts_and_comes_back_to_zero():
+    shape = RampShape(up_s=100, plateau_s=50, burst_s=10, burst_share=0.5, hold_s=20, down_s=40, idle_s=30)
+    pts = shape.points(4)
+    assert pts[0] == (0, 0) and pts[1] == (100, 4) and pts[-1] == (shape.total_s, 0)
+    assert max(v for _, v in pts) == 6 and (150, 6) in pts and (160, 4) in pts
+
+
+class _Inner:
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+
+    def __call__(self, ctx):
+        return self.answer, {"load_pct": 90.0, "decision": self.answer, "reason": "load band", "skip": [1]}
+
+
+def _ctx(n: int) -> SimpleNamespace:
+    return SimpleNamespace(current_num_replicas=n, target_num_replicas=n, total_num_requests=3.0,
+                           total_queued_requests=0.0, aggregated_metrics={"streams_in_flight": {"r1": 2.5}})
+
+
+def test_recorded_policy_returns_the_inner_answer_and_writes_changes(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "INNER", lambda: _Inner(2), raising=False)
+    record = tmp_path / "p.jsonl"
+    policy = RecordedPolicy(f"{__name__}:INNER", {}, str(record), every_s=3600)
+    assert policy(_ctx(1)) == (2, {"load_pct": 90.0, "decision": 2, "reason": "load band", "skip": [1]})
+    policy(_ctx(1))  # the same answer within every_s: no line
+    policy.policy.answer = 3
+    policy(_ctx(2))
+    lines = [json.loads(x) for x in record.read_text().splitlines()]
+    assert [(x["running"], x["decision"]) for x in lines] == [(1, 2), (2, 3)]
+    assert lines[0]["streams_in_flight"] == {"r1": 2.5} and "skip" not in lines[0]["state"]
+
+
+def test_the_build_wraps_the_real_policy_and_scales_its_delays(tmp_path):
+    from deployments.options import AutoscalingKnobs
+
+    knobs = AutoscalingKnobs(max_replicas=4, upscale_delay_s=15, downscale_delay_s=60, look_back_period_s=20,
+                             load_band={"enabled": True, "slo_streams": 2.5})
+    plain = knobs.serve_config()
+    with recorded_policy(tmp_path / "r.jsonl", 0.5, every_s=1.0):
+        cfg = knobs.serve_config()
+    assert knobs.serve_config() == plain  # restored
+    assert (cfg["upscale_delay_s"], cfg["downscale_delay_s"], cfg["look_back_period_s"]) == (7.5, 30, 10)
+    kw = cfg["policy"]["policy_kwargs"]
+    assert cfg["policy"]["policy_function"] == "bench.autoscale_record:RecordedPolicy"
+    assert (kw["inner"], kw["inner_kwargs"]) == (plain["policy"]["policy_function"], plain["policy"]["policy_kwargs"])
+
+
+def _run(**kw) -> dict:
+    return {"bin_s": 1.0, "time_scale": 0.1, "sessions_per_replica_worth": 2.0, "settled": True,
+            "shape_reference_s": {"up_s": 50.0, "burst_share": 0.25}, "cold_start_gpu": None,
+            "autoscaling_reference": {"min_replicas": 1, "max_replicas": 2}, **kw}
+
+
+def test_bins_ideal_tracking_scale_up_and_cuts():
+    run = _run()
+    open_per_s = [(t / 2, n, n) for t, n in enumerate([0, 0, 2, 2, 4, 4, 4, 4, 1, 1])]
+    samples = [{"t_s": 0.5, "states": {"RUNNING": 1}}, {"t_s": 1.5, "states": {"RUNNING": 1}},
+               {"t_s": 2.5, "states": {"RUNNING": 1, "STARTING": 1}}, {"t_s": 3.5, "states": {"RUNNING": 2}},
+               {"t_s": 4.5, "states": {"RUNNING": 2, "STOPPING": 1}}]
+    req = {"session": 0, "audio_s": 2.0, "drawn_s": 2.0, "underruns": 0, "rejected_429": False, "error": None,
+           "cut": False}
+    requests = [dict(req, t_s=1.2, ttfa_ms=100.0), dict(req, t_s=3.7, ttfa_ms=200.0),
+                dict(req, t_s=3.8, ttfa_ms=None, rejected_429=True, error="HTTP 429: full"),
+                dict(req, t_s=4.1, ttfa_ms=150.0, cut=True, error="RemoteProtocolError")]
+    policy = [{"t_s": 2.2, "running": 1, "target": 1, "decision": 2, "streams_in_flight": {},
+               "state": {"load_pct": 150.0}}]
+    rows = bins(run, open_per_s, requests, samples, policy)
+    assert [r["ideal"] for r in rows] == [1, 1, 2, 2, 1]  # ceil(sessions / 2), within [1, 2]
+    assert [r["running"] for r in rows] == [1, 1, 1, 2, 2]
+    assert [r["scale_up"] for r in rows] == [False, False, True, True, False]
+    assert rows[4]["draining"] == 1 and rows[2]["policy"]["asked_more"]
+    s = summarise(run, open_per_s, requests, samples, policy)["summary"]
+    assert s["cut_streams"] == 1 and s["rejected_429"] == 1 and s["errors"] == 1 and s["max_replicas"] == 2
+    assert s["p99_ttfa_ms_outside_scaleup_max"] == 150.0  # bins 1 and 4 (100, 150 ms); 3.7 s fell in a scale-up
+    assert s["replica_tracking"] == 1.0
+
+
+def _live(tmp_path: Path, *extra: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "fleet-sim-latest.json").write_text("{}")
+    cmd = [sys.executable, "-m", "bench.autoscale_live", "--gpus", "2", "--frontends", "1", "--results",
+           str(results), "--latest", "--tag", "test", *extra]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    latest = json.loads((results / "autoscale-latest.json").read_text())
+    folder = results / latest["output"]
+    for name in ("autoscale.json", "autoscale.md", "replicas.png", "first-audio.png", "run.json",
+                 "sim-vs-live.json", "sim-vs-live.png"):
+        assert (folder / name).is_file(), name
+    assert json.loads((results / "fleet-sim-latest.json").read_text())["sim_vs_live_replica_error"] >= 0
+    return {"latest": latest, "full": json.loads((folder / "autoscale.json").read_text())}
+
+
+@pytest.mark.ray
+def test_a_small_live_ramp_scales_out_under_load_and_back_when_idle(tmp_path):
+    """Two logical GPUs; sessions ask back to back (one stream in flight each), two per replica:
+    the plateau holds three sessions (150 % of one replica), so the real policy asks for two."""
+    out = _live(tmp_path, "--time-scale", "0.05", "--start-scale", "0.005", "--back-to-back",
+                "--sessions-per-replica", "2", "--slo-streams", "2", "--mix", "1:1-2",
+                "--shape", "up_s=200,plateau_s=200,burst_s=60,hold_s=60,down_s=100,idle_s=100", "--settle-s", "4000")
+    latest, full = out["latest"], out["full"]
+    assert KEYS <= latest.keys()
+    assert latest["max_replicas"] == 2 and latest["cut_streams"] == 0 and latest["scaled_in_after_ramp"]
+    rows = full["series"]
+    loaded = [r for r in rows if r["sessions"] >= 3 and "running" in r]
+    assert loaded and any(r["running"] == 2 for r in loaded)
+    assert any((r.get("policy") or {}).get("decision") == 2 for r in rows)  # the real policy asked for it
+    assert full["run"]["autoscaling_reference"]["load_band"]["slo_streams"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_longer_live_ramp_with_voice_agent_sessions(tmp_path):
+    """The calibrated sessions (they play their answers out), the whole ramp at a fifth of real time."""
+    latest = _live(tmp_path, "--time-scale", "0.2")["latest"]
+    assert latest["max_replicas"] == 2 and latest["cut_streams"] == 0 and latest["scaled_in_after_ramp"]
+    assert not math.isnan(latest["replica_tracking"])
+
+
+def test_the_committed_latest_names_its_run_folder_and_plots():
+    results = ROOT / "bench" / "results"
+    latest = json.loads((results / "autoscale-latest.json").read_text())
+    assert KEYS <= latest.keys() and (results / latest["output"] / "run.json").is_file()
+    assert all((results / plot).is_file() for plot in latest["plots"])
+    fleet = json.loads((results / "fleet-sim-latest.json").read_text())
+    if fleet.get("sim_vs_live"):
+        assert (results / fleet["sim_vs_live"]["live"]).is_file()
+        assert fleet["sim_vs_live_replica_error"] == fleet["sim_vs_live"]["mae_replicas"]
