@@ -52,6 +52,10 @@ class TokenEvent:
         finished / finish_reason: the request ended (``stop``, ``length``, ...).
         error: the request failed alone (it is finished): the message for its client.
         logits: (V,) of the step, only from an engine built with ``return_logits=True`` (tests).
+        text_read: bistream requests only, one per token of ``tokens``: how many of the request's
+            own text tokens (the prompt's excluded) the model had read when it produced that token
+            (the 5 text : 15 speech interleave, spec §3.8): the model's own text-to-speech-token
+            correspondence. None for a sentence piece (its whole text is read before any speech).
     """
 
     request_id: str
@@ -60,3 +64,4 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None
     logits: torch.Tensor | None = None
+    text_read: list[int] | None = None

@@ -64,6 +64,7 @@ class Mailbox:
     need: Callable[[], int | None] | None  # see EngineLoop.generate
     on_first_token: Callable[[], None] | None = None  # see EngineLoop.generate
     tokens: list[int] = field(default_factory=list)
+    text_read: list[int] | None = None  # with tokens, for bistream requests (TokenEvent.text_read)
     total: int = 0  # tokens delivered so far, taken or not
     finished: bool = False
     reason: str | None = None
@@ -87,6 +88,8 @@ class Mailbox:
         if event.tokens and self.total == 0 and self.on_first_token is not None:
             self.on_first_token()
         self.tokens.extend(event.tokens)
+        if event.text_read is not None:
+            self.text_read = (self.text_read or []) + event.text_read
         self.total += len(event.tokens)
         if event.finished:
             self.finished, self.reason = True, event.finish_reason
@@ -101,8 +104,9 @@ class Mailbox:
             self.waiter.set_result(None)
 
     def take(self, request_id: str) -> TokenEvent:
-        event = TokenEvent(request_id, self.tokens, finished=self.finished, finish_reason=self.reason)
-        self.tokens = []
+        event = TokenEvent(request_id, self.tokens, finished=self.finished, finish_reason=self.reason,
+                           text_read=self.text_read)
+        self.tokens, self.text_read = [], None
         return event
 
 
