@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from deployments import constants
-from deployments.protocol import InvalidInputError
-from deployments.protocol import TextMarks
+from deployments.protocol import InvalidInputError, TextMarks
 from serve_app.alignment import PieceAligner, char_spans
 from serve_app.elevenlabs import parse_output_format
 from serve_app.ingress import IngressConfig
