@@ -10,7 +10,7 @@ it starts to say begins, from the model's own text-to-speech-token correspondenc
   to the end of the chunk's audio; its characters share that span equally; characters between
   tokens (the space joining two pieces) take no time;
 * the characters the client sent map onto the normalised text (what the model read) through a
-  character alignment of the two (:func:`char_spans`: ``difflib`` matching blocks; a run that
+  character alignment of the two (:func:`char_spans`, one bounded pass; a run that
   normalisation rewrote, "$5" -> "five dollars", shares the rewritten span in order); a character
   is released once its span's characters are.
 
@@ -20,12 +20,13 @@ spreads what is left over the audio since the last mark.
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 
 from deployments.protocol import TextMarks
 
-MAX_MATCHED_CHARS = 4000  # longer texts map characters proportionally (the matching is quadratic)
+RESYNC_CHARS = 3  # characters both texts must share to agree again after a rewrite
+RESYNC_WINDOW = 48  # how far ahead (characters) a rewrite may end in either text
+MAX_RESYNCS = 2000  # differences mapped one by one per text; past them the rest is proportional
 
 
 @dataclass
@@ -57,20 +58,53 @@ def joined(spans: list[CharSpans]) -> CharSpans:
 
 def char_spans(original: str, normalized: str) -> list[tuple[int, int]]:
     """For each character of ``original``, the span ``[lo, hi)`` of ``normalized`` that says it
-    (empty where normalisation dropped it); both bounds are non-decreasing."""
-    if original == normalized:
-        return [(i, i + 1) for i in range(len(original))]
-    if max(len(original), len(normalized)) > MAX_MATCHED_CHARS:
-        return _proportional(0, len(original), 0, len(normalized))
-    matcher = difflib.SequenceMatcher(None, [c.lower() for c in original], [c.lower() for c in normalized],
-                                      autojunk=False)
+    (empty where normalisation dropped it); both bounds are non-decreasing.
+
+    Normalisation keeps the order of the text, so one pass suffices: equal characters (ignoring
+    case) map one to one; at a difference, the nearest place where both texts agree again on
+    ``RESYNC_CHARS`` characters (each text at most ``RESYNC_WINDOW`` ahead) closes the rewritten
+    runs, which share their span in order ("$5" -> "five dollars"). Work is bounded: past
+    ``MAX_RESYNCS`` differences, or without a place to agree again, the rest maps proportionally.
+    """
+    a, b = _folded(original), _folded(normalized)
+    n, m = len(a), len(b)
     spans: list[tuple[int, int]] = []
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            spans += [(j1 + k, j1 + k + 1) for k in range(i2 - i1)]
-        elif tag != "insert":  # replace / delete: the run shares the normalised run
-            spans += _proportional(i1, i2, j1, j2)
-    return spans
+    i = j = resyncs = 0
+    while i < n and j < m:
+        if a[i] == b[j]:
+            spans.append((j, j + 1))
+            i, j = i + 1, j + 1
+            continue
+        resyncs += 1
+        skip = _resync(a, b, i, j) if resyncs <= MAX_RESYNCS else None
+        if skip is None:
+            break
+        spans += _proportional(i, i + skip[0], j, j + skip[1])
+        i, j = i + skip[0], j + skip[1]
+    return spans + (_proportional(i, n, j, m) if i < n else [])
+
+
+def _folded(text: str) -> str:
+    return "".join(low if len(low := c.lower()) == 1 else c for c in text)
+
+
+def _resync(a: str, b: str, i: int, j: int) -> tuple[int, int] | None:
+    """(skip in a, skip in b) to the nearest place past (i, j) where both agree again, or None."""
+    best = None
+    for di in range(min(RESYNC_WINDOW, len(a) - i) + 1):
+        if best is not None and di >= sum(best):
+            break
+        key = a[i + di:i + di + RESYNC_CHARS]
+        if i + di == len(a):
+            dj = len(b) - j  # both ends agree
+        else:
+            found = b.find(key, j, j + RESYNC_WINDOW + len(key))
+            if found < 0 or (len(key) < RESYNC_CHARS and found + len(key) != len(b)):
+                continue
+            dj = found - j
+        if (di or dj) and (best is None or di + dj < sum(best)):
+            best = (di, dj)
+    return best
 
 
 def spread(n_chars: int, n_tokens: int) -> list[int]:
