@@ -1,13 +1,15 @@
 """serve_app/alignment.py: the characters sent mapped onto the normalised text."""
 from __future__ import annotations
 
+from itertools import pairwise
+
 from serve_app.alignment import MAX_RESYNCS, char_spans
 
 
 def _check(spans, original, normalized):
     assert len(spans) == len(original)
     assert all(lo <= hi for lo, hi in spans) and spans[-1][1] <= len(normalized)
-    assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(spans, spans[1:]))
+    assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in pairwise(spans))
 
 
 def test_rewritten_runs_take_the_span_of_their_rewrite():
