@@ -63,6 +63,10 @@ class TokenEvent:
         logits: (V,) of the step, only from an engine built with ``return_logits=True`` (tests).
         raw: every id the LLM emitted, before the serving layer's silent-token filter (what a
             continuation on another replica prefills, ``LMRequest.prefix``); None: ``tokens``.
+        text_read: bistream requests only, one per token of ``tokens``: how many of the request's
+            own text tokens (the prompt's excluded) the model had read when it produced that token
+            (the 5 text : 15 speech interleave, spec §3.8): the model's own text-to-speech-token
+            correspondence. None for a sentence piece (its whole text is read before any speech).
     """
 
     request_id: str
@@ -72,3 +76,4 @@ class TokenEvent:
     error: str | None = None
     logits: torch.Tensor | None = None
     raw: list[int] | None = None
+    text_read: list[int] | None = None

@@ -65,6 +65,7 @@ class Mailbox:
     on_first_token: Callable[[], None] | None = None  # see EngineLoop.generate
     tokens: list[int] = field(default_factory=list)
     raw: list[int] = field(default_factory=list)  # the LLM's ids of ``tokens``' steps, unfiltered (TokenEvent.raw)
+    text_read: list[int] | None = None  # with tokens, for bistream requests (TokenEvent.text_read)
     total: int = 0  # tokens delivered so far, taken or not
     finished: bool = False
     reason: str | None = None
@@ -89,6 +90,8 @@ class Mailbox:
             self.on_first_token()
         self.tokens.extend(event.tokens)
         self.raw.extend(event.tokens if event.raw is None else event.raw)
+        if event.text_read is not None:
+            self.text_read = (self.text_read or []) + event.text_read
         self.total += len(event.tokens)
         if event.finished:
             self.finished, self.reason = True, event.finish_reason
@@ -103,8 +106,9 @@ class Mailbox:
             self.waiter.set_result(None)
 
     def take(self, request_id: str) -> TokenEvent:
-        event = TokenEvent(request_id, self.tokens, finished=self.finished, finish_reason=self.reason, raw=self.raw)
-        self.tokens, self.raw = [], []
+        event = TokenEvent(request_id, self.tokens, finished=self.finished, finish_reason=self.reason,
+                           raw=self.raw, text_read=self.text_read)
+        self.tokens, self.raw, self.text_read = [], [], None
         return event
 
 

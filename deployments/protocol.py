@@ -58,6 +58,7 @@ __all__ = [
     "SynthesisMode",
     "SynthesisRequest",
     "SynthesisResult",
+    "TextMarks",
     "TextPiece",
     "VoiceAccess",
     "VoiceExistsError",
@@ -233,6 +234,21 @@ TOKEN2WAV_MARKS = ("t2w_started", "t2w_solved")
 
 
 @dataclass
+class TextMarks:
+    """Which text tokens one audio chunk starts to say, from the model's own text-to-speech-token
+    correspondence (deployments/text_marks.py says how it is made).
+
+    ``first``: the index of the first of them in its LLM sequence's text (a sentence piece's
+    ``text_ids``; a bistream sequence's own text ids in the order pushed, the prompt's excluded);
+    ``starts``: for each, in order, where its speech starts, as a fraction in [0, 1] of the chunk's
+    audio (non-decreasing). A sequence's last chunk carries every text token not marked before.
+    """
+
+    first: int
+    starts: list[float]
+
+
+@dataclass
 class AudioChunk:
     """Synthesizer -> caller: one piece of audio as soon as it exists."""
 
@@ -250,6 +266,7 @@ class AudioChunk:
     # sequence has ended: what a continuation on another replica starts from (Resume).
     tokens: list[int] = field(default_factory=list)
     llm_done: bool = False
+    text_marks: TextMarks | None = None  # None from a runtime that reports no speech tokens
 
 
 @dataclass

@@ -162,9 +162,11 @@ class RuntimeTokenEngine:
             events = self.engine.step() if self.engine.has_unfinished() or not out else []
         for ev in events:
             keep = self._filters.get(ev.request_id)
-            tokens = [t for t in ev.tokens if keep is None or keep.keep(t)]
+            kept = [keep is None or keep.keep(t) for t in ev.tokens]
+            tokens = [t for t, k in zip(ev.tokens, kept) if k]
+            read = None if ev.text_read is None else [r for r, k in zip(ev.text_read, kept) if k]
             out.append(TokenEvent(ev.request_id, tokens, ev.finished, ev.finish_reason,
-                                  self._errors.get(ev.finish_reason), raw=list(ev.tokens)))
+                                  self._errors.get(ev.finish_reason), raw=list(ev.tokens), text_read=read))
             if ev.finished:
                 self._filters.pop(ev.request_id, None)
                 self._bistream_text.pop(ev.request_id, None)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import time
 from collections import Counter
@@ -47,7 +46,7 @@ from deployments.compute import MAIN as MAIN_LANE
 from deployments.compute import ComputeExecutor
 from deployments.deadlines import DeadlineGate, Playback
 from deployments.engine_loop import EngineLoop, GiveWay, TextSource, is_fatal
-from deployments.execution_plan import ExecutionPlan, replica_plan
+from deployments.execution_plan import replica_plan
 from deployments.gpu_stats import DeviceProbe
 from deployments.housekeeping import IdleTrim, cap_malloc_arenas
 from deployments.model_source import ModelSource
@@ -67,32 +66,16 @@ from deployments.protocol import (
 from deployments.python_gc import settle_replica
 from deployments.resume import PieceCursor, start_of
 from deployments.runtime_adapter import call_with_timeout
-from deployments.runtime_protocol import SynthesisRuntime
+from deployments.runtime_factory import RuntimeFactory, default_runtime_factory, import_factory
 from deployments.synthesizer_config import SynthesizerConfig
 from deployments.text_inbox import BistreamTicket, InboxClient, default_inbox
+from deployments.text_marks import TextMarker
 from deployments.thread_load import gil_wait, thread_cpu_seconds
 from deployments.token2wav_loop import SteppedToken2Wav
 from deployments.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 TOKEN2WAV_LANE = "token2wav"  # the compute lane of flow + HiFT batches when stages overlap
-
-# (config with the mode resolved, model source, the replica's plan) -> the runtime that runs the plan
-RuntimeFactory = Callable[[SynthesizerConfig, ModelSource, ExecutionPlan], SynthesisRuntime]
-
-
-def _import_factory(path: str) -> RuntimeFactory:
-    module, _, attr = path.partition(":")
-    if not attr:
-        raise ValueError(f"runtime_factory must be 'module:callable', got {path!r}")
-    return getattr(importlib.import_module(module), attr)
-
-
-def default_runtime_factory(cfg: SynthesizerConfig, source: ModelSource, plan: ExecutionPlan) -> SynthesisRuntime:
-    from deployments.assembler import load_synthesis_runtime  # torch and the model code: only where it loads
-
-    return load_synthesis_runtime(cfg, str(source.resolve()), plan)
-
 
 class Synthesizer:
     """See the module docstring. Constructed by ``serve_app.app.build_app``.
@@ -118,7 +101,7 @@ class Synthesizer:
         # session of a replica otherwise waited for before its first audio.
         self._inbox = inbox or default_inbox()
         if runtime_factory is None:
-            runtime_factory = _import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
+            runtime_factory = import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
         started = time.perf_counter()
         source = source or ModelSource(cfg.model_dir)
         # Every code path of this replica (mode, device, graphs, schedulers: deployments.execution_plan),
@@ -215,7 +198,8 @@ class Synthesizer:
             marks: dict[str, float] = {}  # FIRST_AUDIO_STAGES, clock times (the first piece stamps them)
             for p, piece in enumerate(pieces[first_piece:], first_piece):
                 cursor = PieceCursor(req.resume if p == first_piece else None)
-                async for audio, final in self._synthesize_piece(req, p, piece, playback, text, marks, cursor):
+                async for audio, final, text_marks in self._synthesize_piece(req, p, piece, playback, text, marks,
+                                                                              cursor):
                     if (audio := cursor.trim(audio, keep_empty=final and p == last_piece)) is None:
                         continue  # a continuation: all of it is audio its client has
                     now = self.clock()
@@ -230,7 +214,7 @@ class Synthesizer:
                     samples += len(audio)
                     yield AudioChunk(request_id=req.request_id, samples=audio, sample_rate=self.sample_rate,
                                      index=index, piece=p, is_last=final and p == last_piece, timing=timing,
-                                     tokens=cursor.take(), llm_done=cursor.llm_done)
+                                     tokens=cursor.take(), llm_done=cursor.llm_done, text_marks=text_marks)
                     index += 1
         except asyncio.CancelledError:
             status = "cancelled"
@@ -350,9 +334,10 @@ class Synthesizer:
 
     async def _synthesize_piece(self, req: PreparedRequest, p: int, piece, playback: Playback,
                                 text: TextSource | None, marks: dict[str, float],
-                                cursor: PieceCursor) -> AsyncIterator[tuple[np.ndarray, bool]]:
-        """The audio of one piece, chunk by chunk; stamps the first token and the first chunk's
-        tokens into ``marks`` unless an earlier piece did; ``cursor`` sees every token event."""
+                                cursor: PieceCursor) -> AsyncIterator[tuple]:
+        """The audio of one piece, chunk by chunk, with whether it is the last and its text marks
+        (deployments/text_marks.py); stamps the first token and the first chunk's tokens into
+        ``marks`` unless an earlier piece did; ``cursor`` sees every token event."""
         prompt = req.prompt
         speech = prompt.speech_tokens if req.llm_use_prompt_speech else np.zeros(0, dtype=np.int32)
         if text is not None:
@@ -364,6 +349,7 @@ class Synthesizer:
                            prompt_speech_ids=speech, seed=req.seed, **cursor.lm_fields())
         state = self.t2w.new_stream(prompt, stream=req.stream, speed=req.speed, seed=req.seed)
         tokens: list[int] = []
+        marker = TextMarker(None if text is not None else int(piece.text_ids.size))
         # Woken when the next chunk's tokens are there (or at the end), not on every decode step.
         async for event in self.loop.generate(f"{req.request_id}/{p}", lm, need=lambda: self.t2w.tokens_needed(state),
                                               text=text,
@@ -371,6 +357,7 @@ class Synthesizer:
                                               due=playback.deadline_s):
             tokens.extend(event.tokens)
             cursor.saw(event)
+            marker.add(len(event.tokens), event.text_read)
             while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
                 marks.setdefault("first_chunk_tokens", self.clock())
                 if self.stepped is not None:
@@ -381,7 +368,8 @@ class Synthesizer:
                         audio = await self._token2wav(job)
                 if isinstance(audio, Exception):  # this job failed alone (see _run_jobs)
                     raise audio
-                yield audio, bool(getattr(job, "finalize", False))
+                final = bool(getattr(job, "finalize", False))
+                yield audio, final, marker.chunk(len(tokens) if final else marker.spoken + job.hop, final, event.finished)
 
     def _stepped_failed(self) -> int:
         return self.stepped.failed_jobs if self.stepped is not None else 0

@@ -14,9 +14,10 @@ optional fields are accepted and do not change the audio (CosyVoice detects the 
 and has no cross-request context). Keys: ``xi-api-key`` or ``Authorization: Bearer`` (synthesis
 scope); errors in ElevenLabs' shape (serve_app/errors.py).
 
-With timestamps, a chunk's alignment is sent once its sentence piece's audio has ended (the
-piece's span must be known), so each chunk leaves when the next one is made: at most one chunk
-later than on ``/stream``. Times are seconds from the start of the response's audio.
+With timestamps, each chunk carries the characters it starts to say (serve_app/alignment.py,
+from the model's text-to-speech-token correspondence); a chunk leaves when the next one is made
+(whether it ends its sentence piece must be known): at most one chunk later than on ``/stream``.
+Times are seconds from the start of the response's audio.
 """
 from __future__ import annotations
 
@@ -34,15 +35,13 @@ from starlette.routing import Route
 
 from cosyvoice_runtime.frontend.voice_id import VOICE_ID_RULE, is_voice_id
 from deployments.protocol import AudioChunk, InvalidInputError, SynthesisMode, SynthesisRequest
+from serve_app.alignment import CharSpans, PieceAligner, joined
 from serve_app.audio_codec import run_encoder
 from serve_app.auth import voice_access
 from serve_app.elevenlabs import (
     DEFAULT_OUTPUT_FORMAT,
-    CharSpans,
     OutputFormat,
-    PieceAligner,
     TextToSpeechBody,
-    joined,
     parse_output_format,
 )
 from serve_app.errors import request_id_of
@@ -76,7 +75,6 @@ class _Call:
                  tempo: float) -> None:
         self.gen, self.first, self.out, self.aligner, self.tempo = gen, first, out, aligner, tempo
         self.seconds = 0.0  # of output audio so far
-        self._piece_start = 0.0
 
     async def chunks(self) -> AsyncIterator[tuple[AudioChunk, bool]]:
         """(chunk, whether it ends its piece): each chunk once the next one (or the end) is known."""
@@ -90,16 +88,15 @@ class _Call:
 
     async def feed(self, chunk: AudioChunk, ends_piece: bool) -> tuple[bytes, CharSpans | None, CharSpans | None]:
         data = await run_encoder(self.out.feed, chunk.samples)
-        self.seconds += len(chunk.samples) / chunk.sample_rate / self.tempo
-        if not ends_piece:
-            return data, None, None
-        original, normalized = self.aligner.piece_done(chunk.piece, self._piece_start, self.seconds)
-        self._piece_start = self.seconds
-        return data, original, normalized
+        start, self.seconds = self.seconds, self.seconds + len(chunk.samples) / chunk.sample_rate / self.tempo
+        original, normalized = self.aligner.piece_chunk(chunk.piece, chunk.text_marks, start, self.seconds, ends_piece)
+        return data, original or None, normalized or None
 
-    async def close(self) -> tuple[bytes, CharSpans | None]:
+    async def close(self) -> tuple[bytes, CharSpans | None, CharSpans | None]:
+        """The encoder's tail, and the characters no chunk released (pieces without audio)."""
         tail = await run_encoder(self.out.close) if self.out is not None else b""
-        return tail, self.aligner.rest(self.seconds)
+        original, normalized = self.aligner.finish(self.seconds)
+        return tail, original or None, normalized or None
 
 
 class ElevenLabsHttp:
@@ -127,11 +124,11 @@ class ElevenLabsHttp:
                 if original is not None:
                     originals.append(original)
                     normalized.append(norm)
-            tail, rest = await call.close()
+            tail, rest, rest_normalized = await call.close()
         finally:
             self._end(call)
-        if rest is not None:
-            originals.append(rest)
+        originals += [rest] if rest is not None else []
+        normalized += [rest_normalized] if rest_normalized is not None else []
         body = {"audio_base64": base64.b64encode(b"".join(audio) + tail).decode(),
                 "alignment": joined(originals).http() if originals else None,
                 "normalized_alignment": joined(normalized).http() if normalized else None}
@@ -161,9 +158,9 @@ class ElevenLabsHttp:
                     data, original, normalized = await call.feed(chunk, ends)
                     if data or original is not None:
                         yield _line(data, original, normalized)
-                tail, rest = await call.close()
+                tail, rest, rest_normalized = await call.close()
                 if tail or rest is not None:
-                    yield _line(tail, rest, None)
+                    yield _line(tail, rest, rest_normalized)
             finally:
                 self._end(call)
 
@@ -206,7 +203,8 @@ class ElevenLabsHttp:
         except BaseException:
             ingress.metrics.in_flight.dec()
             raise
-        return _Call(gen, first, out, PieceAligner(body.text, [p.text for p in prepared.pieces]), tempo)
+        aligner = PieceAligner(body.text, [(p.text, len(p.text_ids)) for p in prepared.pieces])
+        return _Call(gen, first, out, aligner, tempo)
 
     def _end(self, call: _Call) -> None:
         cancel_stream(call.gen)  # a client gone mid-stream: the synthesizer aborts the sequence

@@ -120,14 +120,10 @@ class _Context(StreamInputSession):
         self.segments.put_nowait(None)
         return True
 
-    def ask_voice_rate(self) -> None:
-        self.session.ask_voice_rate()  # one question per socket
-        self._rate = self.session._rate
-
-    async def _send_audio(self, data: bytes, alignment: dict | None = None) -> None:
+    async def _send_audio(self, data: bytes, alignment: dict | None = None, normalized: dict | None = None) -> None:
         if data:
             await self.session.send({"audio": base64.b64encode(data).decode(), "isFinal": False,
-                                     "normalizedAlignment": alignment, "alignment": alignment,
+                                     "normalizedAlignment": normalized, "alignment": alignment,
                                      "contextId": self.context_id})
 
 
@@ -154,7 +150,6 @@ class MultiStreamSession(StreamInputSession):
             timeout = inactivity_timeout(ws.query_params.get("inactivity_timeout"), clamp=True)
             if not is_voice_id(self.voice_id):
                 raise InvalidInputError(f"invalid voice_id {self.voice_id!r}: use {VOICE_ID_RULE}")
-            self.ask_voice_rate()
             while True:
                 try:
                     msg = await self._receive(timeout)
@@ -176,8 +171,6 @@ class MultiStreamSession(StreamInputSession):
         finally:
             for ctx in [*self.contexts.values(), *self.closing]:  # cancels their synthesis: slots are freed
                 await _cancel(ctx)
-            if self._rate is not None:
-                self._rate.cancel()
 
     async def _route(self, msg: dict, fmt: OutputFormat) -> None:
         cid = msg.get("context_id", DEFAULT_CONTEXT)

@@ -6,7 +6,8 @@
   ``{"text": "<piece>"}`` messages (``"flush": true`` forces out what is buffered), and
   ``{"text": ""}`` to end;
 * server -> client: ``{"audio": "<base64>", "isFinal": false, "normalizedAlignment": {...},
-  "alignment": {...}}`` messages (``StreamAligner``, serve_app/elevenlabs.py), then
+  "alignment": {...}}`` messages (serve_app/alignment.py: the characters each message's audio
+  starts to say, from the model's text-to-speech-token correspondence), then
   ``{"isFinal": true, "audioSeconds": <float>}`` (the seconds of audio the session was sent) and
   a normal close (1000).
 
@@ -52,16 +53,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from cosyvoice_runtime.frontend.split import CLOSING_QUOTES, EN_SENTENCE_END, ZH_SENTENCE_END, cut_to_length
 from cosyvoice_runtime.frontend.voice_id import VOICE_ID_RULE, is_voice_id
 from deployments.protocol import AudioChunk, CosyVoiceError, InvalidInputError, OverloadedError, SynthesisRequest
+from serve_app.alignment import Aligner, CharSpans, PieceAligner, joined
 from serve_app.audio_codec import run_encoder
 from serve_app.auth import voice_access
-from serve_app.elevenlabs import (
-    DEFAULT_CHARS_PER_S,
-    DEFAULT_OUTPUT_FORMAT,
-    OutputFormat,
-    StreamAligner,
-    parse_output_format,
-    voice_chars_per_s,
-)
+from serve_app.elevenlabs import DEFAULT_OUTPUT_FORMAT, OutputFormat, parse_output_format
 from serve_app.errors import classify, error_body, message_of, request_id_of
 from serve_app.failover import DEFAULT_RETRIES, FailoverStream, lost_as_error, seed_param
 from serve_app.handles import admitted, cancel_stream
@@ -164,8 +159,8 @@ class StreamInputSession:
         self.rid = request_id_of(ws)
         self.segments: asyncio.Queue = asyncio.Queue()  # sentence: segments; bistream: fragments, FLUSH; None: end
         self.out: AudioOut | None = None
-        self.aligner: StreamAligner | None = None  # made at the first audio (the voice's rate known)
-        self._rate: asyncio.Future | None = None  # the voice's speaking rate (chars/s), asked at the start
+        self.made_s = self.sent_s = 0.0  # seconds of audio encoded / in the messages sent
+        self._aligned: list[tuple[CharSpans, CharSpans]] = []  # (original, normalised) not yet sent
         self.speed = 1.0
         self.chars = 0
         self.pronunciation = None  # the aliases of the first message (serve_app/pronunciation.py)
@@ -182,7 +177,6 @@ class StreamInputSession:
                 raise InvalidInputError(f"mode must be one of {', '.join(MODES)}")
             if not is_voice_id(self.voice_id):
                 raise InvalidInputError(f"invalid voice_id {self.voice_id!r}: use {VOICE_ID_RULE}")
-            self.ask_voice_rate()
             first = await self._receive(timeout)
             self.speed, self.pronunciation = speed_of(first), spec_of_message(first)
             bistream = mode == "bistream"
@@ -222,8 +216,6 @@ class StreamInputSession:
                 worker.cancel()  # cancels the handle stream in flight: the decode slot is freed
                 with contextlib.suppress(BaseException):
                     await worker
-            if self._rate is not None:
-                self._rate.cancel()
 
     async def _receive(self, timeout: float, worker: asyncio.Task | None = None) -> dict:
         """The next client message; a failed synthesis ends the wait with its error."""
@@ -263,7 +255,7 @@ class StreamInputSession:
             n += 1
             prepared = await admitted(self.frontend.prepare.remote(req))
             gen = FailoverStream(self.synth, prepared, self.failover_retries)  # continued if its replica dies
-            await self._play(gen, fmt, tempo, lambda segment=segment: segment)
+            await self._play(gen, fmt, tempo, PieceAligner(segment, [(p.text, len(p.text_ids)) for p in prepared.pieces]))
         await self._close_audio()
 
     async def _bistream_all(self, fmt: OutputFormat) -> None:
@@ -309,8 +301,9 @@ class StreamInputSession:
         except BaseException:
             cancel_stream(gen)
             raise
-        text: list[str] = []  # the turn's text so far, for its alignment
-        return _Turn(ticket, asyncio.create_task(self._play(gen, fmt, tempo, lambda: "".join(text))), text)
+        aligner = Aligner("")  # the turn's text as pushed (not normalised)
+        aligner.sequence([])
+        return _Turn(ticket, asyncio.create_task(self._play(gen, fmt, tempo, aligner)), aligner)
 
     async def _next_fragment(self, turn: _Turn | None):
         """The next queued item; a turn whose synthesis failed meanwhile raises its error now."""
@@ -325,32 +318,11 @@ class StreamInputSession:
         raise InvalidInputError("the speech of this turn ended before its text did (it outgrew the model's "
                                 "context): send flush more often")
 
-    def ask_voice_rate(self) -> None:
-        """Ask the frontend for the voice's speaking rate now, so it is known by the first audio."""
-        if self._rate is None:
-            self._rate = asyncio.ensure_future(self._voice_rate())
-
-    def _known_rate(self) -> float:
-        """The voice's rate if the frontend has answered (audio never waits for it), else the default."""
-        self.ask_voice_rate()
-        rate = self._rate
-        if rate.done() and not rate.cancelled() and rate.exception() is None:
-            return rate.result()
-        return DEFAULT_CHARS_PER_S
-
-    async def _voice_rate(self) -> float:
-        try:
-            info = await self.frontend.get_voice.remote(self.voice_id)
-        except Exception:  # noqa: BLE001 - an unknown voice fails its synthesis with its own error
-            return DEFAULT_CHARS_PER_S
-        return voice_chars_per_s(info.prompt_text, info.num_prompt_tokens)
-
-    async def _play(self, gen, fmt: OutputFormat, tempo: float, text: Callable[[], str]) -> None:
-        """Encode and send one synthesis call's audio (skipping a bistream call's ticket), with the
-        alignment of ``text()`` (serve_app/elevenlabs.py :class:`StreamAligner`)."""
+    async def _play(self, gen, fmt: OutputFormat, tempo: float, aligner: Aligner) -> None:
+        """Encode and send one synthesis call's audio (skipping a bistream call's ticket), each
+        message with the characters its audio starts to say (serve_app/alignment.py)."""
         samples, rate = 0, 0
         try:
-            chunks_seen = 0
             async for chunk in lost_as_error(gen):  # a bistream sequence is not continued
                 if not isinstance(chunk, AudioChunk):
                     continue
@@ -358,28 +330,37 @@ class StreamInputSession:
                 if self.out is None:  # encoder calls run in the encoder pool, off the event loop
                     self.out = await run_encoder(AudioOut, fmt.fmt, chunk.sample_rate, tempo=tempo,
                                                  out_rate=fmt.rate, bit_rate=fmt.bit_rate)
-                if self.aligner is None:
-                    self.aligner = StreamAligner(DEFAULT_CHARS_PER_S)
-                if chunks_seen == 0:
-                    self.aligner.new_call(self._known_rate())
                 data = await run_encoder(self.out.feed, chunk.samples)
-                self.aligner.chunk(text(), len(chunk.samples) / chunk.sample_rate / tempo, chunk.is_last)
-                chunks_seen += 1
+                start, self.made_s = self.made_s, self.made_s + len(chunk.samples) / chunk.sample_rate / tempo
+                if isinstance(aligner, PieceAligner):
+                    self._aligned.append(aligner.piece_chunk(chunk.piece, chunk.text_marks, start, self.made_s,
+                                                             chunk.is_last))
+                else:
+                    self._aligned.append(aligner.chunk(chunk.text_marks, start, self.made_s, chunk.is_last))
                 if data:
-                    await self._send_audio(data, self.aligner.take())
+                    await self._send_audio(data, *self._take_alignment())
+            self._aligned.append(aligner.finish(self.made_s))  # text that made no audio (a turn cut short)
             if self.on_served is not None:
                 self.on_served(served_seconds(samples, rate, tempo))
         finally:
             cancel_stream(gen)
 
+    def _take_alignment(self) -> tuple[dict | None, dict | None]:
+        """(alignment, normalizedAlignment) of the audio since the last message, times from its start
+        (an encoder that returned no bytes for a chunk: that chunk's characters ride with this one)."""
+        original = joined([o for o, _ in self._aligned])
+        normalized = joined([n for _, n in self._aligned])
+        origin, self.sent_s, self._aligned = self.sent_s, self.made_s, []
+        return (original.ws(origin) if original else None), (normalized.ws(origin) if normalized else None)
+
     async def _close_audio(self) -> None:
         if self.out is not None:
-            await self._send_audio(await run_encoder(self.out.close), self.aligner.take() if self.aligner else None)
+            await self._send_audio(await run_encoder(self.out.close), *self._take_alignment())
 
-    async def _send_audio(self, data: bytes, alignment: dict | None = None) -> None:
-        if data:  # the text is spoken as sent (bistream) or aligned as sent (sentence): both the same
+    async def _send_audio(self, data: bytes, alignment: dict | None = None, normalized: dict | None = None) -> None:
+        if data:
             await self.ws.send_json({"audio": base64.b64encode(data).decode(), "isFinal": False,
-                                     "normalizedAlignment": alignment, "alignment": alignment})
+                                     "normalizedAlignment": normalized, "alignment": alignment})
 
     async def _fail(self, exc: BaseException) -> None:
         status, type_, code, _ = classify(exc)
@@ -400,7 +381,7 @@ class _Turn:
 
     ticket: Any  # deployments.text_inbox.BistreamTicket
     audio: asyncio.Task
-    text: list[str]  # the pieces pushed (read by the audio task for the alignment)
+    aligner: Aligner  # the text pushed, with its tokens (read by the audio task)
     ids: int = 0
 
     async def push(self, ids: list[int], piece: str) -> None:
@@ -409,7 +390,7 @@ class _Turn:
         if ids:
             await self.ticket.push(ids)
             self.ids += len(ids)
-            self.text.append(piece)
+            self.aligner.push(piece, len(ids))
 
     async def finish(self) -> None:
         """End of this turn's text; returns once its audio has been sent."""

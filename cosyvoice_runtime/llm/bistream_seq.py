@@ -86,6 +86,8 @@ class BistreamSequence:
             self.pending.append((TEXT, tuple(prompt_text[:cut])))
             prompt_text = prompt_text[cut:]
         self.text_cache: list[int] = prompt_text
+        self._prompt_cached = len(prompt_text)  # prompt ids still at the head of text_cache
+        self.text_read = 0  # the request's own text ids fed to the model (TokenEvent.text_read)
         self.prompt_speech: list[int] = [int(i) for i in prompt_speech_ids]
         self.prompt_positions = segment_positions(self.pending) + len(prompt_text) + len(self.prompt_speech)
         state.next_fill = first_fill_index(len(self.prompt_speech), self.n_speech, official_quirks)
@@ -132,6 +134,7 @@ class BistreamSequence:
         while self.prompt_speech and len(self.text_cache) >= n_text:
             self.pending += [(TEXT, tuple(self.text_cache[:n_text])), (SPEECH, tuple(self.prompt_speech[:n_speech]))]
             self.text_cache, self.prompt_speech = self.text_cache[n_text:], self.prompt_speech[n_speech:]
+            self._read(n_text)
             self.groups_appended = True
         if self.prompt_speech:
             return  # wait for text to pair with the remaining prompt speech
@@ -141,7 +144,14 @@ class BistreamSequence:
                 return
             self.pending.append((TEXT, tuple(self.text_cache[:n_text])))
             self.text_cache = self.text_cache[n_text:]
+            self._read(n_text)
         self.decoding = True
+
+    def _read(self, n: int) -> None:
+        """``n`` ids left the head of the text cache for the model's input."""
+        prompt = min(n, self._prompt_cached)
+        self._prompt_cached -= prompt
+        self.text_read += n - prompt
 
     def _enter_final(self) -> None:
         """Text ended: remaining text, task_id (and unpaired prompt speech), then decode until eos."""
@@ -150,6 +160,7 @@ class BistreamSequence:
         head = self.pending if (self.pending or not self.quirks) else self.last_fed
         tail = [(SPEECH, tuple(self.prompt_speech))] if self.prompt_speech and not self.quirks else []
         self.pending = [*head, (TEXT, tuple(self.text_cache)), (TASK, ()), *tail]
+        self._read(len(self.text_cache))
         self.text_cache, self.prompt_speech = [], []
         if self.max_tokens is None and not self.quirks:
             self.max_tokens = max(int(st.text_seen * self.spec.max_token_text_ratio), len(st.emitted) + 1)

@@ -478,14 +478,15 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 events.append(self._end_bistream(s.request_id, token, kept))
             elif token is not None:
-                events.append(TokenEvent(s.request_id, [token], logits=kept))
+                events.append(TokenEvent(s.request_id, [token], logits=kept, text_read=[seq.text_read]))
         return events
 
     def _end_bistream(self, request_id: str, token: int | None, logits: torch.Tensor | None = None) -> TokenEvent:
         seq = self._bistream.pop(request_id)
         seq.state.finished = True
         self.scheduler.finish(request_id)
-        return TokenEvent(request_id, [] if token is None else [token], True, seq.finish_reason, logits=logits)
+        return TokenEvent(request_id, [] if token is None else [token], True, seq.finish_reason, logits=logits,
+                          text_read=[] if token is None else [seq.text_read])
 
     def _select(self, reqs: list[_Request], logits: torch.Tensor) -> list[int | None]:
         """Sampled tokens of the rows with finite logits; None for a row with NaN/Inf (that request

@@ -181,7 +181,9 @@ class FakeEngine:
             seq.emitted += 1
             self.progress[rid] = seq.emitted
             done = seq.emitted >= seq.target and seq.ended
-            events.append(TokenEvent(rid, [token], finished=done, finish_reason="stop" if done else None))
+            read = None if seq.text is None else [len(seq.text)]  # a bistream token: the text so far was read
+            events.append(TokenEvent(rid, [token], finished=done, finish_reason="stop" if done else None,
+                                     text_read=read))
             if done:
                 del self.running[rid]
         self.steps += 1
@@ -204,6 +206,10 @@ class FakeJob:
     start: int
     end: int
     finalize: bool
+
+    @property
+    def hop(self) -> int:  # as Token2WavJob: tokens a streamed job advances by (0 for the final one)
+        return 0 if self.finalize else self.end - self.start
 
 
 class FakeToken2Wav:

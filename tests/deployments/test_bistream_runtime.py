@@ -23,6 +23,7 @@ from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
 from deployments.runtime_adapter import RuntimeTokenEngine
+from deployments.text_marks import TextMarker
 
 TEXT = [300 + 11 * i for i in range(14)]
 SEED = 77
@@ -46,6 +47,8 @@ def test_bistream_through_the_engine_loop_matches_the_reference(family, tmp_path
     engine = RuntimeTokenEngine(SimpleNamespace(spec=spec, llm=llm), max_running=2, max_model_len=2048)
     loop = EngineLoop(engine, ComputeExecutor())
 
+    reads: list[int] = []
+
     async def main():
         spoke = asyncio.Event()
 
@@ -59,6 +62,7 @@ def test_bistream_through_the_engine_loop_matches_the_reference(family, tmp_path
             got = []
             async for ev in loop.generate("b", BistreamLMRequest(prompt_text, prompt_speech, SEED), text=text()):
                 got += ev.tokens
+                reads.extend(ev.text_read)  # kept beside the tokens the silent-token filter keeps
                 if got and not spoke.is_set():
                     spoke.set()
                     before_end = len(got)
@@ -67,7 +71,9 @@ def test_bistream_through_the_engine_loop_matches_the_reference(family, tmp_path
         async def plain():
             req = LMRequest(text_ids=np.arange(1, 9, dtype=np.int32), prompt_text_ids=prompt_text,
                             prompt_speech_ids=prompt_speech, seed=1)
-            return [t async for ev in loop.generate("p", req) for t in ev.tokens]
+            events = [ev async for ev in loop.generate("p", req)]
+            assert all(ev.text_read is None for ev in events)  # a piece reads its text before speaking
+            return [t for ev in events for t in ev.tokens]
 
         try:
             return await asyncio.gather(bistream(), plain())
@@ -76,4 +82,10 @@ def test_bistream_through_the_engine_loop_matches_the_reference(family, tmp_path
 
     (got, before_end), plain_tokens = asyncio.run(main())
     assert got == want and 0 < before_end < len(got)
+    assert len(reads) == len(got) and reads == sorted(reads) and reads[-1] == len(TEXT)
+    marker = TextMarker(None)  # the synthesizer's marks from them: every text token once, in order
+    marker.add(len(got), reads)
+    marks = [marker.chunk(end, end == len(got), True) for end in [*range(25, len(got), 25), len(got)]]
+    starts = [f for m in marks if m is not None for f in m.starts]
+    assert len(starts) == len(TEXT) and all(0.0 <= f <= 1.0 for f in starts)
     assert plain_tokens and loop.finished == 2 and engine.num_running() == 0

@@ -287,3 +287,24 @@ def test_graphed_engine_running_ahead_beside_a_bistream_request(model):
     assert out[0] == out[1] and len(out[0][0]["b"]) > 40
     assert fed >= 5
 
+
+
+def test_each_speech_token_reports_the_text_the_model_had_read(model):
+    """TokenEvent.text_read: the request's own text ids fed before each emitted token (the 5:15
+    interleave; timestamps are made from it). The prompt's 20 speech tokens pair with 2 groups of
+    5 text ids: the 6 prompt ids and 4 of the request's; the first 10 generated tokens complete the
+    second group; each fill then reads 5 more; the final stage reads the rest."""
+    engine = LLMEngine(model, max_batch_size=1, max_seq_len=1024)
+    engine.add_bistream_request("b", prompt_text(model), PROMPT_SPEECH, sample_fn=greedy_then_eos(model.spec, 6))
+    assert engine.feed_text("b", [[t] for t in TEXT], True)
+    tokens, read = [], []
+    while engine.has_unfinished():
+        for ev in engine.step():
+            tokens += ev.tokens
+            read += ev.text_read
+    n_text, n_speech = model.spec.mix_ratio
+    prompt_ids = len(prompt_text(model)) - (2 if model.spec.family == "cosyvoice3" else 0)  # CV3: 2 fed first
+    first = -(-len(PROMPT_SPEECH) // n_speech) * n_text - prompt_ids
+    assert len(read) == len(tokens) > 40 and read == sorted(read)
+    assert read[0] == first and read[-1] == len(TEXT)
+    assert sorted(set(read)) == sorted({*range(first, len(TEXT) + 1, n_text), len(TEXT)})

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from deployments import constants
-from deployments.protocol import InvalidInputError
-from serve_app.elevenlabs import PieceAligner, StreamAligner, parse_output_format, voice_chars_per_s
+from deployments.protocol import InvalidInputError, TextMarks
+from serve_app.alignment import PieceAligner, char_spans
+from serve_app.elevenlabs import parse_output_format
 from serve_app.ingress import IngressConfig
 from tests.deployments import fakes
 from tests.serve_app.test_ingress_inproc import _ingress, client
@@ -90,11 +91,18 @@ def test_stream_with_timestamps_is_ndjson_with_absolute_times(voiced):
     audio = b"".join(base64.b64decode(x["audio_base64"]) for x in lines)
     assert len(audio) == 2 * _pieces_samples(TEXT)
     spans = [x["alignment"] for x in lines if x["alignment"]]
-    assert len(spans) == 2  # one per sentence piece, each sent with the piece's last chunk
+    assert len(spans) > 2  # characters come with the chunks that start to say them, not per piece
     merged = {k: [v for s in spans for v in s[k]] for k in spans[0]}
     _check_alignment(merged, TEXT, len(audio) / 2 / SR)
+    t = 0.0
+    for x in lines:  # each line's characters start within its own audio (times are absolute)
+        end = t + len(base64.b64decode(x["audio_base64"])) / 2 / SR
+        if x["alignment"]:
+            assert all(t - 1e-3 <= s <= end + 1e-3 for s in x["alignment"]["character_start_times_seconds"])
+        t = end
     # the first piece's characters end where its audio ends
-    assert spans[0]["character_end_times_seconds"][-1] == pytest.approx(_samples("Hello there.") / SR, abs=1e-3)
+    first = merged["characters"].index("H", 1)  # "How": the second piece
+    assert merged["character_end_times_seconds"][first - 2] == pytest.approx(_samples("Hello there.") / SR, abs=1e-3)
 
 
 @pytest.mark.parametrize("fmt, codec, rate", [("mp3_22050_32", "mp3", 22050), ("opus_48000_64", "opus", 48000),
@@ -130,16 +138,22 @@ def test_errors_in_elevenlabs_shape_and_auth(voiced):
     assert r.status_code == 403 and r.json()["detail"]["status"] == "insufficient_scope"
 
 
-def test_piece_aligner_maps_every_original_character_once():
-    aligner = PieceAligner("I have 2 cats. Yes!", ["I have two cats.", "Yes!"])
-    a0, n0 = aligner.piece_done(0, 0.0, 1.0)
-    a1, n1 = aligner.piece_done(1, 1.0, 1.5)
-    assert "".join(a0.chars + a1.chars) == "I have 2 cats. Yes!" and aligner.rest(1.5) is None
-    assert "".join(n0.chars + n1.chars) == "I have two cats. Yes!"
-    assert a0.ends[-1] == 1.0 and a1.starts[0] == 1.0 and a1.ends[-1] == 1.5
-    lone = PieceAligner("abc", ["abc", "def"])  # the second piece made no audio: its characters at the end
-    first, _ = lone.piece_done(0, 0.0, 1.0)
-    assert "".join(first.chars) + "".join(lone.rest(1.0).chars) == "abc"
+def test_piece_aligner_maps_marked_tokens_back_to_the_characters_sent():
+    # "2" was normalised to "two": its time is the span of "two"; characters follow their token marks
+    aligner = PieceAligner("I have 2 cats. Yes!", [("I have two cats.", 4), ("Yes!", 2)])  # 4 characters a token
+    a0, n0 = aligner.piece_chunk(0, TextMarks(0, [0.0, 0.25]), 0.0, 1.0, last=False)
+    assert "".join(n0.chars) == "I have t" and n0.starts[0] == 0.0 and n0.starts[4] == 0.25 and n0.ends[-1] == 1.0
+    assert "".join(a0.chars) == "I have "  # "2" is out once all of "two" is
+    a1, n1 = aligner.piece_chunk(0, TextMarks(2, [0.0, 0.5]), 1.0, 2.0, last=True)
+    assert "".join(n1.chars) == "wo cats." and n1.starts[0] == 1.0 and n1.ends[-1] == 2.0
+    assert a1.chars[0] == "2" and a1.starts[0] == n0.starts[-1] and a1.ends[0] == n1.ends[1]
+    a2, n2 = aligner.piece_chunk(1, None, 2.0, 2.5, last=True)  # no marks: the rest spreads over the chunk
+    rest, _ = aligner.finish(2.5)
+    assert "".join(a0.chars + a1.chars + a2.chars + rest.chars) == "I have 2 cats. Yes!"
+    assert "".join(n0.chars + n1.chars + n2.chars) == "I have two cats. Yes!" and n2.ends[-1] == 2.5
+    starts = a0.starts + a1.starts + a2.starts
+    assert starts == sorted(starts)
+    assert char_spans("$5", "five dollars") == [(0, 6), (6, 12)]
 
 
 def test_output_format_names():
@@ -179,21 +193,3 @@ def test_official_elevenlabs_sdk_stream_and_timestamps(voiced):
     assert sum(len(base64.b64decode(c.audio_base_64)) for c in chunks) == n
     assert "".join(ch for c in chunks if c.alignment for ch in c.alignment.characters) == TEXT
     assert error.status_code == 404 and error.body["detail"]["status"] == "voice_not_found"
-
-
-def test_stream_aligner_spreads_characters_at_the_voice_rate():
-    aligner = StreamAligner(chars_per_s=10.0)
-    aligner.new_call()
-    aligner.chunk("Hello wor", 0.5, last=False)  # 0.5 s at 10 chars/s: 5 characters
-    a = aligner.take()
-    assert a == {"chars": list("Hello"), "charStartTimesMs": [0, 100, 200, 300, 400],
-                 "charDurationsMs": [100] * 5}
-    aligner.chunk("Hello wor", 0.05, last=False)  # half a character: none yet
-    aligner.chunk("Hello world", 0.2, last=False)  # MP3: the first chunk had no bytes, both go together
-    a = aligner.take()
-    assert a["chars"] == [" ", "w"] and a["charStartTimesMs"][0] == 50  # after the 50 ms of the first
-    aligner.chunk("Hello world!", 0.1, last=True)  # the last chunk takes the rest
-    a = aligner.take()
-    assert "".join(a["chars"]) == "orld!" and a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] == 100
-    assert aligner.take() is None
-    assert voice_chars_per_s("hi", 25) == 4.0 and voice_chars_per_s("", 0) == 14.0  # clamped / default

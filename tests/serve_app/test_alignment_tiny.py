@@ -1,0 +1,101 @@
+"""Timestamps from the model's own text-to-speech-token correspondence, end to end on the REAL
+tiny random-weight model of both families, in process: HTTP ``/with-timestamps``, the
+``stream-input`` WebSocket (bistream: the engine's interleave) and ``multi-stream-input``.
+
+With random weights the speech says nothing, so only the mechanism is tested: every character
+sent is aligned once and in order, times are monotonic, and nothing ends after the audio;
+normalisation ("2" -> "two") is mapped back to the characters sent."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+import pytest
+from starlette.testclient import TestClient
+
+from deployments.frontend import FrontendConfig, TextFrontend
+from deployments.model_source import ModelSource
+from deployments.synthesizer import Synthesizer
+from deployments.synthesizer_config import SynthesizerConfig
+from serve_app.ingress import IngressConfig, TTSIngress
+from tests.serve_app.test_ingress_inproc import FakeHandle, client
+
+TEXT = "I have 2 cats. They sleep all day!"
+SR = 24000
+
+
+@pytest.fixture(scope="module", params=["cosyvoice2", "cosyvoice3"])
+def app(request, tmp_path_factory):
+    from cosyvoice_runtime.tiny_model import write_tiny_model
+
+    model_dir = str(write_tiny_model(tmp_path_factory.mktemp("tiny") / request.param, request.param))
+    frontend = TextFrontend(FrontendConfig(voices_dir=str(tmp_path_factory.mktemp("voices"))), ModelSource(model_dir))
+    synth = Synthesizer(SynthesizerConfig(device="cpu", warmup=False, max_model_len=1024), ModelSource(model_dir))
+
+    async def direct(job):  # outside a replica: the @serve.batch method run one job at a time
+        return (await synth._run_jobs([job]))[0]
+
+    synth._token2wav = direct
+    # a registered voice (CosyVoice3's transcript carries its <|endofprompt|> prefix)
+    prefix = "You are a helpful assistant.<|endofprompt|>" if request.param == "cosyvoice3" else ""
+    tone = (0.3 * np.sin(2 * np.pi * 180.0 * np.arange(16000) / 16000)).astype(np.float32)
+    asyncio.run(frontend.register_voice("v", prefix + "A prompt transcript.", tone, 16000))
+    ingress = TTSIngress(IngressConfig(max_input_chars=1000), FakeHandle(frontend), FakeHandle(synth))
+    return ingress.__serve_build_asgi_app__()
+
+
+def _check(chars: list[str], starts: list[float], ends: list[float], text: str, audio_s: float) -> None:
+    assert "".join(chars) == text and len(starts) == len(ends) == len(chars)
+    assert starts == sorted(starts) and ends == sorted(ends) and all(s <= e for s, e in zip(starts, ends))
+    assert ends[-1] <= audio_s + 1e-3
+
+
+def test_http_with_timestamps_maps_the_normalised_text_back(app):
+    async def main():
+        async with client(app) as c:
+            return await c.post("/v1/text-to-speech/v/with-timestamps?output_format=pcm_24000",
+                                json={"text": TEXT, "seed": 3})
+
+    body = asyncio.run(main()).json()
+    audio_s = len(base64.b64decode(body["audio_base64"])) / 2 / SR
+    a, n = body["alignment"], body["normalized_alignment"]
+    _check(a["characters"], a["character_start_times_seconds"], a["character_end_times_seconds"], TEXT, audio_s)
+    normalized = "".join(n["characters"])
+    assert "two" in normalized and "2" not in normalized  # what the model read
+    _check(n["characters"], n["character_start_times_seconds"], n["character_end_times_seconds"], normalized, audio_s)
+    two = normalized.index("two")  # "2" is said where "two" is
+    at = TEXT.index("2")
+    assert a["character_start_times_seconds"][at] == n["character_start_times_seconds"][two]
+    assert a["character_end_times_seconds"][at] == n["character_end_times_seconds"][two + 2]
+
+
+@pytest.mark.parametrize("route", ["stream-input", "multi-stream-input"])
+def test_websocket_alignment_comes_from_the_bistream_interleave(app, route):
+    got, audio_s = "", 0.0
+    with TestClient(app) as c, c.websocket_connect(f"/v1/text-to-speech/v/{route}?output_format=pcm_24000") as ws:
+        ws.send_json({"text": " "})
+        for word in TEXT.split(" "):
+            ws.send_json({"text": word + " "})
+        if route == "multi-stream-input":  # what was flushed is spoken, then the context's isFinal
+            ws.send_json({"text": "", "flush": True})
+            ws.send_json({"close_context": True})
+        else:
+            ws.send_json({"text": ""})
+        while (m := ws.receive())["type"] == "websocket.send":
+            msg = json.loads(m["text"])
+            if msg.get("isFinal"):
+                if route == "multi-stream-input":
+                    ws.send_json({"close_socket": True})
+                continue
+            assert "audio" in msg, msg
+            seconds = len(base64.b64decode(msg["audio"])) / 2 / SR
+            if (a := msg["alignment"]) is not None:
+                assert a == msg["normalizedAlignment"]  # bistream text is read as sent
+                starts = [t / 1000 for t in a["charStartTimesMs"]]
+                ends = [(t + d) / 1000 for t, d in zip(a["charStartTimesMs"], a["charDurationsMs"])]
+                _check(a["chars"], starts, ends, "".join(a["chars"]), seconds)
+                got += "".join(a["chars"])
+            audio_s += seconds
+    assert got == TEXT + " " and audio_s > 0  # every character pushed, once, in order
