@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import time
 from collections import Counter
@@ -47,7 +46,7 @@ from deployments.compute import MAIN as MAIN_LANE
 from deployments.compute import ComputeExecutor
 from deployments.deadlines import DeadlineGate, Playback
 from deployments.engine_loop import EngineLoop, GiveWay, TextSource, is_fatal
-from deployments.execution_plan import ExecutionPlan, replica_plan
+from deployments.execution_plan import replica_plan
 from deployments.gpu_stats import DeviceProbe
 from deployments.housekeeping import IdleTrim, cap_malloc_arenas
 from deployments.model_source import ModelSource
@@ -65,33 +64,16 @@ from deployments.protocol import (
     portable_error,
 )
 from deployments.python_gc import settle_replica
+from deployments.replica_start import ColdStart, RuntimeFactory, default_inbox, default_runtime_factory, import_factory
 from deployments.runtime_adapter import call_with_timeout
-from deployments.runtime_protocol import SynthesisRuntime
 from deployments.synthesizer_config import SynthesizerConfig
-from deployments.text_inbox import ActorInbox, BistreamTicket, InboxClient, LocalInbox
+from deployments.text_inbox import BistreamTicket, InboxClient
 from deployments.thread_load import gil_wait, thread_cpu_seconds
 from deployments.token2wav_loop import SteppedToken2Wav
 from deployments.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 TOKEN2WAV_LANE = "token2wav"  # the compute lane of flow + HiFT batches when stages overlap
-
-# (config with the mode resolved, model source, the replica's plan) -> the runtime that runs the plan
-RuntimeFactory = Callable[[SynthesizerConfig, ModelSource, ExecutionPlan], SynthesisRuntime]
-
-
-def _import_factory(path: str) -> RuntimeFactory:
-    module, _, attr = path.partition(":")
-    if not attr:
-        raise ValueError(f"runtime_factory must be 'module:callable', got {path!r}")
-    return getattr(importlib.import_module(module), attr)
-
-
-def default_runtime_factory(cfg: SynthesizerConfig, source: ModelSource, plan: ExecutionPlan) -> SynthesisRuntime:
-    from deployments.assembler import load_synthesis_runtime  # torch and the model code: only where it loads
-
-    return load_synthesis_runtime(cfg, str(source.resolve()), plan)
-
 
 class Synthesizer:
     """See the module docstring. Constructed by ``serve_app.app.build_app``.
@@ -115,10 +97,10 @@ class Synthesizer:
         # Started with the replica, in the background while the model loads: a Ray actor's worker
         # process took about a second to come up on the 2-core VM, which the first bistream
         # session of a replica otherwise waited for before its first audio.
-        self._inbox = inbox or _default_inbox()
+        self._inbox = inbox or default_inbox()
         if runtime_factory is None:
-            runtime_factory = _import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
-        started = time.perf_counter()
+            runtime_factory = import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
+        self.cold_start = ColdStart()
         source = source or ModelSource(cfg.model_dir)
         # Every code path of this replica (mode, device, graphs, schedulers: deployments.execution_plan),
         # decided once, on its own node; the runtime is built from it. A mode that cannot run here fails
@@ -131,6 +113,7 @@ class Synthesizer:
         factory = runtime_factory
         self.runtime = call_with_timeout(lambda: factory(resolved, source, plan), cfg.startup_timeout_s,
                                          "synthesizer model")
+        self.cold_start.mark("runtime")  # model load and the CUDA graphs captured before ready
         self.t2w = self.runtime.token2wav
         self.sample_rate = self.t2w.sample_rate
         overlap = plan.overlap_stages
@@ -163,17 +146,23 @@ class Synthesizer:
         adm = cfg.admission
         self.admission = Admission(adm.slo_first_audio_ms / 1e3, adm.enabled, adm.window_s, cfg.max_ongoing_requests,
                                    cfg.retry_after_s, clock=clock)
-        self.idle_trim = IdleTrim(self.runtime.device, self.compute.run, idle=lambda: self._active == 0)
+        graphs = self.runtime.graph_schedule
+        # no device-wide cache release while graphs are captured in the background (graph_schedule)
+        self.idle_trim = IdleTrim(self.runtime.device, self.compute.run,
+                                  idle=lambda: self._active == 0 and not (graphs is not None and graphs.busy))
         # max_mem_gb may lower the flow batch and the prompt length this replica accepts.
         self.max_prompt_tokens: int | None = self.runtime.max_prompt_tokens
         self._token2wav.set_max_batch_size(max_flow_batch)
         self._token2wav.set_batch_wait_timeout_s(cfg.token2wav.batch_wait_timeout_s)
         if cfg.warmup:
             call_with_timeout(lambda: warm_up(self.runtime), cfg.startup_timeout_s, "synthesizer warmup")
+            self.cold_start.mark("warmup")
         self.gc = settle_replica(cfg.gc_freeze)  # last: the model, warm-up and graphs are all made
         self.gil = gil_wait()
         logger.info("synthesizer ready on %s in %.1f s (model %s; %d objects frozen out of GC walks)",
-                    self.runtime.device, time.perf_counter() - started, source, self.gc.snapshot()["frozen"])
+                    self.runtime.device, self.cold_start.ready(), source, self.gc.snapshot()["frozen"])
+        if graphs is not None:  # the graphs left for after ready (graphs_before_ready: first)
+            graphs.start_background()
 
     # ---------------------------------------------------------------- handle API
     async def synthesize_bistream(self, req: PreparedRequest) -> AsyncIterator[BistreamTicket | AudioChunk]:
@@ -293,6 +282,7 @@ class Synthesizer:
             "cuda_cache_releases": self.idle_trim.cuda_cache_releases,
             "cuda_graph_captures_total": self.runtime.graph_captures(),
             "cuda_graph_misses_total": self.runtime.graph_misses(),
+            "cold_start": self.cold_start.snapshot(self.runtime),
             "gc": self.gc.snapshot(),
             "gil_wait": self.gil.snapshot(),
             "thread_cpu_seconds": thread_cpu_seconds(),
@@ -317,6 +307,8 @@ class Synthesizer:
             detail={"mode": self.mode, "mode_source": self.mode_source,
                     **{k: v for k, v in self.runtime.details.items() if k not in ("mode", "mode_source")},
                     "plan": self.plan.as_dict(),  # what this replica runs (deployments.execution_plan)
+                    # its start's phases and CUDA graphs captured n of m (the rest in the background)
+                    "cold_start": self.cold_start.snapshot(self.runtime),
                     # predicted first-audio margin of a request admitted now (deployments.admission)
                     "admission": self.admission.snapshot(self._active + 1)},
         )
@@ -432,6 +424,8 @@ class Synthesizer:
 
     def __del__(self) -> None:
         # Serve calls this on shutdown; also safe under GC outside a replica.
+        if getattr(getattr(self, "runtime", None), "graph_schedule", None) is not None:
+            self.runtime.graph_schedule.stop()
         if hasattr(self, "loop"):
             self.loop.stop()
         if hasattr(self, "compute"):
@@ -442,13 +436,4 @@ class Synthesizer:
     @classmethod
     def deployment_options(cls, cfg: SynthesizerConfig) -> dict[str, Any]:
         return cap_malloc_arenas(cfg.serve_options("Synthesizer"))  # RSS that does not ratchet up
-
-
-def _default_inbox() -> InboxClient:
-    """The text inbox actor inside a Serve replica, one in this process outside (tests)."""
-    try:
-        serve.get_replica_context()
-    except Exception:  # noqa: BLE001 - outside a replica (unit tests, in-process apps)
-        return LocalInbox()
-    return ActorInbox.start()
 
