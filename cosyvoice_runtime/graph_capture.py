@@ -131,6 +131,12 @@ class GraphOwner:
         """The keys of every graph captured at start-up (:mod:`cosyvoice_runtime.graph_schedule`)."""
         return []
 
+    def capture(self) -> int:
+        """Capture every start-up graph now (``graph_keys``); how many graphs exist."""
+        for key in self.graph_keys():
+            self.capture_key(key)
+        return self.num_graphs
+
     def capture_key(self, key: tuple) -> None:
         """Capture one start-up graph (``graph_keys``), under the replay lock: a replay of this
         owner waits for it, other owners' work goes on."""

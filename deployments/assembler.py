@@ -103,6 +103,8 @@ def token2wav_graph_owners(model, plan: ExecutionPlan, limits, flow_graph_max_s:
                        stepper=t2w.scheduler == "steps", incremental=flow.streamed == "incremental",
                        incremental_compile=flow.compile_backend, incremental_fused_norms=flow.fused_norms)
     owners = flow_graph_owners(model.flow)
+    if model.flow.stepper is not None:  # its whole-solve graphs would serve only the warm-up's run_batch: eager
+        model.flow.graphed_solver.deferred = True
     if flow.compile_backend is not None and model.flow.incremental is not None:
         model.flow.incremental.background_safe = False  # torch.compile traces on one thread: all before ready
     n_flow = sum(len(owner.graph_keys()) for _, owner in owners)

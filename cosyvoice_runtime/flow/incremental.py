@@ -355,12 +355,6 @@ class IncrementalStepper(SolverGraphs):
                 for new in range(NEW_FRAME_STEP, self.max_new + 1, NEW_FRAME_STEP)
                 for cached in range(0, self.max_cached + 1, CACHED_FRAME_STEP)]
 
-    def capture(self) -> int:
-        """Capture every bucket now (replica start-up); how many graphs exist."""
-        for key in self.graph_keys():
-            self.capture_key(key)
-        return len(self._buckets)
-
     @torch.inference_mode()
     def advance(self, rows: Sequence[IncrementalRow]) -> None:
         """One Euler pass over ``rows`` (distinct, none finished): each row's ``x``, ``step`` and
@@ -375,8 +369,8 @@ class IncrementalStepper(SolverGraphs):
         key = self.bucket_of(*shape)
         with self._lock:
             self._refresh_time_table()
-            # an exact-size one-off, eagerly: too large for any bucket, or its graph not captured yet
-            bucket = self._new_bucket(*shape) if key is None or self._pending(key) else self._get(key)
+            pending = key is None or self._pending(key)  # too large for any bucket, or not captured yet: eagerly
+            bucket = self._new_bucket(*shape) if pending else self._get(key)
             self._load(bucket, rows)
             self._execute(bucket)
             self._store(bucket, rows)

@@ -71,12 +71,6 @@ class GraphedCausalBody(graph_capture.GraphOwner):
     def graph_keys(self) -> list[tuple]:
         return [(b, t) for b in self.batch_buckets for t in range(FRAME_STEP, self.max_frames + 1, FRAME_STEP)]
 
-    def capture(self) -> int:
-        """Capture every bucket now (replica start-up); how many graphs exist."""
-        for key in self.graph_keys():
-            self.capture_key(key)
-        return len(self._buckets)
-
     def __call__(self, mel: torch.Tensor, stft: torch.Tensor) -> torch.Tensor:
         """mel (B, 80, T) right-padded, stft (B, n_fft + 2, frames_per_mel·T + 1) -> the body's
         output (B, n_fft + 2, frames_per_mel·T + 1)."""

@@ -73,3 +73,14 @@ def test_a_tiny_replica_is_measured_to_its_first_audio(steps_config, tmp_path):
     assert written["ready_s"] <= written["cold_start_s"] <= written["all_graphs_s"]  # no graphs: all there at once
     graphs = written["replica"]["cuda_graphs"]  # the CPU's schedule: nothing to capture, nothing left
     assert (graphs["total"], graphs["background"]) == (0, "done") and "runtime" in written["replica"]["phases_s"]
+
+
+def test_a_replica_whose_graphs_are_still_captured_in_the_background_is_not_settled():
+    from bench.soak import graphs_settled
+
+    def entry(background):
+        return {"runtime": {"cold_start": {"cuda_graphs": {"background": background}}}}
+
+    assert not graphs_settled(entry("running")) and not graphs_settled(entry("pending"))
+    assert graphs_settled(entry("done")) and graphs_settled(entry("failed"))  # failed: nothing more will come
+    assert graphs_settled({"runtime": {"cold_start": {"cuda_graphs": None}}}) and graphs_settled({})
