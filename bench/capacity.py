@@ -61,6 +61,7 @@ from serve_app.args import AppArgs, application_of
 
 logger = logging.getLogger("bench.capacity")
 DEFAULT_MIX = "40:1-3,40:3-8,20:8-20"
+GRAPHS_WAIT_S = 300.0  # the most an in-process run waits for its replica's background graph capture
 
 
 class Run:
@@ -186,6 +187,8 @@ def run_serve(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
         if not wait_idle(url, timeout_s=120):
             logger.warning("service not idle 120 s after a probe")
 
+    if not wait_idle(url, timeout_s=GRAPHS_WAIT_S):  # also: every replica's background graphs captured
+        logger.warning("service not idle (background CUDA graphs?) %.0f s after start", GRAPHS_WAIT_S)
     _searches(args, run, Path(args.config).stem, target, sampler, settle=settle)
 
 
@@ -209,6 +212,10 @@ def in_process_target(app: AppArgs, work: Workload) -> InProcessTarget:
 
     target = InProcessTarget(make, "capacity0")
     try:
+        # the steady state is measured: the graphs left to the background first (graphs_before_ready: first)
+        graphs = target.synth.runtime.graph_schedule
+        if graphs is not None and not graphs.done.wait(GRAPHS_WAIT_S):
+            raise RuntimeError(f"the background CUDA graph capture did not finish in {GRAPHS_WAIT_S:.0f} s")
         if target.synth.stepped is None:  # Serve's batch queue needs a replica around it
             raise ValueError("--level synth needs token2wav.scheduler steps (the CUDA default); the batch "
                              "scheduler's @serve.batch runs only inside Serve")

@@ -12,7 +12,8 @@
 #   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call;
 #   CAP_ARGS="--no-sessions --rate-start 4" searches the Poisson rate alone (slo_rate_rps*)
 #   CAP_ARGS="--loads 52 --no-open-loop" probes fixed loads, no search (A/B arms with SYNTH_CONFIGS)
-#   COLD_S=240 measures a new replica's cold start COLD_RUNS times (default 2; bench/cold_start.py; COLD_S each)
+#   COLD_S=240 measures a new replica's cold start COLD_RUNS times (default 2; bench/cold_start.py; COLD_S each),
+#   then waits up to COLD_GRAPHS_S (default COLD_S / 2) for the graphs captured in the background
 #   FAMILY=cosyvoice3 measures CosyVoice3 at both levels (default cosyvoice2)
 #   TESTS_S=200 runs the GPU-marked tests first (bench/device_gpu_tests.sh; no parity fixtures needed;
 #   on the H200 2026-12-05, 70 s ran 11 of the 19)
@@ -85,7 +86,8 @@ if [ "${COLD_S:-0}" -gt 0 ]; then  # a new replica's start: process start -> fir
   # written so it sits in the page cache), the second with Triton's cache warm
   for run in $(seq "${COLD_RUNS:-2}"); do
     FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$COLD_S" python3 -m bench.cold_start \
-      --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" --tag "${TAG:+$TAG-}run$run" 2>&1 \
+      --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" --tag "${TAG:+$TAG-}run$run" \
+      --graphs-timeout-s "${COLD_GRAPHS_S:-$((COLD_S / 2))}" 2>&1 \
       | grep -v Warning > "$W/cold$run.log"
     grep -E "^cold start|Error|error" "$W/cold$run.log" | cut -c1-600 | tail -5
   done

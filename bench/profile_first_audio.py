@@ -37,8 +37,8 @@ import torch
 from bench.capacity import DEFAULT_MIX, apply_replica_env, describe_served, in_process_target
 from bench.capacity_load import Mix, Slo, Workload, closed_loop
 from bench.report import _slug
-from bench.workload import add_args, source_from_args
 from bench.trace_export import chrome_trace, trace_profiler
+from bench.workload import add_args, source_from_args
 from serve_app.args import AppArgs
 
 logger = logging.getLogger("bench.profile_first_audio")

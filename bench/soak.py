@@ -157,15 +157,25 @@ def check_bounds(before: dict[str, dict], after: dict[str, dict], bounds: Bounds
     return {"workers": workers, "violations": violations}
 
 
+def graphs_settled(replica: dict) -> bool:
+    """Whether a synthesizer replica's ``/health?detail=1`` entry says no CUDA graph capture is left
+    to its background thread (``graphs_before_ready: first``; a replica without graphs, or one that
+    does not report it, is settled): a measurement of the steady state waits for it."""
+    graphs = ((replica.get("runtime") or {}).get("cold_start") or {}).get("cuda_graphs") or {}
+    return graphs.get("background") not in ("pending", "running")
+
+
 def wait_idle(base_url: str, timeout_s: float = 60.0) -> bool:
-    """Until every synthesizer replica reports no running/waiting sequence and no open stream."""
+    """Until every synthesizer replica reports no running/waiting sequence, no open stream and no
+    CUDA graph capture in the background."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             body = httpx.get(f"{base_url}/health?detail=1", timeout=10).json()
-            engines = [r.get("engine") or {} for r in body.get("synthesizer_replicas", {}).values()]
+            replicas = list(body.get("synthesizer_replicas", {}).values())
+            engines = [r.get("engine") or {} for r in replicas]
             if engines and all(e.get("running", 1) == 0 and e.get("waiting", 1) == 0 and e.get("open_streams", 1) == 0
-                               for e in engines):
+                               for e in engines) and all(graphs_settled(r) for r in replicas):
                 return True
         except (httpx.HTTPError, ValueError):
             pass

@@ -38,8 +38,12 @@ def missed_total() -> int:
     return _missed
 
 
-def capture(fn: Callable[[], object], stream: torch.cuda.Stream, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(fn: Callable[[], object], stream: torch.cuda.Stream, pool=None,
+            warm: Callable[[], object] | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
     """Warm ``fn`` up on ``stream`` and capture it there; returns ``(graph, fn's output)``.
+
+    ``warm``: the warm-up instead of ``fn`` (the same work on scratch buffers: an owner whose
+    static buffers a replica is using while it captures, :mod:`cosyvoice_runtime.graph_schedule`).
 
     The warm-up runs on the capture stream itself so that the cuBLAS/cuDNN handles, plans and
     workspace a capture uses exist before the capture starts (a capture cannot allocate them).
@@ -54,7 +58,7 @@ def capture(fn: Callable[[], object], stream: torch.cuda.Stream, pool=None) -> t
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream), torch.inference_mode():
-        fn()
+        (warm or fn)()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.inference_mode():
         graph.capture_begin(pool, capture_error_mode="thread_local")
@@ -104,6 +108,10 @@ class GraphOwner:
         self.replays = 0
         self.eager_calls = 0
         self.use_graphs = False  # the owners set it
+        # graph_schedule: a shape whose graph is not captured yet runs eagerly (the background
+        # thread captures it) instead of being captured on the serving thread
+        self.deferred = False
+        self.background_safe = True  # whether capture_key may run beside serving (graph_schedule)
 
     def _ran_eagerly(self, on_cuda: bool) -> None:
         """Count a call that ran without a graph; on CUDA with graphs on it is also a miss (:func:`missed_total`)."""
@@ -119,6 +127,29 @@ class GraphOwner:
     def num_graphs(self) -> int:
         return len(self._buckets)
 
+    def graph_keys(self) -> list[tuple]:
+        """The keys of every graph captured at start-up (:mod:`cosyvoice_runtime.graph_schedule`)."""
+        return []
+
+    def capture(self) -> int:
+        """Capture every start-up graph now (``graph_keys``); how many graphs exist."""
+        for key in self.graph_keys():
+            self.capture_key(key)
+        return self.num_graphs
+
+    def capture_key(self, key: tuple) -> None:
+        """Capture one start-up graph (``graph_keys``), under the replay lock: a replay of this
+        owner waits for it, other owners' work goes on."""
+        with self._lock:
+            self._get(key)
+
+    def _pending(self, key: tuple) -> bool:
+        """Whether ``key``'s graph is left to the background capture (the call runs eagerly)."""
+        return self.deferred and key not in self._buckets
+
+    def _get(self, key: tuple):
+        raise NotImplementedError
+
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy`` of a model with graphs enabled) captures its own graphs: the
         captured ones replay into the original's buffers."""
@@ -130,11 +161,12 @@ class GraphOwner:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def _capture(self, fn: Callable[[], object], device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
+    def _capture(self, fn: Callable[[], object], device: torch.device,
+                 warm: Callable[[], object] | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
         """:func:`capture` on this owner's stream (created on first use) into its pool."""
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(device)
-        graph, out = capture(fn, self._capture_stream, self._pool)
+        graph, out = capture(fn, self._capture_stream, self._pool, warm)
         if self._pool is None:
             self._pool = graph.pool()
         return graph, out

@@ -62,8 +62,9 @@ def flow_cache_budget(configured: int, device, max_mem_gb: float | None = None) 
     return budget
 
 
-def capture_graphs(model, plan: ExecutionPlan, limits, flow_graph_max_s: float) -> dict[str, int]:
-    """Capture the token2wav CUDA graphs the plan names (``plan.token2wav.cuda_graphs``): how many of each.
+def token2wav_graph_owners(model, plan: ExecutionPlan, limits, flow_graph_max_s: float) -> tuple[list, dict[str, int]]:
+    """Turn on the token2wav CUDA graphs the plan names (``plan.token2wav.cuda_graphs``), capturing
+    none yet: ((name, owner) for the replica's graph schedule, how many graphs of each stage).
 
     Flow (``flow_graphs``): the whole CFM solve (scheduler "steps": one Euler pass of it) and, for
     CosyVoice2, the token encoder, per padded (batch, length) bucket, batches up to the replica's
@@ -79,15 +80,18 @@ def capture_graphs(model, plan: ExecutionPlan, limits, flow_graph_max_s: float) 
 
     Why all of them: with the solve graphs and the early first chunk, first audio at one stream fell
     from over a second (LLM graphs only) to ~135 ms on an H200, and the encoder and vocoder graphs
-    raised throughput at 64 streams by a quarter (docs/tuning.md §2, ``cuda_graphs``, and §6).
-    torchscript mode captures the same graphs over its compiled modules (each shape's warm-up
-    compiles it first, so start-up is longer); trt mode replaces the estimator and keeps its own
-    execution (the plan has no token2wav graphs there).
+    raised throughput at 64 streams by a quarter (docs/tuning.md §2, ``cuda_graphs``, and §6);
+    which of them are captured before the replica is ready and which in the background after:
+    :mod:`cosyvoice_runtime.graph_schedule` (``graphs_before_ready``). torchscript mode captures
+    the same graphs over its compiled modules (each shape's warm-up compiles it first, so start-up
+    is longer); trt mode replaces the estimator and keeps its own execution (the plan has no
+    token2wav graphs there).
     """
     t2w = plan.token2wav
     if not t2w.cuda_graphs:
-        return {"flow_graphs": 0, "vocoder_graphs": 0}
-    from cosyvoice_runtime.flow.graph_setup import capture_flow_graphs, enable_flow_graphs
+        return [], {"flow_graphs": 0, "vocoder_graphs": 0}
+    from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs, flow_graph_owners
+    from cosyvoice_runtime.graph_schedule import KeyGroup
     from cosyvoice_runtime.hift.causal_graphs import graph_causal_body, streaming_window_frames
     from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
 
@@ -95,22 +99,28 @@ def capture_graphs(model, plan: ExecutionPlan, limits, flow_graph_max_s: float) 
     flow = t2w.flow(spec.family)
     rate, ratio = spec.token_frame_rate, spec.flow.token_mel_ratio
     max_s = min(flow_graph_max_s, limits.max_total_s)
-    started = time.perf_counter()
     enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio,
                        stepper=t2w.scheduler == "steps", incremental=flow.streamed == "incremental",
                        incremental_compile=flow.compile_backend, incremental_fused_norms=flow.fused_norms)
-    n_flow = capture_flow_graphs(model.flow)
+    owners = flow_graph_owners(model.flow)
+    if model.flow.stepper is not None:  # its whole-solve graphs would serve only the warm-up's run_batch: eager
+        model.flow.graphed_solver.deferred = True
+    if flow.compile_backend is not None and model.flow.incremental is not None:
+        model.flow.incremental.background_safe = False  # torch.compile traces on one thread: all before ready
+    n_flow = sum(len(owner.graph_keys()) for _, owner in owners)
     if not t2w.vocoder_graphs(spec.family):  # CV3's recompute vocodes whole accumulated mels: too long for graphs
-        n_vocoder = 0
+        vocoder = []
     elif not spec.hift.causal:  # the CV2 vocoder: exact lengths
-        n_vocoder = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,
-                                            t2w.first_chunk_min_tokens).num_graphs
+        graphed = graph_streaming_vocoder(model.hift, spec, limits.max_flow_batch, VOCODER_GRAPH_MAX_FRAMES,
+                                          t2w.first_chunk_min_tokens, capture=False)
+        vocoder = [("vocoder", graphed), ("vocoder.last_chunks", KeyGroup(graphed, graphed.last_chunk_keys))]
     else:  # the CV3 body over padded buckets of streamed windows
-        n_vocoder = graph_causal_body(model.hift, limits.max_flow_batch,
-                                      streaming_window_frames(model.hift, spec)).num_graphs
-    logger.info("captured %d flow and %d vocoder CUDA graphs (batch <= %d, flow calls <= %.0f s) in %.1f s",
-                n_flow, n_vocoder, limits.max_flow_batch, max_s, time.perf_counter() - started)
-    return {"flow_graphs": n_flow, "vocoder_graphs": n_vocoder}
+        vocoder = [("vocoder", graph_causal_body(model.hift, limits.max_flow_batch,
+                                                 streaming_window_frames(model.hift, spec), capture=False))]
+    n_vocoder = sum(len(owner.graph_keys()) for _, owner in vocoder)
+    logger.info("token2wav CUDA graphs: %d flow and %d vocoder (batch <= %d, flow calls <= %.0f s)",
+                n_flow, n_vocoder, limits.max_flow_batch, max_s)
+    return owners + vocoder, {"flow_graphs": n_flow, "vocoder_graphs": n_vocoder}
 
 
 def speech_length_rule(configured: str, model_dir: str) -> str:
@@ -132,6 +142,7 @@ def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = Non
     import torch
 
     from cosyvoice_runtime.graph_capture import captured_total, missed_total
+    from cosyvoice_runtime.graph_schedule import GraphSchedule
     from cosyvoice_runtime.model import load_model
     from cosyvoice_runtime.modes import apply_mode, preflight
     from cosyvoice_runtime.tiny_model import is_random_weight_model
@@ -141,7 +152,9 @@ def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = Non
         plan = replica_plan(cfg)
         preflight(plan.mode, cfg.trt_plan_dir)  # before the weights: a missing TensorRT fails in seconds
     dtype = getattr(torch, plan.dtype)
+    started = time.perf_counter()
     model = load_model(model_dir, device=plan.device, dtype=dtype)
+    load_s = time.perf_counter() - started
     limits = replica_limits(cfg, model, dtype_bytes=torch.finfo(dtype).bits // 8)
     trt_estimator = None
     if plan.mode == "trt":
@@ -153,8 +166,7 @@ def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = Non
     report = apply_mode(model, plan.mode, dtype, trt_estimator=trt_estimator)
     family = model.spec.family
     flow = plan.token2wav.flow(family)
-    graphs = capture_graphs(model, plan, limits, cfg.flow_graph_max_s)
-    # the LLM's decode and prefill graphs are captured here, before token2wav work runs beside them
+    t2w_owners, graphs = token2wav_graph_owners(model, plan, limits, cfg.flow_graph_max_s)
     rate = model.spec.token_frame_rate
     speech_length = speech_length_rule(cfg.speech_length, model_dir)
     length_rule = None
@@ -162,13 +174,17 @@ def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = Non
         from cosyvoice_runtime.speech_length import TextRateLength
 
         length_rule = TextRateLength.for_model(model_dir, family, rate, cfg.speech_length_jitter)
-    engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, plan.llm, length_rule=length_rule)
+    engine = RuntimeTokenEngine(model, cfg.max_running, cfg.max_model_len, plan.llm, length_rule=length_rule,
+                                capture_graphs=False)
+    # the graphs a first request needs now, the rest once the replica serves (Synthesizer starts them)
+    schedule = GraphSchedule(engine.graph_owners() + t2w_owners, plan.graphs_before_ready)
+    schedule.capture_first()
     token2wav = RuntimeToken2Wav(model, plan.token2wav,
                                  flow_cache_bytes=flow_cache_budget(plan.token2wav.flow_cache_bytes, plan.device,
                                                                     cfg.max_mem_gb))
     return SynthesisRuntime(
         engine=engine, token2wav=token2wav, device=plan.device, graph_captures=captured_total,
-        graph_misses=missed_total, max_flow_batch=limits.max_flow_batch,
+        graph_misses=missed_total, graph_schedule=schedule, max_flow_batch=limits.max_flow_batch,
         max_prompt_tokens=int(limits.max_prompt_s * rate),
         # what was loaded and built (the plan says what runs; /health shows both)
         details={"family": family, "mode": plan.mode, "mode_source": plan.mode_source, "dtype": plan.dtype,
@@ -179,7 +195,7 @@ def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = Non
                  "fused_norms": (["llm"] if plan.llm.fused_norms else [])
                  + (["incremental flow pass"] if flow.fused_norms and graphs["flow_graphs"] else []),
                  "llm_run_ahead": engine.engine.run_ahead,  # on only with the static (graphed) decode step
-                 "estimator": report["estimator"], **graphs,
+                 "estimator": report["estimator"], **graphs, "model_load_s": round(load_s, 2),
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),
                  "random_weights": is_random_weight_model(model_dir),  # the tiny test model: noise, not speech

@@ -88,6 +88,9 @@ class ExecutionPlan:
     overlap_stages: bool  # LLM steps and token2wav on two threads, each with its own CUDA stream
     llm: LLMPlan
     token2wav: Token2WavPlan
+    # which CUDA graphs are captured before the replica is ready: "first" (batch 1; the rest in the
+    # background once it serves, cosyvoice_runtime.graph_schedule) or "all"
+    graphs_before_ready: str = "all"
 
     @property
     def cuda(self) -> bool:
@@ -163,5 +166,7 @@ def resolve_plan(cfg, mode: str, device: str, triton: bool, mode_source: str = "
         flow_cache_bytes=t2w.flow_cache_bytes)
     # two threads on CUDA; on the CPU torch's intra-op threads already share the cores
     overlap = cfg.overlap_stages if cfg.overlap_stages is not None else cuda
+    # graphs left to the background capture: only where there are graphs (CUDA)
+    before_ready = _auto(cfg.graphs_before_ready, "first", "all", cuda) if llm_graphs else "all"
     return ExecutionPlan(mode=mode, mode_source=mode_source, device=str(device), dtype=cfg.dtype,
-                         overlap_stages=overlap, llm=llm, token2wav=token2wav)
+                         overlap_stages=overlap, llm=llm, token2wav=token2wav, graphs_before_ready=before_ready)

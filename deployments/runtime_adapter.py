@@ -60,9 +60,11 @@ class RuntimeTokenEngine:
     """
 
     def __init__(self, model, max_running: int, max_model_len: int, plan: LLMPlan | None = None,
-                 length_rule: Callable[[Sequence[int], int | None], int] | None = None) -> None:
+                 length_rule: Callable[[Sequence[int], int | None], int] | None = None,
+                 capture_graphs: bool = True) -> None:
         """``plan``: the replica's :class:`~deployments.execution_plan.LLMPlan`; None: the eager
-        step with the model's norms as they are (tests)."""
+        step with the model's norms as they are (tests). ``capture_graphs=False``: the caller
+        captures them (:meth:`graph_owners`, the assembler's graph schedule)."""
         from cosyvoice_runtime.llm.bistream_seq import FINISH_PROTOCOL
         from cosyvoice_runtime.llm.engine import NONFINITE_LOGITS, LLMEngine
 
@@ -85,7 +87,7 @@ class RuntimeTokenEngine:
         # capture beside other GPU work fails ("capturing stream has unjoined work", seen in
         # bench/gpu_bench.py on an H200). Graphed, a decode step is a fifth of its eager time
         # (docs/tuning.md §6). Returns 0 on the CPU.
-        if captured := self.engine.capture_graphs():
+        if capture_graphs and (captured := self.engine.capture_graphs()):
             logger.info("captured %d CUDA graphs for the LLM decode step", captured)
         self.max_running = max_running
         self.max_model_len = max_model_len
@@ -94,6 +96,11 @@ class RuntimeTokenEngine:
         self.length_rule = length_rule
         self._bistream_text: dict[str, tuple[list[int], int | None]] = {}  # with length_rule: (ids so far, seed)
         self._stream = own_stream(next(model.llm.parameters()).device, priority=LLM_STREAM_PRIORITY)
+
+    def graph_owners(self) -> list[tuple[str, Any]]:
+        """(name, owner) of the LLM's decode and prefill graphs (none without graphs)."""
+        runners = (("llm.decode", self.engine.runner), ("llm.prefill", self.engine.prefill_runner))
+        return [(name, r) for name, r in runners if r is not None and r.use_graphs]
 
     def add(self, request_id: str, request: LMRequest) -> None:
         import torch

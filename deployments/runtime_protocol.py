@@ -83,3 +83,6 @@ class SynthesisRuntime:
     graph_captures: Callable[[], int] = lambda: 0
     # calls of a graphed stage that ran eagerly on CUDA: shapes beyond the captured buckets
     graph_misses: Callable[[], int] = lambda: 0
+    # the replica's graphs captured before ready and in the background after
+    # (cosyvoice_runtime.graph_schedule.GraphSchedule: start_background, stop, busy, snapshot); None: no graphs
+    graph_schedule: Any = None

@@ -64,6 +64,7 @@ from deployments.protocol import (
     portable_error,
 )
 from deployments.python_gc import settle_replica
+from deployments.replica_start import ColdStart
 from deployments.resume import PieceCursor, start_of
 from deployments.runtime_adapter import call_with_timeout
 from deployments.runtime_factory import RuntimeFactory, default_runtime_factory, import_factory
@@ -102,7 +103,7 @@ class Synthesizer:
         self._inbox = inbox or default_inbox()
         if runtime_factory is None:
             runtime_factory = import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory
-        started = time.perf_counter()
+        self.cold_start = ColdStart()
         source = source or ModelSource(cfg.model_dir)
         # Every code path of this replica (mode, device, graphs, schedulers: deployments.execution_plan),
         # decided once, on its own node; the runtime is built from it. A mode that cannot run here fails
@@ -115,6 +116,7 @@ class Synthesizer:
         factory = runtime_factory
         self.runtime = call_with_timeout(lambda: factory(resolved, source, plan), cfg.startup_timeout_s,
                                          "synthesizer model")
+        self.cold_start.mark("runtime")  # model load and the CUDA graphs captured before ready
         self.t2w = self.runtime.token2wav
         self.sample_rate = self.t2w.sample_rate
         overlap = plan.overlap_stages
@@ -145,17 +147,23 @@ class Synthesizer:
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
         self._active = 0  # synthesize() calls in progress; 0 for a while -> freed memory given back
         self.admission = Admission.from_config(cfg.admission, cfg.max_ongoing_requests, cfg.retry_after_s, clock)
-        self.idle_trim = IdleTrim(self.runtime.device, self.compute.run, idle=lambda: self._active == 0)
+        graphs = self.runtime.graph_schedule
+        # no device-wide cache release while graphs are captured in the background (graph_schedule)
+        self.idle_trim = IdleTrim(self.runtime.device, self.compute.run,
+                                  idle=lambda: self._active == 0 and not (graphs is not None and graphs.busy))
         # max_mem_gb may lower the flow batch and the prompt length this replica accepts.
         self.max_prompt_tokens: int | None = self.runtime.max_prompt_tokens
         self._token2wav.set_max_batch_size(max_flow_batch)
         self._token2wav.set_batch_wait_timeout_s(cfg.token2wav.batch_wait_timeout_s)
         if cfg.warmup:
             call_with_timeout(lambda: warm_up(self.runtime), cfg.startup_timeout_s, "synthesizer warmup")
+            self.cold_start.mark("warmup")
         self.gc = settle_replica(cfg.gc_freeze)  # last: the model, warm-up and graphs are all made
         self.gil = gil_wait()
         logger.info("synthesizer ready on %s in %.1f s (model %s; %d objects frozen out of GC walks)",
-                    self.runtime.device, time.perf_counter() - started, source, self.gc.snapshot()["frozen"])
+                    self.runtime.device, self.cold_start.ready(), source, self.gc.snapshot()["frozen"])
+        if graphs is not None:  # the graphs left for after ready (graphs_before_ready: first)
+            graphs.start_background()
 
     # ---------------------------------------------------------------- handle API
     async def synthesize_bistream(self, req: PreparedRequest) -> AsyncIterator[BistreamTicket | AudioChunk]:
@@ -279,6 +287,7 @@ class Synthesizer:
             "cuda_cache_releases": self.idle_trim.cuda_cache_releases,
             "cuda_graph_captures_total": self.runtime.graph_captures(),
             "cuda_graph_misses_total": self.runtime.graph_misses(),
+            "cold_start": self.cold_start.snapshot(self.runtime),
             "gc": self.gc.snapshot(),
             "gil_wait": self.gil.snapshot(),
             "thread_cpu_seconds": thread_cpu_seconds(),
@@ -303,6 +312,8 @@ class Synthesizer:
             detail={"mode": self.mode, "mode_source": self.mode_source,
                     **{k: v for k, v in self.runtime.details.items() if k not in ("mode", "mode_source")},
                     "plan": self.plan.as_dict(),  # what this replica runs (deployments.execution_plan)
+                    # its start's phases and CUDA graphs captured n of m (the rest in the background)
+                    "cold_start": self.cold_start.snapshot(self.runtime),
                     # predicted first-audio margin of a request admitted now (deployments.admission)
                     "admission": self.admission.snapshot(self._active + 1)},
         )
@@ -424,6 +435,8 @@ class Synthesizer:
 
     def __del__(self) -> None:
         # Serve calls this on shutdown; also safe under GC outside a replica.
+        if getattr(getattr(self, "runtime", None), "graph_schedule", None) is not None:
+            self.runtime.graph_schedule.stop()
         if hasattr(self, "loop"):
             self.loop.stop()
         if hasattr(self, "compute"):

@@ -124,6 +124,13 @@ class SynthesizerConfig(DeploymentKnobs):
     # the CV2 vocoder replayed as CUDA graphs, captured at start-up (about 0.6 s per flow-solve graph
     # on an H200); vocoder lengths first met in traffic are captured when they recur.
     cuda_graphs: bool = True
+    # With cuda_graphs, which graphs a replica captures before it is ready: "first", those of batch
+    # bucket 1 (one stream at a time, the first request included; the recomputed flow's and the
+    # vocoder's last-chunk graphs excepted), every other one in a background thread once it serves,
+    # the smallest batches first, shapes without their graph running eagerly meanwhile
+    # (cosyvoice_runtime/graph_schedule.py); "all": every one before ready (the whole capture took
+    # over a minute on an H100: docs/tuning.md "Cold start"). "auto": first on CUDA.
+    graphs_before_ready: Literal["auto", "first", "all"] = "auto"
     # CUDA replicas with cuda_graphs: each LLM decode step is queued before the one before it has
     # been read, its rows fed that step's ids on the GPU (cosyvoice_runtime/llm/engine.py), so the
     # LLM's lane does not idle while the host reads, commits and delivers a step's tokens and packs

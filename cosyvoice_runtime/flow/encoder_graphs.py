@@ -74,12 +74,16 @@ class GraphedEncoder(graph_capture.GraphOwner):
                         self._get(key)
         return len(self._buckets)
 
+    def graph_keys(self) -> list[tuple]:
+        return [(b, k) for b in self.batch_buckets for k in range(self.token_step, self.max_tokens + 1, self.token_step)]
+
     def __call__(self, ids: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor,
                  streaming: bool | torch.Tensor, n_keep: int) -> torch.Tensor:
         """``flow.encode_ids`` of these inputs: (B, ratio * K, 80) with K >= n_keep."""
         b, t_in = ids.shape
         key = self.bucket_of(b, n_keep)
-        if key is None or (self.use_graphs and ids.device.type != "cuda") or t_in > key[1] + self.lookahead:
+        if (key is None or (self.use_graphs and ids.device.type != "cuda") or t_in > key[1] + self.lookahead
+                or self._pending(key)):
             self._ran_eagerly(ids.device.type == "cuda")
             return self.flow.encode_ids(ids, valid, lengths, streaming, n_keep)
         with self._lock:

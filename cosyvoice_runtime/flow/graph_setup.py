@@ -50,6 +50,15 @@ def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, 
     return flow.graphed_solver
 
 
+def flow_graph_owners(flow: Flow) -> list[tuple[str, object]]:
+    """(name, owner) of the graphs :func:`capture_flow_graphs` captures, for
+    :class:`~cosyvoice_runtime.graph_schedule.GraphSchedule` to capture instead."""
+    # with the stepper on, the whole-solve graphs serve only the odd run_batch (warm-up): not at start
+    solve = ("flow.stepper", flow.stepper) if flow.stepper is not None else ("flow.solver", flow.graphed_solver)
+    owners = [("flow.incremental", flow.incremental), ("flow.encoder", flow.graphed_encoder), solve]
+    return [(name, owner) for name, owner in owners if owner is not None]
+
+
 def capture_flow_graphs(flow: Flow) -> int:
     """Capture every bucket of the enabled graphs now; how many graphs exist."""
     # with the stepper on, the whole-solve graphs serve only the odd run_batch (warm-up): on first use

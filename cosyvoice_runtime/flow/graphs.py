@@ -130,6 +130,9 @@ class SolverBuckets(SolverGraphs):
     def frame_buckets(self) -> list[int]:
         return list(range(self.frame_step, self.max_frames + 1, self.frame_step))
 
+    def graph_keys(self) -> list[tuple]:
+        return [(b, t) for b in self.batch_buckets for t in self.frame_buckets()]
+
     def capture(self, batch_sizes: Sequence[int] | None = None, frames: Sequence[int] | None = None) -> int:
         """Capture these buckets now (default: all); returns how many graphs exist."""
         for b in batch_sizes or self.batch_buckets:
@@ -154,7 +157,8 @@ class GraphedSolver(SolverBuckets):
         b, _, t_len = mu.shape
         key = self.bucket_of(b, t_len)
         graphs = self.use_graphs and mu.device.type == "cuda"
-        if key is None or trace is not None or noise is not None or (self.use_graphs and not graphs):
+        if (key is None or trace is not None or noise is not None or (self.use_graphs and not graphs)
+                or self._pending(key)):
             self._ran_eagerly(graphs)
             return self.solver(mu, mask, spks, cond, streaming=streaming, noise=noise, trace=trace)
         with self._lock:

@@ -350,14 +350,10 @@ class IncrementalStepper(SolverGraphs):
         return (bucket_for(self.batch_buckets, batch), math.ceil(new / NEW_FRAME_STEP) * NEW_FRAME_STEP,
                 math.ceil(cached / CACHED_FRAME_STEP) * CACHED_FRAME_STEP)
 
-    def capture(self) -> int:
-        """Capture every bucket now (replica start-up); how many graphs exist."""
-        for b in self.batch_buckets:
-            for new in range(NEW_FRAME_STEP, self.max_new + 1, NEW_FRAME_STEP):
-                for cached in range(0, self.max_cached + 1, CACHED_FRAME_STEP):
-                    with self._lock:
-                        self._get((b, new, cached))
-        return len(self._buckets)
+    def graph_keys(self) -> list[tuple]:
+        return [(b, new, cached) for b in self.batch_buckets
+                for new in range(NEW_FRAME_STEP, self.max_new + 1, NEW_FRAME_STEP)
+                for cached in range(0, self.max_cached + 1, CACHED_FRAME_STEP)]
 
     @torch.inference_mode()
     def advance(self, rows: Sequence[IncrementalRow]) -> None:
@@ -373,7 +369,8 @@ class IncrementalStepper(SolverGraphs):
         key = self.bucket_of(*shape)
         with self._lock:
             self._refresh_time_table()
-            bucket = self._new_bucket(*shape) if key is None else self._get(key)
+            pending = key is None or self._pending(key)  # too large for any bucket, or not captured yet: eagerly
+            bucket = self._new_bucket(*shape) if pending else self._get(key)
             self._load(bucket, rows)
             self._execute(bucket)
             self._store(bucket, rows)

@@ -92,7 +92,7 @@ class FlowStepper(SolverBuckets):
         b, t_len = len(rows), max(r.frames for r in rows)
         key = self.bucket_of(b, t_len)
         with self._lock:
-            if key is None:  # too large for any bucket: an exact-size one-off, eagerly
+            if key is None or self._pending(key):  # too large for any bucket (or not captured yet): eagerly
                 bucket = self._new_bucket(b, t_len)
             else:
                 bucket = self._get(key)

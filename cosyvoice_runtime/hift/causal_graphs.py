@@ -68,13 +68,8 @@ class GraphedCausalBody(graph_capture.GraphOwner):
             return None
         return bucket_for(self.batch_buckets, batch), math.ceil(frames / FRAME_STEP) * FRAME_STEP
 
-    def capture(self) -> int:
-        """Capture every bucket now (replica start-up); how many graphs exist."""
-        for b in self.batch_buckets:
-            for t in range(FRAME_STEP, self.max_frames + 1, FRAME_STEP):
-                with self._lock:
-                    self._get((b, t))
-        return len(self._buckets)
+    def graph_keys(self) -> list[tuple]:
+        return [(b, t) for b in self.batch_buckets for t in range(FRAME_STEP, self.max_frames + 1, FRAME_STEP)]
 
     def __call__(self, mel: torch.Tensor, stft: torch.Tensor) -> torch.Tensor:
         """mel (B, 80, T) right-padded, stft (B, n_fft + 2, frames_per_mel·T + 1) -> the body's
@@ -82,7 +77,7 @@ class GraphedCausalBody(graph_capture.GraphOwner):
         b, _, t = mel.shape
         key = self.bucket_of(b, t)
         on_gpu = mel.device.type == "cuda"
-        if key is None or (self.use_graphs and not on_gpu):
+        if key is None or (self.use_graphs and not on_gpu) or self._pending(key):
             self._ran_eagerly(on_gpu)
             return self._body(mel, stft)
         with self._lock:

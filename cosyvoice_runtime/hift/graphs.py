@@ -68,6 +68,23 @@ class GraphedDecode(graph_capture.GraphOwner):
         self.max_graphs = max_graphs
         self.use_graphs = use_graphs
         self._calls: Counter[tuple] = Counter()
+        self.start_keys: list[tuple] = []  # what start-up captures (graph_streaming_vocoder), but the last chunks'
+        self.last_chunk_keys: list[tuple] = []
+
+    def graph_keys(self) -> list[tuple]:
+        return self.start_keys
+
+    def capture_key(self, key: tuple) -> None:
+        with self._lock:
+            if len(self._buckets) < self.max_graphs:
+                self._get(key)
+
+    def keys_for(self, frames: Iterable[int], batch_sizes: Sequence[int] | None = None,
+                 dtype: torch.dtype | None = None) -> list[tuple]:
+        """The keys of these lengths at these batch sizes (default: every bucket)."""
+        dtype = dtype or next(self.hift.parameters()).dtype
+        keys = (self.key_of(b, t, dtype, dtype) for t in frames for b in batch_sizes or self.batch_buckets)
+        return list(dict.fromkeys(k for k in keys if k is not None))
 
     def key_of(self, batch: int, frames: int, mel_dtype: torch.dtype, source_dtype: torch.dtype) -> tuple | None:
         """The graph key serving a call: (batch bucket, frames, dtypes), or None if too large."""
@@ -78,13 +95,8 @@ class GraphedDecode(graph_capture.GraphOwner):
     def capture(self, frames: Iterable[int], batch_sizes: Sequence[int] | None = None,
                 dtype: torch.dtype | None = None) -> int:
         """Capture these lengths for every batch bucket now (replica start); how many graphs exist."""
-        dtype = dtype or next(self.hift.parameters()).dtype
-        for t in frames:
-            for b in batch_sizes or self.batch_buckets:
-                key = self.key_of(b, t, dtype, dtype)
-                if key is not None and len(self._buckets) < self.max_graphs:
-                    with self._lock:
-                        self._get(key)
+        for key in self.keys_for(frames, batch_sizes, dtype):
+            self.capture_key(key)
         return len(self._buckets)
 
     def __call__(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
@@ -98,6 +110,9 @@ class GraphedDecode(graph_capture.GraphOwner):
             if graph is None:
                 if parts := self._captured_parts(mel.shape[0], key):
                     return torch.cat([self._replay(g, mel[i:i + n], source[i:i + n]) for g, i, n in parts])
+                if self.deferred:  # the background capture may have it later; never capture on this thread meanwhile
+                    self._ran_eagerly(on_gpu)
+                    return self.hift.decode_eager(mel, source)
                 self._calls[key] += 1
                 if self._calls[key] < self.capture_after or len(self._buckets) >= self.max_graphs:
                     self._ran_eagerly(on_gpu)
@@ -170,7 +185,7 @@ def enable_graphs(hift, max_batch: int = 16, max_frames: int = 512, capture_fram
 
 
 def graph_streaming_vocoder(hift, spec, max_batch: int, max_frames: int = 512,
-                            min_first_hop: int | None = None) -> GraphedDecode:
+                            min_first_hop: int | None = None, capture: bool = True) -> GraphedDecode:
     """Turn on the CV2 vocoder graphs and capture the lengths streaming feeds it (replica start).
 
     Every call after the first (cache + 2 x hop) for every batch bucket; every first-chunk
@@ -179,11 +194,18 @@ def graph_streaming_vocoder(hift, spec, max_batch: int, max_frames: int = 512,
     every last-chunk length (:func:`~cosyvoice_runtime.stream_schedule.final_chunk_frames`) for a
     batch of 1. A last chunk vocoded eagerly held the token2wav thread 100-150 ms under load
     (H200 capacity traces), and a first chunk queued behind it.
+
+    ``capture=False``: only the keys are listed (``start_keys``, ``last_chunk_keys``), for
+    :mod:`cosyvoice_runtime.graph_schedule` to capture.
     """
     st, ratio = spec.stream, spec.flow.token_mel_ratio
     later = streaming_lengths(st.mel_cache_len, st.token_hop_len, st.token_max_hop_len, st.stream_scale_factor, ratio)
-    graphed = enable_graphs(hift, max_batch=max_batch, max_frames=max_frames, capture_frames=later)
-    graphed.capture(first_chunk_frames(st.token_hop_len, ratio, min_first_hop), batch_sizes=[1, 2])
-    graphed.capture(final_chunk_frames(st.mel_cache_len, st.token_max_hop_len, spec.flow.pre_lookahead_len, ratio),
-                    batch_sizes=[1])
+    graphed = enable_graphs(hift, max_batch=max_batch, max_frames=max_frames)
+    keys = graphed.keys_for(later) + graphed.keys_for(first_chunk_frames(st.token_hop_len, ratio, min_first_hop), [1, 2])
+    graphed.start_keys = list(dict.fromkeys(keys))
+    final = final_chunk_frames(st.mel_cache_len, st.token_max_hop_len, spec.flow.pre_lookahead_len, ratio)
+    graphed.last_chunk_keys = [k for k in graphed.keys_for(final, [1]) if k not in set(graphed.start_keys)]
+    if capture:
+        for key in graphed.start_keys + graphed.last_chunk_keys:
+            graphed.capture_key(key)
     return graphed

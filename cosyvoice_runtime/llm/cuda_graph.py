@@ -94,6 +94,7 @@ class DecodeRunner(graph_capture.GraphOwner):
                              f"and max_len {cache.max_len}")
         dev = cache.device
         self.use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
+        self.background_safe = compile_backend is None  # a torch.compile'd step is traced on one thread
         rows, cols = self.batch_buckets[-1], _DECODE_COLS + bs.num_cols(history_width)
         # Packed rows, pinned, in two buffers used in turn: a step launched ahead (launch()) may
         # not have copied its rows to the device yet when the next one is packed; the one after
@@ -175,7 +176,11 @@ class DecodeRunner(graph_capture.GraphOwner):
         self.cache.check_room(list(slots), 1)
         b = bucket_for(self.batch_buckets, n)
         window = bucket_for(self.key_buckets, max(positions) + 1)
-        graph = self._graph(b, window) if self.use_graphs else None
+        graph = None
+        if self.use_graphs and self._pending((b, window)):  # graph_schedule captures it in the background
+            self._ran_eagerly(True)
+        elif self.use_graphs:
+            graph = self._graph(b, window)
         packed = self._host[self._next_pack]
         self._next_pack ^= 1
         host = packed.numpy()
@@ -190,23 +195,25 @@ class DecodeRunner(graph_capture.GraphOwner):
         else:
             self._body(b, window)
 
-    def _body(self, b: int, window: int) -> None:
-        """The captured computation: static inputs ``_rows[:b]`` -> ``_logits[:b]``, ``_ids[:b]``."""
-        rows = self._rows[:b]
+    def _body(self, b: int, window: int, buffers: tuple | None = None) -> None:
+        """The captured computation: static inputs ``_rows[:b]`` -> ``_logits[:b]``, ``_ids[:b]``
+        (``buffers``: other (rows, logits, ids) instead, a warm-up's scratch)."""
+        rows, logits_out, ids_out = buffers or (self._rows, self._logits, self._ids)
+        rows = rows[:b]
         fed, sampler_rows = rows[:, 0], rows[:, _DECODE_COLS:]
         if self.feed_on_device:
-            fed, sampler_rows = self._carried(rows)
+            fed, sampler_rows = self._carried(rows, ids_out)
         logits = self._decode(fed, self.cache, rows[:, 1], rows[:, 2], window)
-        self._logits[:b].copy_(logits)
-        self._ids[:b].copy_(bs.choose_ids(logits, sampler_rows, self._stop_mask))
+        logits_out[:b].copy_(logits)
+        ids_out[:b].copy_(bs.choose_ids(logits, sampler_rows, self._stop_mask))
 
-    def _carried(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _carried(self, rows: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fed ids and sampler rows where a row continues the step before: that step's choice (in
         ``_ids``, read here before this step overwrites it) is fed and is the newest history
         entry. A row the step before ended (a stop id, or NONFINITE) is wasted work the engine
         drops: its id is only kept inside the embedding's range."""
         carried = rows[:, 3] >= 0
-        previous = self._ids.index_select(0, rows[:, 3].clamp(min=0))
+        previous = ids.index_select(0, rows[:, 3].clamp(min=0))
         fed = torch.where(carried, previous, rows[:, 0]).clamp(min=0)
         sampler = rows[:, _DECODE_COLS:]
         if self.history_width:
@@ -216,6 +223,12 @@ class DecodeRunner(graph_capture.GraphOwner):
         return fed, sampler
 
     # -- graphs ----------------------------------------------------------------------------
+    def graph_keys(self) -> list[tuple]:
+        return [(b, w) for b in self.batch_buckets for w in self.key_buckets] if self.use_graphs else []
+
+    def capture_key(self, key: tuple) -> None:
+        self._graph(*key)
+
     def capture(self, batch_sizes: Sequence[int] | None = None, windows: Sequence[int] | None = None) -> int:
         """Capture the graphs of these buckets now (default: all); returns how many exist."""
         if self.use_graphs:
@@ -228,9 +241,14 @@ class DecodeRunner(graph_capture.GraphOwner):
         graph = self._buckets.get((b, window))
         if graph is not None:
             return graph
-        # Every row points at the scratch slot, so the warm-up run writes nothing that matters.
-        self._rows[:b].copy_(self._pad_row.to(self._rows.device).expand(b, -1))
-        graph, _ = self._capture(lambda: self._body(b, window), self.cache.device)
+        # The warm-up runs on scratch buffers, every row at the scratch slot: it writes nothing that
+        # matters, also from the background capture thread while the engine thread steps
+        # (graph_schedule; the captured work itself does not run).
+        dev = self._rows.device
+        scratch = (self._pad_row.to(dev).expand(b, -1).contiguous(), torch.zeros_like(self._logits[:b]),
+                   torch.zeros_like(self._ids[:b]))
+        graph, _ = self._capture(lambda: self._body(b, window), self.cache.device,
+                                 warm=lambda: self._body(b, window, scratch))
         self._buckets[(b, window)] = graph
         logger.debug("captured decode graph batch=%d window=%d", b, window)
         return graph

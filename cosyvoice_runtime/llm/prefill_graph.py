@@ -140,7 +140,11 @@ class PrefillRunner(graph_capture.GraphOwner):
         n = len(inputs)
         lengths = [int(x.shape[0]) for x in inputs]
         b, t = bucket_for(self.batch_buckets, n), bucket_for(self.length_buckets, max(lengths))
-        graph = self._graph(b, t) if self.use_graphs else None  # a first capture writes the inputs
+        graph = None
+        if self.use_graphs and self._pending((b, t)):  # graph_schedule captures it in the background
+            self._ran_eagerly(True)
+        elif self.use_graphs:
+            graph = self._graph(b, t)
         for i, x in enumerate(inputs):
             self._x[i, :lengths[i]].copy_(x)
             self._x[i, lengths[i]:t].zero_()  # stale values could hold non-finite data that 0 x NaN would spread
@@ -160,15 +164,23 @@ class PrefillRunner(graph_capture.GraphOwner):
             self.cache.lengths[s] = k
         return ids, logits
 
-    def _body(self, b: int, t: int) -> None:
-        """The captured computation: ``_x[:b, :t]``, ``_rows[:b]`` -> ``_logits[:b]``, ``_ids[:b]``."""
-        rows = self._rows[:b]
-        hidden = self.model.backbone.prefill_static(self._x[:b, :t], self.cache, rows[:, 0])
+    def _body(self, b: int, t: int, buffers: tuple | None = None) -> None:
+        """The captured computation: ``_x[:b, :t]``, ``_rows[:b]`` -> ``_logits[:b]``, ``_ids[:b]``
+        (``buffers``: other (x, rows, logits, ids) instead, a warm-up's scratch)."""
+        x, rows, logits_out, ids_out = buffers or (self._x, self._rows, self._logits, self._ids)
+        rows = rows[:b]
+        hidden = self.model.backbone.prefill_static(x[:b, :t], self.cache, rows[:, 0])
         logits = self.model.logits(hidden[torch.arange(b, device=hidden.device), rows[:, 1]])
-        self._logits[:b].copy_(logits)
-        self._ids[:b].copy_(bs.choose_ids(logits, rows[:, _PREFILL_COLS:], self._stop_mask))
+        logits_out[:b].copy_(logits)
+        ids_out[:b].copy_(bs.choose_ids(logits, rows[:, _PREFILL_COLS:], self._stop_mask))
 
     # -- graphs ----------------------------------------------------------------------------
+    def graph_keys(self) -> list[tuple]:
+        return [(b, t) for b in self.batch_buckets for t in self.length_buckets] if self.use_graphs else []
+
+    def capture_key(self, key: tuple) -> None:
+        self._graph(*key)
+
     def capture(self) -> int:
         """Capture every (batch, length) bucket now (startup); returns how many exist."""
         if self.use_graphs:
@@ -181,9 +193,13 @@ class PrefillRunner(graph_capture.GraphOwner):
         graph = self._buckets.get((b, t))
         if graph is not None:
             return graph
-        # Every row points at the scratch slot, so the warm-up run writes nothing that matters.
-        self._rows[:b].copy_(self._pad_row.to(self._rows.device).expand(b, -1))
-        graph, _ = self._capture(lambda: self._body(b, t), self.cache.device)
+        # The warm-up runs on scratch buffers, every row at the scratch slot: it writes nothing that
+        # matters, also from the background capture thread while the engine thread prefills
+        # (graph_schedule; the captured work itself does not run).
+        dev = self._rows.device
+        scratch = (torch.zeros_like(self._x[:b, :t]), self._pad_row.to(dev).expand(b, -1).contiguous(),
+                   torch.zeros_like(self._logits[:b]), torch.zeros_like(self._ids[:b]))
+        graph, _ = self._capture(lambda: self._body(b, t), self.cache.device, warm=lambda: self._body(b, t, scratch))
         self._buckets[(b, t)] = graph
         logger.debug("captured prefill graph batch=%d length=%d", b, t)
         return graph

@@ -12,13 +12,13 @@ from bench import cold_start
 from cosyvoice_runtime.tiny_model import write_tiny_model
 
 PRODUCT_MODULES = ["deployments/frontend.py", "deployments/runtime_adapter.py", "deployments/assembler.py", "deployments/warmup.py",
-                   "deployments/synthesizer.py", "cosyvoice_runtime/model.py"]
+                   "deployments/synthesizer.py", "cosyvoice_runtime/model.py", "cosyvoice_runtime/graph_schedule.py"]
 
 
 def test_every_phase_template_is_a_log_line_the_product_still_writes():
     # a reworded log line would silently drop its phase from every report
     source = "".join(Path(p).read_text() for p in PRODUCT_MODULES)
-    for template in [*cold_start.PHASES, cold_start.READY]:
+    for template in [*cold_start.PHASES, *cold_start.BESIDE, cold_start.READY]:
         assert f'"{template}"' in source, template
 
 
@@ -31,6 +31,12 @@ def test_the_handler_keeps_only_phase_lines_with_their_time_since_process_start(
     log.emit(record)
     log.emit(other)
     assert log.lines == [{"phase": "warmed_up", "at_s": 12.5, "line": "warmup: 80 tokens in 0.50 s"}]
+    beside = logging.LogRecord("deployments.frontend", logging.INFO, __file__, 1, "frontend ready (%s) in %.1f s",
+                               ("cosyvoice2", 3.0), None)
+    beside.created = 103.0
+    log.emit(beside)  # the frontend starts on its own thread: not a phase of the sequence
+    assert len(log.lines) == 1 and log.beside == [{"phase": "frontend_ready", "at_s": 3.0,
+                                                   "line": "frontend ready (cosyvoice2) in 3.0 s"}]
 
 
 def test_phases_run_from_one_line_to_the_next_and_end_at_the_first_audio():
@@ -58,7 +64,23 @@ def test_a_tiny_replica_is_measured_to_its_first_audio(steps_config, tmp_path):
     assert written["cold_start_s"] == result["cold_start_s"]
     phases = written["phases_s"]
     assert list(phases)[-1] == "first_request"
-    assert {"imports", "frontend_ready", "model_loaded", "warmed_up", "synthesizer_ready"} <= set(phases)
-    assert "t2w_graphs_captured" not in phases  # no CUDA graphs on the CPU
+    assert {"imports", "bench_imports", "model_loaded", "warmed_up", "synthesizer_ready"} <= set(phases)
+    assert "graphs_before_ready" not in phases  # no CUDA graphs on the CPU
+    assert [line["phase"] for line in written["beside"]] == ["frontend_ready"]
     assert sum(phases.values()) == pytest.approx(written["cold_start_s"], abs=0.05)
+    assert written["replica_cold_start_s"] == pytest.approx(written["cold_start_s"] - phases["bench_imports"], abs=0.01)
     assert 0 < written["first_request_ttfa_s"] <= phases["first_request"] + 0.01
+    assert written["ready_s"] <= written["cold_start_s"] <= written["all_graphs_s"]  # no graphs: all there at once
+    graphs = written["replica"]["cuda_graphs"]  # the CPU's schedule: nothing to capture, nothing left
+    assert (graphs["total"], graphs["background"]) == (0, "done") and "runtime" in written["replica"]["phases_s"]
+
+
+def test_a_replica_whose_graphs_are_still_captured_in_the_background_is_not_settled():
+    from bench.soak import graphs_settled
+
+    def entry(background):
+        return {"runtime": {"cold_start": {"cuda_graphs": {"background": background}}}}
+
+    assert not graphs_settled(entry("running")) and not graphs_settled(entry("pending"))
+    assert graphs_settled(entry("done")) and graphs_settled(entry("failed"))  # failed: nothing more will come
+    assert graphs_settled({"runtime": {"cold_start": {"cuda_graphs": None}}}) and graphs_settled({})

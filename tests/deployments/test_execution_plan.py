@@ -216,3 +216,17 @@ def test_every_scheduling_combination_runs_what_it_ran_before_the_plan():
                                 token2wav={"scheduler": scheduler, "deadline_slack_s": slack, "give_way_ms": give_way,
                                            "early_first_chunk": early, "cv3_vocoder": vocoder})
         _same(cfg, mode, device, True)
+
+
+def test_graphs_before_ready_first_on_cuda_with_graphs_else_all():
+    """``graphs_before_ready``: auto is "first" where there are graphs (CUDA, cuda_graphs on), and
+    a replica without graphs has nothing to leave for the background whatever the config says."""
+    def plan(device, **knobs):
+        return resolve_plan(SynthesizerConfig(**knobs), "pytorch", device, triton=True).graphs_before_ready
+
+    assert plan("cuda") == "first" and plan("cuda:1", graphs_before_ready="first") == "first"
+    assert plan("cuda", graphs_before_ready="all") == "all"
+    assert plan("cpu") == "all" and plan("cpu", graphs_before_ready="first") == "all"
+    assert plan("cuda", cuda_graphs=False, graphs_before_ready="first") == "all"
+    assert resolve_plan(SynthesizerConfig(), "trt", "cuda", triton=True).graphs_before_ready == "first"  # LLM graphs
+    assert resolve_plan(SynthesizerConfig(), "pytorch", "cuda", triton=True).as_dict()["graphs_before_ready"] == "first"

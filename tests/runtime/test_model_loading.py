@@ -142,3 +142,30 @@ def test_yaml_tags_are_never_executed(tmp_path):
     assert isinstance(data["a"], Tagged) and data["a"].target == "os.system"
     assert data["b"] == 6
     assert not marker.exists()
+
+
+def test_a_load_without_random_init_gives_every_tensor_of_an_initialised_build(model_copy):
+    """load_model builds its modules without the layers' random initialisation (skipped_init): every
+    parameter and buffer equals what a build with it and the same strict load hold, the layers'
+    reset_parameters are back afterwards, and the caller's random stream is untouched."""
+    from cosyvoice_runtime.model import HIFT_KEY_PREFIX, _fold_weight_norm, build_modules
+    from cosyvoice_runtime.weights import load_checkpoint
+
+    _, path = model_copy
+    restored = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Embedding)}
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    model = load_model(path)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert {cls: cls.reset_parameters for cls in restored} == restored
+    spec = read_model_spec(path)
+    built = build_modules(spec)
+    for name, module in built.items():
+        load_checkpoint(module, path / spec.files[name], strip_prefix=HIFT_KEY_PREFIX if name == "hift" else None)
+        if name == "hift":
+            _fold_weight_norm(module)
+        ours = getattr(model, name).state_dict()
+        theirs = module.eval().state_dict()
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert torch.equal(ours[key], value), f"{name} {key}"
