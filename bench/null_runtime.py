@@ -90,6 +90,10 @@ class _Job:
     tokens: int
     finalize: bool
 
+    @property
+    def hop(self) -> int:  # what the synthesizer's text marks read (Token2WavJob.hop: 0 for the final call)
+        return 0 if self.finalize else self.tokens
+
 
 class NullToken2Wav:
     """A job per ``HOP`` tokens (streamed) and one for the rest at the end; silence out."""

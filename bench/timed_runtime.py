@@ -111,6 +111,10 @@ class _Job:
     tokens: int  # new tokens this job turns into audio
     finalize: bool
 
+    @property
+    def hop(self) -> int:  # what the synthesizer's text marks read (Token2WavJob.hop: 0 for the final call)
+        return 0 if self.finalize else self.tokens
+
 
 @dataclass(eq=False)
 class _Row:
