@@ -21,8 +21,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cosyvoice_runtime.flow.flow import FlowItem, build_flow
+from cosyvoice_runtime.flow.flow_cache import FlowCache, PromptPrefixes
 from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
-from cosyvoice_runtime.flow.incremental import FlowCache, PromptPrefixes, pass_bias
+from cosyvoice_runtime.flow.incremental import pass_bias
 from cosyvoice_runtime.graph_capture import missed_total
 from cosyvoice_runtime.model import load_model
 from cosyvoice_runtime.stream_schedule import pick_rows

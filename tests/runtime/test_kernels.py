@@ -84,7 +84,8 @@ print(json.dumps(out))
 _PASS_CHECK = """
 import json, torch
 from bench.gpu_bench import make_model
-from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalStepper
+from cosyvoice_runtime.flow.flow_cache import FlowCache
+from cosyvoice_runtime.flow.incremental import IncrementalStepper
 model = make_model("cosyvoice2", "tiny", "cpu")
 with torch.no_grad():  # LayerNorms start as ones and zeros: random ones, so that a kernel that skipped them would show
     for name, p in model.flow.decoder.estimator.named_parameters():

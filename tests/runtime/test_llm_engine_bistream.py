@@ -225,15 +225,15 @@ def test_a_bistream_row_with_nonfinite_logits_fails_alone(model, static, monkeyp
     """NaN logits in the bistream row of a decode step end that request with NONFINITE_LOGITS; the
     normal request beside it decodes on as alone. The static step reads the mark from its one
     copy to the host: no second reduction and sync for its bistream rows (the eager path keeps it)."""
-    import cosyvoice_runtime.llm.engine as engine_mod
+    from cosyvoice_runtime.llm import token_choice
     from cosyvoice_runtime.llm.engine import NONFINITE_LOGITS
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, model.spec.llm_input_size, generator=g)
     normal_ref = decode_all(model, x, DecodeState(min_len=30, max_len=30, params=SamplingParams(method="greedy")))
     checked = []
-    rows_check = engine_mod._nonfinite_rows
-    monkeypatch.setattr(engine_mod, "_nonfinite_rows", lambda logits: checked.append(len(logits)) or rows_check(logits))
+    rows_check = token_choice.nonfinite_rows
+    monkeypatch.setattr(token_choice, "nonfinite_rows", lambda logits: checked.append(len(logits)) or rows_check(logits))
     logits_of, calls = model.logits, []
 
     def poisoned(hidden):
