@@ -151,7 +151,8 @@ class Token2Wav:
             return None
         return Token2WavJob(state, torch.as_tensor(ids, dtype=torch.int32).reshape(1, -1), finalize=finalize, hop=hop)
 
-    def _flow_item(self, job: Token2WavJob) -> FlowItem:
+    def flow_item(self, job: Token2WavJob) -> FlowItem:
+        """What the flow solves for ``job``: its tokens over the stream's voice prompt."""
         state = job.state
         streaming_masks = state.stream and not (job.finalize and self.official_final_full_attention)
         return FlowItem(token=job.tokens, prompt_token=state.prompt_tokens, prompt_feat=state.prompt_feat,
@@ -187,7 +188,7 @@ class Token2Wav:
 
         Recomputed jobs share one CFM solve, incremental ones (``cv2_flow`` / ``cv3_flow``) one incremental solve.
         """
-        items = [self._flow_item(job) for job in jobs]
+        items = [self.flow_item(job) for job in jobs]
         incremental = self._plan(jobs, items)
         out: list[torch.Tensor | None] = [None] * len(jobs)
         batch = [i for i, inc in enumerate(incremental) if not inc]
@@ -305,7 +306,7 @@ class Token2Wav:
         """
         if len({id(job.state) for job in jobs}) != len(jobs):
             raise ValueError("jobs of a request are sequential: at most one row per request")
-        items = [self._flow_item(job) for job in jobs]
+        items = [self.flow_item(job) for job in jobs]
         incremental = self._plan(jobs, items)
         rows: list = [None] * len(jobs)
         for flag in (False, True):

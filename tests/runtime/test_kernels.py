@@ -111,8 +111,8 @@ print(json.dumps({"max_err": float((a - b).abs().max()), "scale": float(a.abs().
 _LLM_CHECK = """
 import json, tempfile, torch
 from cosyvoice_runtime.llm.model import build_llm
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
-spec = write_config_dir(tempfile.mkdtemp(), "cosyvoice2", _TINY["cosyvoice2"])
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
+spec = write_config_dir(tempfile.mkdtemp(), "cosyvoice2", TINY_DIMS["cosyvoice2"])
 torch.manual_seed(0)
 llm = build_llm(spec.llm).eval()
 with torch.no_grad():  # norms start as ones: random gains, so that a kernel that skipped them would show
