@@ -15,12 +15,12 @@ from torch import nn
 
 from cosyvoice_runtime.config import FlowSpec
 from cosyvoice_runtime.errors import InvalidInputError
+from cosyvoice_runtime.flow.cached_pass import plain_estimator
 from cosyvoice_runtime.flow.cfm import CFMSolver
 from cosyvoice_runtime.flow.dit import DiT
 from cosyvoice_runtime.flow.encoder import PreLookaheadLayer, UpsampleConformerEncoder
 from cosyvoice_runtime.flow.flow_cache import FlowCache
 from cosyvoice_runtime.flow.incremental import IncrementalRow, IncrementalStepper
-from cosyvoice_runtime.flow.incremental_walk import plain_estimator
 from cosyvoice_runtime.flow.stepper import FlowStepper, SolveRow
 from cosyvoice_runtime.flow.unet import CausalUNet
 from cosyvoice_runtime.host_copy import to_device

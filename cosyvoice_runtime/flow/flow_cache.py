@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cosyvoice_runtime.flow.incremental_walk import Layout
+from cosyvoice_runtime.flow.cached_pass import Layout
 
 CACHE_GROWTH = 256  # cached frames are allocated in steps of this many (one copy per growth)
 # The open streams' caches together (~0.4 GiB per 10 s CosyVoice2 answer after a 3.5 s prompt in

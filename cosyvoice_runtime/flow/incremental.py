@@ -1,6 +1,7 @@
 """Incremental flow for streaming: solve only the frames past a cached boundary, batched over
 requests and one Euler pass at a time (issue 14). Both families: CosyVoice2's U-Net and
-CosyVoice3's DiT (the passes themselves: :mod:`cosyvoice_runtime.flow.incremental_walk`).
+CosyVoice3's DiT (each pass is the estimator's own cache-aware ``forward_cached``, over the state
+of :mod:`cosyvoice_runtime.flow.cached_pass`).
 
 The official streaming schedule (spec §6.1) recomputes the prompt and every earlier token on each
 flow call, so a late chunk of a long utterance costs a solve over the whole sequence. With chunk
@@ -46,19 +47,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx.experimental._config as fx_config
+from torch import nn
 
+from cosyvoice_runtime.flow.cached_pass import Layout, Pass, pass_bias, plain_estimator
 from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update
 from cosyvoice_runtime.flow.flow_cache import FlowCache
 from cosyvoice_runtime.flow.graphs import SolverGraphs
-from cosyvoice_runtime.flow.incremental_walk import (
-    Pass,
-    estimator_pass,
-    layout_of,
-    pass_bias,
-    plain_estimator,
-    time_table,
-    time_weights,
-)
 from cosyvoice_runtime.fused import weight_key
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 from cosyvoice_runtime.host_copy import to_device
@@ -147,6 +141,19 @@ class _Bucket:
         return self.attn[:, :, self.cached:]
 
 
+def estimator_pass(estimator: nn.Module, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                   bias: torch.Tensor, p: Pass) -> torch.Tensor:
+    """One pass: the estimator's cache-aware forward (``forward_cached`` of the U-Net or the DiT)."""
+    return estimator.forward_cached(x, mu, spks, cond, bias, p)
+
+
+def layout_of(estimator: nn.Module) -> Layout:
+    """Where the estimator's pass keeps its cached state (``cached_layout()`` of the U-Net or the DiT)."""
+    if not hasattr(estimator, "forward_cached"):
+        raise TypeError(f"no incremental pass for {type(estimator).__name__}")
+    return estimator.cached_layout()
+
+
 def _compiled_walk(backend: str):
     """:func:`estimator_pass` through ``torch.compile`` with dynamic shapes and without duck sizing.
 
@@ -174,12 +181,12 @@ class IncrementalStepper(SolverGraphs):
             bucket (and a graph); larger passes run eagerly at their exact size.
         padded: pad to buckets (what graphs need); False runs every pass at its exact size (CPU).
         use_graphs: capture each bucket as a CUDA graph (CUDA only).
-        compile_backend: ``torch.compile`` the pass's walk over the estimator with this backend
-            (``dynamic``: one compiled walk serves the buckets' shapes; three on the CPU tiny model).
+        compile_backend: ``torch.compile`` the pass (the estimator's ``forward_cached``) with this
+            backend (``dynamic``: one compiled pass serves the buckets' shapes; three on the CPU tiny model).
             A pass launches its kernels one by one inside its graph, ~930 of them for a CosyVoice2
             pass, which bound its time at small batches (an H100 kernel profile): fused kernels
             are fewer. None: eager.
-        fused_norms: the U-Net walk's residual adds, LayerNorms and cache-slot writes as one
+        fused_norms: the U-Net pass's residual adds, LayerNorms and cache-slot writes as one
             Triton kernel each where one can run (:func:`~cosyvoice_runtime.kernels.add_layer_norm`:
             154 kernels fewer a pass; the pass time it saves on a GPU: docs/tuning.md, ``fused_norms``).
     """
@@ -204,13 +211,13 @@ class IncrementalStepper(SolverGraphs):
         # the causal zero padding at frame 0 of a row with nothing cached
         self._no_history = torch.zeros(2, self.layout.conv_channels, self.layout.hist, device=self.device,
                                        dtype=self.dtype)
-        # what depends on the ODE time alone, per step (incremental_walk.time_table): one buffer that
+        # what depends on the ODE time alone, per step (the estimator's time_table): one buffer that
         # captured graphs read, filled again in place when a weight it was made from changes
         self._time_table: torch.Tensor | None = None
         self._time_key: tuple | None = None
         # the parameters it is made from, listed once: walking the estimator's modules for them
         # on every pass was ~0.1 ms of the driver's host time (and GIL) a pass (2-core VM)
-        self._time_weights = time_weights(self.estimator)
+        self._time_weights = self.estimator.time_weights()
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy`` of a flow with this stepper) names its own estimator's modules:
@@ -349,14 +356,14 @@ class IncrementalStepper(SolverGraphs):
         return euler_update(bucket.x, v, bucket.dt.view(b, 1, 1), 1.0, self.solver.spec.inference_cfg_rate)
 
     def _refresh_time_table(self) -> None:
-        """The estimator's :func:`time_table`, made on the first pass and made again into the same
+        """The estimator's ``time_table``, made on the first pass and made again into the same
         buffer when a weight it reads was replaced or changed in place (a checkpoint loaded after
         the stepper was made)."""
         key = tuple(weight_key(w) for w in self._time_weights)
         if key == self._time_key:
             return
         with torch.inference_mode():
-            table = time_table(self.estimator, self.schedule()[0])
+            table = self.estimator.time_table(self.schedule()[0])
             if self._time_table is None:
                 self._time_table = table
             else:
