@@ -22,7 +22,7 @@ import torch
 
 from cosyvoice_runtime.hift.generator import build_hift
 from cosyvoice_runtime.hift.streaming import VocoderCall, VocoderStream, vocode_batch
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
 
 STRATEGIES = ("recompute", "incremental")
 
@@ -64,7 +64,7 @@ def stream_batch(hift, spec, strategy: str, mels: torch.Tensor, sizes: list[int]
 def measure(device: str, seconds: float, batches: list[int], size: str, reps: int) -> dict:
     dev = torch.device(device)
     spec = write_config_dir(tempfile.mkdtemp(prefix="cv3-vocoder-"), "cosyvoice3",
-                            None if size == "full" else _TINY["cosyvoice3"])
+                            None if size == "full" else TINY_DIMS["cosyvoice3"])
     torch.manual_seed(0)
     hift = build_hift(spec.hift, spec.flow).to(dev)
     hift.remove_weight_norm()

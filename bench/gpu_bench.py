@@ -30,7 +30,7 @@ from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
 from cosyvoice_runtime.model import CosyVoiceModel, build_modules
 from cosyvoice_runtime.modes import compile_model
 from cosyvoice_runtime.pipeline import Pipeline
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 from deployments.deadlines import DEFAULT_SLACK_S
 
@@ -41,7 +41,7 @@ EDF_SLACK_S = DEFAULT_SLACK_S  # mode extra "edf": jobs due within this are serv
 
 
 def make_model(family: str, size: str, device: str, seed: int = 0) -> CosyVoiceModel:
-    spec = write_config_dir(tempfile.mkdtemp(prefix="bench-spec-"), family, None if size == "full" else _TINY[family])
+    spec = write_config_dir(tempfile.mkdtemp(prefix="bench-spec-"), family, None if size == "full" else TINY_DIMS[family])
     torch.manual_seed(seed)
     mods = build_modules(spec, device=device)
     for m in mods.values():

@@ -32,8 +32,8 @@ import bench.llm_decode_bench as decode_bench
 from bench.gpu_bench import DTYPES, cast, make_model
 from bench.stepper_check import _sync
 from bench.trace_export import chrome_trace, trace_profiler
+from cosyvoice_runtime.flow.flow_cache import FlowCache
 from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
-from cosyvoice_runtime.flow.incremental import FlowCache
 from cosyvoice_runtime.llm.engine import LLMEngine
 
 # First match wins: attention before GEMM (cuDNN's fused attention is named like a GEMM kernel).

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                                           token2wav={"max_batch_size": 4}), source)
 
     async def direct(job):  # @serve.batch needs a replica; one job per call here
-        return (await synth.compute.run(synth.t2w.run_batch, [job]))[0]
+        return (await synth.jobs.run([job]))[0]
 
     synth._token2wav = direct
     busy: dict[str, float] = {}

@@ -33,10 +33,10 @@ DEVICE = "cuda"
 
 
 def build_model(family: str, dtype: torch.dtype, tiny: bool = False):
-    from cosyvoice_runtime.tiny_model import _TINY
+    from cosyvoice_runtime.tiny_model import TINY_DIMS
 
     with tempfile.TemporaryDirectory() as tmp:
-        spec = write_config_dir(tmp, family, _TINY[family] if tiny else None)
+        spec = write_config_dir(tmp, family, TINY_DIMS[family] if tiny else None)
     torch.manual_seed(0)
     with torch.device(DEVICE):  # random init on the GPU: seconds instead of a minute on the CPU
         model = build_llm(spec.llm)

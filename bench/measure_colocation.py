@@ -63,10 +63,10 @@ def _build(setup: Setup):
     from cosyvoice_runtime.hift.graphs import graph_streaming_vocoder
     from cosyvoice_runtime.llm.engine import LLMEngine
     from cosyvoice_runtime.model import build_modules
-    from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+    from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
     from cosyvoice_runtime.token2wav import Token2Wav
 
-    dims = _TINY["cosyvoice2"] if setup.size == "tiny" else None
+    dims = TINY_DIMS["cosyvoice2"] if setup.size == "tiny" else None
     spec = write_config_dir(tempfile.mkdtemp(), "cosyvoice2", dims)
     torch.manual_seed(0)
     dev, dtype = setup.device, setup.dtype

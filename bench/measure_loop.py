@@ -45,7 +45,7 @@ def measure(streams: int, tokens: int, deadline_slack_s: float | None, step_s: f
 
     async def direct(job):
         s.t2w_batch_sizes[1] += 1
-        return (await s.compute.run(s.t2w.run_batch, [job], lane=s._t2w_lane))[0]
+        return (await s.jobs.run([job]))[0]
 
     s._token2wav = direct
     n_ids = tokens // TOKENS_PER_ID

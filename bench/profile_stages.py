@@ -91,7 +91,7 @@ def flow_stages(model, voice, reps: int) -> dict:
 
     for batch in (1, 16):
         js, _ = jobs(first, batch)
-        items = [t2w._flow_item(j) for j in js]
+        items = [t2w.flow_item(j) for j in js]
         out[f"encode_b{batch}"] = timed(lambda items=items: model.flow.encode(items), reps, dev)
         out[f"flow_first_b{batch}"] = timed(lambda js=js: t2w.flow_mels(js), reps, dev)
     # one estimator call at the first-chunk shape (CFG doubles the batch)

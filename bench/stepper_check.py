@@ -20,8 +20,8 @@ import torch
 
 from bench.gpu_bench import DTYPES, cast, make_model
 from cosyvoice_runtime.flow.flow import FlowItem
+from cosyvoice_runtime.flow.flow_cache import FlowCache
 from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
-from cosyvoice_runtime.flow.incremental import FlowCache
 
 
 def _items(model, n: int, seed: int) -> list[FlowItem]:

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 # Tiny sizes (same wiring as the released models). The text vocabulary keeps the released
 # 151936 rows so that the real special-token ids (151646...) stay valid.
-_TINY = {
+TINY_DIMS = {
     "cosyvoice2": {"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2, "inter": 96, "flow_in": 32, "enc_out": 32,
                    "enc_heads": 4, "enc_units": 64, "enc_blocks": 2, "unet_ch": 32, "unet_head_dim": 16,
                    "unet_blocks": 1, "unet_mid": 2, "unet_heads": 2, "hift_ch": 32},
@@ -296,8 +296,8 @@ def write_tiny_model(out_dir: str | Path, family: str = "cosyvoice2", seed: int 
     from cosyvoice_runtime import tiny_assets
     from cosyvoice_runtime.model import build_modules
 
-    if family not in _TINY:
-        raise ValueError(f"family must be one of {sorted(_TINY)}, got {family!r}")
+    if family not in TINY_DIMS:
+        raise ValueError(f"family must be one of {sorted(TINY_DIMS)}, got {family!r}")
     if size not in ("tiny", "full"):
         raise ValueError(f"size must be 'tiny' or 'full', got {size!r}")
     out = Path(out_dir)
@@ -308,7 +308,7 @@ def write_tiny_model(out_dir: str | Path, family: str = "cosyvoice2", seed: int 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        spec = write_config_dir(tmp, family, _TINY[family] if size == "tiny" else None)
+        spec = write_config_dir(tmp, family, TINY_DIMS[family] if size == "tiny" else None)
         tiny_assets.write_tokenizer(tmp / "CosyVoice-BlankEN", family)
         # PyTorch's default initialisation is already fan-in scaled; fork the RNG so writing a
         # model never disturbs the caller's random state.
@@ -332,7 +332,7 @@ def write_tiny_model(out_dir: str | Path, family: str = "cosyvoice2", seed: int 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=sorted(_TINY), default="cosyvoice2")
+    parser.add_argument("--family", choices=sorted(TINY_DIMS), default="cosyvoice2")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true")

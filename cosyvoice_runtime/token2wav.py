@@ -13,82 +13,35 @@ shared model object (so later requests start at the maximum hop); here it is per
 
 Where things live: the schedule's arithmetic (prompt pad, first hop, the vocoder lengths it
 produces, the order of flow passes) in :mod:`cosyvoice_runtime.stream_schedule`, which this
-module follows per request; the vocoder's streaming strategies (CV2 overlap caches, CV3
-recompute / incremental) and their per-request state in :mod:`cosyvoice_runtime.hift.streaming`.
+module follows per request; a request's state, its all-or-nothing rollback and the voice prompts
+kept on the device in :mod:`cosyvoice_runtime.stream_state`; the vocoder's streaming strategies
+(CV2 overlap caches, CV3 recompute / incremental) and their per-request state in
+:mod:`cosyvoice_runtime.hift.streaming`.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import hashlib
 import logging
 import math
 import threading
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
 
 import torch
 
 from cosyvoice_runtime.config import ModelSpec
 from cosyvoice_runtime.errors import InvalidInputError
 from cosyvoice_runtime.flow.flow import FlowItem
-from cosyvoice_runtime.flow.incremental import (
-    DEFAULT_FLOW_CACHE_BYTES,
-    FlowCache,
-    IncrementalRow,
-    PromptPrefixes,
-    grown_capacity,
-)
+from cosyvoice_runtime.flow.flow_cache import DEFAULT_FLOW_CACHE_BYTES, FlowCache, PromptPrefixes, grown_capacity
+from cosyvoice_runtime.flow.incremental import IncrementalRow
 from cosyvoice_runtime.flow.stepper import SolveRow
 from cosyvoice_runtime.hift.streaming import VocoderCall, VocoderStream, vocode_batch
 from cosyvoice_runtime.stream_schedule import first_hop
+from cosyvoice_runtime.stream_state import PromptTensors, StreamState, Token2WavJob, all_or_nothing, prompt_key
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 logger = logging.getLogger(__name__)
 
 PROMPT_VOICES = 256  # voice prompts kept on the device (~60 KB each for a 3.5 s CosyVoice2 prompt in bf16)
-
-
-@dataclass
-class StreamState:
-    """Per-request token2wav state, owned by the caller and passed in on every call.
-
-    ``prompt_tokens`` / ``prompt_feat`` / ``prompt_embedding`` are the voice prompt as the flow
-    takes it, on the flow's device: (1, Lp) int32, (1, 2 * Lp, n_mels) and (1, spk_dim) in the
-    flow's dtype, shared by the streams of one voice and never written (:meth:`Token2Wav.new_stream`);
-    ``prompt_key`` identifies that content (:func:`prompt_key`).
-    """
-
-    prompt: VoicePrompt
-    prompt_tokens: torch.Tensor = field(repr=False)
-    prompt_feat: torch.Tensor = field(repr=False)
-    prompt_embedding: torch.Tensor = field(repr=False)
-    prompt_key: bytes = field(repr=False)
-    stream: bool
-    speed: float
-    hop_len: int
-    vocoder: VocoderStream
-    generator: torch.Generator | None = None
-    token_offset: int = 0
-    calls: int = 0
-    finished: bool = False
-    samples_out: int = 0
-    flow_cache: FlowCache | None = field(default=None, repr=False)  # incremental flow only
-    flow_recompute: bool = False  # the incremental flow's cache budget was full: recomputed from then on
-    flow_frames: int = 0  # estimator frames solved for this request so far (each of 2 x n_timesteps passes)
-
-
-@dataclass
-class Token2WavJob:
-    """One flow + vocoder call: tokens ``[0, n_tokens)`` of a request."""
-
-    state: StreamState
-    tokens: torch.Tensor  # (1, n_tokens) int32
-    finalize: bool
-    hop: int  # tokens this call advances the offset by (0 for the final call)
-    source_override: torch.Tensor | None = field(default=None, repr=False)
 
 
 class Token2Wav:
@@ -120,7 +73,7 @@ class Token2Wav:
             recomputed from then on (same mel), instead of the replica running out of memory.
         prompt_cache_bytes: with an incremental flow, keep the flow state of each voice prompt's
             whole attention chunks for later requests with that prompt, up to this many bytes
-            (:class:`~cosyvoice_runtime.flow.incremental.PromptPrefixes`); 0: off.
+            (:class:`~cosyvoice_runtime.flow.flow_cache.PromptPrefixes`); 0: off.
     """
 
     def __init__(self, spec: ModelSpec, flow: torch.nn.Module, hift: torch.nn.Module,
@@ -133,7 +86,7 @@ class Token2Wav:
         self.spec = spec
         # what this family's streamed flow calls do
         self.flow_mode = cv2_flow if spec.family == "cosyvoice2" else cv3_flow
-        self._prompts = _PromptTensors(PROMPT_VOICES)
+        self._prompts = PromptTensors(PROMPT_VOICES)
         self.prompt_prefixes = (PromptPrefixes(prompt_cache_bytes)
                                 if prompt_cache_bytes > 0 and self.flow_mode == "incremental" else None)
         self.flow_cache_bytes = flow_cache_bytes
@@ -198,7 +151,8 @@ class Token2Wav:
             return None
         return Token2WavJob(state, torch.as_tensor(ids, dtype=torch.int32).reshape(1, -1), finalize=finalize, hop=hop)
 
-    def _flow_item(self, job: Token2WavJob) -> FlowItem:
+    def flow_item(self, job: Token2WavJob) -> FlowItem:
+        """What the flow solves for ``job``: its tokens over the stream's voice prompt."""
         state = job.state
         streaming_masks = state.stream and not (job.finalize and self.official_final_full_attention)
         return FlowItem(token=job.tokens, prompt_token=state.prompt_tokens, prompt_feat=state.prompt_feat,
@@ -234,7 +188,7 @@ class Token2Wav:
 
         Recomputed jobs share one CFM solve, incremental ones (``cv2_flow`` / ``cv3_flow``) one incremental solve.
         """
-        items = [self._flow_item(job) for job in jobs]
+        items = [self.flow_item(job) for job in jobs]
         incremental = self._plan(jobs, items)
         out: list[torch.Tensor | None] = [None] * len(jobs)
         batch = [i for i, inc in enumerate(incremental) if not inc]
@@ -271,7 +225,7 @@ class Token2Wav:
 
     def _incremental_mel(self, row: IncrementalRow) -> torch.Tensor:
         """A finished incremental row's mel from its job's token offset on; its cache advances
-        (inside the caller's :func:`_all_or_nothing`, which puts the cache back if the job fails)."""
+        (inside the caller's :func:`all_or_nothing`, which puts the cache back if the job fails)."""
         state = row.tag.state
         start = row.start
         first = state.prompt_feat.shape[1] + state.token_offset * self.ratio - start
@@ -333,8 +287,8 @@ class Token2Wav:
     @torch.inference_mode()
     def vocode_many(self, jobs: list[Token2WavJob], mels: list[torch.Tensor]) -> list[torch.Tensor]:
         """:meth:`vocode` of jobs of distinct requests in one vocoder batch
-        (:func:`~cosyvoice_runtime.hift.streaming.vocode_batch`). All or nothing (:func:`_all_or_nothing`)."""
-        with _all_or_nothing([job.state for job in jobs]):
+        (:func:`~cosyvoice_runtime.hift.streaming.vocode_batch`). All or nothing (:func:`all_or_nothing`)."""
+        with all_or_nothing([job.state for job in jobs]):
             return self._vocode_many(jobs, mels)
 
     def _vocode_many(self, jobs: list[Token2WavJob], mels: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -352,7 +306,7 @@ class Token2Wav:
         """
         if len({id(job.state) for job in jobs}) != len(jobs):
             raise ValueError("jobs of a request are sequential: at most one row per request")
-        items = [self._flow_item(job) for job in jobs]
+        items = [self.flow_item(job) for job in jobs]
         incremental = self._plan(jobs, items)
         rows: list = [None] * len(jobs)
         for flag in (False, True):
@@ -386,7 +340,7 @@ class Token2Wav:
         if any(r.step < self.n_steps for r in rows):
             raise ValueError("finish() takes rows whose solve is done")
         jobs = [row.tag for row in rows]
-        with _all_or_nothing([job.state for job in jobs]):
+        with all_or_nothing([job.state for job in jobs]):
             mels = []
             for row, job in zip(rows, jobs):
                 if isinstance(row, IncrementalRow):
@@ -409,7 +363,7 @@ class Token2Wav:
         if len({id(job.state) for job in jobs}) != len(jobs):
             raise ValueError("a batch may hold at most one job per request (jobs of a request are sequential)")
         out: list[torch.Tensor] = []
-        with _all_or_nothing([job.state for job in jobs]):  # every group, the incremental flow included
+        with all_or_nothing([job.state for job in jobs]):  # every group, the incremental flow included
             for start in range(0, len(jobs), max_batch):
                 group = jobs[start:start + max_batch]
                 out += self._vocode_many(group, self.flow_mels(group))
@@ -423,77 +377,3 @@ class Token2Wav:
         while (job := self.next_job(state, tokens, llm_done=True)) is not None:
             chunks.append(self.run(job))
         return chunks
-
-
-def prompt_key(prompt: VoicePrompt) -> bytes:
-    """What identifies a voice prompt to the flow: its speech tokens, mel and speaker embedding."""
-    h = hashlib.blake2b(digest_size=16)
-    for arr in (prompt.speech_tokens, prompt.mel, prompt.embedding):
-        h.update(str(arr.dtype).encode() + str(arr.shape).encode())
-        h.update(arr.tobytes())
-    return h.digest()
-
-
-class _PromptTensors:
-    """Voice prompts on the flow's device by content (:func:`prompt_key`), the least recently used
-    out past ``max_voices``. Why: each request copied its prompt's tokens, mel and speaker
-    embedding from pageable memory, three copies that each waited for the stream, on the event
-    loop before the request reached the LLM (~1 ms under the profiler in an H100 trace; no gain
-    visible at one stream without the profiler). Readers never write them.
-    Thread-safe (new_stream runs on the event loop, the VC path on compute lanes)."""
-
-    def __init__(self, max_voices: int) -> None:
-        self.max_voices = max_voices
-        self._items: OrderedDict[bytes, tuple] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: bytes, make: Callable[[], tuple]) -> tuple:
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return self._items[key]
-        value = make()  # outside the lock: a copy to the device may wait for the stream
-        with self._lock:
-            self._items[key] = value
-            while len(self._items) > self.max_voices:
-                self._items.popitem(last=False)
-        return value
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-@contextlib.contextmanager
-def _all_or_nothing(states: list[StreamState]) -> Iterator[None]:
-    """If the block raises, every stream is put back as it was (schedule fields, vocoder caches,
-    incremental flow cache, random-source positions), so a retry of the same jobs gives the
-    audio a first attempt would have given: no click from a half-advanced overlap cache, no
-    frames skipped by an advanced flow cache."""
-    saved = [_checkpoint(st) for st in states]
-    try:
-        yield
-    except BaseException:
-        for st, cp in zip(states, saved):
-            _rollback(st, cp)
-        raise
-
-
-def _checkpoint(state: StreamState) -> tuple:
-    """What a token2wav call changes in a stream. The vocoder state and the flow cache have their
-    fields reassigned, never written in place (the flow cache's tensors only past its frames), so
-    shallow copies keep the old values; the random generators are saved by position."""
-    gens = {id(g): g for g in (state.generator, state.vocoder.generator) if g is not None}
-    return (copy.copy(state), copy.copy(state.vocoder), copy.copy(state.flow_cache),
-            [(g, g.get_state()) for g in gens.values()])
-
-
-def _rollback(state: StreamState, cp: tuple) -> None:
-    before, vocoder, flow_cache, gens = cp
-    for f in fields(StreamState):
-        setattr(state, f.name, getattr(before, f.name))
-    state.vocoder = vocoder
-    if state.flow_cache is not None:  # the same object the job's flow row holds: restored in place
-        for f in fields(FlowCache):
-            setattr(state.flow_cache, f.name, getattr(flow_cache, f.name))
-    for g, position in gens:
-        g.set_state(position)

@@ -22,7 +22,8 @@ inside :meth:`synthesize`; the ``finally`` of the engine loop's generator aborts
 An error in one request fails that request only (:class:`RequestFailedError`): the engine loop
 isolates a request whose decode step fails (``deployments.engine_loop``); a token2wav batch that
 raises (e.g. CUDA out of memory) is split in halves and retried, down to the one job that still
-fails; a chunk with non-finite samples (NaN/Inf) fails its request instead of reaching the client.
+fails; a chunk with non-finite samples (NaN/Inf) fails its request instead of reaching the client
+(``deployments.token2wav_batch``).
 A fault that leaves the device unusable (``engine_loop.is_fatal``) fails every open stream with
 :class:`EngineDeadError` and makes ``check_health`` raise, so Serve replaces the replica.
 """
@@ -45,7 +46,7 @@ from deployments.admission import Admission
 from deployments.compute import MAIN as MAIN_LANE
 from deployments.compute import ComputeExecutor
 from deployments.deadlines import DeadlineGate, Playback
-from deployments.engine_loop import EngineLoop, GiveWay, TextSource, is_fatal
+from deployments.engine_loop import EngineLoop, GiveWay, TextSource
 from deployments.execution_plan import replica_plan
 from deployments.gpu_stats import DeviceProbe
 from deployments.housekeeping import IdleTrim, cap_malloc_arenas
@@ -59,7 +60,6 @@ from deployments.protocol import (
     OverloadedError,
     PreparedRequest,
     ReplicaHealth,
-    RequestFailedError,
     SynthesisResult,
     portable_error,
 )
@@ -72,6 +72,7 @@ from deployments.synthesizer_config import SynthesizerConfig
 from deployments.text_inbox import BistreamTicket, InboxClient, default_inbox
 from deployments.text_marks import TextMarker
 from deployments.thread_load import gil_wait, thread_cpu_seconds
+from deployments.token2wav_batch import BatchJobs
 from deployments.token2wav_loop import SteppedToken2Wav
 from deployments.warmup import warm_up
 
@@ -134,8 +135,7 @@ class Synthesizer:
         self.probe = DeviceProbe(self.runtime.device)
         self.metrics = metrics or ReplicaMetrics.for_replica("synthesizer")
         self.t2w_batch_sizes: Counter[int] = Counter()
-        self.t2w_splits = 0  # token2wav batches that raised and were split in halves
-        self.t2w_failed_jobs = 0  # chunk jobs failed alone (an error even alone, or non-finite audio)
+        self.jobs = BatchJobs(self.t2w, self.compute, self._t2w_lane, self.loop)  # failure isolation of both schedulers
         # the batch scheduler's deadline-first admission (the stepped loop schedules by deadline itself)
         self.gate = DeadlineGate(slack, clock=clock) if plan.token2wav.deadline_gate else None
         self.stepped: SteppedToken2Wav | None = None  # token2wav.scheduler "steps"
@@ -274,9 +274,9 @@ class Synthesizer:
             "generated_tokens_total": self.loop.tokens,
             "underruns_total": self.underruns,
             "deadline_held_total": self.gate.held if self.gate is not None else 0,
-            "token2wav_splits_total": self.t2w_splits,
-            "token2wav_failed_jobs_total": self.t2w_failed_jobs + self._stepped_failed(),
-            "failed_requests_total": self.loop.failed + self.t2w_failed_jobs + self._stepped_failed(),
+            "token2wav_splits_total": self.jobs.splits,
+            "token2wav_failed_jobs_total": self.jobs.failed_jobs + self._stepped_failed(),
+            "failed_requests_total": self.loop.failed + self.jobs.failed_jobs + self._stepped_failed(),
             "token2wav_scheduler": "steps" if self.stepped is not None else "batch",
             "flow_passes_total": self.stepped.passes if self.stepped is not None else 0,
             "flow_rows_in_passes_total": self.stepped.rows_in_passes if self.stepped is not None else 0,
@@ -377,7 +377,7 @@ class Synthesizer:
                     turn = self.gate.turn(playback.deadline_s()) if self.gate is not None else contextlib.nullcontext()
                     async with turn:
                         audio = await self._token2wav(job)
-                if isinstance(audio, Exception):  # this job failed alone (see _run_jobs)
+                if isinstance(audio, Exception):  # this job failed alone (BatchJobs.run)
                     raise audio
                 final = bool(getattr(job, "finalize", False))
                 yield audio, final, marker.chunk(len(tokens) if final else marker.spoken + job.hop, final, event.finished)
@@ -389,49 +389,14 @@ class Synthesizer:
         if self.loop.is_dead:
             raise EngineDeadError("replica unhealthy: an earlier fault left the device unusable")
         audio = await self.stepped.run(job, deadline_s, marks)
-        return audio if isinstance(audio, Exception) else self._finite(audio)
+        return audio if isinstance(audio, Exception) else self.jobs.finite(audio)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def _token2wav(self, jobs: list) -> list[np.ndarray | Exception]:
-        """Flow + HiFT over chunk jobs of many streams, as one batch (see :meth:`_run_jobs`)."""
+        """Flow + HiFT over chunk jobs of many streams, as one batch (:class:`BatchJobs`: failure isolation)."""
         self.t2w_batch_sizes[len(jobs)] += 1
         self.metrics.observe_batch(len(jobs))
-        return await self._run_jobs(jobs)
-
-    async def _run_jobs(self, jobs: list) -> list[np.ndarray | Exception]:
-        """The audio of each job, or the :class:`RequestFailedError` of a job that failed alone.
-
-        A batch that raises is split in halves and each half retried (a batch too big for the
-        device's memory fits in smaller ones), down to single jobs; a job that still raises alone
-        fails its request only. A retry is exact: a token2wav batch that raises puts every stream
-        state back (``Token2Wav.run_batch``, all or nothing). A fatal fault
-        (:func:`is_fatal`) fails every open request and marks the replica unhealthy.
-        """
-        if self.loop.is_dead:
-            raise EngineDeadError("replica unhealthy: an earlier fault left the device unusable")
-        try:
-            audios = await self.compute.run(self.t2w.run_batch, jobs, lane=self._t2w_lane)
-        except Exception as exc:
-            if is_fatal(exc):
-                logger.exception("token2wav failed fatally; the replica is unhealthy")
-                self.loop.kill(exc)
-                raise EngineDeadError(f"token2wav failed: {type(exc).__name__}") from None
-            if len(jobs) == 1:
-                self.t2w_failed_jobs += 1
-                logger.warning("token2wav failed for one job (%s: %s); failing its request", type(exc).__name__, exc)
-                return [RequestFailedError(f"audio generation failed: {type(exc).__name__}: {exc}")]
-            self.t2w_splits += 1
-            logger.warning("token2wav batch of %d failed (%s); retrying in halves", len(jobs), type(exc).__name__)
-            half = len(jobs) // 2
-            return await self._run_jobs(jobs[:half]) + await self._run_jobs(jobs[half:])
-        return [self._finite(audio) for audio in audios]
-
-    def _finite(self, audio: np.ndarray) -> np.ndarray | Exception:
-        if np.isfinite(audio).all():
-            return audio
-        self.t2w_failed_jobs += 1
-        logger.warning("token2wav produced non-finite samples (NaN/Inf); failing that request")
-        return RequestFailedError("audio generation produced non-finite samples (NaN/Inf)")
+        return await self.jobs.run(jobs)
 
     def __del__(self) -> None:
         # Serve calls this on shutdown; also safe under GC outside a replica.

@@ -38,7 +38,7 @@ class Token2WavBatchConfig(StrictModel):
     cv2_flow: Literal["auto", "recompute", "incremental"] = "auto"
     # With the incremental flow: the flow state of each voice prompt's whole attention chunks (the
     # same in every request with that voice) kept for later requests, which then solve ~150 fewer
-    # frames each after a 3.5 s prompt (cosyvoice_runtime.flow.incremental.PromptPrefixes; bit-identical
+    # frames each after a 3.5 s prompt (cosyvoice_runtime.flow.flow_cache.PromptPrefixes; bit-identical
     # audio, tests/runtime/test_flow_incremental_batch.py). ~84 MiB per 3.5 s voice in bf16; 0: off.
     cv2_prompt_cache_bytes: int = Field(1024**3, ge=0)
     # CosyVoice3's streamed flow calls, the same choice over its DiT (same mel within float noise,

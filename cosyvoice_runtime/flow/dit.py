@@ -5,6 +5,9 @@ Inputs as the U-Net: ``x, mu, cond (B, 80, T)``, ``mask (B, 1, T)``, ``t (B,)``,
 NOTE [quirk, reproduced]: the rotary embedding (dim_head wide, interleaved pairs) is applied to
 the (B, T, heads * dim_head) q/k projections *before* the head split, so only the first
 dim_head channels — head 0 — are rotated. The released checkpoint was trained that way.
+
+Beside its full ``forward``, the DiT has a cache-aware ``forward_cached`` over new frames only,
+for the incremental flow (the cached state: :class:`~cosyvoice_runtime.flow.cached_pass.Pass`).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_runtime.config import DiTSpec
+from cosyvoice_runtime.flow.cached_pass import Layout, Pass, make_layout
 from cosyvoice_runtime.flow.masks import attention_mask
 from cosyvoice_runtime.flow.unet import sinusoidal_embedding
 from cosyvoice_runtime.fused import fused_linear
@@ -127,7 +131,7 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(spec.dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, spec.dim)])
         self._fused: dict = {}  # q/k/v as one weight (cosyvoice_runtime.fused; checkpoint keys unchanged)
-        self._fused_kv: dict = {}  # k/v alone, for the incremental pass (flow/incremental_walk.py)
+        self._fused_kv: dict = {}  # k/v alone, for the incremental pass (DiTBlock.forward_cached)
 
     def kv(self, x: torch.Tensor) -> torch.Tensor:
         """``cat([to_k(x), to_v(x)], -1)`` as one GEMM (the incremental pass's cached frames)."""
@@ -173,6 +177,27 @@ class DiTBlock(nn.Module):
         x = gated(x, gate_a, self.attn(modulate(self.attn_norm.norm(x), 1 + scale_a, shift_a), mask, rotary))
         return gated(x, gate_f, self.ff(modulate(self.ff_norm(x), 1 + scale_f, shift_f)))
 
+    def forward_cached(self, h: torch.Tensor, bias: torch.Tensor, rot_q: tuple[torch.Tensor, torch.Tensor],
+                       rot_k: tuple[torch.Tensor, torch.Tensor], p: Pass) -> torch.Tensor:
+        """New frames h (2B, n, D); queries rotated at their positions (``rot_q``), keys (the
+        cached frames', then theirs) at theirs (``rot_k``); its modulation is the pass's time
+        table line, where (1 + scale) is one column block (``DiT.time_table``)."""
+        shift_a, scale1_a, gate_a, shift_f, scale1_f, gate_f = p.timed(self.attn_norm.linear).chunk(6, dim=1)
+        normed = modulate(self.attn_norm.norm(h), scale1_a, shift_a)
+        normed_all = p.block_input(self, normed)
+        attn = self.attn
+        b, n, _ = normed.shape
+        q = rotate_(attn.to_q(normed), *rot_q)
+        k, v = attn.kv(normed_all).chunk(2, dim=-1)
+        rotate_(k, *rot_k)
+
+        def heads(y: torch.Tensor) -> torch.Tensor:
+            return y.reshape(b, y.shape[1], attn.heads, -1).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=bias[:, None])
+        h = gated(h, gate_a, attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1)))
+        return gated(h, gate_f, self.ff(modulate(self.ff_norm(h), scale1_f, shift_f)))
+
 
 class DiT(nn.Module):
     """The estimator: ``forward(x, mask, mu, t, spks, cond, streaming) -> (B, 80, T)``."""
@@ -197,4 +222,70 @@ class DiT(nn.Module):
             h = block(h, temb, attn, rotary)
         scale, shift = self.norm_out.linear(F.silu(temb)).chunk(2, dim=1)
         h = modulate(self.norm_out.norm(h), 1 + scale, shift)
+        return self.proj_out(h).transpose(1, 2)
+
+    # -- the incremental flow's cache-aware forward (cosyvoice_runtime.flow.incremental) --------
+    def cached_layout(self) -> Layout:
+        """Where a pass's cached state sits: the position embedding's two convolutions, the blocks."""
+        pos = self.input_embed.conv_pos_embed
+        return make_layout([pos.conv1[0], pos.conv2[0]], list(self.transformer_blocks), self.spec.dim,
+                           self.spec.static_chunk_size, self.time_layers())
+
+    def time_layers(self) -> list[nn.Linear]:
+        """The layers whose output depends on the ODE time alone, in :meth:`time_table` order:
+        each block's modulation, then the output norm's."""
+        return [*(block.attn_norm.linear for block in self.transformer_blocks), self.norm_out.linear]
+
+    def time_weights(self) -> list[torch.Tensor]:
+        """Every parameter :meth:`time_table` reads."""
+        return [*self.time_embed.parameters(), *(w for layer in self.time_layers() for w in layer.parameters())]
+
+    def time_table(self, t: torch.Tensor) -> torch.Tensor:
+        """(steps, columns) the :meth:`time_layers` outputs at each ODE time ``t`` (steps,), side by
+        side (``Layout.time_offset``): the same ten values in every pass of every request, read
+        from this table a pass launches ~50 kernels fewer (22 block modulations). The scale
+        columns hold ``1 + scale`` (:meth:`_plus_one_scales`)."""
+        act = F.silu(self.time_embed(t))
+        return torch.cat([self._plus_one_scales(layer, layer(act)) for layer in self.time_layers()], dim=-1)
+
+    def _plus_one_scales(self, layer: nn.Linear, out: torch.Tensor) -> torch.Tensor:
+        """A modulation's output with 1 added to its scale columns: the block multiplies its
+        normed input by ``1 + scale``, the same sum in every pass (two adds a block and one at the
+        output, 45 kernels of a pass, made once here in the model's dtype, so the products are
+        the whole forward's bit for bit)."""
+        final = layer is self.norm_out.linear  # [scale, shift]; a block's [shift, scale, gate] x 2
+        parts = list(out.chunk(2 if final else 6, dim=-1))
+        for i in (0,) if final else (1, 4):
+            parts[i] = 1 + parts[i]
+        return torch.cat(parts, dim=-1)
+
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary angles (rows, T, dim_head) at absolute positions (rows, T), as :class:`RotaryEmbedding` gives them."""
+        inv_freq = self.rotary_embed.inv_freq
+        freqs = positions.to(inv_freq.dtype)[..., None] * inv_freq
+        return torch.stack((freqs, freqs), dim=-1).flatten(-2)
+
+    def forward_cached(self, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                       bias: torch.Tensor, p: Pass) -> torch.Tensor:
+        """:meth:`forward` (streaming) of new frames x, mu, cond (2B, 80, n) -> (2B, 80, n) over the
+        pass's cached state ``p``; ``bias``: its ``pass_bias``; the ODE time enters through
+        ``p.time_rows`` (:meth:`time_table`)."""
+        emb = self.input_embed
+        h = emb.proj(torch.cat([x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
+                                spks[:, None].expand(-1, x.shape[-1], -1)], dim=-1))
+        pos = emb.conv_pos_embed
+        p.load_history()
+        c = pos.conv1[1](p.conv_gemm(pos.conv1[0], h))
+        h = pos.conv2[1](p.conv_gemm(pos.conv2[0], c)) + h
+        p.store_history()
+        n = x.shape[-1]
+        cached = p.attn.shape[2] - x.shape[-1]
+        p_len = p.p_len.repeat(2)
+        q_pos = p_len[:, None] + torch.arange(n, device=x.device)[None, :]
+        k_pos = torch.cat([torch.arange(cached, device=x.device)[None, :].expand(len(p_len), -1), q_pos], dim=1)
+        rot_q, rot_k = rotary_tables(self._angles(q_pos)), rotary_tables(self._angles(k_pos))
+        for block in self.transformer_blocks:
+            h = block.forward_cached(h, bias, rot_q, rot_k, p)
+        scale1, shift = p.timed(self.norm_out.linear).chunk(2, dim=1)
+        h = modulate(self.norm_out.norm(h), scale1, shift)
         return self.proj_out(h).transpose(1, 2)

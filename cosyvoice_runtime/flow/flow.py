@@ -15,11 +15,12 @@ from torch import nn
 
 from cosyvoice_runtime.config import FlowSpec
 from cosyvoice_runtime.errors import InvalidInputError
+from cosyvoice_runtime.flow.cached_pass import plain_estimator
 from cosyvoice_runtime.flow.cfm import CFMSolver
 from cosyvoice_runtime.flow.dit import DiT
 from cosyvoice_runtime.flow.encoder import PreLookaheadLayer, UpsampleConformerEncoder
-from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalRow, IncrementalStepper
-from cosyvoice_runtime.flow.incremental_walk import plain_estimator
+from cosyvoice_runtime.flow.flow_cache import FlowCache
+from cosyvoice_runtime.flow.incremental import IncrementalRow, IncrementalStepper
 from cosyvoice_runtime.flow.stepper import FlowStepper, SolveRow
 from cosyvoice_runtime.flow.unet import CausalUNet
 from cosyvoice_runtime.host_copy import to_device
@@ -186,7 +187,7 @@ class Flow(nn.Module):
 
     def prompt_prefix_frames(self, n_prompt_tokens: int) -> int:
         """Frames of a voice's prompt that every request with it shares in the incremental flow
-        (:class:`~cosyvoice_runtime.flow.incremental.PromptPrefixes`): the last attention-chunk
+        (:class:`~cosyvoice_runtime.flow.flow_cache.PromptPrefixes`): the last attention-chunk
         boundary at or before the prompt taken as a non-final job (its last look-ahead tokens as context)."""
         chunk = self._attention_chunk()
         frames = self.spec.token_mel_ratio * (n_prompt_tokens - self.spec.pre_lookahead_len)

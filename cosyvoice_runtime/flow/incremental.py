@@ -1,6 +1,7 @@
 """Incremental flow for streaming: solve only the frames past a cached boundary, batched over
 requests and one Euler pass at a time (issue 14). Both families: CosyVoice2's U-Net and
-CosyVoice3's DiT (the passes themselves: :mod:`cosyvoice_runtime.flow.incremental_walk`).
+CosyVoice3's DiT (each pass is the estimator's own cache-aware ``forward_cached``, over the state
+of :mod:`cosyvoice_runtime.flow.cached_pass`).
 
 The official streaming schedule (spec §6.1) recomputes the prompt and every earlier token on each
 flow call, so a late chunk of a long utterance costs a solve over the whole sequence. With chunk
@@ -35,10 +36,8 @@ masked per row, a padded query sees only its row's first new frame (finite, neve
 CUDA each bucket is one graph; the row caches are copied into one staging buffer shared by all
 buckets (one copy per row and pass) and the kept frames copied back out.
 
-Memory decides the cached layout. In bf16 CosyVoice2 holds 560 KiB per cached frame per stream
-(56 blocks x 256 channels x 2 rows x 10 steps x 2 bytes): 48 streams of 20 s answers after a
-3.5 s prompt (~1180 frames each) hold ~31 GiB; CosyVoice3's DiT (22 blocks x 1024 channels)
-880 KiB per frame.
+What a stream keeps between its jobs (:class:`~cosyvoice_runtime.flow.flow_cache.FlowCache`) and the
+voice prompts' kept prefixes are :mod:`cosyvoice_runtime.flow.flow_cache`'s.
 """
 from __future__ import annotations
 
@@ -48,124 +47,19 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx.experimental._config as fx_config
+from torch import nn
 
+from cosyvoice_runtime.flow.cached_pass import Layout, Pass, pass_bias, plain_estimator
 from cosyvoice_runtime.flow.cfm import CFMSolver, euler_update
+from cosyvoice_runtime.flow.flow_cache import FlowCache
 from cosyvoice_runtime.flow.graphs import SolverGraphs
-from cosyvoice_runtime.flow.incremental_walk import (
-    Layout,
-    Pass,
-    estimator_pass,
-    layout_of,
-    pass_bias,
-    plain_estimator,
-    time_table,
-    time_weights,
-)
 from cosyvoice_runtime.fused import weight_key
 from cosyvoice_runtime.graph_capture import batch_buckets, bucket_for
 from cosyvoice_runtime.host_copy import to_device
 
-CACHE_GROWTH = 256  # cached frames are allocated in steps of this many (one copy per growth)
 NEW_FRAME_STEP = 64  # padding granularity of a pass's new frames
 CACHED_FRAME_STEP = 256  # of its cached frames (they cost one K/V GEMM and attention columns only)
 MAX_NEW_FRAMES = 512  # largest new-frame bucket: a first job with a prompt of up to ~9 s
-# The open streams' caches together (~0.4 GiB per 10 s CosyVoice2 answer after a 3.5 s prompt in
-# bf16); the serving config's default (token2wav.flow_cache_bytes) is the same
-DEFAULT_FLOW_CACHE_BYTES = 16 * 1024**3
-
-
-def grown_capacity(frames: int) -> int:
-    """The capacity a cache holding ``frames`` frames is allocated with."""
-    return math.ceil(frames / CACHE_GROWTH) * CACHE_GROWTH
-
-
-@dataclass(eq=False)
-class FlowCache:
-    """Per-request incremental flow state: the estimator state of frames ``[0, frames)``.
-
-    Attributes:
-        attn: per ODE step, the normed input of every transformer block, (blocks, 2, capacity, C):
-            both CFG rows; frames past ``frames`` are scratch (the running job writes its kept frames there).
-        convs: per ODE step, the last input frames of every causal convolution, (2, channels, hist).
-
-    A running job never changes what frames ``[0, frames)`` read, and :meth:`commit` reassigns
-    the fields, so a shallow copy taken before a job is a complete checkpoint of it.
-    """
-
-    frames: int = 0
-    attn: list[torch.Tensor] = field(default_factory=list)
-    convs: list[torch.Tensor] = field(default_factory=list)
-
-    def nbytes(self) -> int:
-        """Bytes the cached tensors hold (capacity included)."""
-        return sum(t.numel() * t.element_size() for t in (*self.attn, *self.convs))
-
-    @property
-    def capacity(self) -> int:
-        """Frames the cached tensors have room for."""
-        return self.attn[0].shape[2] if self.attn else 0
-
-    def reserve(self, frames: int, n_steps: int, layout: Layout, like: torch.Tensor) -> None:
-        """Room for ``frames`` cached frames at each of ``n_steps`` steps (new tensors, old frames copied)."""
-        if frames <= self.capacity:
-            return
-        # One allocation and one grouped copy for all steps: growing is on the token2wav thread
-        # between passes, where ten fills and ten copies were twenty launches under the GIL.
-        grown = list(like.new_zeros(n_steps, layout.n_blocks, 2, grown_capacity(frames), layout.dim).unbind(0))
-        if self.attn:
-            torch._foreach_copy_([t[:, :, :self.frames] for t in grown], [t[:, :, :self.frames] for t in self.attn])
-        self.attn = grown
-
-    def prefix(self, frames: int, convs: list[torch.Tensor]) -> FlowCache:
-        """A new cache of this one's first ``frames`` frames (its own tensors, exactly that long) with
-        the convolution history ``convs`` recorded at that frame (:attr:`IncrementalRow.mark_convs`)."""
-        return FlowCache(frames=frames, attn=[t[:, :, :frames].clone() for t in self.attn], convs=list(convs))
-
-    def shared(self) -> FlowCache:
-        """A cache starting from this one without copying it: the new owner writes only past
-        ``frames``, which :meth:`reserve` moves to new tensors first (this one holds exactly ``frames``)."""
-        return FlowCache(frames=self.frames, attn=list(self.attn), convs=list(self.convs))
-
-
-class PromptPrefixes:
-    """Per-voice flow caches of the prompt's whole attention chunks, least recently used out past
-    ``max_bytes``.
-
-    Why it is exact: a voice prompt taken as a non-final job (its last look-ahead tokens as
-    context) ends at ``B`` = the last attention-chunk boundary at or before ``2 (Lp - lookahead)``
-    frames; every estimator state of frames ``[0, B)`` depends only on the prompt (tokens, mel,
-    speaker vector), the fixed noise and the time grid, so it is the same in every request with
-    that prompt. A request's first job then solves ``[B, T)`` instead of ``[0, T)``: ~150 of the
-    ~200 frames of a first chunk after a 3.5 s prompt, ~30 % of a 6 s answer's estimator frames.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._caches: dict[bytes, FlowCache] = {}  # insertion order = use order
-        self.hits = self.misses = 0
-
-    def get(self, key: bytes) -> FlowCache | None:
-        cache = self._caches.pop(key, None)
-        if cache is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._caches[key] = cache
-        return cache
-
-    def put(self, key: bytes, cache: FlowCache) -> None:
-        if cache.nbytes() > self.max_bytes:
-            return
-        self._caches.pop(key, None)
-        self._caches[key] = cache
-        while self.nbytes() > self.max_bytes:
-            del self._caches[next(iter(self._caches))]
-
-    def nbytes(self) -> int:
-        return sum(c.nbytes() for c in self._caches.values())
-
-    def __len__(self) -> int:
-        return len(self._caches)
 
 
 @dataclass(eq=False)
@@ -247,6 +141,19 @@ class _Bucket:
         return self.attn[:, :, self.cached:]
 
 
+def estimator_pass(estimator: nn.Module, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                   bias: torch.Tensor, p: Pass) -> torch.Tensor:
+    """One pass: the estimator's cache-aware forward (``forward_cached`` of the U-Net or the DiT)."""
+    return estimator.forward_cached(x, mu, spks, cond, bias, p)
+
+
+def layout_of(estimator: nn.Module) -> Layout:
+    """Where the estimator's pass keeps its cached state (``cached_layout()`` of the U-Net or the DiT)."""
+    if not hasattr(estimator, "forward_cached"):
+        raise TypeError(f"no incremental pass for {type(estimator).__name__}")
+    return estimator.cached_layout()
+
+
 def _compiled_walk(backend: str):
     """:func:`estimator_pass` through ``torch.compile`` with dynamic shapes and without duck sizing.
 
@@ -274,12 +181,12 @@ class IncrementalStepper(SolverGraphs):
             bucket (and a graph); larger passes run eagerly at their exact size.
         padded: pad to buckets (what graphs need); False runs every pass at its exact size (CPU).
         use_graphs: capture each bucket as a CUDA graph (CUDA only).
-        compile_backend: ``torch.compile`` the pass's walk over the estimator with this backend
-            (``dynamic``: one compiled walk serves the buckets' shapes; three on the CPU tiny model).
+        compile_backend: ``torch.compile`` the pass (the estimator's ``forward_cached``) with this
+            backend (``dynamic``: one compiled pass serves the buckets' shapes; three on the CPU tiny model).
             A pass launches its kernels one by one inside its graph, ~930 of them for a CosyVoice2
             pass, which bound its time at small batches (an H100 kernel profile): fused kernels
             are fewer. None: eager.
-        fused_norms: the U-Net walk's residual adds, LayerNorms and cache-slot writes as one
+        fused_norms: the U-Net pass's residual adds, LayerNorms and cache-slot writes as one
             Triton kernel each where one can run (:func:`~cosyvoice_runtime.kernels.add_layer_norm`:
             154 kernels fewer a pass; the pass time it saves on a GPU: docs/tuning.md, ``fused_norms``).
     """
@@ -304,13 +211,13 @@ class IncrementalStepper(SolverGraphs):
         # the causal zero padding at frame 0 of a row with nothing cached
         self._no_history = torch.zeros(2, self.layout.conv_channels, self.layout.hist, device=self.device,
                                        dtype=self.dtype)
-        # what depends on the ODE time alone, per step (incremental_walk.time_table): one buffer that
+        # what depends on the ODE time alone, per step (the estimator's time_table): one buffer that
         # captured graphs read, filled again in place when a weight it was made from changes
         self._time_table: torch.Tensor | None = None
         self._time_key: tuple | None = None
         # the parameters it is made from, listed once: walking the estimator's modules for them
         # on every pass was ~0.1 ms of the driver's host time (and GIL) a pass (2-core VM)
-        self._time_weights = time_weights(self.estimator)
+        self._time_weights = self.estimator.time_weights()
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy`` of a flow with this stepper) names its own estimator's modules:
@@ -446,14 +353,14 @@ class IncrementalStepper(SolverGraphs):
         return euler_update(bucket.x, v, bucket.dt.view(b, 1, 1), 1.0, self.solver.spec.inference_cfg_rate)
 
     def _refresh_time_table(self) -> None:
-        """The estimator's :func:`time_table`, made on the first pass and made again into the same
+        """The estimator's ``time_table``, made on the first pass and made again into the same
         buffer when a weight it reads was replaced or changed in place (a checkpoint loaded after
         the stepper was made)."""
         key = tuple(weight_key(w) for w in self._time_weights)
         if key == self._time_key:
             return
         with torch.inference_mode():
-            table = time_table(self.estimator, self.schedule()[0])
+            table = self.estimator.time_table(self.schedule()[0])
             if self._time_table is None:
                 self._time_table = table
             else:

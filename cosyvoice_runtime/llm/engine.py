@@ -8,7 +8,8 @@ the next step.
 
 Token selection and the stop/length rules are :func:`~cosyvoice_runtime.llm.generate.select_tokens`
 and :func:`~cosyvoice_runtime.llm.generate.commit_token`, the same functions the single-request
-reference loop uses; sampling randomness is per request (its own ``torch.Generator``).
+reference loop uses (a row with NaN/Inf logits failing alone: :mod:`cosyvoice_runtime.llm.token_choice`);
+sampling randomness is per request (its own ``torch.Generator``).
 
 With ``use_cuda_graphs`` on a CUDA model the decode step (model + sampling) runs through
 :class:`~cosyvoice_runtime.llm.cuda_graph.DecodeRunner`: one CUDA graph replay per step for a
@@ -20,7 +21,8 @@ captured on first use).
 
 Bistream requests (text-in streaming, spec §3.8; :meth:`LLMEngine.add_bistream_request`,
 :meth:`LLMEngine.feed_text`) share the batch: each is a
-:class:`~cosyvoice_runtime.llm.bistream_seq.BistreamSequence`. A row whose next input is its
+:class:`~cosyvoice_runtime.llm.bistream_seq.BistreamSequence` of the engine's
+:class:`~cosyvoice_runtime.llm.engine_bistream.BistreamRows`. A row whose next input is its
 last speech token joins the decode forward; one that must feed several positions (the prompt
 groups, 5 more text ids after a ``fill``, the final stage) joins the step's batched prefill
 forward as an extension of its slot. A request waiting for text is parked: it keeps its KV slot
@@ -58,19 +60,19 @@ from cosyvoice_runtime.llm.batch_sampling import NONFINITE
 from cosyvoice_runtime.llm.bistream import BistreamState
 from cosyvoice_runtime.llm.bistream_seq import BistreamSequence, embed_segments
 from cosyvoice_runtime.llm.cuda_graph import DEFAULT_HISTORY_WIDTH, DecodeRunner, Launched
+from cosyvoice_runtime.llm.engine_bistream import BistreamRows
 from cosyvoice_runtime.llm.generate import (
-    FINISH_LENGTH,
     DecodeState,
     SampleFn,
     commit_token,
     default_sample_fn,
-    select_tokens,
 )
 from cosyvoice_runtime.llm.inputs import with_prefix
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.prefill_graph import PrefillRunner
 from cosyvoice_runtime.llm.sampling import SamplingParams, make_generator, min_len_mask_ids
 from cosyvoice_runtime.llm.scheduler import Scheduler
+from cosyvoice_runtime.llm.token_choice import NONFINITE_LOGITS, select_finite, settle
 from cosyvoice_runtime.lm_messages import TokenEvent
 
 logger = logging.getLogger(__name__)
@@ -78,17 +80,10 @@ logger = logging.getLogger(__name__)
 # Padded prompt positions per batched prefill forward: bounds its activations (16 prompts of
 # 1,024 positions); admitted requests beyond it are prefilled in further forwards of the step.
 PREFILL_TOKEN_BUDGET = 16384
-NONFINITE_LOGITS = "nonfinite_logits"  # finish reason of a request whose logits held NaN/Inf (it fails alone)
 # Sampler inputs of a bistream row in the static decode step: official_rng makes the in-step
 # sampler skip it (a placeholder id); the engine chooses its token from the logits.
 _SAMPLED_OUTSIDE = DecodeState(min_len=0, max_len=1, params=SamplingParams(method="greedy", official_rng=True),
                                rng_seed=0)
-
-
-def _nonfinite_rows(logits: torch.Tensor) -> set[int]:
-    """Rows of (B, V) logits holding NaN or Inf (one reduction and one small device sync per step)."""
-    bad = ~torch.isfinite(logits).all(dim=-1)
-    return set(bad.nonzero().flatten().tolist()) if bool(bad.any()) else set()
 
 
 @dataclass
@@ -164,7 +159,7 @@ class LLMEngine:
                                                     stop_mask_ids=min_len_mask_ids(self.spec, official_quirks),
                                                     history_width=history_width, use_graphs=graphs)
         self._requests: dict[str, _Request] = {}
-        self._bistream: dict[str, BistreamSequence] = {}
+        self.bistream = BistreamRows(self.scheduler, self.cache, return_logits)
         self.run_ahead = run_ahead and self.runner is not None
         self._in_flight: _InFlight | None = None
 
@@ -242,11 +237,7 @@ class LLMEngine:
         seq = BistreamSequence(self.spec, prompt_text_ids, prompt_speech_ids, state,
                                official_quirks=self.official_quirks, max_tokens=max_tokens,
                                sample_fn=sample_fn or bistream.default_sample_fn)
-        try:
-            self.scheduler.add(request_id, seq.prompt_positions + 1)
-        except ValueError as exc:
-            raise InvalidInputError(str(exc)) from exc
-        self._bistream[request_id] = seq
+        self.bistream.add(request_id, seq)
 
     def feed_text(self, request_id: str, chunks, end: bool = False, length: int | None = None) -> bool:
         """More text for a bistream request: ``chunks`` of text ids (one id per chunk, as the
@@ -257,17 +248,12 @@ class LLMEngine:
         Raises:
             InvalidInputError: text after the end of the text.
         """
-        seq = self._bistream.get(request_id)
-        if seq is None:
-            return False
-        seq.feed(chunks, end, length)
-        self.scheduler.unpark(request_id)  # the next step advances it (or parks it again)
-        return True
+        return self.bistream.feed(request_id, chunks, end, length)
 
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request and free its KV slot now; False if unknown."""
         self._requests.pop(request_id, None)
-        self._bistream.pop(request_id, None)
+        self.bistream.drop(request_id)
         freed = self.scheduler.abort(request_id)
         if freed:
             logger.debug("aborted %s", request_id)
@@ -291,7 +277,7 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is not None:
             return req.state
-        seq = self._bistream.get(request_id)
+        seq = self.bistream.seqs.get(request_id)
         return None if seq is None else seq.state
 
     # -- stepping --------------------------------------------------------------------------
@@ -301,13 +287,9 @@ class LLMEngine:
         events: list[TokenEvent] = []
         plan = self.scheduler.schedule()
         with torch.inference_mode():
-            admitted = [s for s in plan.prefill if s.request_id in self._bistream]
-            for s in admitted:  # a bistream prompt is fed once its text allows (_route_bistream)
-                self._bistream[s.request_id].state.slot = s.slot
-                self.cache.reset(s.slot)
-                self.scheduler.mark_prefilled(s.request_id)
-            feeds, extends = self._route_bistream(
-                [s for s in plan.decode if s.request_id in self._bistream] + admitted, events)
+            admitted = self.bistream.admit(plan.prefill)
+            feeds, extends = self.bistream.route([s for s in plan.decode if s.request_id in self.bistream] + admitted,
+                                                 events)
             ahead = self._may_run_ahead() and not feeds and not extends  # parked bistream rows step nowhere
             if self._in_flight is not None and not ahead:  # every id on the host before a step that needs them
                 events += self._read_in_flight()  # the requests it ended leave _requests
@@ -321,29 +303,10 @@ class LLMEngine:
                 events += self._prefill(prefill, extends)
         return events
 
-    def _route_bistream(self, scheduled: list, events: list[TokenEvent]) -> tuple[list, list]:
-        """Bistream rows of this step: (one speech id to feed, several positions to feed);
-        those waiting for text are parked, those that end now add their event."""
-        feeds, extends = [], []
-        for s in scheduled:
-            seq = self._bistream[s.request_id]
-            if not seq.decoding:
-                seq.advance()
-            if seq.finish_reason is not None:
-                events.append(self._end_bistream(s.request_id, None))
-            elif not seq.decoding:
-                self.scheduler.park(s.request_id)
-            elif self.cache.lengths[s.slot] + seq.num_pending() > self.cache.max_len:
-                seq.finish_reason = FINISH_LENGTH  # the KV slot is full
-                events.append(self._end_bistream(s.request_id, None))
-            else:
-                (feeds if seq.single_speech_feed() is not None else extends).append(s)
-        return feeds, extends
-
     def _decode(self, decode: list, feeds: list) -> list[TokenEvent]:
         """One forward for every row that feeds one speech id: running requests, then bistream rows."""
         reqs = [self._requests[s.request_id] for s in decode]
-        seqs = [self._bistream[s.request_id] for s in feeds]
+        seqs = [self.bistream.seqs[s.request_id] for s in feeds]
         slots = [s.slot for s in decode] + [s.slot for s in feeds]
         fed = [r.state.tokens[-1] for r in reqs] + [seq.take_input()[0][1][0] for seq in seqs]
         n = len(reqs)
@@ -351,16 +314,16 @@ class LLMEngine:
         if self.runner is None:
             ids = torch.tensor(fed, device=self.device)
             logits = self.model.logits(self.model.decode(self.model.embed_speech(ids), self.cache, slots))
-            tokens = self._select(reqs, logits[:n]) if reqs else []
+            tokens = select_finite(self.spec, reqs, logits[:n], self.official_quirks) if reqs else []
         else:
             ids, logits = self.runner.step(fed, slots, [r.state for r in reqs] + [_SAMPLED_OUTSIDE] * len(seqs))
             if self.return_logits:
                 logits = logits.clone()  # the runner's buffer is overwritten by the next step
-            tokens = self._settle(reqs, ids[:n], logits, self.runner.can_sample)
+            tokens = settle(self.spec, reqs, ids[:n], logits, self.runner.can_sample, self.official_quirks)
             bad_bistream = {i for i, tok in enumerate(ids[n:]) if tok == NONFINITE}
         events = [self._commit(r, tok, logits[i]) if tok is not None else self._fail(r)
                   for i, (r, tok) in enumerate(zip(reqs, tokens))]
-        return events + self._choose_bistream(feeds, seqs, logits[n:], bad_bistream)
+        return events + self.bistream.choose(feeds, seqs, logits[n:], bad_bistream)
 
     def _may_run_ahead(self) -> bool:
         """Whether this step may be queued before the one in flight is read: no request needs its
@@ -415,16 +378,16 @@ class LLMEngine:
         for req, s in zip(reqs, prefill):
             req.state.slot = s.slot
             self.cache.reset(s.slot)
-        seqs = [self._bistream[s.request_id] for s in extends]
+        seqs = [self.bistream.seqs[s.request_id] for s in extends]
         parts, tokens = [], []
         if reqs:
             fresh, slots = [r.lm_input for r in reqs], [s.slot for s in prefill]
             if self.prefill_runner is not None and self.prefill_runner.fits([len(x) for x in fresh]):
                 ids, logits = self.prefill_runner.run(fresh, slots, [r.state for r in reqs])
-                tokens = self._settle(reqs, ids, logits, self.prefill_runner.can_sample)
+                tokens = settle(self.spec, reqs, ids, logits, self.prefill_runner.can_sample, self.official_quirks)
             else:
                 logits = self._forward_padded(fresh, slots)
-                tokens = self._select(reqs, logits)
+                tokens = select_finite(self.spec, reqs, logits, self.official_quirks)
             parts.append(logits)
         if seqs:
             parts.append(self._forward_padded([embed_segments(self.model, seq.take_input(), self.device)
@@ -436,7 +399,7 @@ class LLMEngine:
             req.lm_input = req.lm_input[:0]  # the prompt now lives in the cache
             self.scheduler.mark_prefilled(req.request_id)
             events.append(self._commit(req, tokens[i], logits[i]) if tokens[i] is not None else self._fail(req))
-        return events + self._choose_bistream(extends, seqs, logits[n:])
+        return events + self.bistream.choose(extends, seqs, logits[n:])
 
     def _forward_padded(self, inputs: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
         """Eager prefill: (n, V) logits of each input's last position, in padded batched forwards."""
@@ -457,49 +420,6 @@ class LLMEngine:
             groups[-1].append(i)
         return groups
 
-    def _choose_bistream(self, scheduled: list, seqs: list[BistreamSequence], logits: torch.Tensor,
-                         bad: set[int] | None = None) -> list[TokenEvent]:
-        """Each bistream row's next id from its logits rows (bistream_decode's log-softmax and masks);
-        ``bad``: the rows with NaN/Inf logits, when the static step marked them in its one copy to
-        the host (else found here, one more reduction and sync)."""
-        if not seqs:
-            return []
-        bad = _nonfinite_rows(logits) if bad is None else bad
-        logp = logits.float().log_softmax(dim=-1)
-        events = []
-        for i, (s, seq) in enumerate(zip(scheduled, seqs)):
-            if i in bad:
-                logger.warning("request %s: non-finite logits (NaN/Inf); failing it alone", s.request_id)
-                seq.finish_reason = NONFINITE_LOGITS
-                events.append(self._end_bistream(s.request_id, None))
-                continue
-            token = seq.choose(logp[i])
-            kept = logits[i] if self.return_logits else None
-            if seq.finish_reason is not None:
-                events.append(self._end_bistream(s.request_id, token, kept))
-            elif token is not None:
-                events.append(TokenEvent(s.request_id, [token], logits=kept, text_read=[seq.text_read]))
-        return events
-
-    def _end_bistream(self, request_id: str, token: int | None, logits: torch.Tensor | None = None) -> TokenEvent:
-        seq = self._bistream.pop(request_id)
-        seq.state.finished = True
-        self.scheduler.finish(request_id)
-        return TokenEvent(request_id, [] if token is None else [token], True, seq.finish_reason, logits=logits,
-                          text_read=[] if token is None else [seq.text_read])
-
-    def _select(self, reqs: list[_Request], logits: torch.Tensor) -> list[int | None]:
-        """Sampled tokens of the rows with finite logits; None for a row with NaN/Inf (that request
-        fails alone, :meth:`_fail`; sampling it would raise for the whole batch)."""
-        bad = _nonfinite_rows(logits)
-        good = [i for i in range(len(reqs)) if i not in bad]
-        picked = select_tokens(self.spec, logits[good] if bad else logits, [reqs[i].state for i in good],
-                               [reqs[i].sample_fn for i in good], self.official_quirks) if good else []
-        tokens: list[int | None] = [None] * len(reqs)
-        for i, tok in zip(good, picked):
-            tokens[i] = tok
-        return tokens
-
     def _fail(self, req: _Request) -> TokenEvent:
         """End a request whose logits were not finite; its slot is freed, the batch goes on."""
         logger.warning("request %s: non-finite logits (NaN/Inf); failing it alone", req.request_id)
@@ -507,20 +427,6 @@ class LLMEngine:
         self._requests.pop(req.request_id, None)
         self.scheduler.finish(req.request_id)
         return TokenEvent(req.request_id, [], True, NONFINITE_LOGITS)
-
-    def _settle(self, reqs: list[_Request], ids: list[int], logits: torch.Tensor, can_sample) -> list[int | None]:
-        """Tokens from a static step's in-graph choice: None for a row marked :data:`NONFINITE`
-        (that request fails), and rows its sampler does not serve (custom sampler, official RNG,
-        wide window; ``can_sample``) sampled here from their logits."""
-        tokens: list[int | None] = [None if tok == NONFINITE else tok for tok in ids]
-        rest = [i for i, r in enumerate(reqs) if tokens[i] is not None and (r.sample_fn is not default_sample_fn
-                or not can_sample(r.state.params))]
-        if rest:
-            picked = select_tokens(self.spec, logits[rest], [reqs[i].state for i in rest],
-                                   [reqs[i].sample_fn for i in rest], self.official_quirks)
-            for i, tok in zip(rest, picked):
-                tokens[i] = tok
-        return tokens
 
     def _commit(self, req: _Request, token: int, logits: torch.Tensor | None) -> TokenEvent:
         state = req.state

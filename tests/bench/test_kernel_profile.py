@@ -63,7 +63,7 @@ def test_cpu_smoke_run_profiles_both_targets_and_writes_the_report(tmp_path):
         assert t["kernels_per_step"] > 0 and t["event_ms_per_step"] > 0 and t["gap_us_per_step"] is None
         assert sum(c["count"] for c in t["categories"].values()) == pytest.approx(t["kernels_per_step"])
     # the CPU trace names aten ops: the flow pass runs attention and GEMMs, and its causal
-    # convolutions are GEMMs too (incremental_walk's channels-last walk)
+    # convolutions are GEMMs too (the estimators' channels-last forward_cached)
     flow = doc["targets"]["flow"]["categories"]
     assert "attention" in flow and "gemm" in flow and "convolution" not in flow
     assert "## decode" in (tmp_path / "kernel-profile-t.md").read_text()

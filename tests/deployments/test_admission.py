@@ -140,7 +140,7 @@ def _synth(slo_ms: float, enabled: bool = True) -> Synthesizer:
     s = Synthesizer(cfg, runtime_factory=fakes.fake_runtime_on(clock), clock=clock)
 
     async def direct(job):
-        return (await s._run_jobs([job]))[0]
+        return (await s.jobs.run([job]))[0]
 
     s._token2wav = direct
     return s

@@ -19,7 +19,7 @@ from cosyvoice_runtime.llm.model import build_llm
 from cosyvoice_runtime.llm.sampling import SamplingParams
 from cosyvoice_runtime.llm.silent_tokens import SilentTokenFilter
 from cosyvoice_runtime.lm_messages import BistreamLMRequest, LMRequest
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
 from deployments.compute import ComputeExecutor
 from deployments.engine_loop import EngineLoop
 from deployments.runtime_adapter import RuntimeTokenEngine
@@ -31,7 +31,7 @@ SEED = 77
 
 @pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
 def test_bistream_through_the_engine_loop_matches_the_reference(family, tmp_path):
-    spec = write_config_dir(tmp_path, family, _TINY[family])
+    spec = write_config_dir(tmp_path, family, TINY_DIMS[family])
     torch.manual_seed(0)
     llm = build_llm(spec.llm).eval().requires_grad_(False)
     prompt_text = np.array([5, 6, 7] if family == "cosyvoice2" else [5, ENDOFPROMPT_TOKEN_ID, 6, 7], np.int32)

@@ -19,6 +19,7 @@ import pytest
 
 from deployments.execution_plan import ExecutionPlan, replica_plan, resolve_plan, triton_available
 from deployments.synthesizer_config import SynthesizerConfig
+from tests.deployments import plans
 
 CPU_DEFAULT = {
     "llm.cuda_graphs": False, "llm.prefill_graphs": False, "llm.compile": None, "llm.fused_norms": False,
@@ -130,6 +131,21 @@ def test_a_replica_plans_for_its_nodes_mode_device_and_triton(monkeypatch):
     assert (plan.mode, plan.mode_source, plan.device) == ("torchscript", "env", "cuda:1")
     assert plan == resolve_plan(SynthesizerConfig(), "torchscript", "cuda:1", triton_available(), mode_source="env")
     assert replica_plan(SynthesizerConfig(mode="pytorch")).mode_source == "config"  # the config wins
+
+
+def test_the_cuda_default_plan_runs_on_the_cpu_less_what_needs_a_gpu():
+    """The CPU suite's CUDA-plan replicas (tests/deployments/plans.py): a CPU replica of those
+    overrides resolves every choice of the CUDA default plan, only graphs, compiled steps, Triton
+    kernels and run-ahead off; and that differs from the CPU default in its scheduling and flow."""
+    cuda = plans.cuda_default_plan()
+    for triton in (False, True):
+        on_cpu = resolve_plan(plans.synthesizer_config("cuda-default"), "pytorch", "cpu", triton=triton)
+        assert on_cpu == plans.without_gpu(cuda)
+    cpu = resolve_plan(plans.synthesizer_config("cpu"), "pytorch", "cpu", triton=False)
+    assert (cpu.token2wav.scheduler, cpu.token2wav.cv2.streamed, cpu.token2wav.cv3.streamed, cpu.overlap_stages) \
+        == ("batch", "recompute", "recompute", False)
+    assert (on_cpu.token2wav.scheduler, on_cpu.token2wav.cv2.streamed, on_cpu.token2wav.cv3.streamed,
+            on_cpu.overlap_stages) == ("steps", "incremental", "incremental", True)
 
 
 def test_llm_compile_is_gone():

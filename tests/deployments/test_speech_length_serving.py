@@ -39,7 +39,7 @@ def _synth(model_dir, **knobs) -> Synthesizer:
                         ModelSource(model_dir))
 
     async def direct(job, s=synth):  # outside a replica: the @serve.batch method run one job at a time
-        return (await s._run_jobs([job]))[0]
+        return (await s.jobs.run([job]))[0]
     synth._token2wav = direct
     return synth
 

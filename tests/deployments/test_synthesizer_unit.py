@@ -49,7 +49,7 @@ def _synth(max_running: int = 4, overlap_stages: bool | None = None, **token2wav
 
     async def direct(job):  # a batch of one, through the same failure isolation as a real batch
         s.t2w_batch_sizes[1] += 1
-        return (await s._run_jobs([job]))[0]
+        return (await s.jobs.run([job]))[0]
 
     s._token2wav = direct
     return s
@@ -218,7 +218,7 @@ class _Faulty(fakes.FakeToken2Wav):
 
 def _faulty_synth(max_running: int = 4) -> tuple[Synthesizer, _Faulty]:
     s = _synth(max_running=max_running)
-    s.t2w = _Faulty(s.clock)
+    s.t2w = s.jobs.t2w = _Faulty(s.clock)
     return s, s.t2w
 
 
@@ -235,11 +235,11 @@ def test_a_token2wav_batch_that_raises_is_split_and_only_the_job_that_fails_alon
     t2w.fits = 2  # 4 jobs do not fit at once, 2 do
     jobs = _jobs(t2w, 4)
     t2w.poisoned.add(id(jobs[3].state))
-    out = asyncio.run(s._run_jobs(jobs))
+    out = asyncio.run(s.jobs.run(jobs))
     assert [type(a) for a in out[:3]] == [np.ndarray] * 3
     assert all(len(a) == fakes.HOP * fakes.SAMPLES_PER_TOKEN for a in out[:3])
     assert isinstance(out[3], RequestFailedError) and "shape mismatch" in str(out[3])
-    assert t2w.calls == [4, 2, 2, 1, 1] and s.t2w_splits == 2 and s.t2w_failed_jobs == 1
+    assert t2w.calls == [4, 2, 2, 1, 1] and s.jobs.splits == 2 and s.jobs.failed_jobs == 1
     s.check_health()  # the replica is fine
 
 

@@ -62,7 +62,7 @@ def test_steps_stream_the_batch_schedulers_audio(model_dir):
             synth = Synthesizer(cfg, ModelSource(model_dir))
             if scheduler == "batch":  # outside a replica: the @serve.batch method run one job at a time
                 async def direct(job, s=synth):
-                    return (await s._run_jobs([job]))[0]
+                    return (await s.jobs.run([job]))[0]
                 synth._token2wav = direct
             out[scheduler + ("-give-way" if give_way else ""), cv2_flow] = _speak(synth, reqs)
             stats = synth.stats()

@@ -80,9 +80,6 @@ def tts_app(ray_session):
     }
 
 
-TINY_PREFIX = "/tiny"
-
-
 def sine_wav(seconds: float = 3.0, rate: int = 16000) -> bytes:
     """A WAV prompt clip (a 180 Hz tone): what the tiny model's prompt encoder takes as a voice."""
     import io
@@ -96,35 +93,62 @@ def sine_wav(seconds: float = 3.0, rate: int = 16000) -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="session")
-def tiny_app(ray_session, tmp_path_factory):
-    """The app with the REAL runtime (tiny random-weight model) as a second application (route
-    prefix /tiny), started once for the session's modules that use it (test_tiny_*), with a voice
-    "tiny" registered."""
+def _serve_tiny(base_url: str, name: str, model_dir, voices_dir, synthesizer: dict) -> dict:
+    """The app with the REAL runtime on ``model_dir`` as application ``name`` (route prefix
+    /``name``), with a voice "tiny" registered from :func:`sine_wav`."""
     import httpx
     from ray import serve
 
-    from cosyvoice_runtime.tiny_model import write_tiny_model
     from serve_app.app import build_app
     from serve_app.args import AppArgs
 
-    model_dir = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-cosyvoice2", "cosyvoice2")
     args = AppArgs.model_validate({
         "model_dir": str(model_dir),
         "ingress": {"num_replicas": 1, "resources": {"num_cpus": 0.1}},
-        "frontend": {"num_replicas": 1, "resources": {"num_cpus": 0.1},
-                     "voices_dir": str(tmp_path_factory.mktemp("voices"))},
+        "frontend": {"num_replicas": 1, "resources": {"num_cpus": 0.1}, "voices_dir": str(voices_dir)},
         "synthesizer": {"num_replicas": 1, "device": "cpu", "max_running": 4, "max_ongoing_requests": 4,
-                        "max_model_len": 1024, "token2wav": {"max_batch_size": 4}, "resources": {"num_cpus": 0.2}},
+                        "max_model_len": 1024, "resources": {"num_cpus": 0.2}, **synthesizer,
+                        "token2wav": {"max_batch_size": 4, **synthesizer.get("token2wav", {})}},
     })
-    serve.run(build_app(args), name="tiny", route_prefix=TINY_PREFIX)
-    url = ray_session["base_url"] + TINY_PREFIX
+    prefix = f"/{name}"
+    serve.run(build_app(args), name=name, route_prefix=prefix)
+    url = base_url + prefix
     r = httpx.post(f"{url}/v1/voices", data={"voice_id": "tiny", "prompt_text": "A prompt transcript."},
                    files={"audio": ("p.wav", sine_wav(), "audio/wav")}, timeout=60)
     assert r.status_code == 201, r.text
     assert r.json()["num_prompt_tokens"] == 75
-    yield {"url": url, "synth": serve.get_deployment_handle("Synthesizer", app_name="tiny")}
+    return {"url": url, "synth": serve.get_deployment_handle("Synthesizer", app_name=name), "model_dir": model_dir}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from cosyvoice_runtime.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-cosyvoice2", "cosyvoice2")
+
+
+@pytest.fixture(scope="session")
+def tiny_app(ray_session, tiny_model_dir, tmp_path_factory):
+    """The app with the REAL runtime (tiny random-weight model) as a second application (route
+    prefix /tiny), started once for the session's modules that use it (test_tiny_*), with a voice
+    "tiny" registered. Its synthesizer runs a CPU replica's default plan."""
+    from ray import serve
+
+    yield _serve_tiny(ray_session["base_url"], "tiny", tiny_model_dir, tmp_path_factory.mktemp("voices"), {})
     serve.delete("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_cuda_plan_app(ray_session, tiny_model_dir, tmp_path_factory):
+    """The same model and voice as :func:`tiny_app` (application "tinycuda", route prefix /tinycuda),
+    its synthesizer running the CUDA replica's default plan on the CPU (stepped token2wav,
+    incremental flow, two stage threads; tests/deployments/plans.py)."""
+    from ray import serve
+
+    from tests.deployments.plans import cuda_default_overrides
+
+    yield _serve_tiny(ray_session["base_url"], "tinycuda", tiny_model_dir, tmp_path_factory.mktemp("voices"), cuda_default_overrides())
+    serve.delete("tinycuda")
 
 
 def replica_ongoing(app: str, deployment: str) -> dict[str, int]:

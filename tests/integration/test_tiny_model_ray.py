@@ -5,7 +5,8 @@ token2wav) work inside replicas: voice registration through the ONNX prompt enco
 streamed PCM in several chunks, tokens counted in /metrics, disconnect aborting a real sequence,
 bistream text-in streaming over the WebSocket (text inbox actor, engine parking).
 Runs as a second application (route prefix /tiny) in the session's Ray: the ``tiny_app`` fixture of
-conftest.py, shared with the browser test of the playground.
+conftest.py, shared with the browser test of the playground; the disconnect and bistream tests also
+against ``tiny_cuda_plan_app``, the CUDA replica's default plan on the CPU.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.ray
+
+# the CPU replica's default plan and the CUDA replica's run on the CPU (tests/integration/test_plans_ray.py)
+PLANS = ["tiny_app", "tiny_cuda_plan_app"]
 
 
 def test_unary_wav_and_streamed_pcm(tiny_app):
@@ -42,7 +46,9 @@ def test_unary_wav_and_streamed_pcm(tiny_app):
     assert tokens > 0
 
 
-def test_disconnect_aborts_a_real_sequence(tiny_app):
+@pytest.mark.parametrize("app", PLANS)
+def test_disconnect_aborts_a_real_sequence(app, request):
+    tiny_app = request.getfixturevalue(app)
     synth = tiny_app["synth"]
     before = synth.stats.remote().result(timeout_s=30)["engine"]
     with httpx.stream("POST", f"{tiny_app['url']}/v1/audio/speech", timeout=120,
@@ -87,10 +93,12 @@ def test_openai_sdk_streams_the_real_runtime(tiny_app):
     assert sum(len(base64.b64decode(e["audio"])) for e in events[:-1]) > 0
 
 
-def test_websocket_bistream_speaks_before_the_text_ends(tiny_app):
+@pytest.mark.parametrize("app", PLANS)
+def test_websocket_bistream_speaks_before_the_text_ends(app, request):
     """One LLM sequence reads the text while it speaks: the end of the text is held back until the
     first audio message has arrived (a missing one fails the recv's guard). The fragments reach the
     replica running the sequence through its text inbox actor."""
+    tiny_app = request.getfixturevalue(app)
     import base64
     import json
 

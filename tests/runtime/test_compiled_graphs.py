@@ -16,14 +16,14 @@ from cosyvoice_runtime.flow.graph_setup import capture_flow_graphs, enable_flow_
 from cosyvoice_runtime.hift.generator import build_hift
 from cosyvoice_runtime.hift.graphs import enable_graphs
 from cosyvoice_runtime.modes import compile_model
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
 from tests.runtime.test_flow_batch import JOBS, _item
 from tests.runtime.test_flow_incremental_batch import _caches_after, _prompt, _tokens
 from tests.runtime.test_flow_incremental_batch import _item as _incremental_item
 
 
 def _tiny(tmp_path, device: str):
-    spec = write_config_dir(tmp_path, "cosyvoice2", _TINY["cosyvoice2"])
+    spec = write_config_dir(tmp_path, "cosyvoice2", TINY_DIMS["cosyvoice2"])
     torch.manual_seed(0)
     flow = build_flow(spec.flow).eval().to(device)
     hift = build_hift(spec.hift)
@@ -85,7 +85,7 @@ def _incremental_passes(tmp_path, family: str, device: str, backend: str, use_gr
     one and two rows) by an eager flow and by one whose estimator mode torchscript wrapped and whose
     pass walk is compiled with ``backend``: the rows' x and last convolution history of each."""
     torch.manual_seed(0)
-    tiny = build_flow(write_config_dir(tmp_path, family, _TINY[family]).flow).eval()
+    tiny = build_flow(write_config_dir(tmp_path, family, TINY_DIMS[family]).flow).eval()
     reqs = [(dataclasses.replace(p, family=family), t, e) for p, t, e in
             [(_prompt(20, 1), _tokens(120, 1), 0), (_prompt(25, 2), _tokens(150, 2), 25)]]
     la = tiny.spec.pre_lookahead_len
@@ -156,7 +156,7 @@ def test_compiled_incremental_walk_builds_a_few_graphs_for_every_bucket(family, 
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    flow = build_flow(write_config_dir(tmp_path, family, _TINY[family]).flow).eval()
+    flow = build_flow(write_config_dir(tmp_path, family, TINY_DIMS[family]).flow).eval()
     enable_flow_graphs(flow, max_batch=4, max_frames=512, use_graphs=False, incremental=True,
                        incremental_compile="eager")
     inc = flow.incremental

@@ -15,7 +15,7 @@ from cosyvoice_runtime.flow.flow import build_flow
 from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
 from cosyvoice_runtime.flow.graphs import GraphedSolver
 from cosyvoice_runtime.graph_capture import batch_buckets
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
 from tests.runtime.test_flow_batch import FAMILIES, JOBS, _flow, _item
 
 # fp32 on CPU: padded and unpadded runs differ only by summation order in matmuls.
@@ -97,7 +97,7 @@ def test_cuda_graphs_equal_eager(family, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     # The GPU machine has no ../shared parity data: random tiny weights from the project's writer.
-    spec = write_config_dir(tmp_path, family, _TINY[family])
+    spec = write_config_dir(tmp_path, family, TINY_DIMS[family])
     torch.manual_seed(0)
     plain = build_flow(dataclasses.replace(spec.flow, n_timesteps=3)).eval().cuda()
     flow = copy.deepcopy(plain)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from cosyvoice_runtime.flow.flow import FlowItem
+from cosyvoice_runtime.flow.flow_cache import FlowCache
 from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
-from cosyvoice_runtime.flow.incremental import FlowCache
 from cosyvoice_runtime.model import load_model
 from cosyvoice_runtime.token2wav import Token2Wav
 from cosyvoice_runtime.voice_prompt import VoicePrompt

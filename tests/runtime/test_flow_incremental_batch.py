@@ -21,12 +21,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cosyvoice_runtime.flow.flow import FlowItem, build_flow
+from cosyvoice_runtime.flow.flow_cache import FlowCache, PromptPrefixes
 from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
-from cosyvoice_runtime.flow.incremental import FlowCache, PromptPrefixes, pass_bias
+from cosyvoice_runtime.flow.incremental import pass_bias
 from cosyvoice_runtime.graph_capture import missed_total
 from cosyvoice_runtime.model import load_model
 from cosyvoice_runtime.stream_schedule import pick_rows
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
 from cosyvoice_runtime.token2wav import Token2Wav
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 from tests.runtime.parity.common import parity_dir
@@ -320,7 +321,7 @@ def test_graphed_passes_equal_the_eager_padded_ones(family, dtype, tmp_path, mon
         pytest.skip("needs CUDA")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 convolutions in float32
     torch.manual_seed(0)
-    tiny = build_flow(write_config_dir(tmp_path, family, _TINY[family]).flow).eval()
+    tiny = build_flow(write_config_dir(tmp_path, family, TINY_DIMS[family]).flow).eval()
     reqs = [(_prompt(20, 1), _tokens(120, 1), 0), (_prompt(25, 2), _tokens(150, 2), 25)]
     reqs = [(dataclasses.replace(p, family=family), t, e) for p, t, e in reqs]
     la = tiny.spec.pre_lookahead_len

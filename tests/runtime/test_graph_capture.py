@@ -17,7 +17,7 @@ from cosyvoice_runtime.hift.generator import build_hift
 from cosyvoice_runtime.hift.graphs import enable_graphs
 from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.sampling import SamplingParams
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
 from tests.runtime.test_flow_batch import JOBS, _item
 from tests.runtime.test_llm_engine import prompts, run_engine, tiny_model
 
@@ -32,7 +32,7 @@ def _cuda_items(flow):
 
 
 def test_owners_capture_on_own_streams_and_replay_together(tmp_path):
-    spec = write_config_dir(tmp_path, "cosyvoice2", _TINY["cosyvoice2"])
+    spec = write_config_dir(tmp_path, "cosyvoice2", TINY_DIMS["cosyvoice2"])
     torch.manual_seed(0)
     flow = build_flow(spec.flow).eval().cuda()
     solver = enable_flow_graphs(flow, max_batch=8, max_frames=512)

@@ -21,7 +21,7 @@ from cosyvoice_runtime.hift.generator import build_hift, overlap_add_istft
 from cosyvoice_runtime.hift.graphs import enable_graphs
 from cosyvoice_runtime.hift.streaming import VocoderStream
 from cosyvoice_runtime.stream_schedule import streaming_lengths
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
 from tests.runtime.parity.hift_cases import load_hift
 from tests.runtime.test_hift_batch import _mels, _split, batch
 
@@ -137,7 +137,7 @@ def _cuda_hift_and_copy(tmp_path, family: str):
     has no parity fixtures); skips without CUDA."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    spec = write_config_dir(tmp_path, family, _TINY[family])
+    spec = write_config_dir(tmp_path, family, TINY_DIMS[family])
     torch.manual_seed(0)
     hift = build_hift(spec.hift, spec.flow)
     hift.remove_weight_norm()
@@ -183,7 +183,7 @@ def test_a_cv3_vocoder_miss_names_the_vocoder_not_the_flow_graphs(tmp_path, capl
     """CosyVoice3's vocoder buckets end at the longest streamed window, not at flow_graph_max_s: the
     log line of its misses (speed-changed requests re-vocoding whole mels) must not send an operator
     to the flow's knob."""
-    spec = write_config_dir(tmp_path, "cosyvoice3", _TINY["cosyvoice3"])
+    spec = write_config_dir(tmp_path, "cosyvoice3", TINY_DIMS["cosyvoice3"])
     body = graph_causal_body(build_hift(spec.hift, spec.flow), max_batch=2, max_frames=32, capture=False)
     monkeypatch.setattr(graph_capture, "_missed", 0)  # the next miss is the first: logged
     with caplog.at_level(logging.WARNING, logger="cosyvoice_runtime.graph_capture"):

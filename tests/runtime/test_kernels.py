@@ -84,7 +84,8 @@ print(json.dumps(out))
 _PASS_CHECK = """
 import json, torch
 from bench.gpu_bench import make_model
-from cosyvoice_runtime.flow.incremental import FlowCache, IncrementalStepper
+from cosyvoice_runtime.flow.flow_cache import FlowCache
+from cosyvoice_runtime.flow.incremental import IncrementalStepper
 model = make_model("cosyvoice2", "tiny", "cpu")
 with torch.no_grad():  # LayerNorms start as ones and zeros: random ones, so that a kernel that skipped them would show
     for name, p in model.flow.decoder.estimator.named_parameters():
@@ -110,8 +111,8 @@ print(json.dumps({"max_err": float((a - b).abs().max()), "scale": float(a.abs().
 _LLM_CHECK = """
 import json, tempfile, torch
 from cosyvoice_runtime.llm.model import build_llm
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
-spec = write_config_dir(tempfile.mkdtemp(), "cosyvoice2", _TINY["cosyvoice2"])
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
+spec = write_config_dir(tempfile.mkdtemp(), "cosyvoice2", TINY_DIMS["cosyvoice2"])
 torch.manual_seed(0)
 llm = build_llm(spec.llm).eval()
 with torch.no_grad():  # norms start as ones: random gains, so that a kernel that skipped them would show

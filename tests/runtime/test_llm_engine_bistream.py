@@ -21,7 +21,7 @@ from cosyvoice_runtime.llm.generate import DecodeState, decode_all
 from cosyvoice_runtime.llm.kv_cache import KVCache
 from cosyvoice_runtime.llm.model import build_llm
 from cosyvoice_runtime.llm.sampling import SamplingParams
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
 from tests.runtime.test_llm_run_ahead import spy_launches
 
 TEXT = [1000 + 37 * i for i in range(23)]  # 23 target text ids: 4 groups of 5 and a rest of 3
@@ -30,7 +30,7 @@ PROMPT_SPEECH = list(range(100, 120))  # 20 tokens: one full group, the next fil
 
 @pytest.fixture(scope="module", params=["cosyvoice2", "cosyvoice3"])
 def model(request, tmp_path_factory):
-    spec = write_config_dir(tmp_path_factory.mktemp(request.param), request.param, _TINY[request.param])
+    spec = write_config_dir(tmp_path_factory.mktemp(request.param), request.param, TINY_DIMS[request.param])
     torch.manual_seed(0)
     llm = build_llm(spec.llm).eval()
     with torch.no_grad():  # clear greedy margins: batched and single forwards pick the same ids
@@ -225,15 +225,15 @@ def test_a_bistream_row_with_nonfinite_logits_fails_alone(model, static, monkeyp
     """NaN logits in the bistream row of a decode step end that request with NONFINITE_LOGITS; the
     normal request beside it decodes on as alone. The static step reads the mark from its one
     copy to the host: no second reduction and sync for its bistream rows (the eager path keeps it)."""
-    import cosyvoice_runtime.llm.engine as engine_mod
+    from cosyvoice_runtime.llm import token_choice
     from cosyvoice_runtime.llm.engine import NONFINITE_LOGITS
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, model.spec.llm_input_size, generator=g)
     normal_ref = decode_all(model, x, DecodeState(min_len=30, max_len=30, params=SamplingParams(method="greedy")))
     checked = []
-    rows_check = engine_mod._nonfinite_rows
-    monkeypatch.setattr(engine_mod, "_nonfinite_rows", lambda logits: checked.append(len(logits)) or rows_check(logits))
+    rows_check = token_choice.nonfinite_rows
+    monkeypatch.setattr(token_choice, "nonfinite_rows", lambda logits: checked.append(len(logits)) or rows_check(logits))
     logits_of, calls = model.logits, []
 
     def poisoned(hidden):

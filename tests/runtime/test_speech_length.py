@@ -14,7 +14,7 @@ from cosyvoice_runtime.speech_length import (
     jitter_factor,
     target_tokens,
 )
-from cosyvoice_runtime.tiny_model import _TINY, write_config_dir
+from cosyvoice_runtime.tiny_model import TINY_DIMS, write_config_dir
 
 LETTER_S = 1 / 11.75  # 150 words/min x 4.7 letters a word
 HAN_S = 1 / 4.5
@@ -77,7 +77,7 @@ PROMPT_SPEECH = list(range(100, 120))
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    spec = write_config_dir(tmp_path_factory.mktemp("cv2"), "cosyvoice2", _TINY["cosyvoice2"])
+    spec = write_config_dir(tmp_path_factory.mktemp("cv2"), "cosyvoice2", TINY_DIMS["cosyvoice2"])
     torch.manual_seed(0)
     return build_llm(spec.llm).eval()
 

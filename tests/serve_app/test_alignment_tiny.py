@@ -35,7 +35,7 @@ def app(request, tmp_path_factory):
     synth = Synthesizer(SynthesizerConfig(device="cpu", warmup=False, max_model_len=1024), ModelSource(model_dir))
 
     async def direct(job):  # outside a replica: the @serve.batch method run one job at a time
-        return (await synth._run_jobs([job]))[0]
+        return (await synth.jobs.run([job]))[0]
 
     synth._token2wav = direct
     # a registered voice (CosyVoice3's transcript carries its <|endofprompt|> prefix)

@@ -57,7 +57,7 @@ def _synth(model_dir: str) -> Synthesizer:
     synth = Synthesizer(SynthesizerConfig(device="cpu", warmup=False, max_model_len=1024), ModelSource(model_dir))
 
     async def direct(job, s=synth):  # outside a replica: the @serve.batch method run one job at a time
-        return (await s._run_jobs([job]))[0]
+        return (await s.jobs.run([job]))[0]
     synth._token2wav = direct
     return synth
 
