@@ -5,7 +5,8 @@ incremental flow on two threads against whole batched solves recomputed on one),
 only runs on the CPU would test a plan no GPU replica runs. :func:`cuda_default_overrides` is the
 synthesizer config under which a CPU replica chooses the CUDA default plan's code paths; what it
 cannot run there (CUDA graphs, compiled graphed steps, Triton kernels, run-ahead of the graphed
-step) is what :func:`without_gpu` takes out of a plan. ``tests/deployments/test_execution_plan.py``
+step) is what :func:`without_gpu` takes out of a plan (with it, the background capture of the graphs
+left for after ready). ``tests/deployments/test_execution_plan.py``
 checks that the two agree, so a new "auto" choice the overrides miss fails there.
 """
 from __future__ import annotations
@@ -43,7 +44,8 @@ def without_gpu(plan: ExecutionPlan) -> ExecutionPlan:
     llm = replace(plan.llm, cuda_graphs=False, prefill_graphs=False, compile_backend=None, fused_norms=False,
                   run_ahead=False)
     t2w = replace(plan.token2wav, cuda_graphs=False, cv2=flow(plan.token2wav.cv2), cv3=flow(plan.token2wav.cv3))
-    return replace(plan, device="cpu", llm=llm, token2wav=t2w)
+    # no graphs to leave to the background capture (deployments/replica_start.py): all "before ready"
+    return replace(plan, device="cpu", llm=llm, token2wav=t2w, graphs_before_ready="all")
 
 
 def synthesizer_config(plan: str, **knobs) -> SynthesizerConfig:
