@@ -147,7 +147,7 @@ def test_graphed_compiled_incremental_passes_equal_eager(family, tmp_path, monke
 
 
 @pytest.mark.parametrize("family,graphs", [("cosyvoice2", 2), ("cosyvoice3", 4)])
-def test_compiled_incremental_walk_builds_a_few_graphs_for_every_bucket(family, graphs, tmp_path):
+def test_compiled_incremental_pass_builds_a_few_graphs_for_every_bucket(family, graphs, tmp_path):
     """The compiled pass (flow_compile, mode torchscript) over 27 buckets builds at most 2
     (CosyVoice2) or 4 (CosyVoice3) graphs: a batch of one and nothing cached are specialised,
     nothing else. With duck sizing every coincidence of sizes among the buckets was a recompile
