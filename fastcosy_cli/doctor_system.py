@@ -217,29 +217,28 @@ def check_gpu_memory(env: Environment) -> CheckResult:
     return CheckResult("gpu_memory", Status.OK, msg)
 
 
+def _store_check(name: str, what: str, path, problem: str | None, refused: str, key: str) -> CheckResult:
+    """A frontend store (``what`` at ``path``) must accept writes; ``refused``: the calls that answer
+    503 when it does not; ``key``: the config key that moves it."""
+    if path is None:
+        return CheckResult(name, Status.OK, f"skipped (no {what} resolved)")
+    if problem is None:
+        return CheckResult(name, Status.OK, f"{what} {path} is writable")
+    return CheckResult(name, Status.FAIL, f"{what} {path} is not writable ({problem}): {refused} will answer 503",
+                       f"make {path} writable by the user running the frontend replicas (a read-write mount on "
+                       f"every node), or set {key} to writable shared storage")
+
+
 def check_voice_store(env: Environment) -> CheckResult:
     """The frontend's voice store must accept writes: a read-only one answers voice registration and
     deletion with 503 and makes /health say ``degraded`` (synthesis with stored voices still works)."""
-    if env.voices_dir is None:
-        return CheckResult("voice_store", Status.OK, "skipped (no voice store resolved)")
-    if env.voices_dir_problem is None:
-        return CheckResult("voice_store", Status.OK, f"voice store {env.voices_dir} is writable")
-    return CheckResult("voice_store", Status.FAIL,
-                       f"voice store {env.voices_dir} is not writable ({env.voices_dir_problem}): POST and DELETE "
-                       "/v1/voices will answer 503",
-                       f"make {env.voices_dir} writable by the user running the frontend replicas (a read-write "
-                       "mount on every node), or set frontend.voices_dir to writable shared storage")
+    return _store_check("voice_store", "voice store", env.voices_dir, env.voices_dir_problem,
+                        "POST and DELETE /v1/voices", "frontend.voices_dir")
 
 
 def check_pronunciation_store(env: Environment) -> CheckResult:
     """The frontend's pronunciation dictionary store must accept writes: a read-only one answers
     dictionary changes with 503 and makes /health say ``degraded``."""
-    if env.pronunciation_dir is None:
-        return CheckResult("pronunciation_store", Status.OK, "skipped (no pronunciation store resolved)")
-    if env.pronunciation_dir_problem is None:
-        return CheckResult("pronunciation_store", Status.OK, f"pronunciation store {env.pronunciation_dir} is writable")
-    return CheckResult("pronunciation_store", Status.FAIL,
-                       f"pronunciation store {env.pronunciation_dir} is not writable "
-                       f"({env.pronunciation_dir_problem}): changes to /v1/pronunciation-dictionaries will answer 503",
-                       f"make {env.pronunciation_dir} writable by the user running the frontend replicas, or set "
-                       "frontend.pronunciation.dir to writable shared storage")
+    return _store_check("pronunciation_store", "pronunciation store", env.pronunciation_dir,
+                        env.pronunciation_dir_problem, "changes to /v1/pronunciation-dictionaries",
+                        "frontend.pronunciation.dir")
