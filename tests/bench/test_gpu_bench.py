@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from bench.gpu_bench import main
@@ -16,6 +17,7 @@ from bench.replica_sim import edf_batch
 MODES = ["pytorch-fp32-allgraphs-early-edf-llmcompile", "compile-fp32-early"]
 
 
+@pytest.mark.slow  # ~60 s on 2 cores (a compiled mode): the CV3 test below keeps the report path in the default run
 def test_tiny_benchmark_writes_a_complete_report(tmp_path, caplog):
     main(["--debug", "cosyvoice_runtime", "--size", "tiny", "--device", "cpu", "--modes", ",".join(MODES),
           "--concurrency", "1,2",

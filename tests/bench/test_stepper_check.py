@@ -25,6 +25,7 @@ def test_stepper_check_runs_both_passes_on_the_tiny_model(tmp_path, family):
     assert inc["compiled"] is False
 
 
+@pytest.mark.slow  # ~30 s of torch.compile on 2 cores; the eager check of both families stays in the default run
 def test_stepper_check_compiles_the_incremental_pass_on_request(tmp_path):
     """``--flow-compile``: the incremental pass through torch.compile (the "eager" backend here:
     dynamo's trace without code generation) gives the same mel as the whole solve."""
