@@ -18,7 +18,7 @@ end=$((SECONDS + $1))
 for f in runtime/test_kernels runtime/test_llm_run_ahead runtime/test_llm_engine_bistream runtime/test_no_gpu_waits runtime/test_flow_incremental_batch runtime/test_flow_graphs \
          runtime/test_hift_graphs deployments/test_runtime_load runtime/test_graph_capture \
          runtime/test_llm_cuda_graph runtime/test_llm_prefill_graph deployments/test_synthesizer_heap \
-         runtime/test_compiled_graphs; do
+         serve_app/test_failover runtime/test_compiled_graphs; do
   left=$((end - SECONDS))
   if [ "$left" -le 5 ]; then echo "$f: not run (no time left)" | tee -a "$2"; continue; fi
   echo "== $f" >> "$2"

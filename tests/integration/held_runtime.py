@@ -5,8 +5,11 @@ stream whose seed is a hold seed (:func:`hold_seed`) make its first chunk, then 
 token2wav job until the test releases the seed (a marker file, seen by replicas on this machine).
 So a stream is mid-stream, with audio at the client and more to come, for as long as the test
 needs: it kills the replica serving it, then releases. A released seed is never held again, so an
-unbroken run of the same request and seed follows. The wait polls the marker in the replica's
-compute thread (a replica that serves a held stream makes no other audio meanwhile).
+unbroken run of the same request and seed follows. The replica that holds a stream writes its actor
+name beside the marker (:func:`holder`): the test kills that replica, never one it guessed from
+request counts (the ingress's background health probes are requests too). The wait polls the
+marker in the replica's compute thread (a replica that serves a held stream makes no other audio
+meanwhile).
 """
 from __future__ import annotations
 
@@ -30,12 +33,33 @@ def _marker(seed: int) -> Path:
     return Path(tempfile.gettempdir()) / f"fastcosy-held-release-{seed}"
 
 
+def _holder_file(seed: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"fastcosy-held-at-{seed}"
+
+
 def release(seed: int) -> None:
     _marker(seed).touch()
 
 
 def forget(seed: int) -> None:
     _marker(seed).unlink(missing_ok=True)
+    _holder_file(seed).unlink(missing_ok=True)
+
+
+def holder(seed: int) -> str | None:
+    """The actor name of the replica holding ``seed``'s stream now (the last to hold it), if any."""
+    try:
+        return _holder_file(seed).read_text() or None
+    except FileNotFoundError:
+        return None
+
+
+def _say_holder(seed: int) -> None:
+    import ray
+
+    tmp = _holder_file(seed).with_suffix(".tmp")
+    tmp.write_text(ray.get_runtime_context().get_actor_name() or "")
+    tmp.replace(_holder_file(seed))  # whole, never half-written
 
 
 def _is_hold(seed: int | None) -> bool:
@@ -70,6 +94,7 @@ class _HeldToken2Wav:
                 self._jobs[key] = n + 1
             seed = self._seeds.get(key)
             if seed is not None and n >= 1:
+                _say_holder(seed)
                 deadline = time.monotonic() + GUARD_S
                 while not _marker(seed).exists():
                     if time.monotonic() > deadline:

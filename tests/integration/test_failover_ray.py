@@ -97,15 +97,15 @@ def _running(app: str) -> int:
     return int(serve.status().applications[app].deployments["Synthesizer"].replica_states.get("RUNNING", 0))
 
 
-def _serving(app: str, exclude: set[str] = frozenset()) -> str:
-    """The replica the one open stream is in (waits until exactly one replica holds it)."""
+def _holder(seed: int, exclude: set[str] = frozenset()) -> str:
+    """The replica holding the stream of ``seed`` (waits until one other than ``exclude`` holds it)."""
     found: list[str] = []
 
-    def one() -> bool:
-        busy = [name for name, n in _replicas(app).items() if n > 0 and name not in exclude]
-        found[:] = busy
-        return len(busy) == 1
-    wait_for(one, "the stream inside one replica")
+    def held() -> bool:
+        name = held_runtime.holder(seed)
+        found[:] = [name] if name else []
+        return name is not None and name not in exclude
+    wait_for(held, "the stream held inside a replica")
     return found[0]
 
 
@@ -222,7 +222,7 @@ def _continued(ray_session, tmp_path_factory, family: str, transport: str) -> No
     before = _failovers(app["url"], "continued")
     client, seed = _start(app, transport)
     try:
-        _kill(app["name"], _serving(app["name"]))
+        _kill(app["name"], _holder(seed))
     finally:
         held_runtime.release(seed)
     client.join(GUARD_S)
@@ -255,9 +255,9 @@ def test_no_continuation_left_is_an_unambiguous_error(ray_session, tmp_path_fact
     before = _failovers(app["url"], "lost")
     client, seed = _start(app, transport)
     try:
-        first = _serving(app["name"])
+        first = _holder(seed)
         _kill(app["name"], first)
-        _kill(app["name"], _serving(app["name"], exclude={first}))  # the continuation, held at its second chunk
+        _kill(app["name"], _holder(seed, exclude={first}))  # the continuation, held at its second chunk
     finally:
         held_runtime.release(seed)
     client.join(GUARD_S)
@@ -278,7 +278,7 @@ def test_a_bistream_turn_is_not_continued_and_closes_1011(ray_session, tmp_path_
     _ready(app)
     client, seed = _start(app, "bistream")
     try:
-        _kill(app["name"], _serving(app["name"]))
+        _kill(app["name"], _holder(seed))
     finally:
         held_runtime.release(seed)
     client.join(GUARD_S)

@@ -13,6 +13,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 from ray.exceptions import ActorDiedError
 
 from deployments.frontend import FrontendConfig, TextFrontend
@@ -39,11 +40,15 @@ def family(request):
 
 @pytest.fixture(scope="module")
 def setup(family, tmp_path_factory):
+    return _setup(family, tmp_path_factory, "cpu")
+
+
+def _setup(family: str, tmp_path_factory, device: str):
     from cosyvoice_runtime.tiny_model import write_tiny_model
 
     model_dir = str(write_tiny_model(tmp_path_factory.mktemp("tiny") / family, family))
     frontend = TextFrontend(FrontendConfig(voices_dir=str(tmp_path_factory.mktemp("voices"))), ModelSource(model_dir))
-    replicas = [_synth(model_dir), _synth(model_dir)]
+    replicas = [_synth(model_dir, device), _synth(model_dir, device)]
     # A prompt upload (the frontend adds CosyVoice3's prefix to its transcript).
     audio = (0.1 * np.random.default_rng(3).standard_normal(2 * 16000)).astype(np.float32)
     prepared = asyncio.run(frontend.prepare(SynthesisRequest(
@@ -53,8 +58,10 @@ def setup(family, tmp_path_factory):
     return replicas, with_seed(prepared)
 
 
-def _synth(model_dir: str) -> Synthesizer:
-    synth = Synthesizer(SynthesizerConfig(device="cpu", warmup=False, max_model_len=1024), ModelSource(model_dir))
+def _synth(model_dir: str, device: str) -> Synthesizer:
+    # on CUDA the default plan: graphed LLM decode run ahead, stepped incremental flow, graphed vocoder
+    synth = Synthesizer(SynthesizerConfig(device=device, warmup=False, max_model_len=1024, flow_graph_max_s=8.0),
+                        ModelSource(model_dir))
 
     async def direct(job, s=synth):  # outside a replica: the @serve.batch method run one job at a time
         return (await s.jobs.run([job]))[0]
@@ -109,7 +116,19 @@ async def _collect(stream) -> tuple[np.ndarray, list]:
 
 
 def test_a_continuation_gives_the_unbroken_runs_audio(setup):
-    replicas, prepared = setup
+    _check_continuations(*setup, atol=ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_continuation_on_the_cuda_plan_gives_the_unbroken_runs_audio(family, tmp_path_factory):
+    """The seam on the CUDA default plan: the continuation's ids are prefilled where the unbroken
+    run decoded them through graphs, and its flow passes batch other rows. The bound is the graphed
+    stages' own (tests/deployments/test_runtime_load.py: graphs against eager)."""
+    _check_continuations(*_setup(family, tmp_path_factory, "cuda"), atol=1e-3)
+
+
+def _check_continuations(replicas, prepared, atol: float) -> None:
     unbroken, chunks = asyncio.run(_collect(replicas[0].synthesize(prepared)))
     pieces = [c.piece for c in chunks]
     assert len(chunks) >= 4 and pieces[0] == 0 and pieces[-1] == 1, pieces
@@ -122,7 +141,7 @@ def test_a_continuation_gives_the_unbroken_runs_audio(setup):
         audio, got = asyncio.run(_collect(FailoverStream(handle, prepared, retries=2)))
         assert len(handle.calls) == len(deaths) + 1, deaths
         assert len(audio) == len(unbroken), (deaths, len(audio), len(unbroken))
-        np.testing.assert_allclose(audio, unbroken, atol=ATOL, rtol=0, err_msg=str(deaths))
+        np.testing.assert_allclose(audio, unbroken, atol=atol, rtol=0, err_msg=str(deaths))
         assert [c.index for c in got] == list(range(len(got)))  # the continuation numbers on
         assert got[-1].is_last
         resume = handle.calls[1].resume
