@@ -12,7 +12,11 @@ it starts to say begins, from the model's own text-to-speech-token correspondenc
 * the characters the client sent map onto the normalised text (what the model read) through a
   character alignment of the two (:func:`char_spans`, one bounded pass; a run that
   normalisation rewrote, "$5" -> "five dollars", shares the rewritten span in order); a character
-  is released once its span's characters are.
+  is released once its span's characters are;
+* on the text-in WebSockets (bistream) the text is read as sent, except where the session's
+  pronunciation aliases rewrote it: :class:`TextIn` follows each character sent to the characters
+  read that say it (exactly, from the aliases' own matches) and hands them to the turn that reads
+  them; the whitespace a session opens with (ElevenLabs' first ``" "``) is no text.
 
 Times are monotonic, every character is released once, and nothing ends after the audio. A chunk
 without marks (a runtime that reports none) leaves its text to the sequence's last chunk, which
@@ -21,6 +25,7 @@ spreads what is left over the audio since the last mark.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from deployments.protocol import TextMarks
 
@@ -153,11 +158,23 @@ class Aligner:
             end += n
             self._token_ends.append(end)
 
-    def push(self, text: str, n_tokens: int) -> None:
-        """Text not normalised (bistream) joins the text and the sequence: ``n_tokens`` tokens."""
-        self.original += text
+    def push(self, text: str, n_tokens: int, sent: str | None = None,
+             spans: list[tuple[int, int]] | None = None) -> None:
+        """Text not normalised (bistream) joins the text and the sequence: ``n_tokens`` tokens
+        (none: its characters join the next push's tokens). ``sent``: the characters sent that it
+        completes, ``spans`` where each is said in the sequence's text (an aligner made with a
+        normalised text, ``Aligner("", "")``); without them ``text`` is what was sent."""
         self.normalized += text
-        self.extend(spread(len(text), n_tokens))
+        if sent is None or self._map is None:
+            self.original += text
+            if self._map is not None:
+                end = len(self.normalized)
+                self._map += [(k, k + 1) for k in range(end - len(text), end)]
+        else:
+            self.original += sent
+            self._map += spans or []
+        end = self._token_ends[-1] if self._token_ends else self._seq_start
+        self.extend(spread(len(self.normalized) - end, n_tokens))
 
     # ---------------------------------------------------------------- time
     def chunk(self, marks: TextMarks | None, start_s: float, end_s: float, last: bool) -> tuple[CharSpans, CharSpans]:
@@ -223,7 +240,7 @@ class Aligner:
         chars, starts, ends = [], [], []
         while self._o_done < len(self.original):
             lo, hi = self._map[self._o_done]
-            if hi > done and not final:
+            if not final and (hi > done or not done):  # before any is said, one said by none has no time
                 break
             if hi > lo:
                 start, end = self._n_starts[lo], self._n_ends[hi - 1]
@@ -256,3 +273,61 @@ class PieceAligner(Aligner):
             text, n_tokens = self._pieces[piece]
             self.sequence(spread(len(text), n_tokens), self._offsets[piece])
         return self.chunk(marks, start_s, end_s, last)
+
+
+class TextIn:
+    """A text-in session's text: the pieces the model reads (the text sent, through the session's
+    aliases, then cut into words), each with the characters sent that it completes.
+
+    A character sent goes with the piece that ends its span, at its span in that piece's turn (a
+    span begun in an earlier turn, an alias cut by a turn bound, is cut to this turn). Characters
+    said by nothing a turn reads (whitespace between turns, an empty alias) go with the next turn,
+    at its start, taking no time; the whitespace the session opens with is no text.
+
+    Args:
+        cutter: ``feed(text) -> piece`` / ``flush() -> piece`` (serve_app/stream_input.py
+            ``WordCutter``).
+        aliases: the session's :class:`~cosyvoice_runtime.frontend.aliases.AliasStream`, or None.
+    """
+
+    def __init__(self, cutter: Any, aliases: Any | None = None) -> None:
+        self.cutter, self.aliases = cutter, aliases
+        self._unmapped = ""  # sent, not yet through the aliases
+        self._pending: list[tuple[str, int, int]] = []  # (character sent, span read) not yet in a piece
+        self._read = 0  # characters read (through the aliases) so far
+        self._cut = 0  # of them, in pieces so far
+        self._turn = 0  # where the turn's text starts
+        self._text = False  # a non-blank character was sent
+
+    def piece(self, text: str | None, new_turn: bool) -> tuple[str, str, list[tuple[int, int]]]:
+        """The next piece for ``text`` sent (None: the end or a flush: all that is held), the
+        first of a turn when ``new_turn`` (no leading whitespace): (piece, characters sent it
+        completes, their spans in the turn's text). An empty piece completes none."""
+        self._unmapped += text or ""
+        if self.aliases is None:
+            read, spans = self._unmapped, [(self._read + k, self._read + k + 1) for k in range(len(self._unmapped))]
+        else:
+            read, spans = self.aliases.feed_mapped(text) if text is not None else self.aliases.flush_mapped()
+        self._map(spans, len(read))
+        piece = self.cutter.feed(read) + (self.cutter.flush() if text is None else "")
+        self._cut += len(piece)
+        if new_turn:
+            piece = piece.lstrip()
+            self._turn = self._cut - len(piece)
+        if not piece:
+            return "", "", []
+        done = 0
+        while done < len(self._pending) and self._pending[done][2] <= self._cut:
+            done += 1
+        taken, self._pending = self._pending[:done], self._pending[done:]
+        turn = self._turn
+        return (piece, "".join(c for c, _, _ in taken),
+                [(max(lo - turn, 0), max(hi - turn, 0)) for _, lo, hi in taken])
+
+    def _map(self, spans: list[tuple[int, int]], n_read: int) -> None:
+        sent, self._unmapped = self._unmapped[:len(spans)], self._unmapped[len(spans):]
+        for c, (lo, hi) in zip(sent, spans):
+            if self._text or not c.isspace():
+                self._text = True
+                self._pending.append((c, lo, hi))
+        self._read += n_read

@@ -265,27 +265,14 @@ class DictionaryRoutes:
 
 
 # ----------------------------------------------------------------------------- WebSocket text
-class AliasingCutter:
-    """A bistream session's word cutter behind its aliases: text goes through the aliases first
-    (an :class:`AliasStream` holds back what a longer rule could still match, so a rule split
-    over messages still matches), then the cutter (serve_app/stream_input.py ``WordCutter``)."""
-
-    def __init__(self, cutter: Any, stream: AliasStream) -> None:
-        self.cutter, self.stream = cutter, stream
-
-    def feed(self, text: str) -> str:
-        return self.cutter.feed(self.stream.feed(text))
-
-    def flush(self) -> str:
-        return self.cutter.feed(self.stream.flush()) + self.cutter.flush()
-
-
-async def aliasing_cutter(session: Any, cutter: Any, max_chars: int) -> Any:
-    """``cutter``, behind the session's aliases when its first message named any (their
-    dictionaries are resolved by the frontend, which checks the key may use them)."""
+async def session_aliases(session: Any, max_chars: int) -> AliasStream | None:
+    """The aliases of a text-in session whose first message named any, as a stream over its text
+    (an :class:`AliasStream` holds back what a longer rule could still match, so a rule split over
+    messages still matches; serve_app/alignment.py ``TextIn`` puts it before the word cutter).
+    Their dictionaries are resolved by the frontend, which checks the key may use them."""
     if session.pronunciation is None:
-        return cutter
+        return None
     lexicon = await admitted(session.frontend.pronunciation_lexicon.remote(session.pronunciation, session.access))
     if lexicon is None:
-        return cutter
-    return AliasingCutter(cutter, AliasStream(lexicon, expanded_limit(max_chars)))
+        return None
+    return AliasStream(lexicon, expanded_limit(max_chars))

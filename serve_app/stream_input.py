@@ -7,7 +7,8 @@
   ``{"text": ""}`` to end;
 * server -> client: ``{"audio": "<base64>", "isFinal": false, "normalizedAlignment": {...},
   "alignment": {...}}`` messages (serve_app/alignment.py: the characters each message's audio
-  starts to say, from the model's text-to-speech-token correspondence), then
+  starts to say, from the model's text-to-speech-token correspondence; ``alignment`` those sent,
+  ``normalizedAlignment`` those read, after the session's pronunciation aliases), then
   ``{"isFinal": true, "audioSeconds": <float>}`` (the seconds of audio the session was sent) and
   a normal close (1000).
 
@@ -53,14 +54,14 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from cosyvoice_runtime.frontend.split import CLOSING_QUOTES, EN_SENTENCE_END, ZH_SENTENCE_END, cut_to_length
 from cosyvoice_runtime.frontend.voice_id import VOICE_ID_RULE, is_voice_id
 from deployments.protocol import AudioChunk, CosyVoiceError, InvalidInputError, OverloadedError, SynthesisRequest
-from serve_app.alignment import Aligner, CharSpans, PieceAligner, joined
+from serve_app.alignment import Aligner, CharSpans, PieceAligner, TextIn, joined
 from serve_app.audio_codec import run_encoder
 from serve_app.auth import voice_access
 from serve_app.elevenlabs import DEFAULT_OUTPUT_FORMAT, OutputFormat, parse_output_format
 from serve_app.errors import classify, error_body, message_of, request_id_of
 from serve_app.failover import DEFAULT_RETRIES, FailoverStream, lost_as_error, seed_param
 from serve_app.handles import admitted, cancel_stream
-from serve_app.pronunciation import aliasing_cutter, spec_of_message
+from serve_app.pronunciation import session_aliases, spec_of_message
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
 from serve_app.speech import AudioOut, served_seconds, split_speed
 
@@ -262,21 +263,21 @@ class StreamInputSession:
         """Bistream turns one after another: a turn starts at its first non-blank piece, each
         piece's ids go to its sequence, and it ends at flush / the end / the turn bound."""
         native, tempo = split_speed(self.speed)
-        cutter = await aliasing_cutter(self, WordCutter(), MAX_SESSION_CHARS)
+        text = TextIn(WordCutter(), await session_aliases(self, MAX_SESSION_CHARS))
         turn: _Turn | None = None
         n = 0
         try:
             while True:
                 item = await self._next_fragment(turn)
                 ends = item is None or item is FLUSH
-                piece = cutter.flush() if ends else cutter.feed(item)
-                if turn is None:
-                    piece = piece.lstrip()  # a turn starts at text (ElevenLabs' first " " is no text)
+                # a turn starts at text (ElevenLabs' first " " is no text)
+                piece, sent, spans = text.piece(None if ends else item, new_turn=turn is None)
                 if piece:
                     if turn is None:
                         turn = await self._start_turn(f"{self.rid}-{n}", native, fmt, tempo)
                         n += 1
-                    await turn.push((await self.frontend.tokenize_fragment.remote(piece)).tolist(), piece)
+                    ids = (await self.frontend.tokenize_fragment.remote(piece)).tolist()
+                    await turn.push(ids, piece, sent, spans)
                     if turn.ids >= TURN_MAX_IDS or (turn.ids >= TURN_SOFT_IDS and _ends_sentence(piece)):
                         await turn.finish()
                         turn = None
@@ -301,7 +302,7 @@ class StreamInputSession:
         except BaseException:
             cancel_stream(gen)
             raise
-        aligner = Aligner("")  # the turn's text as pushed (not normalised)
+        aligner = Aligner("", "")  # the turn's text as pushed (read as sent, but for aliases) and as sent
         aligner.sequence([])
         return _Turn(ticket, asyncio.create_task(self._play(gen, fmt, tempo, aligner)), aligner)
 
@@ -384,13 +385,17 @@ class _Turn:
     aligner: Aligner  # the text pushed, with its tokens (read by the audio task)
     ids: int = 0
 
-    async def push(self, ids: list[int], piece: str) -> None:
+    async def push(self, ids: list[int], piece: str, sent: str, spans: list[tuple[int, int]]) -> None:
+        """``piece``'s ids to the sequence; ``sent``: the characters sent it completes, ``spans``
+        where each is said in the turn's text (serve_app/alignment.py ``TextIn``)."""
         if self.audio.done():
             self.audio.result()  # a failed synthesis raises its own error, not "session closed"
+        # NOTE: the aligner knows the tokens before the model can read them (the audio task may mark
+        # them while the push below awaits); a piece without ids: its text joins the next one's
+        self.aligner.push(piece, len(ids), sent, spans)
         if ids:
             await self.ticket.push(ids)
             self.ids += len(ids)
-            self.aligner.push(piece, len(ids))
 
     async def finish(self) -> None:
         """End of this turn's text; returns once its audio has been sent."""

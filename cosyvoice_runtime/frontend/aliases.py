@@ -26,7 +26,8 @@ distinct lengths <= ``MAX_GRAPHEME_CHARS``) lookups.
 The output is bounded (``max_chars``): nothing is built past it.
 
 :class:`AliasStream` applies a lexicon to text that arrives in pieces (a WebSocket's text),
-holding back only what a longer rule could still match.
+holding back only what a longer rule could still match; :meth:`AliasStream.feed_mapped` also says
+which output characters say each input character (a WebSocket's timestamps are of the text sent).
 """
 from __future__ import annotations
 
@@ -141,10 +142,11 @@ class Lexicon:
         return out
 
     def _scan(self, text: str, folded: str, before: str, stop: int, final: bool,
-              max_chars: int | None) -> tuple[str, int, int]:
+              max_chars: int | None, matches: list[tuple[int, int, int]] | None = None) -> tuple[str, int, int]:
         """Rewrite ``text`` from its start; a match may start only before ``stop``. ``before``: the
         character preceding ``text`` ("" at the start). ``final``: ``text`` ends the stream (its
-        end is a boundary). Returns (output, characters consumed, output length)."""
+        end is a boundary). ``matches``, when given, gets (start, length, alias length) of each
+        match. Returns (output, characters consumed, output length)."""
         parts, size, copied, i = [], 0, 0, 0
         n, lengths, inner = len(text), self.lengths, self.inner
         while i < stop:
@@ -163,6 +165,8 @@ class Lexicon:
                 raise AliasOverflowError(f"pronunciation aliases make the text longer than {max_chars} characters")
             parts.append(text[copied:i])
             parts.append(alias)
+            if matches is not None:
+                matches.append((i, length, len(alias)))
             i += length
             copied = i
         if final:
@@ -219,25 +223,51 @@ class AliasStream:
         self._out = 0
 
     def feed(self, text: str) -> str:
+        return self.feed_mapped(text)[0]
+
+    def flush(self) -> str:
+        return self.flush_mapped()[0]
+
+    def feed_mapped(self, text: str) -> tuple[str, list[tuple[int, int]]]:
+        """:meth:`feed`, and for each input character it consumed (the held ones come later), in
+        order, the span ``[lo, hi)`` of the output that says it, as offsets over the stream's life:
+        a copied character its own; a matched grapheme's characters share its alias in order
+        (``NYC`` -> ``New York City``: ``N`` says ``New ``), an empty alias gives empty spans."""
         self._held += text
         # A match starting at i needs its longest candidate and the character after it: decided
         # only for i + max_len < len(held).
         return self._run(max(len(self._held) - self.lexicon.max_len, 0), final=False)
 
-    def flush(self) -> str:
+    def flush_mapped(self) -> tuple[str, list[tuple[int, int]]]:
         return self._run(len(self._held), final=True)
 
-    def _run(self, stop: int, final: bool) -> str:
+    def _run(self, stop: int, final: bool) -> tuple[str, list[tuple[int, int]]]:
         held = self._held
         if not self.lexicon:
             stop = len(held)
         if not held or (stop == 0 and not final):
-            return ""
+            return "", []
         left = None if self.max_chars is None else self.max_chars - self._out
+        matches: list[tuple[int, int, int]] = []
         out, used, size = self.lexicon._scan(held, fold_text(held), self._before, stop, final or not self.lexicon,
-                                             left)
+                                             left, matches)
         if used:
             self._before = held[used - 1]
         self._held = held[used:]
+        spans = _spans(matches, used, self._out)
         self._out += size
-        return out
+        return out, spans
+
+
+def _spans(matches: list[tuple[int, int, int]], used: int, out: int) -> list[tuple[int, int]]:
+    """The output span of each of ``used`` input characters whose output starts at ``out``."""
+    spans: list[tuple[int, int]] = []
+    i = 0
+    for at, length, n_alias in matches:
+        spans += [(out + k, out + k + 1) for k in range(at - i)]
+        out += at - i
+        spans += [(out + k * n_alias // length, out + (k + 1) * n_alias // length) for k in range(length)]
+        out += n_alias
+        i = at + length
+    spans += [(out + k, out + k + 1) for k in range(used - i)]
+    return spans

@@ -4,7 +4,8 @@ tiny random-weight model of both families, in process: HTTP ``/with-timestamps``
 
 With random weights the speech says nothing, so only the mechanism is tested: every character
 sent is aligned once and in order, times are monotonic, and nothing ends after the audio;
-normalisation ("2" -> "two") is mapped back to the characters sent."""
+normalisation ("2" -> "two"), and on the text-in WebSockets the session's pronunciation aliases
+("NYC" -> "New York City"), are mapped back to the characters sent."""
 from __future__ import annotations
 
 import asyncio
@@ -99,3 +100,51 @@ def test_websocket_alignment_comes_from_the_bistream_interleave(app, route):
                 got += "".join(a["chars"])
             audio_s += seconds
     assert got == TEXT + " " and audio_s > 0  # every character pushed, once, in order
+
+
+def _ws_alignment(app, path: str, first: dict, texts: list[str], flush_at: int | None = None):
+    """(alignment chars, normalizedAlignment chars, audio seconds) of one text-in session; every
+    message's alignment objects are checked (monotonic, within their audio, each of one message)."""
+    multi = "multi-stream-input" in path
+    sent, spoken, audio_s = "", "", 0.0
+    with TestClient(app) as c, c.websocket_connect(path) as ws:
+        ws.send_json(first)
+        for k, text in enumerate(texts):
+            ws.send_json({"text": text, "flush": k == flush_at})
+        if multi:
+            ws.send_json({"text": "", "flush": True})
+            ws.send_json({"close_context": True})
+        else:
+            ws.send_json({"text": ""})
+        while (m := ws.receive())["type"] == "websocket.send":
+            msg = json.loads(m["text"])
+            assert "error" not in msg, msg
+            if msg.get("isFinal"):
+                if multi:
+                    ws.send_json({"close_socket": True})
+                continue
+            seconds = len(base64.b64decode(msg["audio"])) / 2 / SR
+            for key in ("alignment", "normalizedAlignment"):
+                if (a := msg[key]) is not None:
+                    starts = [t / 1000 for t in a["charStartTimesMs"]]
+                    ends = [(t + d) / 1000 for t, d in zip(a["charStartTimesMs"], a["charDurationsMs"])]
+                    _check(a["chars"], starts, ends, "".join(a["chars"]), seconds)
+            sent += "".join((msg["alignment"] or {}).get("chars", []))
+            spoken += "".join((msg["normalizedAlignment"] or {}).get("chars", []))
+            audio_s += seconds
+    return sent, spoken, audio_s
+
+
+@pytest.mark.parametrize("route", ["stream-input", "multi-stream-input"])
+def test_websocket_alignment_lists_the_characters_sent_through_aliases(app, route):
+    """A pronunciation rule on the text-in path: ``alignment`` is what the client sent (each
+    character once, in order), ``normalizedAlignment`` what the model read. The rule's text is
+    split over messages, and a flush ends the first turn inside the session."""
+    first = {"text": " ", "pronunciation_rules": [{"string_to_replace": "NYC", "alias": "New York City"},
+                                                  {"string_to_replace": "um", "alias": ""}]}
+    texts = ["I love N", "YC. ", "um ", "Then NYC", " again!"]
+    sent, spoken, audio_s = _ws_alignment(app, f"/v1/text-to-speech/v/{route}?output_format=pcm_24000", first,
+                                          texts, flush_at=1)
+    assert audio_s > 0
+    assert sent == "".join(texts)
+    assert spoken == "I love New York City. Then New York City again!"

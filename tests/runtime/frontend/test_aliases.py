@@ -110,6 +110,32 @@ def test_a_stream_cut_anywhere_gives_the_whole_text_result():
         assert "".join(out) == lexicon.apply(text), (text, cuts)
 
 
+def test_a_stream_maps_each_input_character_to_the_output_that_says_it():
+    """feed_mapped: one span per input character, in order, tiling the output (a grapheme's
+    characters share its alias in order), the same however the text is cut."""
+    lexicon = Lexicon.compile([[*RULES, AliasRule("um", "")]])
+    rng = random.Random(99)
+    atoms = ["NYC", "New York", "abab", "b", "中文", "C++", " ", "um", "x", "."]
+    for _ in range(200):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 10)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 5))))
+        stream, out, spans, last = AliasStream(lexicon), "", [], 0
+        for c in [*cuts, len(text)]:
+            o, s = stream.feed_mapped(text[last:c])
+            out, spans, last = out + o, spans + s, c
+        o, s = stream.flush_mapped()
+        out, spans = out + o, spans + s
+        assert out == lexicon.apply(text) and len(spans) == len(text), (text, cuts)
+        tiles = [0] + [hi for _, hi in spans]
+        assert [lo for lo, _ in spans] == tiles[:-1] and tiles[-1] == len(out), (text, cuts)
+        one = AliasStream(lexicon)
+        assert one.feed_mapped(text)[1] + one.flush_mapped()[1] == spans, (text, cuts)
+    stream = AliasStream(lexicon)
+    assert stream.feed_mapped("I love NYC") == ("I ", [(0, 1), (1, 2)])  # "love NYC" is held: a rule may still match
+    assert stream.flush_mapped() == ("love New York City", [(2, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 11),
+                                                            (11, 15), (15, 20)])  # N: "New ", Y: "York", C: " City"
+
+
 def test_a_stream_releases_text_no_rule_can_still_change():
     stream = AliasStream(lex(("New York", "Big Apple")))
     assert stream.feed("I love New") == "I "  # 8 characters held: "New York" may still come
