@@ -18,6 +18,11 @@ With timestamps, each chunk carries the characters it starts to say (serve_app/a
 from the model's text-to-speech-token correspondence); a chunk leaves when the next one is made
 (whether it ends its sentence piece must be known): at most one chunk later than on ``/stream``.
 Times are seconds from the start of the response's audio.
+
+A stream whose synthesizer replica dies is continued on another (``TTSIngress.open_stream``,
+serve_app/failover.py; docs/serving.md, Failover mid-stream): the client gets the unbroken run's
+audio, and an alignment still monotonic with every character once. Where it cannot be continued:
+ElevenLabs' 503 before the headers, else an aborted body.
 """
 from __future__ import annotations
 
@@ -188,7 +193,7 @@ class ElevenLabsHttp:
         ingress.metrics.in_flight.inc()
         try:
             prepared = await admitted(ingress.frontend.prepare.remote(req))
-            gen = ingress.synth.options(stream=True).synthesize.remote(prepared)
+            gen = ingress.open_stream(prepared)  # continued on another replica if this one dies
             try:
                 try:
                     first = await admitted(gen.__anext__())

@@ -249,7 +249,7 @@ class TTSIngress:
                 self._observe(started, started + result.time_to_first_audio_s, len(result.samples), result.sample_rate,
                               served)
                 return Response(data, media_type=MEDIA_TYPES[fmt], headers={AUDIO_SECONDS_HEADER: f"{served:.3f}"})
-            gen = FailoverStream(self.synth, prepared, self.cfg.stream_failover_retries, self._failed_over)
+            gen = self.open_stream(prepared)
             try:
                 first = await _admitted(self._next_audio(gen))
             except StopAsyncIteration:
@@ -323,6 +323,11 @@ class TTSIngress:
             _cancel(gen)
             self.metrics.in_flight.dec()
 
+    def open_stream(self, prepared) -> FailoverStream:
+        """The synthesizer's stream of ``prepared``: every HTTP route's and the handle API's one way
+        to call it, so each is continued on another replica when its replica dies (serve_app/failover.py)."""
+        return FailoverStream(self.synth, prepared, self.cfg.stream_failover_retries, self._failed_over)
+
     def _failed_over(self, outcome: str) -> None:
         self.metrics.failovers.labels(outcome).inc()
 
@@ -379,7 +384,7 @@ class TTSIngress:
         Cancelling the caller's generator (or ``.cancel()`` on it) aborts the sequence.
         """
         prepared = await _admitted(self.frontend.prepare.remote(req))
-        gen = FailoverStream(self.synth, prepared, self.cfg.stream_failover_retries)
+        gen = self.open_stream(prepared)
         try:
             async for chunk in gen:
                 yield chunk
