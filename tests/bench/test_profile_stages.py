@@ -3,6 +3,7 @@ script that fails): every variant of a module method and of a plain function is 
 matches eager."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench.profile_stages import execution_variants
@@ -17,6 +18,7 @@ class _Net(torch.nn.Module):
         return torch.tanh(self.lin(x)) + y
 
 
+@pytest.mark.slow  # ~18 s on 2 cores, most of it torch.compile of the two variants
 def test_variants_of_a_method_and_a_function():
     torch.manual_seed(0)
     net = _Net().eval().requires_grad_(False)  # as the bench builds its models

@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~20-35 s of a local Ray cluster; bench/capacity.py's serve level has its own default-run test
 @pytest.mark.ray
 def test_serve_load_runs_the_app_and_writes_its_report(tmp_path):
     out = tmp_path / "serve-local"
