@@ -174,6 +174,7 @@ async def measure_arm(arm: Arm, cfg, source: ModelSource, requests: Requests, co
             print(json.dumps(row), flush=True)
             on_row(row)
     finally:
+        await synth.loop.close()  # the step thread ended: nothing holds the model once the replica goes
         synth.shutdown()
         del synth
         gc.unfreeze()  # the replica's frozen start-up heap (gc_freeze) collectable, so its model goes
