@@ -53,6 +53,7 @@ COPY cosyvoice_runtime/ cosyvoice_runtime/
 COPY deployments/ deployments/
 COPY serve_app/ serve_app/
 COPY fastcosy_cli/ fastcosy_cli/
+# the benchmarks `fastcosy bench` runs; the GPU-rental scripts beside them are .dockerignored
 COPY bench/ bench/
 # The project itself is pinned by this source tree; its dependencies by requirements.lock.
 # hadolint ignore=DL3013

@@ -8,15 +8,19 @@ default: corpus sentences, a voice pool and cold voices; ``synthetic``: the ``--
 one made-up word in one voice, what every figure before it measured), the targets in
 ``bench/capacity_targets.py``:
 
-    # replica level: the engine + token2wav simulation (bench/replica_sim.py), per mode
-    python -m bench.capacity --level replica --modes pytorch-bf16-allgraphs-early-edf --out bench/results
     # whole Serve application over HTTP (ingress, frontend, synthesizer) from a config
     FAST_COSY_MODEL_DIR=/tmp/cv2-full python -m bench.capacity --level serve --config configs/single-gpu.yaml
     # the config's frontend and synthesizer objects in this process: no Ray, no HTTP (what those cost)
     FAST_COSY_MODEL_DIR=/tmp/cv2-full python -m bench.capacity --level synth --config configs/single-gpu.yaml
+    # the same, one search per arm: the config's synthesizer with overrides (bench/replica.py)
+    python -m bench.capacity --level synth --arm default --arm recompute:token2wav.cv2_flow=recompute
     # either of those two without a GPU: the synthesizer's runtime takes the H200's times
     # (bench/timed_runtime.py), so the serving layer meets GPU-like load on a CPU machine
     python -m bench.capacity --level serve --timed --config configs/single-gpu.yaml --num-cpus 8
+
+The synth level is one replica's own code in one process; the replica simulation that an earlier
+``--level replica`` ran (``bench/replica_sim.py``, a second replica beside the product's, lacking
+its newer code paths) is gone: its figures stay in the records under ``_sim`` keys.
 
 Writes ``capacity-<level>[-cosyvoice3]-<device>-<date>[-tag].{md,json}`` with plots (first audio
 and underruns against load, GPU utilisation against load), rewritten after every probe so a run cut
@@ -46,22 +50,20 @@ import yaml
 from bench.capacity_counters import GpuSampler, probe_counters
 from bench.capacity_load import Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import update_latest, write_report
-from bench.capacity_targets import TOKENS_PER_S, HttpTarget, InProcessTarget, SimTarget
-from bench.gpu_bench import make_model, make_voice, mode_setup, parse_mode
+from bench.capacity_targets import TOKENS_PER_S, HttpTarget, InProcessTarget
 from bench.load import register_voices, synthetic_prompt_wav
-from bench.replica_sim import PROMPT_SPEECH, ReplicaSim
-from bench.report import _slug
+from bench.random_model import PROMPT_SPEECH
+from bench.replica import GRAPHS_WAIT_S, Arm, require_stepped, wait_for_graphs
+from bench.report import slug
 from bench.soak import config_env, start_local, wait_idle
 from bench.timed_runtime import PROFILES
 from bench.workload import add_args, length_summary, register_pool, source_from_args
 from deployments.frontend import TextFrontend
-from deployments.python_gc import freeze_startup_heap
 from deployments.synthesizer import Synthesizer
 from serve_app.args import AppArgs, application_of
 
 logger = logging.getLogger("bench.capacity")
 DEFAULT_MIX = "40:1-3,40:3-8,20:8-20"
-GRAPHS_WAIT_S = 300.0  # the most an in-process run waits for its replica's background graph capture
 
 
 class Run:
@@ -77,12 +79,12 @@ class Run:
         self.searches: list[dict] = []  # {"mode", "kind": sessions|rate, "capacity", "probes": [summary...]}
         # CosyVoice3 runs are named apart: the same day's CosyVoice2 report of that level is not overwritten
         family = "" if args.family == "cosyvoice2" else f"-{args.family}"
-        stem = f"capacity-{args.level}{family}-{_slug(device)}-{self.date}" + (f"-{args.tag}" if args.tag else "")
+        stem = f"capacity-{args.level}{family}-{slug(device)}-{self.date}" + (f"-{args.tag}" if args.tag else "")
         self.out = Path(args.out)
         self.stem = stem
 
         # what served the probes (the serve level reads it from the service's /health)
-        self.model = f"{args.family}, {args.size}-size architecture, random weights"
+        self.model = f"{args.family}, model not reported"  # the level reads what its synthesizer loaded
         self.random_weights = True
         self.http_proxy: str | None = None  # the serve level's HTTP path
         self.notes: list[str] = []  # what the report's reader must know about the setup
@@ -118,39 +120,9 @@ class Run:
         return update_latest(self)  # after every probe: a run cut short still leaves its finished searches there
 
 
-def _probe_extra(probe: Probe, sampler: GpuSampler | None, target) -> dict:
+def _probe_extra(probe: Probe, sampler: GpuSampler | None) -> dict:
     t0, t1 = probe.span
-    extra = {"gpu_util_pct": sampler.mean(t0, t1) if sampler else None}
-    if isinstance(target, SimTarget):
-        extra.update(target.lane_stats(t0, t1))
-    return extra
-
-
-def run_replica(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
-    base = make_model(args.family, args.size, args.device)
-    source = run.work.source  # room for the workload's longest request and voice prompt
-    max_tokens = (math.ceil(source.longest_s * TOKENS_PER_S)
-                  + max(0, math.ceil(source.prompt_s_max * TOKENS_PER_S) - PROMPT_SPEECH))
-    for mode in args.modes.split(","):
-        model, sim_args = mode_setup(base, mode, args.flow_batch, max_tokens)
-        voice, text = make_voice(model)
-        ReplicaSim(model, 4, 60, **sim_args).run(voice, text, 2, 2)  # warm-up: allocations, kernel choice
-        sim = ReplicaSim(model, max_batch=args.max_batch, n_tokens=max_tokens,
-                         max_text=math.ceil(source.longest_s * 4) + 1 + math.ceil(source.prompt_s_max * 4), **sim_args)
-        if "gcfreeze" in parse_mode(mode)[2]:
-            freeze_startup_heap()
-        sim.start()
-        target = SimTarget(sim, voice)
-        try:
-            asyncio.run(register_pool(target, run.work.source.voices))
-            _searches(args, run, mode, target, sampler)
-        except RuntimeError as exc:  # this mode's replica died: report it, measure the next mode
-            logger.exception("mode %s failed", mode)
-            run.searches[-1]["error"] = f"{exc}: {exc.__cause__!r}"
-            run.write()
-        finally:
-            sim.close()
-            gc.unfreeze()  # the next mode's objects start collectable
+    return {"gpu_util_pct": sampler.mean(t0, t1) if sampler else None}
 
 
 def graph_coverage(app: AppArgs, work: Workload) -> str | None:
@@ -201,24 +173,21 @@ def apply_replica_env(config: Path) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-def in_process_target(app: AppArgs, work: Workload) -> InProcessTarget:
-    """The config's frontend and synthesizer in this process with the benchmark's voices
-    registered (the caller closes it)."""
+def in_process_target(app: AppArgs, work: Workload, arm: Arm | None = None) -> InProcessTarget:
+    """The config's frontend and synthesizer (with ``arm``'s overrides) in this process with the
+    benchmark's voices registered (the caller closes it)."""
     source = app.model_source()
     frontend_cfg = app.frontend.model_copy(update={"voices_dir": tempfile.mkdtemp(prefix="capacity-voices-")})
+    synth_cfg = arm.config(app.synthesizer) if arm is not None else app.synthesizer
 
     async def make():
-        return TextFrontend(frontend_cfg, source), Synthesizer(app.synthesizer, source)
+        return TextFrontend(frontend_cfg, source), Synthesizer(synth_cfg, source)
 
     target = InProcessTarget(make, "capacity0")
     try:
         # the steady state is measured: the graphs left to the background first (graphs_before_ready: first)
-        graphs = target.synth.runtime.graph_schedule
-        if graphs is not None and not graphs.done.wait(GRAPHS_WAIT_S):
-            raise RuntimeError(f"the background CUDA graph capture did not finish in {GRAPHS_WAIT_S:.0f} s")
-        if target.synth.stepped is None:  # Serve's batch queue needs a replica around it
-            raise ValueError("--level synth needs token2wav.scheduler steps (the CUDA default); the batch "
-                             "scheduler's @serve.batch runs only inside Serve")
+        wait_for_graphs(target.synth, GRAPHS_WAIT_S)
+        require_stepped(target.synth, "--level synth")
         target.register(synthetic_prompt_wav(PROMPT_SPEECH / TOKENS_PER_S), "Prompt number 0.")
         target.call(register_pool(target, work.source.voices))
     except BaseException:
@@ -228,16 +197,31 @@ def in_process_target(app: AppArgs, work: Workload) -> InProcessTarget:
 
 
 def run_synth(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) -> None:
-    """The config's frontend and synthesizer in this process (:class:`InProcessTarget`)."""
+    """The config's frontend and synthesizer in this process (:class:`InProcessTarget`), once per
+    ``--arm`` (each a fresh replica of the config with its overrides), else once as configured."""
     app = AppArgs.from_file(args.config)
     _note_coverage(run, app)
-    target = in_process_target(app, run.work)
-    try:
-        run.model, run.random_weights = describe_served({"mode": target.synth.mode,
-                                                         "runtime": target.synth.runtime.details})
-        _searches(args, run, Path(args.config).stem + "-in-process", target, sampler)
-    finally:
-        target.close()
+    for arm in args.arm:  # every arm's overrides validated before the first arm's searches
+        arm.config(app.synthesizer)
+    for arm in args.arm or [None]:
+        label = Path(args.config).stem + "-in-process" + (f"-{arm.name}" if arm else "")
+        if arm is not None:
+            run.notes.append(f"arm {arm.name}: {arm.describe()}")
+        target = in_process_target(app, run.work, arm)
+        try:
+            run.model, run.random_weights = describe_served({"mode": target.synth.mode,
+                                                             "runtime": target.synth.runtime.details})
+            _searches(args, run, label, target, sampler)
+        except RuntimeError as exc:  # this arm's replica died: report it, measure the next arm
+            if arm is None:
+                raise
+            logger.exception("arm %s failed", arm.name)
+            run.searches[-1]["error"] = f"{exc}: {exc.__cause__!r}"
+            run.write()
+        finally:
+            target.close()
+            target.synth.shutdown()  # before the next arm loads its model on the same device
+            gc.unfreeze()  # its start-up heap (gc_freeze) collectable again, as the next arm's starts unfrozen
 
 
 TIMED_SYNTHESIZER = {"device": "cpu", "dtype": "float32", "cuda_graphs": False, "max_mem_gb": None}
@@ -293,10 +277,7 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
             before = await target.counters()
             result = await loop_fn(target, load, work, run.slo)
             deltas = probe_counters(before, await target.counters())
-            run.record(entry, result, {**_probe_extra(result, sampler, target), **deltas})
-            if args.trace and isinstance(target, SimTarget):
-                name = f"trace-{run.stem}-{_slug(mode)}-{kind}-{load}.json"
-                (run.out / name).write_text(json.dumps(target.timeline(*result.span)))
+            run.record(entry, result, {**_probe_extra(result, sampler), **deltas})
             if getattr(target, "failed", None) is not None:  # not an SLO miss: the search stops here
                 raise RuntimeError(f"{mode}: the replica failed during the {kind} probe at {load}") from target.failed
             settle()
@@ -338,12 +319,12 @@ def _searches(args, run: Run, mode: str, target, sampler, settle=lambda: None) -
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--level", choices=["replica", "serve", "synth"], default="replica",
+    ap.add_argument("--level", choices=["serve", "synth"], default="synth",
                     help="synth: the config's frontend and synthesizer in this process, without Ray or HTTP")
     ap.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice3"])
-    ap.add_argument("--size", default="full", choices=["full", "tiny"], help="replica level: model size")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--modes", default="pytorch-bf16-allgraphs-early-edf", help="replica level: gpu_bench modes")
+    ap.add_argument("--arm", action="append", default=[], type=Arm.parse, metavar="NAME[:KEY=VALUE,...]",
+                    help="synth level: one search per arm, the config's synthesizer with these overrides "
+                         "(bench/replica.py; repeat for an A/B)")
     ap.add_argument("--config", default="configs/single-gpu.yaml", help="serve and synth levels: the Serve config")
     ap.add_argument("--timed", nargs="?", const="h200", default=None, choices=sorted(PROFILES),
                     help="serve and synth levels: the synthesizer's runtime takes a GPU's times on the CPU "
@@ -370,12 +351,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "on one machine (a missed probe does not send the search down and use the arm's time)")
     ap.add_argument("--rate-start", type=float, default=1.0)
     ap.add_argument("--c1-window-s", type=float, default=20.0, help="window of the one-session probe")
-    ap.add_argument("--max-batch", type=int, default=64, help="replica level: LLM engine batch")
-    ap.add_argument("--flow-batch", type=int, default=16)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--trace", action="store_true", help="replica level: write each probe's timeline "
-                    "(decode steps, token2wav batches, requests) to trace-*.json")
     return ap.parse_args(argv)
 
 
@@ -389,9 +366,9 @@ def measure(argv: list[str] | None = None) -> tuple[dict, Path]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    if args.arm and args.level != "synth":
+        raise SystemExit("--arm is for the synth level (the serve level runs the config as it is)")
     if args.timed:
-        if args.level == "replica":
-            raise SystemExit("--timed is for the serve and synth levels (the replica level is the real model's)")
         args.config = str(timed_config(Path(args.config), args.timed))
         args.tag = "-".join(t for t in ("timed", args.timed.replace("_", "-"), args.tag) if t)
     if args.level == "synth":
@@ -404,7 +381,7 @@ def measure(argv: list[str] | None = None) -> tuple[dict, Path]:
     sampler = GpuSampler() if torch.cuda.is_available() and not args.timed else None
     t0 = time.perf_counter()
     try:
-        {"replica": run_replica, "serve": run_serve, "synth": run_synth}[args.level](args, run, sampler)
+        {"serve": run_serve, "synth": run_synth}[args.level](args, run, sampler)
     finally:
         if sampler:
             sampler.close()

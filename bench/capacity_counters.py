@@ -13,7 +13,7 @@ from deployments.python_gc import watched
 from deployments.thread_load import gil_wait, thread_cpu_seconds
 
 
-def _scraped_durations(samples, slow_bound: float) -> dict:
+def scraped_durations(samples, slow_bound: float) -> dict:
     """Scraped histogram samples (of every replica the scrape shows) back in the shape of
     :meth:`deployments.observability.Durations.snapshot`: ``count``, ``seconds`` and ``slow`` (the
     durations past ``slow_bound``, which must be one of the histogram's bounds)."""

@@ -89,10 +89,9 @@ def markdown(doc: dict, plots: list[str]) -> str:
                 if w.get("timing_model") else
                 " Random weights: the audio is noise; the work per token is the architecture's."
                 if w.get("random_weights", True) else "")
-             + (" `t2w batch` / `t2w busy`: the token2wav lane's batches as its thread timed them (the share of the "
-                "window spent in them): whole flow + vocoder batches, but with the stepped scheduler (`steps` modes) "
-                "only the finishing vocoder batches: its flow passes are queued without a wait and not timed here."
-                if w["level"] == "replica" else "")
+             + (" `t2w batch` / `t2w busy`: the simulated token2wav lane's batches as its thread timed them (the "
+                "share of the window spent in them); with the stepped scheduler only the finishing vocoder batches."
+                if w["level"] == "replica" else "")  # reports of the removed replica simulation, re-rendered
              + " `graph misses`: token2wav calls that ran eagerly on the GPU because no captured CUDA graph holds "
                "their shape (calls longer than `flow_graph_max_s`, a vocoder length not captured yet)."
              + " `rows ready per pass`: the rows the stepped token2wav had in hand when it picked each pass; "
@@ -248,16 +247,16 @@ def update_latest(run) -> dict:
     the SLO, the Poisson rate at it and at p95 first audio (``slo_rate_rps_p95``), each under the
     level's key with its own device, date and workload name (``<key>_workload``), the throughput and
     streams in flight at the sessions' capacity, and the run's ``workload`` object (text, voices,
-    cold-voice share, served against drawn length). The replica level's keys (``slo_streams``,
+    cold-voice share, served against drawn length). The unsuffixed keys (``slo_streams``,
     ``slo_rate_rps``, ``ttfb_p50_ms_c1``, ...) are the synth level's: one replica's own
-    deployments in one process. The simulation (``--level replica``) no longer runs the replica's
-    code paths (give-way, run-ahead, fused norms, the stepped scheduler) and writes ``_sim`` keys;
-    the Serve level ``_serve``. The levels (and the throughput benchmark, whose ``device`` and
-    ``date`` the file's top level keeps) may come from different machines and days."""
+    deployments in one process; the Serve level's are ``_serve``. The ``_sim`` keys are the
+    removed replica simulation's (``--level replica``), kept as the record of what it measured.
+    The levels (and the throughput benchmark, whose ``device`` and ``date`` the file's top level
+    keeps) may come from different machines and days."""
     path, prefix = latest_for(run.out, run.args.family)
     latest = json.loads(path.read_text()) if path.exists() and not run.args.timed else {}
     level = run.args.level
-    suffix = {"replica": "_sim", "serve": "_serve", "synth": ""}[level]
+    suffix = {"serve": "_serve", "synth": ""}[level]
     update: dict = {}
     stale: list[str] = []
     for kind, name, field in (("sessions", "slo_streams", "capacity"), ("rate", "slo_rate_rps", "capacity"),

@@ -1,9 +1,5 @@
 """Where ``bench/capacity.py`` sends its requests, and what it samples beside them.
 
-* :class:`SimTarget`: the replica simulation of ``bench/replica_sim.py`` (continuous-batching
-  engine thread + token2wav thread around one model, each on its own CUDA stream), in process;
-  a request decodes exactly the speech tokens of its drawn length (no text is read: random ids
-  stand for it; a voice of the workload's pool is random prompt features of its length).
 * :class:`HttpTarget`: the whole Serve application, ``POST /v1/audio/speech`` streaming raw PCM;
   time to first audio is the first body byte (raw PCM has no header: every byte is audio).
 * :class:`InProcessTarget`: the config's frontend and synthesizer objects in this process.
@@ -16,24 +12,18 @@ import asyncio
 import io
 import random
 import ssl
-import statistics
 import threading
 import time
-import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
-import numpy as np
 import soundfile as sf
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.capacity_counters import _scraped_durations, gc_counters, process_counters, thread_counters
+from bench.capacity_counters import gc_counters, process_counters, scraped_durations, thread_counters
 from bench.metrics import RequestTrace, percentile
-from bench.replica_sim import ReplicaSim
 from bench.workload import PROMPT_RATE, Utterance, VoiceSpec
-from cosyvoice_runtime.voice_prompt import VoicePrompt
 from deployments.protocol import SynthesisRequest
 from deployments.python_gc import SLOW_PAUSE_S
 from deployments.thread_load import SLOW_WAIT_S
@@ -46,132 +36,6 @@ TOKENS_PER_S = 25  # speech tokens per second of audio (both families)
 # keeps as k tokens (none of them starts a merge) asks for ~0.8 k s: lengths are quantised to 0.8 s.
 SECONDS_PER_TEXT_TOKEN = 20 / TOKENS_PER_S
 _LETTERS = "bcdfgjklmpquvwxyz"
-
-
-class SimTarget:
-    """Requests into a running :class:`ReplicaSim`; the sim is shared by all probes of a search."""
-
-    def __init__(self, sim: ReplicaSim, voice: VoicePrompt, text_tokens_per_s: float = 4.0) -> None:
-        self.sim = sim
-        self.voice = voice
-        self.text_tokens_per_s = text_tokens_per_s  # prompt-text length grows with the utterance (prefill)
-        self.voices: dict[str, VoicePrompt] = {}  # the workload's pool and cold voices
-        self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._lock = threading.Lock()
-        sim.on_error = self._fail_all
-
-    async def add_voice(self, spec: VoiceSpec) -> None:
-        """Random prompt features of the voice's prompt length, seeded by its content."""
-        g = torch.Generator().manual_seed(zlib.crc32(spec.content.encode()))
-        s, n = self.sim.model.spec, max(2, round(spec.prompt_s * TOKENS_PER_S))
-        n_text = max(2, round(spec.prompt_s * self.text_tokens_per_s))
-        self.voices[spec.voice_id] = VoicePrompt(
-            family=s.family, text_tokens=torch.randint(0, 150000, (n_text,), generator=g, dtype=torch.int32).numpy(),
-            speech_tokens=torch.randint(0, s.llm.speech_token_size, (n,), generator=g, dtype=torch.int32).numpy(),
-            mel=torch.randn(2 * n, s.flow.output_size, generator=g).numpy(),
-            embedding=torch.randn(s.flow.spk_embed_dim, generator=g).numpy().astype(np.float32))
-
-    async def remove_voice(self, voice_id: str) -> None:
-        self.voices.pop(voice_id, None)
-
-    async def synthesize(self, rid: str, request: Utterance | float, submitted_s: float) -> RequestTrace:
-        request = Utterance.of(request)
-        voice = self.voices[request.voice.voice_id] if request.voice else self.voice
-        n_tokens = max(2, round(request.drawn_s * TOKENS_PER_S))
-        n_text = max(4, round(request.drawn_s * self.text_tokens_per_s))
-        text = torch.randint(0, 150000, (n_text,), generator=torch.Generator().manual_seed(hash(rid) % 2**31))
-        if self.sim.model.spec.family == "cosyvoice3":
-            text[0] = 151646  # <|endofprompt|> must be present
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        with self._lock:
-            if self.sim.error is not None:
-                return RequestTrace(submitted_s=submitted_s, error=f"replica failed: {self.sim.error!r}")
-            self._waiting[rid] = (loop, fut)
-        self.sim.submit(rid, voice, text.to(self.sim.model.device), submitted_s, n_tokens=n_tokens,
-                        on_finish=lambda st: self._finish(rid, st.trace))
-        return await fut
-
-    @property
-    def failed(self) -> BaseException | None:
-        """The replica's own failure (a worker thread died): no later probe means anything."""
-        return self.sim.error
-
-    async def counters(self) -> dict[str, float]:
-        """The replica's counters that a probe reports as its increments (see :func:`counter_deltas`)."""
-        return process_counters()
-
-    def _finish(self, rid: str, trace: RequestTrace) -> None:
-        with self._lock:
-            loop, fut = self._waiting.pop(rid)
-        loop.call_soon_threadsafe(_resolve, fut, trace)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._lock:
-            waiting, self._waiting = self._waiting, {}
-        for rid, (loop, fut) in waiting.items():
-            trace = self.sim.streams[rid].trace
-            trace.error = f"replica failed: {exc!r}"
-            loop.call_soon_threadsafe(_resolve, fut, trace)
-
-    def lane_stats(self, t0: float, t1: float) -> dict:
-        """Where the replica's time went between ``t0`` and ``t1``: decode steps and token2wav
-        batches (``t2w_*`` the bulk lane, ``express_*`` the express lane when there is one)."""
-        steps = [e - s for s, e in self.sim.step_log if t0 <= s < t1]
-        batches = [(e - s, n, f) for s, e, n, f, lane in self.sim.batch_log if t0 <= s < t1 and lane == "bulk"]
-        express = [(e - s, n, f) for s, e, n, f, lane in self.sim.batch_log if t0 <= s < t1 and lane == "express"]
-        span = max(t1 - t0, 1e-9)
-        new = [s for s in self.sim.streams.values() if t0 <= s.trace.submitted_s < t1]
-        token = [s.first_token_s - s.trace.submitted_s for s in new if s.first_token_s]
-        job = [s.first_job_s - s.trace.submitted_s for s in new if s.first_job_s]
-        bulk_s, express_s = [b[0] for b in batches], [b[0] for b in express]
-        passes = [(n, ready) for s, _, n, _, ready in self.sim.pass_log if t0 <= s < t1]
-        return {  # first audio = first token + the rest of the first chunk's tokens + wait + first job
-                "first_token_ms_p50": _ms_at(token, 50), "first_token_ms_p99": _ms_at(token, 99),
-                "first_job_start_ms_p50": _ms_at(job, 50), "first_job_start_ms_p99": _ms_at(job, 99),
-                "decode_step_ms_p50": _ms_at(steps, 50), "decode_step_ms_p99": _ms_at(steps, 99),
-                "t2w_batch_ms_p50": _ms_at(bulk_s, 50), "t2w_batch_ms_p99": _ms_at(bulk_s, 99),
-                "t2w_jobs_per_batch": round(statistics.mean(b[1] for b in batches), 2) if batches else None,
-                "t2w_busy_fraction": round(sum(bulk_s) / span, 3),
-                "first_chunk_jobs": sum(b[2] for b in batches + express),
-                "express_batch_ms_p50": _ms_at(express_s, 50), "express_batch_ms_p99": _ms_at(express_s, 99),
-                "express_busy_fraction": round(sum(express_s) / span, 3) if express else None,
-                # stepped lane: flow passes and rows per pass (its t2w_* figures time the vocoder only)
-                "flow_passes": len(passes) if passes else None,
-                "flow_rows_per_pass": round(statistics.mean(n for n, _ in passes), 2) if passes else None,
-                "flow_rows_ready_per_pass": round(statistics.mean(r for _, r in passes), 2) if passes else None,
-                **self._flow_work(new)}
-
-    def _flow_work(self, new: list) -> dict:
-        """Flow work per second of audio of the span's finished requests (estimator frames: what the
-        incremental flow and the prompt prefixes cut), and the most the token2wav's caches held since
-        the last probe (its peak is reset here)."""
-        done = [s for s in new if s.state.finished and s.trace.audio_s]
-        audio_s = sum(s.trace.audio_s for s in done)
-        t2w = self.sim.t2w
-        prefixes = t2w.prompt_prefixes
-        peak, t2w.peak_cache_bytes = t2w.peak_cache_bytes, 0
-        return {"flow_frames_per_audio_s": round(sum(s.state.flow_frames for s in done) / audio_s, 1) if done else None,
-                "flow_cache_gib": round(peak / 2**30, 3), "flow_cache_fallbacks": t2w.flow_fallbacks,
-                "prompt_prefix_hits": prefixes.hits if prefixes else 0}
-
-
-    def timeline(self, t0: float, t1: float) -> dict:
-        """Every decode step, token2wav batch and request of the span, in ms from ``t0`` (``--trace``):
-        what a late first audio waited behind."""
-        def ms(t):
-            return None if t is None else round((t - t0) * 1e3, 2)
-
-        sim = self.sim
-        return {"steps": [(ms(s), ms(e)) for s, e in sim.step_log if t0 <= s < t1],
-                "batches": [(ms(s), ms(e), n, f, lane) for s, e, n, f, lane in sim.batch_log if t0 <= s < t1],
-                "passes": [(ms(s), ms(e), n, t) for s, e, n, t, _ in sim.pass_log if t0 <= s < t1],
-                "chunks": [[ms(t) for t in st.trace.chunk_times_s] for st in list(sim.streams.values())
-                           if t0 <= st.trace.submitted_s < t1],
-                "requests": [{"submitted": ms(st.trace.submitted_s), "first_token": ms(st.first_token_s),
-                              "first_job": ms(st.first_job_s), "first_audio": ms(st.trace.chunk_times_s[0] if st.trace.chunk_times_s else None),
-                              "audio_s": st.trace.audio_s, "tokens": len(st.tokens)}
-                             for st in list(sim.streams.values()) if t0 <= st.trace.submitted_s < t1]}
 
 
 def _resolve(fut: asyncio.Future, trace: RequestTrace) -> None:
@@ -270,12 +134,12 @@ class HttpTarget:
                 elif sample.name == "tts_thread_cpu_seconds_total":
                     cpu_s[sample.labels["thread"]] = cpu_s.get(sample.labels["thread"], 0.0) + sample.value
             if family.name == "tts_gil_wait_seconds":
-                gil = _scraped_durations(family.samples, SLOW_WAIT_S)
+                gil = scraped_durations(family.samples, SLOW_WAIT_S)
             elif family.name in gc_families:
                 by_gen: dict[str, list] = {}
                 for sample in family.samples:
                     by_gen.setdefault(sample.labels["generation"], []).append(sample)
-                gens = {g: _scraped_durations(samples, SLOW_PAUSE_S) for g, samples in by_gen.items()}
+                gens = {g: scraped_durations(samples, SLOW_PAUSE_S) for g, samples in by_gen.items()}
                 snapshot = {"by_generation": gens, "slow": sum(g["slow"] for g in gens.values())}
                 out.update(gc_counters(snapshot, prefix=gc_families[family.name]))
         gil = gil or {"count": 0.0, "seconds": 0.0, "slow": 0.0}

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One lease call of the capacity tool (bench/capacity.py) on the GPU machine. Needs
 # .carry/site312.tar.xz (bench/carry_bundle.sh) and the run's `carry: [".carry"]`: the serve level
-# needs Ray Serve from it, both levels pydantic (H200 2026-12-05: the replica level failed
-# without it). Results are packed into $OUT/capacity.tgz after every step (a run returns at most
-# 8 files). The whole call must end inside 600 s: REPLICA_S + SYNTH_S + SERVE_S + ~40 s.
-#   REPLICA_S=500 MODES=pytorch-bf16-allgraphs-early-edf,pytorch-bf16-allgraphs-early-edf-prio bash bench/device_capacity.sh
-#   REPLICA_S=0 SERVE_S=520 bash bench/device_capacity.sh
-#   REPLICA_S=0 SYNTH_S=250 SERVE_S=300 ...: the config's deployments in-process first, then over Serve
+# needs Ray Serve from it, both levels pydantic. Results are packed into $OUT/capacity.tgz after
+# every step (a run returns at most 8 files). The whole call must end inside 600 s:
+# SYNTH_S + SERVE_S + ~40 s.
+#   SERVE_S=520 bash bench/device_capacity.sh
+#   SYNTH_S=250 SERVE_S=300 ...: the config's deployments in-process first, then over Serve
 #   SYNTH_CONFIGS="configs/single-gpu.yaml /tmp/b.yaml" SYNTH_S=170: one in-process run per config (A/B);
 #   SYNTH_CONFIGS="configs/single-gpu.yaml@120 /tmp/b.yaml@200" gives each arm its own limit
+#   ARMS="default recompute:token2wav.cv2_flow=recompute" SYNTH_S=500: arms in one in-process run,
+#   each the config's synthesizer with overrides (bench/replica.py; space-separated NAME[:KEY=VALUE,...]),
+#   one after the other within SYNTH_S. (The replica simulation of REPLICA_S / MODES is gone: an
+#   arm runs the product's replica.)
 #   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call;
 #   CAP_ARGS="--no-sessions --rate-start 4" searches the Poisson rate alone (slo_rate_rps*)
 #   CAP_ARGS="--loads 52 --no-open-loop" probes fixed loads, no search (A/B arms with SYNTH_CONFIGS)
@@ -69,11 +72,7 @@ if [ "${AUTOSCALE_S:-0}" -gt 0 ]; then  # the live ramp: no model, so first (alo
   pack
 fi
 if [ "${REPLICA_S:-0}" -gt 0 ]; then
-  timeout "$REPLICA_S" python3 -m bench.capacity --level replica --family "${FAMILY:-cosyvoice2}" \
-    --modes "${MODES:-pytorch-bf16-allgraphs-early-edf}" --out "$W/results" ${TAG:+--tag "$TAG"} ${CAP_ARGS:-} 2>&1 \
-    | grep -v Warning > "$W/replica.log"
-  grep -E '"kind"|done in|Error|error' "$W/replica.log" | cut -c1-900 | tail -20
-  pack
+  echo "REPLICA_S: the replica simulation is gone; measure arms of the product's replica with ARMS and SYNTH_S"
 fi
 full_model() {  # the full-size random-weight model directory of $FAMILY (serve and synth levels)
   F=${FAMILY:-cosyvoice2}
@@ -106,6 +105,8 @@ if [ "${SYNTH_S:-0}" -gt 0 ]; then  # the config's frontend + synthesizer in thi
   full_model
   # SYNTH_CONFIGS="a.yaml b.yaml": one in-process run per config, SYNTH_S each, tagged with its name
   # (A/B arms on one machine in one call; each run also writes latest.json: keep the arm you mean)
+  arms=()
+  for a in ${ARMS:-}; do arms+=(--arm "$a"); done
   for C in ${SYNTH_CONFIGS:-${CONFIG:-configs/single-gpu.yaml}}; do
     # "a.yaml@190": this arm's own limit (a compiled arm compiles before its probes; the others
     # need less), else SYNTH_S
@@ -114,7 +115,7 @@ if [ "${SYNTH_S:-0}" -gt 0 ]; then  # the config's frontend + synthesizer in thi
     [ -n "${SYNTH_CONFIGS:-}" ] && T="${T:+$T-}$(basename "$C" .yaml)"
     echo "== $C" >> "$W/synth.log"
     FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$S" python3 -m bench.capacity --level synth --family "$F" \
-      --config "$C" --out "$W/results" ${T:+--tag "$T"} ${CAP_ARGS:-} 2>&1 | grep -v Warning >> "$W/synth.log"
+      --config "$C" ${arms[@]+"${arms[@]}"} --out "$W/results" ${T:+--tag "$T"} ${CAP_ARGS:-} 2>&1 | grep -v Warning >> "$W/synth.log"
     pack
   done
   # start-up too: an arm cut before its first probe leaves only these lines (H100 2026-12-06)

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench.capacity_report import write_report
-from bench.report import _slug
+from bench.report import slug
 from bench.results_index import ROOT, run_folder_name, write_run_record
 from bench.results_index import main as write_index
 
@@ -65,7 +65,7 @@ def _run_of(root: Path, reports: list[dict]) -> tuple[str, str]:
 def import_bundle(bundle: Path, tag: str, out: Path, latest: bool = False, trace: bool = False) -> list[Path]:
     """Write the bundle's results into a new run folder of ``out`` named by its day, card and
     ``tag``; returns the files written."""
-    if not tag or _slug(tag) != tag:
+    if not tag or slug(tag) != tag:
         raise ValueError(f"tag {tag!r}: use lower-case letters, digits and dashes")
     written: list[Path] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +96,7 @@ def import_bundle(bundle: Path, tag: str, out: Path, latest: bool = False, trace
             gpu = root / "gpu.txt"
             card = gpu.read_text().splitlines()[1].split(",")[0] if gpu.exists() else "gpu"
             log_day = dt.datetime.fromtimestamp(tests.stat().st_mtime, dt.UTC).date().isoformat()
-            written.append(run / f"gpu-tests-{_slug(card)}-{log_day}-{tag}.txt")
+            written.append(run / f"gpu-tests-{slug(card)}-{log_day}-{tag}.txt")
             shutil.copyfile(tests, written[-1])
         reports = sorted(p.name for p in written if p.suffix == ".md")
         written.append(write_run_record(run, {

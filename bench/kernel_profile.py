@@ -29,8 +29,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import bench.llm_decode_bench as decode_bench
-from bench.gpu_bench import DTYPES, cast, make_model
-from bench.stepper_check import _sync
+from bench.random_model import DTYPES, cast, make_model, sync
 from bench.trace_export import chrome_trace, trace_profiler
 from cosyvoice_runtime.flow.flow_cache import FlowCache
 from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
@@ -127,12 +126,12 @@ def profiled(fn, reps: int, cuda: bool) -> dict:
     step's time that no kernel covered (``gap_us_per_step``: launches and waits inside the step)."""
     for _ in range(3):
         fn()
-    _sync()
+    sync()
     event_ms = _event_ms(fn, reps, cuda)
     with trace_profiler(cuda) as prof:
         for _ in range(reps):
             fn()
-        _sync()
+        sync()
     events = chrome_trace(prof)["traceEvents"]
     table = kernel_table(events, reps, "kernel" if cuda else "cpu_op")
     table["event_ms_per_step"] = event_ms

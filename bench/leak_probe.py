@@ -1,11 +1,11 @@
 """Leak probe: the real Synthesizer (tiny model, CPU) driven in-process, RSS sampled per request.
 
 No Ray and no HTTP: the frontend runtime prepares requests, the Synthesizer's ``synthesize``
-streams them (``@serve.batch`` replaced by a direct batch call, as in
-``tests/deployments/test_synthesizer_unit.py``), ``--concurrency`` at a time. Every ``--every``
+streams them (:meth:`~deployments.synthesizer.Synthesizer.outside_serve`: each chunk job a batch of
+its own, as ``@serve.batch`` runs only in a replica), ``--concurrency`` at a time. Every ``--every``
 requests it records the process RSS, live Python objects, live torch tensors and the sizes of
-the replica's per-request containers (engine-loop queues/pending adds, engine requests, silent
-token filters, scheduler entries). A leak shows up as a container or object count that grows
+the replica's per-request bookkeeping (:meth:`~deployments.synthesizer.Synthesizer.open_entries`:
+engine-loop mailboxes and pending adds, engine requests, silent token filters, scheduler entries). A leak shows up as a container or object count that grows
 with the request count; an allocator high-water mark as RSS that rises and then flattens while
 every count stays flat.
 
@@ -38,18 +38,6 @@ def _malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def _containers(s) -> dict[str, int]:
-    eng = s.runtime.engine
-    inner = getattr(eng, "engine", None)
-    out = {"loop_queues": len(s.loop._queues), "loop_pending_adds": len(s.loop._pending_adds),
-           "loop_pending_aborts": len(s.loop._pending_aborts), "step_batch_sizes": len(s.loop.step_batch_sizes),
-           "compute_intervals": len(s.compute._intervals), "filters": len(getattr(eng, "_filters", {}))}
-    if inner is not None:
-        out["engine_requests"] = len(inner._requests)
-        out["scheduler_entries"] = len(getattr(inner.scheduler, "_entries", {}))
-    return out
 
 
 def _tensors() -> tuple[int, int]:
@@ -91,22 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     synth = Synthesizer(SynthesizerConfig(device="cpu", max_running=8, max_ongoing_requests=8, max_model_len=1024,
                                           token2wav={"max_batch_size": 4}), source)
 
-    async def direct(job):  # @serve.batch needs a replica; one job per call here
-        return (await synth.jobs.run([job]))[0]
-
-    synth._token2wav = direct
-    busy: dict[str, float] = {}
-    timed = synth.compute._timed
-
-    def timed_by_name(fn, args):  # compute seconds per kind of call (LLM step/add vs flow+HiFT)
-        started = time.perf_counter()
-        try:
-            return timed(fn, args)
-        finally:
-            name = getattr(fn, "__name__", type(fn).__name__)
-            busy[name] = busy.get(name, 0.0) + time.perf_counter() - started
-
-    synth.compute._timed = timed_by_name
+    synth.outside_serve()
     proc = psutil.Process()
     rng = random.Random(0)
     samples = []
@@ -120,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         row = {"requests": done, "t_s": round(time.perf_counter() - t0, 1),
                "rss_mib": round(proc.memory_info().rss / 2**20, 1), "objects": len(gc.get_objects()),
                "tensors": n_t, "tensor_mib": round(b_t / 2**20, 2),
-               "compute_s": {k: round(v, 1) for k, v in busy.items()}, **_containers(synth)}
+               # compute seconds per kind of call (LLM step/add vs flow + HiFT)
+               "compute_s": {k: round(v, 1) for k, v in synth.compute.seconds_by_call().items()},
+               **synth.open_entries()}
         samples.append(row)
         print(json.dumps(row), flush=True)
 

@@ -12,8 +12,8 @@ step beyond the step itself.
 On a GPU replica this overhead is paid on the replica's event loop between two decode steps
 (the next step is submitted before the consumers run, but they hold the GIL the step's host
 side needs), so it bounds the decode rate: a loop that needs 1 ms per step at 64 streams adds
-up to 1 ms to a 5 ms graphed step. No Ray: the methods are called in-process, ``@serve.batch``
-replaced by a direct call as in the unit tests.
+up to 1 ms to a 5 ms graphed step. No Ray: the methods are called in-process, each chunk job a
+batch of its own (``Synthesizer.outside_serve``: ``@serve.batch`` runs only in a replica).
 """
 from __future__ import annotations
 
@@ -42,12 +42,7 @@ def measure(streams: int, tokens: int, deadline_slack_s: float | None, step_s: f
     cfg = SynthesizerConfig(max_running=streams, max_ongoing_requests=streams, warmup=False, overlap_stages=gpu_like,
                             token2wav={"max_batch_size": min(16, streams), "deadline_slack_s": deadline_slack_s})
     s = Synthesizer(cfg, runtime_factory=null_runtime(step_s, t2w_s))
-
-    async def direct(job):
-        s.t2w_batch_sizes[1] += 1
-        return (await s.jobs.run([job]))[0]
-
-    s._token2wav = direct
+    s.outside_serve()
     n_ids = tokens // TOKENS_PER_ID
 
     async def one(i: int) -> int:
@@ -63,7 +58,7 @@ def measure(streams: int, tokens: int, deadline_slack_s: float | None, step_s: f
 
     wall, samples = asyncio.run(main())
     steps = s.loop.steps
-    s.compute.shutdown()
+    s.shutdown()
     return {"streams": streams, "tokens_per_stream": tokens, "samples_per_stream": sorted(set(samples)),
             "deadline_slack_s": deadline_slack_s, "steps": steps,
             "step_ms": 1e3 * step_s, "t2w_ms": 1e3 * t2w_s, "wall_s": wall, "ms_per_step": 1e3 * wall / steps,

@@ -36,7 +36,7 @@ import torch
 
 from bench.capacity import DEFAULT_MIX, apply_replica_env, describe_served, in_process_target
 from bench.capacity_load import Mix, Slo, Workload, closed_loop
-from bench.report import _slug
+from bench.report import slug
 from bench.trace_export import chrome_trace, trace_profiler
 from bench.workload import add_args, source_from_args
 from serve_app.args import AppArgs
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if cuda else "cpu"
     date = dt.date.today().isoformat()
-    stem = f"profile-first-audio-{_slug(device)}-{date}" + (f"-{args.tag}" if args.tag else "")
+    stem = f"profile-first-audio-{slug(device)}-{date}" + (f"-{args.tag}" if args.tag else "")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mix = Mix.parse(args.mix)

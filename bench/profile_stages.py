@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_bench import DTYPES, cast, make_model, make_voice
-from bench.replica_sim import PROMPT_SPEECH, TEXT
+from bench.random_model import DTYPES, PROMPT_SPEECH, TEXT, cast, make_model, make_voice
 from cosyvoice_runtime.llm.engine import LLMEngine
 from cosyvoice_runtime.llm.inputs import build_lm_input
 from cosyvoice_runtime.llm.sampling import SamplingParams

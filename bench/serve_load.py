@@ -1,6 +1,6 @@
 """The whole service under load: Ray Serve app from a config, closed-loop HTTP streams per concurrency.
 
-Where ``bench/gpu_bench.py`` measures the runtime inside one process, this starts the real
+Where ``bench/gpu_bench.py`` measures one replica inside one process, this starts the real
 application (ingress, frontend, synthesizer replicas) on local Ray from a serve config and drives
 ``POST /v1/audio/speech`` (streaming PCM) with :mod:`bench.load` at each concurrency, so the
 figures include HTTP, the frontend, Serve's routing and the replica's batching:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"] = rows
         result["replica"] = _replica_details(_health(url)) or replica
         try:
-            result["plots"] = plots(out.parent, out.name, rows, baseline=None)
+            result["plots"] = plots(out.parent, out.name, rows, baseline=None, key="mode")
         except ValueError:  # nothing to plot yet (a level without audio: NaN latencies)
             result["plots"] = []
         out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")

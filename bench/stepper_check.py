@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.gpu_bench import DTYPES, cast, make_model
+from bench.random_model import DTYPES, cast, make_model, sync
 from cosyvoice_runtime.flow.flow import FlowItem
 from cosyvoice_runtime.flow.flow_cache import FlowCache
 from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs
@@ -40,18 +40,13 @@ def _items(model, n: int, seed: int) -> list[FlowItem]:
     return out
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _timed(fn, reps: int = 5) -> float:
     fn()
-    _sync()
+    sync()
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
-    _sync()
+    sync()
     return (time.perf_counter() - t0) / reps * 1e3
 
 

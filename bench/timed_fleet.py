@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.null_runtime import SAMPLE_RATE, SAMPLES_PER_TOKEN
-from bench.timed_runtime import H200, GpuTimes, _timed
+from bench.timed_runtime import H200, GpuTimes, make_timed_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def calibrated_factory(start_s: float):
         cal = calibrate()
         started = time.perf_counter()
         time.sleep(start_s)  # stands for model load + graph capture: the replica is not ready before
-        runtime = _timed(cfg, cal.times, f"{cal.device} ({cal.source}) x{cal.time_factor:g} of H200 times")
+        runtime = make_timed_runtime(cfg, cal.times, f"{cal.device} ({cal.source}) x{cal.time_factor:g} of H200 times")
         runtime.details["start_s"] = round(time.perf_counter() - started, 2)
         return runtime
     return factory

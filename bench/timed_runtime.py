@@ -200,7 +200,8 @@ class TimedToken2Wav:
         return self.finish(rows)()
 
 
-def _timed(cfg, times: GpuTimes, name: str) -> SynthesisRuntime:
+def make_timed_runtime(cfg, times: GpuTimes, name: str) -> SynthesisRuntime:
+    """A runtime of ``cfg``'s decode slots taking ``times`` instead of a GPU's work (``name`` says whose)."""
     details = {"family": "cosyvoice2", "random_weights": True, "t2w_scheduler": "steps",
                "timing_model": f"{name}, no GPU (bench/timed_runtime.py), host share {times.host_frac:g}"}
     return SynthesisRuntime(engine=timed_engine(cfg.max_running, times), token2wav=TimedToken2Wav(times),
@@ -209,12 +210,12 @@ def _timed(cfg, times: GpuTimes, name: str) -> SynthesisRuntime:
 
 def h200(cfg, source, plan=None) -> SynthesisRuntime:
     """A ``runtime_factory`` taking the H200's times (:data:`H200`), stepped token2wav."""
-    return _timed(cfg, H200, "H200 times")
+    return make_timed_runtime(cfg, H200, "H200 times")
 
 
 def h200_gil(cfg, source, plan=None) -> SynthesisRuntime:
     """:func:`h200` with half of every call holding the GIL (:data:`H200_GIL`)."""
-    return _timed(cfg, H200_GIL, "H200 times, GIL-bound host")
+    return make_timed_runtime(cfg, H200_GIL, "H200 times, GIL-bound host")
 
 
 PROFILES = {"h200": h200, "h200_gil": h200_gil}  # bench/capacity.py --timed PROFILE

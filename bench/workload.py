@@ -132,7 +132,7 @@ class SyntheticSource:
 
     def __init__(self, mix, prompt_s: float = 87 / 25) -> None:
         self.mix = mix
-        self.prompt_s = prompt_s  # the targets' one voice (bench/replica_sim.PROMPT_SPEECH tokens)
+        self.prompt_s = prompt_s  # the targets' one voice (bench/random_model.PROMPT_SPEECH tokens)
 
     def draw(self, rng: random.Random, session: int | None) -> Utterance:
         return Utterance(self.mix.draw(rng))

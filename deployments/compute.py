@@ -41,6 +41,7 @@ class ComputeExecutor:
             self._pools[lane] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-{lane}")
         self._window_s = window_s
         self._intervals: deque[tuple[float, float]] = deque()
+        self._by_call: dict[str, float] = {}  # seconds per callable's name (decode steps vs token2wav)
         self._lock = threading.Lock()  # intervals are appended from worker threads
 
     @property
@@ -64,8 +65,21 @@ class ComputeExecutor:
         try:
             return fn(*args)
         finally:
+            end = time.monotonic()
+            name = getattr(fn, "__name__", type(fn).__name__)
             with self._lock:
-                self._intervals.append((start, time.monotonic()))
+                self._intervals.append((start, end))
+                self._by_call[name] = self._by_call.get(name, 0.0) + end - start
+
+    def seconds_by_call(self) -> dict[str, float]:
+        """Seconds spent so far in each kind of call, by the callable's name (all lanes)."""
+        with self._lock:
+            return dict(self._by_call)
+
+    def open_entries(self) -> dict[str, int]:
+        """Busy intervals held for :meth:`busy_fraction` (trimmed to its window when it is read)."""
+        with self._lock:
+            return {"compute_intervals": len(self._intervals)}
 
     def busy_fraction(self, now: float | None = None) -> float:
         """Fraction of the last ``window_s`` seconds during which any lane was running a call (0..1)."""

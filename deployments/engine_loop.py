@@ -197,6 +197,15 @@ class EngineLoop:
             aborted=self.aborted, finished=self.finished,
         )
 
+    def open_entries(self) -> dict[str, int]:
+        """Sizes of the loop's per-request bookkeeping, back to 0 once every request has ended
+        (the step sizes are bounded: :meth:`_record`); for leak probes."""
+        with self._lock:
+            pending = {"loop_pending_adds": len(self._pending_adds), "loop_pending_aborts": len(self._pending_aborts),
+                       "loop_pending_feeds": len(self._pending_feeds), "loop_due": len(self._due)}
+        return {"loop_mailboxes": len(self._boxes), "loop_live": len(self._live), **pending,
+                "step_batch_sizes": len(self.step_batch_sizes)}
+
     @property
     def is_dead(self) -> bool:
         return self._dead is not None

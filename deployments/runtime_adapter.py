@@ -194,6 +194,11 @@ class RuntimeTokenEngine:
     def num_waiting(self) -> int:
         return self.engine.num_waiting()
 
+    def open_entries(self) -> dict[str, int]:
+        """Sizes of this adapter's and its engine's per-request bookkeeping (leak probes)."""
+        return {"filters": len(self._filters), "pending_events": len(self._pending),
+                "bistream_texts": len(self._bistream_text), **self.engine.open_entries()}
+
 
 class RuntimeToken2Wav:
     """:class:`Token2WavRuntime` over ``cosyvoice_runtime.token2wav.Token2Wav``."""

@@ -318,6 +318,23 @@ class Synthesizer:
                     "admission": self.admission.snapshot(self._active + 1)},
         )
 
+    def open_entries(self) -> dict[str, int]:
+        """Sizes of this replica's per-request bookkeeping (engine loop, engine, compute executor),
+        each back to its idle size once every request has ended (``bench/leak_probe.py``)."""
+        engine = getattr(self.runtime.engine, "open_entries", None)  # the protocol's fakes need not have it
+        return {**self.loop.open_entries(), **self.compute.open_entries(), **(engine() if engine else {})}
+
+    def outside_serve(self) -> None:
+        """Use this replica without Serve around it (in-process tools): ``@serve.batch`` needs a
+        replica context (ray-serve-notes §5.1), so under the batch scheduler each chunk job then
+        runs as a batch of its own; the stepped scheduler batches by itself and is unchanged."""
+        async def one_job(job) -> np.ndarray | Exception:
+            self.t2w_batch_sizes[1] += 1
+            self.metrics.observe_batch(1)
+            return (await self.jobs.run([job]))[0]
+
+        self._token2wav = one_job
+
     # ---------------------------------------------------------------- Serve hooks
     def check_health(self) -> None:
         self.loop.raise_if_dead()
@@ -398,8 +415,10 @@ class Synthesizer:
         self.metrics.observe_batch(len(jobs))
         return await self.jobs.run(jobs)
 
-    def __del__(self) -> None:
-        # Serve calls this on shutdown; also safe under GC outside a replica.
+    def shutdown(self) -> None:
+        """Stop the background graph capture, the step thread, the compute lanes and the device
+        probe (no wait). Serve calls ``__del__`` on shutdown; in-process tools call this before the
+        next replica loads on the same device."""
         if getattr(getattr(self, "runtime", None), "graph_schedule", None) is not None:
             self.runtime.graph_schedule.stop()
         if hasattr(self, "loop"):
@@ -408,6 +427,9 @@ class Synthesizer:
             self.compute.shutdown()
         if hasattr(self, "probe"):
             self.probe.close()
+
+    def __del__(self) -> None:
+        self.shutdown()  # also safe under GC of a replica whose constructor failed
 
     @classmethod
     def deployment_options(cls, cfg: SynthesizerConfig) -> dict[str, Any]:

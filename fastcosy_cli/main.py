@@ -6,7 +6,7 @@ Subcommands (``fastcosy <cmd> --help`` for each):
 * ``synth``            text -> WAV through the local pipeline or a running service (``--url``)
 * ``make-tiny-model``  write the tiny random-weight model directory (official layout; not speech)
 * ``build-trt``        offline TensorRT plan build for the flow estimator
-* ``bench``            benchmarks / load generator
+* ``bench``            benchmarks and load generators (``fastcosy bench TOOL ...``; ``--help`` lists them)
 * ``doctor``           check this node can serve, with the fix for each problem
 * ``calibrate``        measure replica capacity and write the load band's setpoint into the configs
 * ``config-reference`` write docs/configuration.md from the pydantic config models

@@ -1,7 +1,8 @@
 """Offline tools of ``fastcosy``: ``make-tiny-model``, ``build-trt``, ``bench``, ``config-reference``.
 
 ``build-trt`` and ``bench`` hand their arguments to the modules that implement them
-(``cosyvoice_runtime.trt.build``, ``bench.gpu_bench``; ``bench`` is installed with the project).
+(``cosyvoice_runtime.trt.build``; for ``bench TOOL``, the module :data:`BENCH_TOOLS` names; ``bench``
+is installed with the project).
 Those modules import torch, so each command imports its module when it runs: ``fastcosy --help``
 and ``fastcosy doctor`` must work on a node where torch is not installed yet.
 """
@@ -164,20 +165,50 @@ def run_build_trt(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------- bench
+# The benchmarks a user runs, each its module's own command line (``fastcosy bench TOOL --help``);
+# the others in bench/ are the project's measurements (docs/tuning.md says which answered what).
+BENCH_TOOLS = {
+    "throughput": ("bench.gpu_bench", "one replica's throughput and first audio per concurrency, arms as config overrides"),
+    "capacity": ("bench.capacity", "sessions and Poisson rate at the first-audio SLO, in process or over HTTP"),
+    "serve-load": ("bench.serve_load", "the whole Serve app from a config under closed-loop HTTP streams"),
+    "load": ("bench.load", "HTTP load against a running service, open or closed loop"),
+    "ramp": ("bench.ramp", "a low-high-low load ramp against a service: replicas, utilisation, queue"),
+    "soak": ("bench.soak", "thousands of requests through the local app, then leak and loss checks"),
+    "cold-start": ("bench.cold_start", "a new replica's start until its first request is served"),
+    "fleet-sim": ("bench.fleet_sim", "autoscaling policies over a simulated day of a GPU fleet"),
+}
+
+
 def add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", add_help=False, help="GPU streaming benchmark (python -m bench.gpu_bench; "
-                       "fastcosy bench --help lists its flags)")
+    # add_help=False: TOOL --help reaches the tool's parser, which owns the flags.
+    p = sub.add_parser("bench", add_help=False, help=f"benchmarks: fastcosy bench TOOL ... ({', '.join(BENCH_TOOLS)}; "
+                       "fastcosy bench --help lists them)")
     p.set_defaults(func=run_bench, forward_rest=True)
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    from bench import gpu_bench
+def bench_usage() -> str:
+    width = max(map(len, BENCH_TOOLS))
+    return "\n".join(["usage: fastcosy bench TOOL [ARGS ...]   (fastcosy bench TOOL --help: its flags)", "", "tools:",
+                      *[f"  {name:<{width}}  {what} (python -m {module})" for name, (module, what) in BENCH_TOOLS.items()]])
 
-    prog, sys.argv[0] = sys.argv[0], "fastcosy bench"  # the benchmark's parser names itself after argv[0]
+
+def run_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    argv = _forward(args)
+    if not argv or argv[0] in ("-h", "--help"):
+        out(bench_usage())
+        return 0
+    tool, *rest = argv
+    if tool not in BENCH_TOOLS:
+        raise CliError(f"unknown benchmark {tool!r}\n{bench_usage()}")
+    module = importlib.import_module(BENCH_TOOLS[tool][0])
+    prog, sys.argv[0] = sys.argv[0], f"fastcosy bench {tool}"  # the tool's parser names itself after argv[0]
     try:
-        return int(gpu_bench.main(_forward(args)) or 0)
+        rc = module.main(rest)
     finally:
         sys.argv[0] = prog
+    return rc if isinstance(rc, int) else 0  # some tools return their figures, not an exit code
 
 
 # ----------------------------------------------------------------------------- config-reference

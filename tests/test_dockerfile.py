@@ -78,6 +78,15 @@ def test_copied_paths_exist_and_are_not_dockerignored():
             assert not any(fnmatch.fnmatch(src.rstrip("/"), pat) for pat in ignored), src
 
 
+def test_the_gpu_rental_scripts_stay_out_of_the_image():
+    """bench/ is copied whole (``fastcosy bench`` runs from it); its shell scripts drive the
+    project's rented GPU machines and have no use in a serving image."""
+    ignored = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines()
+               if p.strip() and not p.startswith("#")]
+    scripts = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "bench").glob("*.sh"))
+    assert scripts and all(any(fnmatch.fnmatch(s, pat) for pat in ignored) for s in scripts), scripts
+
+
 def test_image_default_config_validates():
     from fastcosy_cli.common import load_serve_config
 

@@ -273,6 +273,10 @@ class LLMEngine:
         """Bistream requests holding a slot while they wait for text."""
         return self.scheduler.num_parked
 
+    def open_entries(self) -> dict[str, int]:
+        """Sizes of the per-request bookkeeping, 0 once every request has ended (leak probes)."""
+        return {"engine_requests": len(self._requests), "scheduler_entries": self.scheduler.num_tracked}
+
     def state_of(self, request_id: str) -> DecodeState | BistreamState | None:
         req = self._requests.get(request_id)
         if req is not None:

@@ -85,6 +85,11 @@ class Scheduler:
     def num_parked(self) -> int:
         return sum(e.parked for e in self._running.values())
 
+    @property
+    def num_tracked(self) -> int:
+        """Requests held in any state (waiting, running, parked): 0 once every one has ended."""
+        return len(self._entries)
+
     def has_unfinished(self) -> bool:
         """Whether a step has work: a running request that is not parked, or a waiting one that
         can be admitted (while parked requests fill every slot, waiting ones wait for a slot)."""

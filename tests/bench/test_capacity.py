@@ -1,11 +1,10 @@
 """The capacity tool (bench/capacity.py): the workload mix, the SLO verdict of a probe, the
 search, the closed and open loops on a fake clock with a fake target, the HTTP target on an
-in-process app, and the whole replica-level run on the tiny model (plumbing only: the figures
-come from the GPU lease)."""
+in-process app, and the in-process level on the tiny model, arms included (plumbing only: the
+figures come from the GPU lease)."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import json
 import random
@@ -27,7 +26,7 @@ from bench.capacity import Run, _searches, main, parse_args
 from bench.capacity_counters import counter_deltas, gc_counters, probe_counters
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
 from bench.capacity_report import _stage_table, _thread_table, markdown
-from bench.capacity_targets import HttpTarget, InProcessTarget, SimTarget, text_for
+from bench.capacity_targets import HttpTarget, InProcessTarget, text_for
 from bench.metrics import RequestTrace
 from bench.soak import config_env
 from deployments.protocol import AudioChunk
@@ -107,9 +106,9 @@ def test_the_report_says_what_served_the_probes():
                                           "http_proxy": "HAProxy with direct ingress"}}, [])
     assert "**No model ran**" in timed and "(profile h200_gil)" in timed and "Random weights" not in timed
     assert "HTTP path: HAProxy with direct ingress." in timed
-    assert "`t2w busy`" not in plain  # the replica level's lane columns, explained at that level only
+    assert "`t2w busy`" not in plain  # the removed simulation's lane columns, explained in its reports only
     replica = markdown({**doc, "workload": {**workload, "level": "replica", "random_weights": True}}, [])
-    assert "only the finishing vocoder batches" in replica
+    assert "only the finishing vocoder batches" in replica  # a record of it re-rendered (import_results)
     assert "**Note**" not in plain
     noted = markdown({**doc, "workload": {**workload, "notes": ["graphs short"]}}, [])
     assert "**Note**: graphs short." in noted
@@ -474,71 +473,26 @@ def test_in_process_level_refuses_the_batch_scheduler(tmp_path):
               "--workload", "synthetic"])
 
 
-def test_replica_level_run_on_the_tiny_model_writes_report_and_latest(tmp_path):
-    (tmp_path / "latest.json").write_text(json.dumps({"throughput_x_realtime": 1.5}))
-    latest = main(["--level", "replica", "--size", "tiny", "--device", "cpu", "--modes", "pytorch-fp32-early-edf-steps",
-                   "--window-s", "2", "--ramp-s", "0.2", "--start", "1", "--max-sessions", "1",
-                   "--c1-window-s", "1", "--no-open-loop", "--mix", "1:1-2", "--out", str(tmp_path), "--trace",
-                   "--workload", "synthetic"])
-    doc = json.loads(next(tmp_path.glob("capacity-replica-cpu-*.json")).read_text())
-    assert doc["workload"]["mix"] == "100 % 1-2 s" and doc["workload"]["window_s"] == 2
-    assert doc["workload"]["model"] == "cosyvoice2, tiny-size architecture, random weights"
-    assert "Model: cosyvoice2, tiny-size architecture, random weights. Random weights: the audio is noise;" in \
-        next(tmp_path.glob("capacity-replica-cpu-*.md")).read_text()
-    sessions = [s for s in doc["searches"] if s["kind"] == "sessions"]
-    assert sessions and sessions[0]["probes"][0]["load"] == 1 and sessions[0]["probes"][0]["requests"] >= 1
-    assert sessions[0]["probes"][0]["decode_step_ms_p50"] > 0  # the lane stats came from the sim
-    assert {"gc_full", "gc_pause_ms", "gc_slow"} <= set(sessions[0]["probes"][0])  # this process's collector
-    assert "MainThread" in sessions[0]["probes"][0]["threads_busy"] and "gil_wait_mean_ms" in sessions[0]["probes"][0]
-    # the simulation's keys are _sim: slo_streams is the replica's own code, in one process
-    assert latest["slo_streams_sim"] == sessions[0]["capacity"] in (0, 1) and "slo_streams" not in latest
-    assert latest["throughput_x_realtime"] == 1.5  # the throughput benchmark's keys are kept
-    assert {"slo_streams_sim_device", "slo_streams_sim_date", "workload", "ttfb_p50_ms_c1_sim"} <= set(latest)
-    assert "device" not in latest  # the top level's device and date are the throughput benchmark's
-    assert (tmp_path / latest["capacity_report_replica"]).exists()
-    # --trace: the probe's timeline, every request of the window with its first-audio breakdown
-    trace = json.loads(next(tmp_path.glob("trace-*-sessions-1.json")).read_text())
-    probe = sessions[0]["probes"][0]
-    assert len(trace["requests"]) >= probe["requests"] and trace["steps"] and trace["batches"]
-    for r in trace["requests"]:
-        if r["first_audio"] is not None:
-            assert r["submitted"] <= r["first_token"] <= r["first_job"] <= r["first_audio"]
+def test_in_process_arms_are_the_configs_replica_with_overrides_one_search_each(tmp_path, monkeypatch):
+    """--arm: one fresh replica of the config per arm (its overrides applied and validated by the
+    product), one search each under the arm's label; the arms' overrides are noted in the report."""
+    seen = {}
+
+    def searches(args, run, label, target, sampler, settle=None):
+        seen[label] = (target.synth.cfg.gc_freeze, target.synth.plan.token2wav.cv2.streamed)
+
+    monkeypatch.setattr(capacity_mod, "_searches", searches)
+    main(["--level", "synth", "--config", str(_local_config(tmp_path, "steps")), "--out", str(tmp_path),
+          "--workload", "synthetic", "--arm", "base", "--arm", "nofreeze:gc_freeze=false,token2wav.cv2_flow=incremental"])
+    assert seen == {"local-steps-in-process-base": (True, "recompute"),
+                    "local-steps-in-process-nofreeze": (False, "incremental")}
+    doc = json.loads(next(tmp_path.glob("capacity-synth-cpu-*.json")).read_text())
+    assert doc["workload"]["notes"] == ["arm base: -", "arm nofreeze: gc_freeze=False, token2wav.cv2_flow=incremental"]
 
 
-def test_replica_mode_gcfreeze_freezes_the_set_up_heap_for_its_searches_only(tmp_path, monkeypatch):
-    frozen = {}
-    monkeypatch.setattr(capacity_mod, "_searches", lambda args, run, mode, *rest: frozen.setdefault(
-        mode, gc.get_freeze_count()))
-    main(["--level", "replica", "--size", "tiny", "--device", "cpu", "--out", str(tmp_path), "--workload", "synthetic",
-          "--modes", "pytorch-fp32-early-edf-steps-gcfreeze,pytorch-fp32-early-edf-steps"])
-    assert frozen["pytorch-fp32-early-edf-steps-gcfreeze"] > 0 and frozen["pytorch-fp32-early-edf-steps"] == 0
-
-
-def test_lane_stats_split_bulk_and_express_batches():
-    done = RequestTrace(submitted_s=2.0)
-    done.add_chunk(2.1, 4 * done.sample_rate)  # 4 s of audio
-    streams = {"a": SimpleNamespace(trace=RequestTrace(submitted_s=1.0), first_token_s=1.02, first_job_s=1.06,
-                                    state=SimpleNamespace(finished=False, flow_frames=100)),
-               "b": SimpleNamespace(trace=done, first_token_s=2.02, first_job_s=2.06,
-                                    state=SimpleNamespace(finished=True, flow_frames=300)),
-               "late": SimpleNamespace(trace=RequestTrace(submitted_s=11.0), first_token_s=11.5, first_job_s=None,
-                                       state=SimpleNamespace(finished=True, flow_frames=999))}
-    t2w = SimpleNamespace(peak_cache_bytes=2**29, flow_fallbacks=1, prompt_prefixes=SimpleNamespace(hits=5))
-    sim = SimpleNamespace(on_error=None, streams=streams, t2w=t2w, step_log=[(0.0, 0.002), (1.0, 1.004), (9.0, 9.01)],
-                          batch_log=[(0.1, 0.15, 1, 1, "express"), (0.2, 0.4, 2, 0, "bulk"), (1.0, 1.1, 1, 0, "bulk"),
-                                     (20.0, 21.0, 4, 0, "bulk")],
-                          pass_log=[(0.5, 0.501, 3, 256, 5), (0.6, 0.601, 1, 640, 4), (12.0, 12.1, 9, 256, 9)])
-    stats = SimTarget(sim, voice=None).lane_stats(0.0, 10.0)
-    assert stats["flow_passes"] == 2 and stats["flow_rows_per_pass"] == 2.0  # the pass at 12 s is outside
-    assert stats["flow_rows_ready_per_pass"] == 4.5
-    assert stats["decode_step_ms_p50"] == 4.0 and stats["t2w_jobs_per_batch"] == 1.5
-    assert stats["t2w_busy_fraction"] == 0.03 and stats["express_busy_fraction"] == 0.005
-    assert stats["first_chunk_jobs"] == 1 and stats["express_batch_ms_p50"] == 50.0
-    assert stats["first_token_ms_p50"] == 20.0 and stats["first_job_start_ms_p99"] == 60.0  # "late" is outside
-    # flow work of the finished requests of the span (b only: a is open, late is outside)
-    assert stats["flow_frames_per_audio_s"] == 75.0 and stats["flow_cache_gib"] == 0.5
-    assert stats["flow_cache_fallbacks"] == 1 and stats["prompt_prefix_hits"] == 5
-    assert t2w.peak_cache_bytes == 0  # the peak is per probe: the next starts from none
+def test_arms_are_refused_at_the_serve_level(tmp_path):
+    with pytest.raises(SystemExit, match="--arm is for the synth level"):
+        main(["--level", "serve", "--arm", "a:dtype=float32", "--out", str(tmp_path)])
 
 
 def test_a_replica_failure_stops_the_search_instead_of_reading_as_an_slo_miss(tmp_path):

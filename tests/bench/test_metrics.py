@@ -45,24 +45,6 @@ def test_playback_deadline_follows_the_playback_model():
     assert _trace([0.1, 1.5], [1.0, 0.5]).playback_deadline_s() == pytest.approx(2.0)  # re-buffered at 1.5
 
 
-def test_edf_pick_serves_due_jobs_first_and_alone():
-    from types import SimpleNamespace
-
-    from bench.replica_sim import ReplicaSim
-
-    streams = {"new": _trace([], [], submitted=9.5), "short": _trace([9.0], [1.2]), "long": _trace([5.0], [10.0])}
-    jobs = [(rid, SimpleNamespace(state=SimpleNamespace(calls=calls)))
-            for rid, calls in (("long", 1), ("short", 1), ("new", 0))]
-    sim = SimpleNamespace(streams={k: SimpleNamespace(trace=v) for k, v in streams.items()}, edf_slack_s=0.5,
-                          length_ratio=None)
-    # at t=10: "new" is overdue, "short" runs out at 10.2, "long" at 15.0 -> the due ones, by deadline
-    assert [rid for rid, _ in ReplicaSim._pick(sim, list(jobs), 10.0, 2)] == ["new", "short"]
-    # nothing due within the slack: the earliest ones run anyway (the loop never idles with work)
-    assert [rid for rid, _ in ReplicaSim._pick(sim, list(jobs[:1]), 10.0, 2)] == ["long"]
-    sim.edf_slack_s = None  # the default policy: first chunks first, then in order, up to the batch
-    assert [rid for rid, _ in ReplicaSim._pick(sim, list(jobs), 10.0, 2)] == ["new", "long"]
-
-
 def test_a_run_folder_updates_the_latest_file_beside_it_with_the_folder_in_the_name(tmp_path):
     from bench.report import latest_for
 

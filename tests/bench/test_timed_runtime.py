@@ -166,5 +166,3 @@ def test_a_timed_run_reports_but_leaves_latest_json_alone(tmp_path, monkeypatch)
     assert "timing model: H200 times, no GPU" in doc["workload"]["model"] and doc["workload"]["timing_model"] == "h200"
     report = next(tmp_path.glob("capacity-synth-cpu-*-timed-h200.md")).read_text()
     assert "**No model ran**" in report and "Random weights" not in report
-    with pytest.raises(SystemExit, match="serve and synth levels"):
-        main(["--level", "replica", "--timed", "--out", str(tmp_path)])

@@ -1,8 +1,8 @@
 """Synthesizer + EngineLoop without Ray: fakes injected through ``runtime_factory``.
 
-``@serve.batch`` cannot run outside a replica (ray-serve-notes §5.1), so these tests replace the
-batched method on the instance by a direct call of the same batch function with one job; the
-batching behaviour itself is tested against real Ray in tests/integration.
+``@serve.batch`` cannot run outside a replica (ray-serve-notes §5.1), so these tests run the
+replica :meth:`~deployments.synthesizer.Synthesizer.outside_serve`: the same batch function with
+one job a call; the batching behaviour itself is tested against real Ray in tests/integration.
 
 Time is a :class:`~tests.deployments.fakes.FakeClock` that the fakes advance by their emulated
 compute time: latencies, deadlines and underruns do not depend on the machine's load, and tests
@@ -46,12 +46,7 @@ def _synth(max_running: int = 4, overlap_stages: bool | None = None, **token2wav
                             token2wav={"max_batch_size": 2, **token2wav}, overlap_stages=overlap_stages)
     clock = fakes.FakeClock()
     s = Synthesizer(cfg, runtime_factory=fakes.fake_runtime_on(clock), clock=clock)
-
-    async def direct(job):  # a batch of one, through the same failure isolation as a real batch
-        s.t2w_batch_sizes[1] += 1
-        return (await s.jobs.run([job]))[0]
-
-    s._token2wav = direct
+    s.outside_serve()  # a batch of one, through the same failure isolation as a real batch
     return s
 
 
@@ -77,6 +72,30 @@ def test_streaming_chunks_follow_hop_schedule_and_cover_all_tokens():
     assert [c.is_last for c in chunks] == [False] * (len(chunks) - 1) + [True]
     total = sum(len(c.samples) for c in chunks)
     assert total == 2 * n_tokens * fakes.SAMPLES_PER_TOKEN
+
+
+def test_a_replicas_bookkeeping_returns_to_idle_and_its_compute_is_counted_by_kind():
+    """What bench/leak_probe.py reads: every per-request entry of the loop gone once the requests
+    have ended (an abandoned stream's included), the compute seconds per kind of call, the batches
+    of one (the real engine's entries: tests/bench/test_leak_probe.py)."""
+    s = _synth(max_running=2)
+
+    async def main():
+        gen = s.synthesize(_req("gone", 200, stream=True, seed=fakes.hold_seed()))
+        await gen.__anext__()
+        await gen.aclose()  # abandoned after its first chunk
+        await asyncio.gather(*(s.synthesize_unary(_req(f"r{i}", 15, stream=False)) for i in range(3)))
+        await s.loop.close()
+
+    asyncio.run(main())
+    entries = s.open_entries()
+    assert {"loop_mailboxes", "loop_pending_adds", "loop_live", "compute_intervals", "step_batch_sizes"} <= set(entries)
+    assert all(n == 0 for k, n in entries.items() if k not in ("compute_intervals", "step_batch_sizes")), entries
+    assert entries["step_batch_sizes"] > 0 and entries["compute_intervals"] > 0  # bounded, trimmed when read
+    assert s.compute.seconds_by_call() and s.t2w_batch_sizes.keys() == {1}
+    assert s.metrics.recorded["batch"] and set(s.metrics.recorded["batch"]) == {1}
+    s.shutdown()
+    s.shutdown()  # idempotent: __del__ runs it again
 
 
 def test_unary_result_and_metrics():

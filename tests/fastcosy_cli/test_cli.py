@@ -224,17 +224,25 @@ def test_synth_needs_a_voice_or_prompt(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------- tools
-def test_bench_forwards_arguments(monkeypatch):
-    from bench import gpu_bench
+def test_bench_forwards_arguments_to_the_named_tool(monkeypatch):
+    from bench import capacity, gpu_bench
 
     seen = {}
+    monkeypatch.setattr(gpu_bench, "main", lambda argv: seen.setdefault("throughput", argv))
+    monkeypatch.setattr(capacity, "main", lambda argv: seen.setdefault("capacity", argv) and {"slo_streams": 3})
+    assert main(["bench", "throughput", "--family", "cosyvoice3", "--size", "tiny"]) == 0
+    assert main(["bench", "--", "capacity", "--level", "synth"]) == 0  # a tool's figures are not an exit code
+    assert seen == {"throughput": ["--family", "cosyvoice3", "--size", "tiny"], "capacity": ["--level", "synth"]}
 
-    def fake_main(argv):
-        seen["argv"] = argv
 
-    monkeypatch.setattr(gpu_bench, "main", fake_main)
-    assert main(["bench", "--", "--family", "cosyvoice3", "--size", "tiny"]) == 0
-    assert seen["argv"] == ["--family", "cosyvoice3", "--size", "tiny"]
+def test_bench_lists_its_tools_and_refuses_an_unknown_one(capsys):
+    from fastcosy_cli.tools import BENCH_TOOLS
+
+    assert main(["bench", "--help"]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"  {name}" in listing and module in listing for name, (module, _) in BENCH_TOOLS.items())
+    assert main(["bench", "gpu_bench"]) == 2
+    assert "unknown benchmark 'gpu_bench'" in capsys.readouterr().err
 
 
 def test_make_tiny_model_refuses_to_clobber(tmp_path, capsys):

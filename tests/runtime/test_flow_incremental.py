@@ -196,7 +196,7 @@ def test_time_table_follows_weights_changed_in_place(flow64):
     """The pass reads the resnets' time shifts from a table made once (IncrementalStepper): a
     time-MLP weight changed in place after the first pass (a checkpoint loaded later) is in the
     next pass, which still equals the whole solve. The flow is a deep copy of one with a stepper
-    (as bench/gpu_bench.py's casts are): the copied stepper works on the copy's modules."""
+    (as bench/random_model.py's casts are): the copied stepper works on the copy's modules."""
     flow64.incremental_stepper()  # the copy below copies a stepper too: its layout must name the copy's modules
     flow = copy.deepcopy(flow64)
     prompt, tokens = _prompt(20, 4), torch.tensor([_tokens(40, 4)], dtype=torch.int32)

@@ -1,5 +1,5 @@
 """LLM decode graphs, flow graphs (solve + encoder) and vocoder graphs replayed at the same time
-from threads, each on its own CUDA stream (the layout of a GPU replica and of bench/gpu_bench.py).
+from threads, each on its own CUDA stream (the layout of a GPU replica).
 Captured on one shared stream they shared a cuBLAS workspace and hung at batch 16 on an H200
 (2026-12-03); each owner now captures on a stream of its own (cosyvoice_runtime.graph_capture).
 The vocoder lane captures lengths lazily while the LLM lane replays, as a replica does when it

@@ -83,7 +83,7 @@ print(json.dumps(out))
 # The incremental CosyVoice2 pass of the tiny model with and without the fused kernels.
 _PASS_CHECK = """
 import json, torch
-from bench.gpu_bench import make_model
+from bench.random_model import make_model
 from cosyvoice_runtime.flow.flow_cache import FlowCache
 from cosyvoice_runtime.flow.incremental import IncrementalStepper
 model = make_model("cosyvoice2", "tiny", "cpu")
