@@ -11,13 +11,15 @@
 # support that CUDA version (`docker run ... fastcosy doctor` checks driver, GPU arch and files).
 #
 # Reproducible builds: every Python package comes from requirements.lock (pip constraints; `make
-# lock` regenerates it), and the base image is pinned by digest with CUDA_BASE_DIGEST, "@sha256:"
-# and the 64 hex digits of the CUDA_BASE tag, read once where the registry is reachable:
+# lock` regenerates it), and the base image is pinned by digest (CUDA_BASE_DIGEST): the tag is for
+# humans, the digest picks the image. No registry is reachable where this repository is built, so
+# the digest below is the one public Dockerfiles pin for this tag (the multi-arch index; seven
+# independent repositories agreed, read 2026-12-07), not one pulled here: check it where the
+# registry is reachable, and move both together:
 #   docker buildx imagetools inspect nvidia/cuda:12.8.1-runtime-ubuntu24.04   # "Digest: sha256:..."
 #   docker build --build-arg CUDA_BASE_DIGEST=@sha256:<digest> -t fastcosy:0.1.0 .
-# Left empty, the build falls back to the tag alone (which the registry can move).
 ARG CUDA_BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
-ARG CUDA_BASE_DIGEST=
+ARG CUDA_BASE_DIGEST=@sha256:ebef3c171eeef0298e4eb2e4be843105edf3b8b0ac45e0b43acee358e8046867
 FROM ${CUDA_BASE}${CUDA_BASE_DIGEST}
 
 # = torch in requirements.lock (tests/test_dockerfile.py keeps them equal)
