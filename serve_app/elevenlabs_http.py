@@ -22,7 +22,9 @@ Times are seconds from the start of the response's audio.
 A stream whose synthesizer replica dies is continued on another (``TTSIngress.open_stream``,
 serve_app/failover.py; docs/serving.md, Failover mid-stream): the client gets the unbroken run's
 audio, and an alignment still monotonic with every character once. Where it cannot be continued:
-ElevenLabs' 503 before the headers, else an aborted body.
+ElevenLabs' 503 before the headers, else an aborted body. The same stream ends when its audio
+stalls for ``stream_idle_timeout_s`` (serve_app/progress.py): ElevenLabs' 504 ``audio_timeout``
+before the headers (the whole-file routes: at any point), else an aborted body.
 """
 from __future__ import annotations
 
@@ -193,7 +195,7 @@ class ElevenLabsHttp:
         ingress.metrics.in_flight.inc()
         try:
             prepared = await admitted(ingress.frontend.prepare.remote(req))
-            gen = ingress.open_stream(prepared)  # continued on another replica if this one dies
+            gen = ingress.open_stream(prepared)  # continued if its replica dies, ended if its audio stalls
             try:
                 try:
                     first = await admitted(gen.__anext__())

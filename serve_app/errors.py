@@ -43,6 +43,7 @@ from deployments.protocol import (
     VoiceNotFoundError,
     VoiceStoreUnavailableError,
 )
+from serve_app.progress import NoAudioError
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,8 @@ def classify(exc: BaseException, retry_after_s: int = 1) -> tuple[int, str, str 
         return 413, "invalid_request_error", "payload_too_large", {}
     if isinstance(exc, (InvalidInputError, ValidationError)):
         return 400, "invalid_request_error", "invalid_input", {}
+    if isinstance(exc, NoAudioError):  # a stream without audio for stream_idle_timeout_s (serve_app/progress.py)
+        return 504, "server_error", "audio_timeout", {"Retry-After": str(retry_after_s)}
     if isinstance(exc, EngineDeadError):
         return 503, "server_error", "engine_unavailable", {"Retry-After": str(retry_after_s)}
     if isinstance(exc, RequestFailedError):  # this request alone failed on the replica

@@ -60,6 +60,7 @@ from serve_app.handles import cancel_stream as _cancel
 from serve_app.health import HealthMonitor, wants_detail
 from serve_app.metrics import CONTENT_TYPE, IngressMetrics
 from serve_app.middleware import AdmissionControl, RequestAccounting, TrailingSlash
+from serve_app.progress import DEFAULT_IDLE_S, AudioProgress, NoAudioError, WatchedStream
 from serve_app.request_body import read_form, read_json
 from serve_app.schemas import NativeSynthesisFields, SpeechRequest, VoiceFields, VoiceOut
 from serve_app.speech import (
@@ -87,10 +88,6 @@ MAX_LOGGED_FIELDS = 20  # unknown request fields named in the log, at most
 EMPTY_STREAM_RATE = 24000  # rate named in the header of a stream that has no audio at all
 
 
-class NoAudioError(Exception):
-    """A stream's next audio chunk did not come within ``stream_idle_timeout_s``."""
-
-
 class IngressConfig(DeploymentKnobs):
     """HTTP ingress replica: request limits."""
 
@@ -104,9 +101,11 @@ class IngressConfig(DeploymentKnobs):
     # Continuations of a stream on another synthesizer replica when the one serving it dies
     # (serve_app/failover.py); 0: the stream ends with an error instead.
     stream_failover_retries: NonNegativeInt = DEFAULT_RETRIES
-    # Longest wait for a stream's next audio chunk, the first included (504 before the headers; after
-    # them an SSE error event or an aborted body). No limit on a stream's total time (docs/serving.md).
-    stream_idle_timeout_s: PositiveFloat = 60.0
+    # Longest wait for a stream's next audio chunk, the first included, on every streaming route (HTTP
+    # 504 before the headers; after them an SSE error event or an aborted body; WebSocket close 1011;
+    # a text-in turn's wait counts from the end of its text). No limit on a stream's total time
+    # (serve_app/progress.py, docs/serving.md).
+    stream_idle_timeout_s: PositiveFloat = DEFAULT_IDLE_S
     # Pause between the background probes behind GET /health (its answer is at most this old).
     health_refresh_s: float = Field(5.0, gt=0)
     # Longest prompt upload decoded (413 from the file's header above it); None: frontend.max_prompt_audio_s.
@@ -136,6 +135,7 @@ class TTSIngress:
         self.frontend = frontend
         self.synth = synthesizer
         self.metrics = IngressMetrics(gc_pauses=settle_replica(cfg.gc_freeze))
+        self.progress = AudioProgress(cfg.stream_idle_timeout_s)  # every stream's (serve_app/progress.py)
         # One background task keeps /health's status (started here when Serve constructs the
         # replica on its loop, else by the first /health).
         self.health_monitor = HealthMonitor(synthesizer, frontend, cfg.health_timeout_s, cfg.health_refresh_s)
@@ -200,7 +200,7 @@ class TTSIngress:
         self.metrics.in_flight.inc()
         try:
             session = session_cls(websocket, self.frontend, self.synth, voice, on_served=self.metrics.served.observe)
-            session.failover_retries = self.cfg.stream_failover_retries
+            session.failover_retries, session.progress = self.cfg.stream_failover_retries, self.progress
             await session.run()
         finally:
             self.metrics.in_flight.dec()
@@ -251,13 +251,9 @@ class TTSIngress:
                 return Response(data, media_type=MEDIA_TYPES[fmt], headers={AUDIO_SECONDS_HEADER: f"{served:.3f}"})
             gen = self.open_stream(prepared)
             try:
-                first = await _admitted(self._next_audio(gen))
+                first = await _admitted(gen.__anext__())  # no audio in time: 504 (serve_app/errors.py)
             except StopAsyncIteration:
                 first = None
-            except NoAudioError as exc:
-                _cancel(gen)
-                raise ApiError(504, f"{exc}; the service is busy or stalled", "server_error", "audio_timeout",
-                               {"Retry-After": str(self.cfg.retry_after_s)}) from None
             except BaseException:
                 _cancel(gen)
                 raise
@@ -278,17 +274,6 @@ class TTSIngress:
         return StreamingResponse(self._stream_body(gen, first, out, started, req.request_id),
                                  media_type=out.media_type, headers={"Server-Timing": server_timing(stages)})
 
-    async def _next_audio(self, gen) -> AudioChunk:
-        """The stream's next chunk; :class:`NoAudioError` when none came within ``stream_idle_timeout_s``.
-
-        A progress timeout, not a total one: a long answer streams as long as its audio keeps
-        coming (docs/serving.md, Long answers); the work of one request is bounded by the input
-        limits (``max_input_chars``, the frontend's ``max_pieces``)."""
-        try:
-            return await asyncio.wait_for(gen.__anext__(), self.cfg.stream_idle_timeout_s)
-        except TimeoutError:
-            raise NoAudioError(f"no audio for {self.cfg.stream_idle_timeout_s:g} s") from None
-
     async def _stream_body(self, gen, first, out: AudioOut, started: float, rid: str):
         # Encoding (and SSE's base64) runs in the encoder pool: an MP3/Opus/AAC chunk costs
         # milliseconds of CPU, which on the event loop would delay every other stream.
@@ -300,7 +285,7 @@ class TTSIngress:
                     yield data
                 while True:
                     try:
-                        chunk = await self._next_audio(gen)
+                        chunk = await gen.__anext__()
                     except StopAsyncIteration:
                         break
                     except (NoAudioError, StreamLostError) as exc:
@@ -323,10 +308,14 @@ class TTSIngress:
             _cancel(gen)
             self.metrics.in_flight.dec()
 
-    def open_stream(self, prepared) -> FailoverStream:
+    def open_stream(self, prepared) -> WatchedStream:
         """The synthesizer's stream of ``prepared``: every HTTP route's and the handle API's one way
-        to call it, so each is continued on another replica when its replica dies (serve_app/failover.py)."""
-        return FailoverStream(self.synth, prepared, self.cfg.stream_failover_retries, self._failed_over)
+        to call it, so each is continued on another replica when its replica dies (serve_app/failover.py)
+        and ends with :class:`NoAudioError` when its audio stalls (serve_app/progress.py). A progress
+        timeout, not a total one: the work of one request is bounded by the input limits
+        (``max_input_chars``, the frontend's ``max_pieces``)."""
+        return self.progress.watch(FailoverStream(self.synth, prepared, self.cfg.stream_failover_retries,
+                                                  self._failed_over))
 
     def _failed_over(self, outcome: str) -> None:
         self.metrics.failovers.labels(outcome).inc()
@@ -381,7 +370,8 @@ class TTSIngress:
     async def stream(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         """Streaming synthesis: ``async for chunk in app_handle.options(stream=True).stream.remote(req)``.
 
-        Cancelling the caller's generator (or ``.cancel()`` on it) aborts the sequence.
+        Cancelling the caller's generator (or ``.cancel()`` on it) aborts the sequence; a stream
+        without audio for ``stream_idle_timeout_s`` raises :class:`~serve_app.progress.NoAudioError`.
         """
         prepared = await _admitted(self.frontend.prepare.remote(req))
         gen = self.open_stream(prepared)

@@ -25,7 +25,9 @@ Bounded as stream-input: one admission turn per socket, ``MAX_SESSION_CHARS`` of
 socket, ``MAX_CONTEXTS`` open contexts (ElevenLabs' own limit) and twice that speaking (closed
 ones finishing their flushed text included), and the inactivity timeout
 (query ``inactivity_timeout``, default 20 s; larger values are cut to 180 s, since LiveKit asks
-for 300): it closes an idle socket, but not while a context still speaks flushed text.
+for 300): it closes an idle socket, but not while a context still speaks flushed text. Flushed
+text whose audio stalls for the ingress's ``stream_idle_timeout_s`` (serve_app/progress.py) ends
+its context with an ``audio_timeout`` error message (``code`` 1011, with its ``contextId``).
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ class _Context(StreamInputSession):
     def __init__(self, session: MultiStreamSession, context_id: str, n: int, speed: float) -> None:
         super().__init__(session.ws, session.frontend, session.synth, session.voice_id, session.on_served)
         self.session, self.context_id, self.speed = session, context_id, speed
+        self.progress = session.progress  # the ingress's audio-progress timeout (serve_app/progress.py)
         self.rid = f"{session.rid}-c{n}"
         self.flushes_queued = 0  # FLUSH items in the queue, not yet read by the speaker
         self.flushing = False  # the speaker is speaking the rest of a flushed turn

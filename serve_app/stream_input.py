@@ -34,9 +34,11 @@ of the output format:
 
 Bounded: one admission turn per session (AdmissionControl), ``MAX_SESSION_CHARS`` of text per
 session, an inactivity timeout (query ``inactivity_timeout``, default 20 s, at most 180 s, as
-ElevenLabs). A closed socket cancels the synthesis in flight (its decode slot is freed).
-Errors are sent as the JSON error shape, then the socket is closed (1008 bad input, 1013
-overload, 1011 internal).
+ElevenLabs) on the client's messages, and the ingress's audio-progress timeout on the
+synthesizer's (``stream_idle_timeout_s``, serve_app/progress.py: a sentence-mode segment's audio
+at once, a bistream turn's from the end of its text). A closed socket cancels the synthesis in
+flight (its decode slot is freed). Errors are sent as the JSON error shape, then the socket is
+closed (1008 bad input, 1013 overload, 1011 internal: a stalled synthesizer, ``audio_timeout``).
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ from serve_app.elevenlabs import DEFAULT_OUTPUT_FORMAT, OutputFormat, parse_outp
 from serve_app.errors import classify, error_body, message_of, request_id_of
 from serve_app.failover import DEFAULT_RETRIES, FailoverStream, lost_as_error, seed_param
 from serve_app.handles import admitted, cancel_stream
+from serve_app.progress import DEFAULT_IDLE_S, AudioProgress
 from serve_app.pronunciation import session_aliases, spec_of_message
 from serve_app.schemas import MAX_SPEED, MIN_SPEED
 from serve_app.speech import AudioOut, served_seconds, split_speed
@@ -151,6 +154,7 @@ class StreamInputSession:
     """One WebSocket session: receive text, synthesise segments in order, send audio messages."""
 
     failover_retries = DEFAULT_RETRIES  # of a sentence-mode segment (serve_app/failover.py); the ingress sets it
+    progress = AudioProgress(DEFAULT_IDLE_S)  # the synthesizer's streams' timeout; the ingress sets its own
 
     def __init__(self, ws: WebSocket, frontend: Any, synth: Any, voice_id: str,
                  on_served: Callable[[float], None] | None = None) -> None:
@@ -255,7 +259,8 @@ class StreamInputSession:
                                    seed=seed)
             n += 1
             prepared = await admitted(self.frontend.prepare.remote(req))
-            gen = FailoverStream(self.synth, prepared, self.failover_retries)  # continued if its replica dies
+            # continued if its replica dies; ended if its audio stalls
+            gen = self.progress.watch(FailoverStream(self.synth, prepared, self.failover_retries))
             await self._play(gen, fmt, tempo, PieceAligner(segment, [(p.text, len(p.text_ids)) for p in prepared.pieces]))
         await self._close_audio()
 
@@ -298,13 +303,15 @@ class StreamInputSession:
         prepared = await admitted(self.frontend.prepare_bistream.remote(req))
         gen = self.synth.options(stream=True).synthesize_bistream.remote(prepared)
         try:
-            ticket = await admitted(gen.__anext__())
+            ticket = await admitted(self.progress.next(gen))  # owed at once
         except BaseException:
             cancel_stream(gen)
             raise
         aligner = Aligner("", "")  # the turn's text as pushed (read as sent, but for aliases) and as sent
         aligner.sequence([])
-        return _Turn(ticket, asyncio.create_task(self._play(gen, fmt, tempo, aligner)), aligner)
+        owed = asyncio.Event()  # its audio is owed once its text is complete (module docstring)
+        audio = asyncio.create_task(self._play(self.progress.watch(gen, owed), fmt, tempo, aligner))
+        return _Turn(ticket, audio, aligner, owed)
 
     async def _next_fragment(self, turn: _Turn | None):
         """The next queued item; a turn whose synthesis failed meanwhile raises its error now."""
@@ -383,6 +390,7 @@ class _Turn:
     ticket: Any  # deployments.text_inbox.BistreamTicket
     audio: asyncio.Task
     aligner: Aligner  # the text pushed, with its tokens (read by the audio task)
+    owed: asyncio.Event  # set at the end of its text: from then on its audio has the progress timeout
     ids: int = 0
 
     async def push(self, ids: list[int], piece: str, sent: str, spans: list[tuple[int, int]]) -> None:
@@ -401,6 +409,7 @@ class _Turn:
         """End of this turn's text; returns once its audio has been sent."""
         if not self.audio.done():
             await self.ticket.push([], end=True)
+        self.owed.set()  # the model needs nothing more from the client to speak the rest
         await self.audio
 
 

@@ -17,6 +17,7 @@ from deployments.protocol import (
     VoiceStoreUnavailableError,
 )
 from serve_app.errors import ApiError, response_for
+from serve_app.progress import NoAudioError
 
 
 def _request(headers=()) -> Request:
@@ -30,6 +31,7 @@ def _request(headers=()) -> Request:
     (PayloadTooLargeError("big"), 413, "payload_too_large"),
     (OverloadedError("full"), 429, "queue_full"),
     (EngineDeadError("dead"), 503, "engine_unavailable"),
+    (NoAudioError("no audio for 60 s"), 504, "audio_timeout"),
     (VoiceForbiddenError("shared"), 403, "voice_not_owned"),
     (VoiceStoreUnavailableError("the voice store /v is not writable"), 503, "voice_store_unavailable"),
     (ApiError(415, "nope", code="unsupported_media_type"), 415, "unsupported_media_type"),

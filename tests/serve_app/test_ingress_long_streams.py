@@ -74,8 +74,11 @@ def test_a_stream_that_stalls_after_its_headers_is_aborted_and_sse_says_why():
     async def main():
         async with client(app) as c:
             await _with_voice(c)
-            with pytest.raises(NoAudioError):  # a plain audio body cannot carry a status: aborted
+            # a plain audio body cannot carry a status: aborted (Starlette cannot answer the error
+            # once the response has started; through Serve's proxy an incomplete response)
+            with pytest.raises(RuntimeError, match="response already started") as info:
                 await c.post("/v1/audio/speech", json=_speech())
+            assert isinstance(info.value.__cause__, NoAudioError)
             r = await c.post("/v1/audio/speech", json=_speech(stream_format="sse"))
             assert r.status_code == 200  # the headers had gone with the first chunk
             events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
