@@ -58,7 +58,7 @@ def _setup(family: str, tmp_path_factory, device: str):
     return replicas, with_seed(prepared)
 
 
-def _synth(model_dir: str, device: str) -> Synthesizer:
+def _synth(model_dir: str, device: str = "cpu") -> Synthesizer:
     # on CUDA the default plan: graphed LLM decode run ahead, stepped incremental flow, graphed vocoder
     synth = Synthesizer(SynthesizerConfig(device=device, warmup=False, max_model_len=1024, flow_graph_max_s=8.0),
                         ModelSource(model_dir))
