@@ -4,23 +4,31 @@ Measured (read from files, never typed here):
 
 * the per-replica latency-vs-load curve: first audio p99 against voice-agent sessions, streams in
   flight and audio made per session, NVML utilisation against streams in flight, from the Serve
-  capacity report that ``bench/results/latest.json`` names (``capacity_report_serve``: the whole
-  Serve application on one GPU over HTTP);
+  capacity reports the load band's setpoint was calibrated from: the serve config's
+  ``slo_streams`` names its ``fastcosy calibrate`` record (``configs/calibration/*.json``), and the
+  record names its measurements (:func:`calibration_reports`), so the curve, the setpoint and the
+  configs are one measurement;
+* the replica start: the newest GPU cold-start record, read by the live ramp's reader
+  (:func:`replica_start`, ``bench.timed_fleet.cold_start_record``);
 * Serve's autoscaling settings of the synthesizer (``configs/production.yaml``) and the idle time
   before the Ray autoscaler removes a GPU node (``deploy/kuberay/rayservice.yaml``).
 
-Assumed (parameters; :data:`ASSUMPTIONS` states each with its source): the replica start time, the
-node start time, the metrics push interval, the price of a GPU-hour.
+Assumed (parameters; :data:`ASSUMPTIONS` states each with its source): the node start time, the
+metrics push interval, the price of a GPU-hour.
 """
 from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from bench.calibrate import derive, named_record
+from bench.timed_fleet import cold_start_record
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -28,9 +36,6 @@ SERVE_CONFIG = ROOT / "configs" / "production.yaml"
 KUBERAY_MANIFEST = ROOT / "deploy" / "kuberay" / "rayservice.yaml"
 
 ASSUMPTIONS = {
-    "replica_start_s": (87.0, ("model load + CUDA-graph capture of one CosyVoice2 replica on an H100: 72.5 s "
-                              "and 87 s in-process (bench/results/2026-12-06-h100-capacity/capacity-h100-2026-12-06.md); the slower "
-                              "is taken, a Serve replica adds its actor start")),
     "node_start_s": (180.0, ("assumed: a cloud GPU VM or pod from request to a Ray worker joined, image "
                             "cached (3 min); not measured here")),
     "metrics_push_s": (10.0, ("Serve's default replica and handle metrics push interval "
@@ -83,9 +88,10 @@ class ReplicaModel:
     audio_per_session: Curve    # seconds of audio made per session-second, against sessions
     util_pct: Curve          # NVML utilisation against streams in flight
     slo_p99_ms: float
-    capacity_sessions: int   # the report's capacity (largest load meeting the SLO)
+    capacity_sessions: int   # the reports' capacity (calibrate's: largest load meeting the SLO below every miss)
     slo_streams: float       # streams in flight at that capacity
     source: str
+    reports: tuple[str, ...] = ()  # the capacity reports' JSON (paths as :func:`_shown` gives them)
 
     @property
     def max_sessions(self) -> float:
@@ -93,40 +99,65 @@ class ReplicaModel:
         return self.p99_ms.crossing(self.slo_p99_ms)
 
 
-def load_replica_model(report_json: Path) -> ReplicaModel:
-    """The curves from a capacity report's JSON: its sessions search and its one-session probe."""
-    data = json.loads(report_json.read_text())
-    slo = float(data["workload"]["slo_ttfa_p99_ms"])
-    # a sessions search, or fixed loads (``--loads``: its capacity is the largest load that met the SLO)
-    (search,) = [s for s in data["searches"] if s["kind"] in ("sessions", "loads")]
-    met = sorted((p for p in search["probes"] if p["meets_slo"]), key=lambda p: p["load"])
-    if not met:
-        raise ValueError(f"{report_json.name}: need a load meeting the SLO for the in-flight curve")
-    latency = [(p["load"], p["ttfa_p99_ms"]) for p in search["probes"]]
-    one = [p for s in data["searches"] if s["kind"] == "one-session" for p in s["probes"]]
-    latency += [(p["load"], p["ttfa_p99_ms"]) for p in one if p["load"] not in {x for x, _ in latency}]
-    # Probes that failed stopped at their first late request, so their in-flight and audio figures
-    # cover seconds, not the window: only loads that met the SLO describe steady service.
-    per_session = [(p["load"], p["streams_in_flight_mean"] / p["load"]) for p in met]
-    audio = [(p["load"], p["audio_s"] / p["window_s"] / p["load"]) for p in met]
-    if len(met) == 1:  # one steady load measured (a fixed-loads reading): its shares held at every load
+def _by_load(probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One probe per load: where a load was probed more than once, the one with the highest p99
+    stands for it (as ``fastcosy calibrate`` counts a load met only if every probe met it)."""
+    worst: dict[float, dict[str, Any]] = {}
+    for p in probes:
+        if p["load"] not in worst or p["ttfa_p99_ms"] > worst[p["load"]]["ttfa_p99_ms"]:
+            worst[p["load"]] = p
+    return [worst[k] for k in sorted(worst)]
+
+
+def load_replica_model(reports: Path | Sequence[Path]) -> ReplicaModel:
+    """The curves from capacity reports' JSON of one node and workload (a calibration's
+    measurements): their steady loads (``sessions`` searches, ``--loads`` probes) and one-session probes.
+
+    Raises:
+        ValueError: the reports differ in device or workload, or no steady load met the SLO.
+    """
+    paths = [Path(reports)] if isinstance(reports, (str, Path)) else [Path(p) for p in reports]
+    docs = [json.loads(p.read_text()) for p in paths]
+    cal = derive(paths)  # checks the reports are of one node and workload; the capacity as calibrate reads it
+    slo = cal.slo_ttfa_p99_ms
+    steady = _by_load([p for d in docs for s in d["searches"] if s["kind"] in ("sessions", "loads")
+                       for p in s["probes"]])
+    one = [p for p in _by_load([p for d in docs for s in d["searches"] if s["kind"] == "one-session"
+                                for p in s["probes"]]) if p["load"] not in {q["load"] for q in steady}]
+    latency = [(p["load"], p["ttfa_p99_ms"]) for p in steady + one]
+    # A probe stops early at its first failed or underrun request (``aborted``): its in-flight and
+    # audio figures cover seconds, not the window. The others, past the SLO's p99 or not, served
+    # the whole window at that load and describe it.
+    whole = [p for p in steady if p.get("aborted") is None]
+    per_session = [(p["load"], p["streams_in_flight_mean"] / p["load"]) for p in whole]
+    audio = [(p["load"], p["audio_s"] / p["window_s"] / p["load"]) for p in whole]
+    if len(whole) == 1:  # one steady load measured: its shares held at every load
         per_session.insert(0, (0.0, per_session[0][1]))
         audio.insert(0, (0.0, audio[0][1]))
+    met = [p for p in steady if p["meets_slo"]]
     # An idle GPU reads 0 % (assumed anchor); the rest is measured (one-session probe included).
     util = [(0.0, 0.0)] + sorted({(p["streams_in_flight_mean"], p["gpu_util_pct"]) for p in met + one
                                   if p.get("gpu_util_pct") is not None})
-    cap = int(search["capacity"]) if search.get("capacity") is not None else int(met[-1]["load"])
-    at_cap = [p for p in met if p["load"] == cap]
+    at_cap = min(p["streams_in_flight_mean"] for d in docs for s in d["searches"] if s["kind"] in ("sessions", "loads")
+                 for p in s["probes"] if p["load"] == cal.sessions and p["meets_slo"])
+    first = docs[0]
+    shown = tuple(_shown(p) for p in paths)
     return ReplicaModel(
         # Below the lightest steady load the share of a session in synthesis is held (assumed: less
         # load synthesises faster, so this overstates streams there); past the heaviest, the latency
         # and in-flight curves keep rising along their last segment.
         p99_ms=Curve(latency), streams_per_session=Curve(per_session, hold_below=True),
         audio_per_session=Curve(audio, hold_below=True, hold_above=True),
-        util_pct=Curve(util, hold_above=True), slo_p99_ms=slo, capacity_sessions=cap,
-        slo_streams=float(at_cap[0]["streams_in_flight_mean"]) if at_cap else float(met[-1]["streams_in_flight_mean"]),
-        source=f"{_shown(report_json)} ({data['device']}, {data['date']}, {data['workload']['family']}, "
-               f"level {data['workload']['level']})")
+        util_pct=Curve(_distinct_x(util), hold_above=True), slo_p99_ms=slo, capacity_sessions=int(cal.sessions),
+        slo_streams=float(at_cap),
+        source=f"{' + '.join(shown)} ({first['device']}, {cal.date}, {cal.family}, level {cal.level}, "
+               f"{cal.workload} workload)",
+        reports=shown)
+
+
+def _distinct_x(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """One point per x (the last of equal readings), as :class:`Curve` needs."""
+    return sorted(dict(points).items())
 
 
 def _shown(report_json: Path) -> str:
@@ -136,11 +167,32 @@ def _shown(report_json: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(RESULTS) else str(report_json)
 
 
-def serve_report_path(latest: Path = RESULTS / "latest.json") -> Path:
-    """The JSON of the Serve-level capacity report ``latest.json`` cites (a path relative to the
-    results folder: ``<run folder>/<report>.md``)."""
-    name = json.loads(latest.read_text())["capacity_report_serve"]
-    return latest.parent / Path(name).with_suffix(".json")
+def calibration_reports(config: Path = SERVE_CONFIG) -> tuple[Path, list[Path]]:
+    """The ``fastcosy calibrate`` record a serve config's ``slo_streams`` names, and the capacity
+    reports it was derived from (``measurements``), as paths.
+
+    Raises:
+        ValueError: the config names no record, or more than one.
+    """
+    records = sorted(set(named_record(config.read_text())))
+    if len(records) != 1:
+        raise ValueError(f"{config}: its slo_streams should name one calibration record, names {records}")
+    record = ROOT / records[0]
+    return record, [ROOT / m for m in json.loads(record.read_text())["measurements"]]
+
+
+def replica_start(results: Path = RESULTS) -> tuple[float, str]:
+    """The newest measured GPU cold start (process start to first request served) and its source.
+
+    Raises:
+        FileNotFoundError: no cold-start record was measured on a GPU.
+    """
+    cold = cold_start_record(results)
+    if cold is None:
+        raise FileNotFoundError(f"no GPU cold-start-*.json under {results}: pass --replica-start-s")
+    return cold["cold_start_s"], (f"{cold['source']} ({cold['device']}, {cold['date']}): process start to "
+                                  "first request served, the newest GPU cold-start record "
+                                  "(bench.timed_fleet.cold_start_record)")
 
 
 @dataclass(frozen=True)

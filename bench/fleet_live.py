@@ -57,7 +57,7 @@ def simulate_live(live: dict[str, Any]) -> dict[str, Any]:
         replica = replace(replica, streams_per_session=Curve([(0.0, 1.0), (1.0, 1.0)], hold_below=True,
                                                              hold_above=True))
     settings = settings_of(run)
-    (spec,) = [p for p in policies(settings, replica) if p.name == "load_band_config"]  # the live setpoint
+    (spec,) = [p for p in policies(settings, replica) if p.name == "load_band"]  # the live run's band and setpoint
     cfg = SimConfig(settings=settings, replica=replica,
                     replica_start_s=run["replica_start_s"] / run["time_scale"], node_start_s=0.0,
                     metrics_push_s=10.0, initial_replicas=settings.min_replicas)

@@ -54,7 +54,7 @@ class SimConfig:
     policy_period_s: float = 1.0
     admission: bool = False
     seed: int = 0
-    initial_replicas: int | None = None  # None: the first minute's peak at the band centre (75 %)
+    initial_replicas: int | None = None  # None: the first minute's peak at the config's band centre
 
 
 class ServeConfigView:
@@ -233,7 +233,8 @@ def simulate(trace: Trace, policy: Policy, cfg: SimConfig, name: str = "policy",
     cap = rep.max_sessions
     initial = cfg.initial_replicas
     if initial is None:  # a fleet at rest for the first minute's load, not one still scaling
-        initial = max(s.min_replicas, math.ceil(trace.active[:60].max() / (0.75 * cap)))
+        mid = (float(s.load_band.get("low_pct", 70)) + float(s.load_band.get("high_pct", 80))) / 200
+        initial = max(s.min_replicas, math.ceil(trace.active[:60].max() / (mid * cap)))
     fleet = Fleet(cfg, min(max(initial, s.min_replicas), s.max_replicas))
     target = len(fleet.replicas)
     delay = DelayRule(s.upscale_delay_s, s.downscale_delay_s)

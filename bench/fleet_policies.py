@@ -4,14 +4,13 @@
   documentation: the replicas that put ``target_ongoing_requests`` requests (running + queued)
   on each, ``ceil(total requests / target_ongoing_requests)``, smoothing factors at 1, with the
   config's target; ``queue_measured``: the same with the target at the band centre of the
-  measured setpoint (what the load band aims at, without its hysteresis).
+  config's setpoint (what the load band aims at, without its hysteresis).
 * ``gpu_util``: keep NVML utilisation in a band, ``ceil(n * util / centre)`` outside it, never
   under the queue answer (the sketch of ray-serve-notes.md 5.2).
 * ``load_band``: the real ``deployments.autoscaling_policy.LoadBandPolicy``, imported, with the
-  setpoint ``fastcosy calibrate`` derives from the simulation's capacity report
-  (``bench/calibrate.py``: streams in flight at the highest load that met the SLO);
-  ``load_band_config``: the same with the configs' setpoint (calibrated on the GPU the configs
-  name, which need not be the report's GPU or workload).
+  serve config's band and setpoint (``slo_streams``, which ``fastcosy calibrate`` wrote from the
+  measurement the replica curve comes from: :func:`calibrated_setpoint` re-derives it, and the
+  simulation reports whether the two agree).
 * ``load_band_no_latch``: ``load_band`` without its scale-in latch (a scale-in asked under the band
   goes on until the load is back at the centre): the band's decision rule before it had one.
 * ``load_band_admission``: ``load_band`` with admission at the replicas (``SimConfig.admission``).
@@ -85,10 +84,9 @@ class NoLatchLoadBand(LoadBandPolicy):
 
 
 def calibrated_setpoint(replica: ReplicaModel) -> float:
-    """What ``fastcosy calibrate`` writes for the replica model's capacity report (its
-    ``source`` starts with the report's path)."""
-    report = ROOT / replica.source.split(" (")[0]
-    return derive([report]).slo_streams if report.is_file() else replica.slo_streams
+    """What ``fastcosy calibrate`` writes for the replica model's capacity reports."""
+    reports = [ROOT / r for r in replica.reports]
+    return derive(reports).slo_streams if reports and all(r.is_file() for r in reports) else replica.slo_streams
 
 
 @dataclass(frozen=True)
@@ -101,34 +99,32 @@ class PolicySpec:
 
 
 def policies(settings: ServeSettings, replica: ReplicaModel) -> list[PolicySpec]:
-    """The compared policies; ``load_band*`` read the band from the serve config."""
+    """The compared policies; ``load_band*`` read the band and its setpoint from the serve config."""
     band = dict(settings.load_band)
     low, high = float(band.get("low_pct", 70)), float(band.get("high_pct", 80))
-    measured = calibrated_setpoint(replica)
-    configured = float(band.get("slo_streams", 12))
+    setpoint = float(band["slo_streams"])
 
-    def ours(slo_streams: float, cls: type[LoadBandPolicy] = LoadBandPolicy) -> Callable[[], LoadBandPolicy]:
+    def ours(cls: type[LoadBandPolicy] = LoadBandPolicy) -> Callable[[], LoadBandPolicy]:
         # Its clock is the simulation's (``SimContext.current_time``): the rate limit of its log
         # lines runs in simulated time, so the day counts the lines a controller would write.
         def make() -> LoadBandPolicy:
             clock = _Clock()
-            policy = cls(low_pct=low, high_pct=high, slo_streams=slo_streams, clock=clock)
+            policy = cls(low_pct=low, high_pct=high, slo_streams=setpoint, clock=clock)
             return _Clocked(policy, clock)
         return make
 
-    centre = (low + high) / 200 * measured
+    centre = (low + high) / 200 * setpoint
+    configured = f"configured: slo_streams {setpoint:g} in {settings.source.split(' (')[0]}"
+    band_label = f"load band {low:g}-{high:g} %"
     return [
         PolicySpec("queue", f"queue length only (target_ongoing_requests {settings.target_ongoing_requests:g})",
                    lambda: queue_length_policy),
-        PolicySpec("queue_measured", f"queue length only (target {centre:.1f} = band centre x measured)",
-                   lambda: partial(queue_length_policy, target=centre), setpoint=f"measured: {replica.source}"),
+        PolicySpec("queue_measured", f"queue length only (target {centre:.2f} = band centre x slo_streams)",
+                   lambda: partial(queue_length_policy, target=centre), setpoint=configured),
         PolicySpec("gpu_util", f"GPU utilisation band {low:g}-{high:g} %", lambda: GpuUtilBandPolicy(low, high)),
-        PolicySpec("load_band", f"load band {low:g}-{high:g} %, slo_streams {measured:g} (calibrated)",
-                   ours(measured), setpoint=f"fastcosy calibrate of {replica.source}"),
-        PolicySpec("load_band_config", f"load band {low:g}-{high:g} %, slo_streams {configured:g} (config)",
-                   ours(configured), setpoint=f"configured: {settings.source}"),
-        PolicySpec("load_band_no_latch", f"load band {low:g}-{high:g} % without the scale-in latch, slo_streams "
-                   f"{measured:g}", ours(measured, NoLatchLoadBand), setpoint=f"fastcosy calibrate of {replica.source}"),
-        PolicySpec("load_band_admission", f"load band {low:g}-{high:g} % + admission (429), slo_streams "
-                   f"{measured:g}", ours(measured), admission=True, setpoint=f"fastcosy calibrate of {replica.source}"),
+        PolicySpec("load_band", f"{band_label}, slo_streams {setpoint:g} (config)", ours(), setpoint=configured),
+        PolicySpec("load_band_no_latch", f"{band_label} without the scale-in latch, slo_streams {setpoint:g}",
+                   ours(NoLatchLoadBand), setpoint=configured),
+        PolicySpec("load_band_admission", f"{band_label} + admission (429), slo_streams {setpoint:g}", ours(),
+                   admission=True, setpoint=configured),
     ]

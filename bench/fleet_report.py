@@ -38,6 +38,7 @@ def summarise(run: Run, oracle: np.ndarray, replica: ReplicaModel, gpu_hour_usd:
     bad = violation_minutes(run)
     minutes = int(((_per_minute(run.served + run.rejected)) > 0).sum())
     sessions = float((run.served + run.rejected).sum())
+    mean_sessions = float(run.served.sum()) / max(1, int(run.running.sum()))
     return {
         "gpu_hours": round(gpu_hours, 2),
         "replica_hours": round(float(run.replicas.sum()) / 3600, 2),
@@ -52,7 +53,9 @@ def summarise(run: Run, oracle: np.ndarray, replica: ReplicaModel, gpu_hour_usd:
         "cost_per_audio_hour_usd": round(gpu_hours * gpu_hour_usd / audio_hours, 4) if audio_hours else None,
         "peak_replicas": int(run.running.max()),
         "peak_nodes": int(run.nodes.max()),
-        "mean_sessions_per_replica": round(float(run.served.sum()) / max(1, int(run.running.sum())), 2),
+        "mean_sessions_per_replica": round(mean_sessions, 2),
+        # the headroom the policy kept: compare with the trace's rise within the fleet's reaction
+        "capacity_over_mean_load": round(replica.max_sessions / mean_sessions, 3) if mean_sessions else None,
         "target_changes": int(np.count_nonzero(np.diff(run.target))),
         "policy_calls": run.policy_calls,
         "sessions_per_replica_at_slo": round(replica.max_sessions, 2),

@@ -1,8 +1,9 @@
 """Fleet simulation for the scale we cannot rent: autoscaling policies over a day of sessions.
 
 A discrete-time model (1 s ticks) of a GPU fleet of synthesizer replicas under Ray Serve's
-autoscaler (``bench/fleet_model.py``), fed with the measured per-replica latency-vs-load curve
-and Serve's settings (``bench/fleet_inputs.py``), comparing policies (``bench/fleet_policies.py``;
+autoscaler (``bench/fleet_model.py``), fed with the measured per-replica latency-vs-load curve (the
+capacity reports the serve config's ``slo_streams`` was calibrated from), the newest measured GPU
+cold start and Serve's settings (``bench/fleet_inputs.py``), comparing policies (``bench/fleet_policies.py``;
 ours is the real ``deployments.autoscaling_policy.LoadBandPolicy``) on GPU-hours against an
 oracle, minutes over the SLO, refused requests and cost per hour of audio::
 
@@ -28,11 +29,19 @@ from typing import Any, Self
 import numpy as np
 from tqdm import tqdm
 
-from bench.fleet_inputs import ASSUMPTIONS, SERVE_CONFIG, load_replica_model, load_serve_settings, serve_report_path
+from bench.fleet_inputs import (
+    ASSUMPTIONS,
+    ROOT,
+    SERVE_CONFIG,
+    calibration_reports,
+    load_replica_model,
+    load_serve_settings,
+    replica_start,
+)
 from bench.fleet_model import SimConfig, oracle_replicas, simulate
-from bench.fleet_policies import policies
+from bench.fleet_policies import calibrated_setpoint, policies
 from bench.fleet_report import oracle_summary, plot_curve, plot_day, plot_window, replica_bins, series, summarise
-from bench.fleet_workload import diurnal_trace, parse_ramp, ramp_trace
+from bench.fleet_workload import diurnal_trace, parse_ramp, ramp_trace, rise_within
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +58,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bursts-per-day", type=float, default=8.0)
     p.add_argument("--ramp", help="replay a ramp instead of the day: 't:sessions,...' or a JSON file of [t, sessions]")
     p.add_argument("--policies", default="", help="comma-separated names (default: all)")
-    p.add_argument("--report", type=Path, help="capacity report JSON (default: latest.json's capacity_report_serve)")
+    p.add_argument("--report", type=Path, nargs="+", help="capacity reports' JSON of one node and workload (default: "
+                   "the measurements of the calibration record the config's slo_streams names)")
     p.add_argument("--config", type=Path, default=SERVE_CONFIG, help="serve config with the synthesizer's autoscaling")
-    p.add_argument("--max-replicas", type=int, default=500, help="replaces the config's (sized for 8 GPUs)")
+    p.add_argument("--max-replicas", type=int, help="replaces the config's (sized for 8 GPUs); default: twice the "
+                   "oracle's peak, a ceiling only a runaway policy reaches")
     p.add_argument("--min-replicas", type=int, help="replaces the config's")
-    p.add_argument("--replica-start-s", type=float, default=a["replica_start_s"])
+    p.add_argument("--replica-start-s", type=float, help="default: the newest measured GPU cold start")
     p.add_argument("--node-start-s", type=float, default=a["node_start_s"])
     p.add_argument("--metrics-push-s", type=float, default=a["metrics_push_s"])
     p.add_argument("--band", help="LOW,HIGH: replaces the config's load band (per cent)")
@@ -70,9 +81,14 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    report = args.report or serve_report_path()
-    replica = load_replica_model(report)
-    overrides: dict[str, Any] = {"max_replicas": args.max_replicas}
+    record, reports = calibration_reports(args.config)
+    replica = load_replica_model(args.report or reports)
+    if args.replica_start_s is None:
+        start_s, start_source = replica_start()
+    else:
+        start_s, start_source = args.replica_start_s, ("--replica-start-s (a sensitivity run; by default the newest "
+                                                       "measured GPU cold start)")
+    overrides: dict[str, Any] = {}
     if args.min_replicas is not None:
         overrides["min_replicas"] = args.min_replicas
     if args.band:
@@ -80,21 +96,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         overrides["load_band"] = dict(load_band_of(args.config), low_pct=low, high_pct=high)
     if args.node_idle_timeout_s is not None:
         overrides["node_idle_timeout_s"] = args.node_idle_timeout_s
-    settings = load_serve_settings(args.config, **overrides)
     if args.ramp:
         trace = ramp_trace(parse_ramp(args.ramp))
     else:
         trace = diurnal_trace(args.hours, args.peak_sessions, seed=args.seed, mean_session_s=args.mean_session_s,
                               bursts_per_day=args.bursts_per_day)
     trace.check()
+    min_replicas = overrides.get("min_replicas", load_serve_settings(args.config).min_replicas)
+    oracle = oracle_replicas(trace, replica, min_replicas)
+    overrides["max_replicas"] = args.max_replicas or 2 * int(oracle.max())
+    settings = load_serve_settings(args.config, **overrides)
+    setpoint = float(settings.load_band["slo_streams"])
+    derived = calibrated_setpoint(replica)
+    if derived != setpoint:
+        logger.warning("the config's slo_streams %g is not what fastcosy calibrate derives from the replica curve's "
+                       "reports (%g): the band and the curve are different measurements", setpoint, derived)
     wanted = {n for n in args.policies.split(",") if n}
     specs = [p for p in policies(settings, replica) if not wanted or p.name in wanted]
     if wanted - {p.name for p in specs}:
         raise SystemExit(f"unknown policies: {sorted(wanted - {p.name for p in specs})}")
-    oracle = oracle_replicas(trace, replica, settings.min_replicas)
     runs, out_policies = {}, {}
     for spec in specs:
-        cfg = SimConfig(settings=settings, replica=replica, replica_start_s=args.replica_start_s,
+        cfg = SimConfig(settings=settings, replica=replica, replica_start_s=start_s,
                         node_start_s=args.node_start_s, metrics_push_s=args.metrics_push_s,
                         admission=spec.admission, seed=args.seed)
         with tqdm(total=trace.seconds, desc=spec.name, unit="s", unit_scale=True, leave=False,
@@ -107,6 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    # Serve calls a policy every 0.1 s; the model every 1 s.
                                    "ticks_asking_other_than_running_at_0_1_s": 10 * result.asks_other_than_running}
     ours = out_policies.get(TARGETS["policy"])
+    reaction_s = settings.upscale_delay_s + args.metrics_push_s + args.node_start_s + start_s
     summary = {
         "date": dt.date.today().isoformat(),
         "what": "fleet simulation: autoscaling policies over " + ("a ramp" if args.ramp else f"{args.hours:g} h"),
@@ -118,12 +142,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "targets": {**TARGETS, "met": None if ours is None else bool(
             ours["gpu_hours_vs_oracle"] <= TARGETS["gpu_hours_vs_oracle_max"]
             and ours["slo_violation_minutes_pct"] <= TARGETS["slo_violation_minutes_pct_max"])},
+        "headroom": {
+            "reaction_s": round(reaction_s, 2),
+            "reaction": (f"upscale_delay_s {settings.upscale_delay_s:g} + metrics push {args.metrics_push_s:g} + "
+                         f"node start {args.node_start_s:g} + replica start {start_s:g}"),
+            "load_rise_within_reaction_p99": round(rise_within(trace, reaction_s, 0.99), 3),
+            "load_rise_within_reaction_max": round(rise_within(trace, reaction_s, 1.0), 3),
+            "note": "a policy serves the trace's rises within the SLO about 99 % of the time when each replica's "
+                    "capacity_over_mean_load (sessions at the SLO / mean sessions served) is at least the p99 "
+                    "rise; each point above it is GPU-hours over the oracle (bench/fleet_workload.py rise_within)",
+        },
         "sim_vs_live_replica_error": None,
         "sim_vs_live_note": "not compared in this run: python -m bench.fleet_sim --live <run>/autoscale.json "
                             "--latest <this file> replays a live ramp (bench/fleet_live.py)",
         "inputs": {
             "measured": {
                 "replica_curve": replica.source,
+                "replica_curve_from": ("--report" if args.report else
+                                       f"the measurements of {record.relative_to(ROOT)}, the fastcosy calibrate "
+                                       f"record {settings.source.split(' (')[0]} names at its slo_streams"),
                 "first_audio_p99_ms_vs_sessions": replica.p99_ms.as_dict(),
                 "streams_in_flight_per_session_vs_sessions": replica.streams_per_session.as_dict(),
                 "audio_s_per_session_s_vs_sessions": replica.audio_per_session.as_dict(),
@@ -132,6 +169,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "capacity_sessions": replica.capacity_sessions,
                 "sessions_per_replica_at_slo": round(replica.max_sessions, 3),
                 "slo_streams_measured": round(replica.slo_streams, 3),
+                "setpoint": {"slo_streams": setpoint, "source": settings.source.split(" (")[0],
+                             "calibrate_derives_from_the_curve": derived, "same_measurement": derived == setpoint},
+                "replica_start_s": {"value": start_s, "source": start_source},
                 "serve_settings": {k: v for k, v in vars(settings).items() if k not in ("source", "overrides")},
                 "serve_settings_source": settings.source,
                 "serve_settings_replaced": settings.overrides,

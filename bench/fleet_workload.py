@@ -128,3 +128,21 @@ def parse_ramp(text: str) -> list[tuple[float, float]]:
         t, _, s = item.strip().partition(":")
         out.append((float(t), float(s)))
     return out
+
+
+def rise_within(trace: Trace, window_s: float, quantile: float = 0.99) -> float:
+    """How much the sessions open can rise before capacity ordered now arrives: over the seconds
+    with a session open, the ``quantile`` of ``max(active[t : t + window_s]) / active[t]``.
+
+    A fleet that reacts in ``window_s`` (the upscale delay, a metrics push, a node and a replica
+    start) serves a rise within the SLO only if each replica runs at ``1 / rise`` of its capacity
+    or less: at the 0.99 quantile, the headroom that keeps about 1 % of the time over the SLO.
+    """
+    w = max(1, math.ceil(window_s))
+    active = trace.active.astype(float)
+    if len(active) <= w:
+        return 1.0
+    ahead = np.lib.stride_tricks.sliding_window_view(active, w + 1).max(axis=1)
+    now = active[: len(ahead)]
+    open_ = now > 0
+    return float(np.quantile(ahead[open_] / now[open_], quantile)) if open_.any() else 1.0

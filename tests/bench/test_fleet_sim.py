@@ -13,14 +13,17 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from bench import fleet_sim
 from bench.calibrate import derive
-from bench.fleet_inputs import Curve, load_replica_model, load_serve_settings, serve_report_path
+from bench.fleet_inputs import Curve, calibration_reports, load_replica_model, load_serve_settings, replica_start
 from bench.fleet_model import STREAMS, DelayRule, ServeConfigView, SimConfig, SimContext, oracle_replicas, simulate
 from bench.fleet_policies import GpuUtilBandPolicy, policies, queue_length_policy
 from bench.fleet_report import bin_samples, compare_replicas, replica_bins, summarise, violation_minutes
-from bench.fleet_workload import diurnal_trace, parse_ramp, ramp_trace
+from bench.fleet_workload import diurnal_trace, parse_ramp, ramp_trace, rise_within
+from bench.timed_fleet import cold_start_record
 from deployments.autoscaling_policy import LoadBandPolicy
 
-REPLICA = load_replica_model(serve_report_path())
+RECORD, REPORTS = calibration_reports()
+REPLICA = load_replica_model(REPORTS)
+START_S = replica_start()[0]
 
 
 def _settings(**kw):
@@ -28,7 +31,7 @@ def _settings(**kw):
 
 
 def _cfg(settings=None, **kw):
-    base = {"settings": settings or _settings(), "replica": REPLICA, "replica_start_s": 87.0, "node_start_s": 180.0}
+    base = {"settings": settings or _settings(), "replica": REPLICA, "replica_start_s": START_S, "node_start_s": 180.0}
     return SimConfig(**{**base, **kw})
 
 
@@ -46,18 +49,60 @@ def test_curve_interpolates_holds_and_crosses():
         c.crossing(400)
 
 
-def test_the_replica_model_is_the_capacity_report():
-    data = json.loads(serve_report_path().read_text())
-    (search,) = [s for s in data["searches"] if s["kind"] == "sessions"]
-    met = [p["load"] for p in search["probes"] if p["meets_slo"]]
-    failed = [p["load"] for p in search["probes"] if not p["meets_slo"]]
-    assert REPLICA.capacity_sessions == search["capacity"]
+def test_the_replica_model_is_the_measurement_the_configs_setpoint_was_calibrated_from():
+    # The config's slo_streams names its fastcosy calibrate record; the curve is that record's measurements.
+    record = json.loads(RECORD.read_text())
+    assert [str(p.relative_to(RECORD.parents[2])) for p in REPORTS] == record["measurements"]
+    assert list(REPLICA.reports) == record["measurements"]
+    assert REPLICA.capacity_sessions == record["read_at_sessions"]
+    assert math.floor(REPLICA.slo_streams * 100) / 100 == record["slo_streams"] == _settings().load_band["slo_streams"]
+    steady = [p for r in REPORTS for s in json.loads(r.read_text())["searches"] if s["kind"] in ("sessions", "loads")
+              for p in s["probes"]]
+    met = [p["load"] for p in steady if p["meets_slo"]]
+    failed = [p["load"] for p in steady if not p["meets_slo"]]
     # The SLO is crossed between the heaviest load that met it and the lightest that did not.
     assert max(met) <= REPLICA.max_sessions < min(failed)
-    at_cap = next(p for p in search["probes"] if p["load"] == search["capacity"])
-    assert REPLICA.slo_streams == at_cap["streams_in_flight_mean"]
+    at_cap = next(p for p in steady if p["load"] == REPLICA.capacity_sessions)
     assert REPLICA.p99_ms(at_cap["load"]) == pytest.approx(at_cap["ttfa_p99_ms"])
+    # Probes that ran their whole window (met or missed) set the in-flight share; aborted ones do not.
+    whole = sorted(p["load"] for p in steady if p["aborted"] is None)
+    assert REPLICA.streams_per_session.xs == whole and len(whole) < len(steady)
     assert REPLICA.streams_per_session(1) > 0  # held below the lightest steady load
+
+
+def _report(path, probes, one=(1, 150.0)):
+    doc = {"device": "GPU X", "date": "2026-12-07",
+           "workload": {"family": "cosyvoice2", "level": "serve", "name": "production", "slo_ttfa_p99_ms": 300.0},
+           "searches": [{"kind": "loads", "capacity": None, "probes": [
+               {"load": n, "meets_slo": p99 <= 300, "ttfa_p99_ms": p99, "streams_in_flight_mean": f, "audio_s": 60.0 * n,
+                "window_s": 60.0, "gpu_util_pct": 90.0, "aborted": stop} for n, p99, f, stop in probes]},
+               {"kind": "one-session", "probes": [{"load": one[0], "meets_slo": True, "ttfa_p99_ms": one[1],
+                                                   "streams_in_flight_mean": 1.0, "audio_s": 10.0, "window_s": 5.0,
+                                                   "gpu_util_pct": 80.0, "aborted": None}]}]}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_reports_of_one_node_merge_into_one_curve(tmp_path):
+    low = _report(tmp_path / "low.json", [(10, 200.0, 1.0, None), (20, 400.0, 2.4, None)], one=(1, 120.0))
+    high = _report(tmp_path / "high.json", [(20, 350.0, 2.2, None), (40, 900.0, 0.5, "underrun (1)")], one=(1, 160.0))
+    model = load_replica_model([low, high])
+    # a load probed twice: the worse probe stands for it (p99 and in-flight share alike)
+    assert model.p99_ms.xs == [1, 10, 20, 40] and model.p99_ms(20) == 400.0 and model.p99_ms(1) == 160.0
+    assert model.max_sessions == pytest.approx(15.0)
+    # the aborted probe's figures cover seconds, not its window: left out of the shares
+    assert model.streams_per_session.xs == [10, 20] and model.streams_per_session(20) == pytest.approx(0.12)
+    assert (model.capacity_sessions, model.slo_streams) == (10, 1.0)
+    assert model.reports == (str(low), str(high)) and "production workload" in model.source
+    other = _report(tmp_path / "other.json", [(10, 200.0, 1.0, None)])
+    other.write_text(other.read_text().replace("GPU X", "GPU Y"))
+    with pytest.raises(ValueError, match="differ"):
+        load_replica_model([low, other])
+
+
+def test_the_replica_start_is_the_newest_gpu_cold_start():
+    cold = cold_start_record()
+    assert cold is not None and START_S == cold["cold_start_s"]
 
 
 def test_serve_settings_come_from_the_config_and_the_manifest():
@@ -132,7 +177,8 @@ def test_the_sim_context_reads_like_serves():
     sim = SimContext(config=_serve_config(), **common)
     assert sim.total_running_requests == real.total_running_requests == 51
     policy = LoadBandPolicy(slo_streams=REPLICA.slo_streams)
-    assert policy(sim)[0] == policy(real)[0] == 5  # 53 streams at 75 % of 15.7 per replica
+    # 53 streams (51 in flight, 2 queued) at the band centre (75 %) of the replica's streams at the SLO
+    assert policy(sim)[0] == policy(real)[0] == math.ceil(53 / (0.75 * REPLICA.slo_streams))
     assert queue_length_policy(sim)[0] == math.ceil(53 / _settings().target_ongoing_requests)  # the config's target
 
 
@@ -147,7 +193,7 @@ SHORT = diurnal_trace(2, 1500, seed=1, start_hour=17, bursts_per_day=24)
 
 @pytest.fixture(scope="module")
 def short_runs():
-    settings = _settings(max_replicas=60, min_replicas=2)
+    settings = _settings(max_replicas=150, min_replicas=2)
     out = {}
     for spec in policies(settings, REPLICA):
         run = simulate(SHORT, spec.make(), _cfg(settings, admission=spec.admission, seed=1), spec.name)
@@ -164,18 +210,31 @@ def test_replicas_stay_within_bounds_and_sessions_are_all_counted(short_runs):
         assert run.policy_calls == SHORT.seconds - 10, name  # every second from the first push
 
 
-def test_the_oracle_is_a_lower_bound(short_runs):
+def test_the_oracle_is_a_lower_bound_for_a_fleet_within_the_slo(short_runs):
+    # Fewer GPU-hours than the oracle's only by serving late: the queue policy at the config's
+    # target (24 requests a replica, far above the 2.09 streams at the SLO) and the utilisation band.
     oracle = oracle_replicas(SHORT, REPLICA, min_replicas=2)
+    within = {name for name, (run, _) in short_runs.items() if violation_minutes(run).mean() <= 0.05}
+    assert {"load_band", "load_band_admission", "queue_measured"} <= within
     for name, (run, _) in short_runs.items():
-        assert _gpu_hours(run) >= oracle.sum() / 60, name
-        assert summarise(run, oracle, REPLICA, 3.0)["gpu_hours_vs_oracle"] >= 1, name
+        below = _gpu_hours(run) < oracle.sum() / 60
+        assert not below if name in within else below or violation_minutes(run).mean() > 0.05, name
+        if name in within:
+            assert summarise(run, oracle, REPLICA, 3.0)["gpu_hours_vs_oracle"] >= 1, name
 
 
-def test_the_utilisation_band_runs_to_the_ceiling(short_runs):
-    # NVML reads ~97 % from one stream on (the report's curve): a 70-80 % band adds replicas
-    # until each holds under one stream, here the ceiling.
+def test_the_utilisation_band_cannot_find_the_capacity(short_runs):
+    # NVML reads about the same from one stream to the SLO's (the reports' curve): whether that
+    # reading sits above the band (the policy adds replicas to the ceiling) or in it (the policy
+    # holds while the load runs past the SLO), the replica count does not follow the load.
     run, settings = short_runs["gpu_util"]
-    assert run.running.max() == settings.max_replicas
+    flat = [REPLICA.util_pct(x) for x in (1.0, REPLICA.slo_streams)]
+    assert max(flat) - min(flat) < 10
+    band = settings.load_band
+    if min(flat) > band["high_pct"]:
+        assert run.running.max() == settings.max_replicas
+    else:
+        assert violation_minutes(run).mean() > 0.2
     assert GpuUtilBandPolicy().low == 70
 
 
@@ -202,9 +261,9 @@ def test_start_time_shows_as_violations_for_the_queue_policy_after_a_step():
     run = simulate(trace, queue_length_policy, _cfg(_queue_at_capacity_settings(0.85)), "queue")
     bad = violation_minutes(run)
     assert not bad[:10].any()  # steady before the step
-    # Over the SLO from the step until a node (180 s) and a replica (87 s) have started after
-    # the upscale delay and a metrics push: about 5 minutes.
-    lag_min = (30 + 180 + 87) / 60
+    # Over the SLO from the step until a node (180 s) and a replica (the measured cold start) have
+    # started after the upscale delay and a metrics push: about 5 minutes.
+    lag_min = (30 + 180 + START_S) / 60
     assert lag_min - 1 <= bad[10:].sum() <= lag_min + 2
     fast = simulate(trace, queue_length_policy, _cfg(_queue_at_capacity_settings(0.85, upscale_delay_s=0),
                                                      replica_start_s=0, node_start_s=0), "queue")
@@ -213,15 +272,21 @@ def test_start_time_shows_as_violations_for_the_queue_policy_after_a_step():
 
 def test_without_start_time_or_delays_a_policy_tracks_the_oracle():
     trace = diurnal_trace(3, 3000, seed=2, start_hour=6, bursts_per_day=0)
-    # Queue policy at 90 % of the measured streams at the SLO, nothing to wait for: within a
-    # replica of the oracle each minute (the metrics' look-back still lags a rising day).
-    settings = _queue_at_capacity_settings(0.9, upscale_delay_s=0, downscale_delay_s=0, node_idle_timeout_s=0)
+    # Queue policy at 90 % of the streams in flight where the curve crosses the SLO, nothing to
+    # wait for: within a replica each minute of the fleet that holds the minute's sessions at that
+    # load (the metrics' look-back still lags a rising day), and its GPU-hours the oracle's over
+    # that share at most.
+    at_slo = REPLICA.max_sessions * REPLICA.streams_per_session(REPLICA.max_sessions)
+    settings = _settings(target_ongoing_requests=0.9 * at_slo, upscale_delay_s=0, downscale_delay_s=0,
+                         node_idle_timeout_s=0)
     run = simulate(trace, queue_length_policy, _cfg(settings, replica_start_s=0, node_start_s=0), "queue")
     oracle = oracle_replicas(trace, REPLICA, settings.min_replicas)
+    per_replica = _sessions_at_load(0.9 * at_slo)
+    at_share = np.array([trace.active[m * 60:(m + 1) * 60].mean() / per_replica for m in range(len(oracle))])
     ratio = _gpu_hours(run) / (oracle.sum() / 60)
-    assert 1.0 <= ratio <= 1.1
+    assert 1.0 <= ratio <= 1.05 * REPLICA.max_sessions / per_replica
     per_minute = run.running[: len(oracle) * 60].reshape(-1, 60).mean(axis=1)
-    assert np.abs(per_minute - oracle).mean() <= 1.0
+    assert np.abs(per_minute - at_share).mean() <= 1.0
     assert violation_minutes(run).mean() <= 0.1
 
 
@@ -264,23 +329,64 @@ def test_the_cli_replays_a_ramp_and_its_bins_compare(tmp_path):
     assert set(data["policies"]) == {"queue", "load_band"} and (out / "day.png").exists()
     bins = data["replicas_per_bin"]
     assert bins["bin_s"] == 10 and len(bins["load_band"]) == 60
-    assert bins["load_band"][0] == pytest.approx(1)  # 50 sessions at 75 % of a replica's 78.7: one
+    band = _settings().load_band
+    mid = (band["low_pct"] + band["high_pct"]) / 200
+    assert bins["load_band"][0] == math.ceil(50 / (mid * REPLICA.max_sessions))  # a fleet at rest at the band centre
     assert bins["load_band"][-1] > bins["load_band"][0]
     assert compare_replicas(bins["load_band"], bins["load_band"])["sim_vs_live_replica_error"] == 0
     summary = json.loads(latest.read_text())
     curve = summary["inputs"]["measured"]["replica_curve"]
     assert curve.startswith("bench/results/") and "/capacity-serve-" in curve  # a reading in its run folder
     assert summary["inputs"]["assumed"]["node_start_s"]["value"] == 180.0
+    measured = summary["inputs"]["measured"]
+    assert measured["replica_start_s"]["value"] == cold_start_record()["cold_start_s"]
+    assert measured["setpoint"]["same_measurement"] and measured["setpoint"]["slo_streams"] == band["slo_streams"]
+    assert summary["headroom"]["reaction_s"] == pytest.approx(
+        _settings().upscale_delay_s + 10 + 180 + measured["replica_start_s"]["value"])
     assert summary["oracle"]["gpu_hours"] <= summary["policies"]["load_band"]["gpu_hours"]
 
 
 # --- the load band as the product runs it -----------------------------------------------------------
 
-def test_our_policy_runs_the_setpoint_calibrate_derives_from_the_report():
+def test_our_policy_runs_the_configs_setpoint_which_calibrate_derives_from_the_curves_reports():
     specs = {p.name: p for p in policies(_settings(), REPLICA)}
-    setpoint = derive([serve_report_path()]).slo_streams
-    assert specs["load_band"].make().policy.slo_streams == setpoint == math.floor(REPLICA.slo_streams * 100) / 100
-    assert type(specs["load_band"].make().policy) is LoadBandPolicy  # the product's class, not a variant
+    policy = specs["load_band"].make().policy
+    assert policy.slo_streams == _settings().load_band["slo_streams"] == derive(REPORTS).slo_streams
+    assert (policy.low, policy.high) == (_settings().load_band["low_pct"], _settings().load_band["high_pct"])
+    assert type(policy) is LoadBandPolicy  # the product's class, not a variant
+
+
+def test_a_rise_is_measured_over_the_window_ahead():
+    # 100 sessions, +20 % at 600 s: the seconds within 60 s before the step see 1.2x ahead of them.
+    step = ramp_trace([(0, 100), (600, 100), (600, 120), (1200, 120)])
+    assert rise_within(step, 60, 1.0) == pytest.approx(1.2)
+    assert rise_within(step, 60, 0.5) == 1.0
+    assert rise_within(step, 60, 0.99) == pytest.approx(1.2)  # 60 of 1,140 seconds: over 1 %
+    assert rise_within(step, 6, 0.99) == 1.0  # 6 of 1,194: under 1 %
+    assert rise_within(ramp_trace([(0, 0), (100, 0)]), 60) == 1.0  # nothing open, nothing to rise
+
+
+def _sessions_at_load(load_streams: float) -> float:
+    """Sessions per replica whose streams in flight read ``load_streams`` on the curve (bisection)."""
+    lo, hi = 0.0, 10 * REPLICA.max_sessions
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mid * REPLICA.streams_per_session(mid) < load_streams else (lo, mid)
+    return lo
+
+
+def test_the_shipped_band_keeps_the_headroom_the_day_needs_and_no_more_than_the_budget():
+    # At the band's centre a replica serves sessions_at(centre x slo_streams); its headroom to the
+    # SLO must cover the load's rise while the fleet adds capacity (upscale delay, a push, a node
+    # and a replica start), else bursts run over the SLO; each point of headroom over that is
+    # GPU-hours over the oracle, whose budget (issue 40) is 1.25x.
+    settings = _settings()
+    band = settings.load_band
+    centre = (band["low_pct"] + band["high_pct"]) / 200
+    headroom = REPLICA.max_sessions / _sessions_at_load(centre * band["slo_streams"])
+    reaction_s = settings.upscale_delay_s + 10 + 180 + START_S
+    needed = rise_within(diurnal_trace(24, 10_000, seed=0), reaction_s, 0.99)
+    assert needed <= headroom <= fleet_sim.TARGETS["gpu_hours_vs_oracle_max"], (needed, headroom)
 
 
 def test_the_scale_in_latch_follows_a_slow_decline_sooner():
@@ -291,4 +397,9 @@ def test_the_scale_in_latch_follows_a_slow_decline_sooner():
     latch, no_latch = (simulate(trace, specs[n].make(), _cfg(), n) for n in ("load_band", "load_band_no_latch"))
     assert latch.running.sum() < no_latch.running.sum()
     assert latch.late.sum() == 0 == no_latch.late.sum()
-    assert latch.running[-1] == no_latch.running[-1]  # the same fleet once the decline is over
+    # Once the decline is over both hold the load inside the band; the latch's fleet at its centre or under
+    band, sessions = _settings().load_band, trace.active[-1]
+    for n in (latch.running[-1], no_latch.running[-1]):
+        load = 100 * sessions * REPLICA.streams_per_session(sessions / n) / (n * band["slo_streams"])
+        assert band["low_pct"] <= load <= band["high_pct"], (n, load)
+    assert latch.running[-1] <= no_latch.running[-1]
