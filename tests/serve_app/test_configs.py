@@ -94,7 +94,7 @@ def test_load_band_policy_is_wired_into_autoscaling_config():
     # the setpoint is fastcosy calibrate's (tests/bench/test_calibrate.py checks it against its measurement)
     (record,) = set(named_record((ROOT / "configs/production.yaml").read_text()))
     slo_streams = json.loads((ROOT / record).read_text())["slo_streams"]
-    assert cfg["policy"]["policy_kwargs"] == {"low_pct": 80.0, "high_pct": 90.0, "slo_streams": slo_streams,
+    assert cfg["policy"]["policy_kwargs"] == {"low_pct": 70.0, "high_pct": 80.0, "slo_streams": slo_streams,
                                               "metric": "streams_in_flight"}
     from ray.serve.config import AutoscalingConfig
 
