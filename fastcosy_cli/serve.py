@@ -96,6 +96,13 @@ def deploy_hint(error: str, auth_mode: str | None) -> str:
     return ""
 
 
+def status_command(address: str, auth_mode: str | None) -> str:
+    """The ``serve status`` line to print after a deploy, runnable as printed: a token cluster
+    needs ``RAY_AUTH_MODE=token`` on each command, not only on the one that deployed."""
+    prefix = "RAY_AUTH_MODE=token " if (auth_mode or "").lower() == "token" else ""
+    return f"{prefix}serve status --address {address}"
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start the service locally from a serve config, or deploy it to a cluster")
     p.add_argument("--config", required=True, help="serve config (configs/local.yaml) or a bare AppArgs file")
@@ -184,7 +191,7 @@ def run(args: argparse.Namespace, backend: ServeBackend | None = None) -> int:
         backend.deploy(args.address, cfg.document)
         name = cfg.app.get("name", "default")
         out(f"submitted {cfg.path} (application '{name}') to {args.address}")
-        out(f"  watch it: serve status --address {args.address}")
+        out(f"  watch it: {status_command(args.address, constants.ray_auth_mode())}")
         out("  then call it through the cluster's Serve proxy (port "
             f"{(cfg.document.get('http_options') or {}).get('port', 8000)}), e.g. POST /v1/audio/speech")
         return 0

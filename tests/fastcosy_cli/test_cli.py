@@ -108,13 +108,22 @@ def test_serve_overrides_host_port_and_model_dir(capsys):
     assert "http://127.0.0.1:8123" in capsys.readouterr().out  # 0.0.0.0 is shown as a callable address
 
 
-def test_serve_deploys_to_a_cluster_without_starting_ray(capsys):
+def test_serve_deploys_to_a_cluster_without_starting_ray(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     backend = FakeBackend()
     assert serve.run(_serve_args("--address", "http://head:8265"), backend=backend) == 0
     (kind, address, document), = backend.calls
     assert kind == "deploy" and address == "http://head:8265"
     assert document["applications"][0]["import_path"] == "serve_app.app:build_app"
-    assert "serve status --address http://head:8265" in capsys.readouterr().out
+    assert "watch it: serve status --address http://head:8265" in capsys.readouterr().out
+
+
+def test_the_status_command_printed_after_a_token_deploy_sends_the_token(capsys, monkeypatch):
+    # A token cluster refuses `serve status` from a shell without RAY_AUTH_MODE=token, as it refuses
+    # the deploy: the printed line must work when pasted (tests/integration/test_cluster_deploy_ray.py).
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    serve.run(_serve_args("--address", "http://head:8265"), backend=FakeBackend())
+    assert "watch it: RAY_AUTH_MODE=token serve status --address http://head:8265" in capsys.readouterr().out
 
 
 def test_serve_rejects_a_typo_before_starting(tmp_path, capsys):
