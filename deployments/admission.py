@@ -22,10 +22,10 @@ requests is admitted (deterministically: one in ``1 / explore_share``), so a ref
 being measured and a prediction cannot outlive the conditions that made it. A replica with no
 other stream open always admits (a slow reading there is not load: a graph captured on first use).
 
-Why (H100, 2026-12-07): the first design predicted from the newest reading of the nearest load
-at or below, and a load it refused was measured again only after its reading expired (30 s): one
-slow reading at 6 streams during a start-up burst held the replica at 5 streams and refused 23 of
-25 requests at a load the same replica served without admission (docs/tuning.md, "Admission").
+Why: the first design predicted from the newest reading of the nearest load at or below, and a
+load it refused was measured again only after its reading expired: one slow reading during a
+start-up burst held a GPU replica below its capacity and refused most requests at a load the same
+replica served without admission (the reading: docs/tuning.md, "Admission").
 ``tests/deployments/test_admission_replay.py`` replays that sequence against both designs.
 
 What the autoscaler reads: ``streams_refused``, the streams this replica would have in flight had

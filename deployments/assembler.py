@@ -101,12 +101,9 @@ def token2wav_graph_owners(model, plan: ExecutionPlan, limits, flow_graph_max_s:
     max_s = min(flow_graph_max_s, limits.max_total_s)
     enable_flow_graphs(model.flow, max_batch=limits.max_flow_batch, max_frames=int(max_s * rate) * ratio,
                        stepper=t2w.scheduler == "steps", incremental=flow.streamed == "incremental",
-                       incremental_compile=flow.compile_backend, incremental_fused_norms=flow.fused_norms)
+                       incremental_compile=flow.compile_backend, incremental_fused_norms=flow.fused_norms,
+                       defer_whole_solve=t2w.scheduler == "steps")
     owners = flow_graph_owners(model.flow)
-    if model.flow.stepper is not None:  # its whole-solve graphs would serve only the warm-up's run_batch: eager
-        model.flow.graphed_solver.deferred = True
-    if flow.compile_backend is not None and model.flow.incremental is not None:
-        model.flow.incremental.background_safe = False  # torch.compile traces on one thread: all before ready
     n_flow = sum(len(owner.graph_keys()) for _, owner in owners)
     if not t2w.vocoder_graphs(spec.family):  # CV3's recompute vocodes whole accumulated mels: too long for graphs
         vocoder = []

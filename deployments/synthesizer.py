@@ -142,8 +142,8 @@ class Synthesizer:
         if steps:
             self.stepped = SteppedToken2Wav(self.t2w, self.compute, self._t2w_lane, clock, slack or 0.0,
                                             max_flow_batch,
-                                            on_fatal=self.loop.kill, gather_s=cfg.token2wav.gather_ms / 1e3,
-                                            on_rows_left=self.loop.wake, rider_ratio=cfg.token2wav.rider_ratio)
+                                            on_fatal=self.loop.kill, on_rows_left=self.loop.wake,
+                                            rider_ratio=cfg.token2wav.rider_ratio)
         self.underruns = 0  # chunks made after the request's audio so far had run out (at the replica)
         self._active = 0  # synthesize() calls in progress; 0 for a while -> freed memory given back
         self.admission = Admission.from_config(cfg.admission, cfg.max_ongoing_requests, cfg.retry_after_s, clock)
@@ -281,7 +281,6 @@ class Synthesizer:
             "flow_passes_total": self.stepped.passes if self.stepped is not None else 0,
             "flow_rows_in_passes_total": self.stepped.rows_in_passes if self.stepped is not None else 0,
             "flow_rows_ready_total": self.stepped.rows_ready if self.stepped is not None else 0,
-            "flow_pass_holds_total": self.stepped.holds if self.stepped is not None else 0,
             "llm_give_way_total": self.loop.gave_way,
             **self.runtime.token2wav.flow_stats(),
             "cuda_cache_releases": self.idle_trim.cuda_cache_releases,

@@ -57,11 +57,6 @@ class Token2WavBatchConfig(StrictModel):
     # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (several
     # times the sessions at the SLO, docs/tuning.md §2), batch on the CPU (not measured there).
     scheduler: Literal["auto", "batch", "steps"] = "auto"
-    # With "steps": when no row in hand is due within deadline_slack_s, a flow pass waits up to this
-    # many ms for more streams' rows to share it (woken at once by a new job). 0: passes run as soon
-    # as rows are in hand. Off: on a GPU it did not fill the passes (docs/tuning.md §2;
-    # deployments/token2wav_loop.py says why it was tried).
-    gather_ms: float = Field(0.0, ge=0, le=50)
     # With "steps": while a chunk job in hand is already due (a stream's first chunk, or a late
     # one) and no stream waiting for speech tokens is due within deadline_slack_s (less the decode
     # steps its missing tokens take), the LLM step thread waits up to this many ms at a time
@@ -121,15 +116,15 @@ class SynthesizerConfig(DeploymentKnobs):
     max_model_len: PositiveInt = 2048  # KV-cache positions per slot (prompt + generated)
     compute_threads: PositiveInt = 1
     # CUDA replicas: LLM decode steps and (pytorch mode) whole flow solves, the CV2 token encoder and
-    # the CV2 vocoder replayed as CUDA graphs, captured at start-up (about 0.6 s per flow-solve graph
-    # on an H200); vocoder lengths first met in traffic are captured when they recur.
+    # the CV2 vocoder replayed as CUDA graphs, captured at start-up (each graph lengthens it:
+    # docs/tuning.md §2); vocoder lengths first met in traffic are captured when they recur.
     cuda_graphs: bool = True
     # With cuda_graphs, which graphs a replica captures before it is ready: "first", those of batch
     # bucket 1 (one stream at a time, the first request included; the recomputed flow's and the
     # vocoder's last-chunk graphs excepted), every other one in a background thread once it serves,
     # the smallest batches first, shapes without their graph running eagerly meanwhile
-    # (cosyvoice_runtime/graph_schedule.py); "all": every one before ready (the whole capture took
-    # over a minute on an H100: docs/tuning.md "Cold start"). "auto": first on CUDA.
+    # (cosyvoice_runtime/graph_schedule.py); "all": every one before ready (a longer start:
+    # docs/tuning.md "Cold start"). "auto": first on CUDA.
     graphs_before_ready: Literal["auto", "first", "all"] = "auto"
     # CUDA replicas with cuda_graphs: each LLM decode step is queued before the one before it has
     # been read, its rows fed that step's ids on the GPU (cosyvoice_runtime/llm/engine.py), so the

@@ -15,13 +15,9 @@ The runtime keeps ``token2wav.passes_in_flight`` passes queued on the GPU (defau
 pass is picked and prepared while one runs, so the "next pass" a new job joins starts after the
 one queued now, which still lowered first audio against 1 (docs/tuning.md, ``passes_in_flight``).
 
-With ``gather_s`` (``token2wav.gather_ms``): when no row in hand is due within the slack, the
-driver waits up to that long (once per pass, woken at once by a new job) before the pass, so more
-streams' rows share it. The capacity runs found ~3.5 rows per pass at capacity with the GPU 95-98 %
-busy, and a pass costs mostly its fixed part (H200 timed model: ~3.6 ms at one row, ~0.3 ms per
-more); held rows have slack to spare by definition. Off (0) by default: on an H100 it did not
-fill the passes (the rows left out are urgent rows' longer neighbours, kept out by design) and
-underran once where the default did not (docs/tuning.md, ``gather_ms``).
+A pass runs as soon as rows are in hand: holding passes of rows with slack for more streams' rows
+to share them did not fill the passes (the rows left out are urgent rows' longer neighbours,
+kept out by design) and was removed (docs/tuning.md §2, ``gather_ms``).
 
 :meth:`SteppedToken2Wav.overdue` tells the LLM's step thread whether a job in hand is due already
 (``token2wav.give_way_ms``, :class:`~deployments.engine_loop.GiveWay`); ``on_rows_left`` wakes it
@@ -73,9 +69,6 @@ class SteppedToken2Wav:
         slack_s: rows due within this many seconds have the pass to themselves (and short riders).
         max_batch: rows per pass and jobs per encoder batch.
         on_fatal: called with a fatal device error (the synthesizer marks the replica dead).
-        gather_s: the most a pass of rows with slack waits for more rows (0: never).
-        wait: ``wait(condition, seconds)`` while holding it (``threading.Condition.wait``; tests
-            pass one that records the hold instead of sleeping).
         on_rows_left: called whenever rows leave (solved, failed or abandoned) or a solved job's
             audio is back (any thread): what may end an LLM wait for an overdue job.
         rider_ratio: riders of an urgent pass may have up to this many times the urgent rows'
@@ -83,8 +76,7 @@ class SteppedToken2Wav:
     """
 
     def __init__(self, t2w, compute: ComputeExecutor, lane: str, clock: Callable[[], float], slack_s: float,
-                 max_batch: int, on_fatal: Callable[[BaseException], None], gather_s: float = 0.0,
-                 wait: Callable[[threading.Condition, float], object] = threading.Condition.wait,
+                 max_batch: int, on_fatal: Callable[[BaseException], None],
                  on_rows_left: Callable[[], None] | None = None, rider_ratio: float = 1.0) -> None:
         self.t2w = t2w
         self.compute = compute
@@ -93,9 +85,7 @@ class SteppedToken2Wav:
         self.slack_s = slack_s
         self.max_batch = max_batch
         self.on_fatal = on_fatal
-        self.gather_s = gather_s
-        self._wait = wait
-        self._lock = threading.Condition()  # notified when a job arrives (a gathering pass wakes)
+        self._lock = threading.Lock()
         self._new: list[_Pending] = []
         self._rows: list[_Pending] = []  # driver thread only; replaced through _set_rows
         self._first_due = math.inf  # under _lock: the earliest deadline among _rows
@@ -107,7 +97,6 @@ class SteppedToken2Wav:
         self.passes = 0
         self.rows_in_passes = 0
         self.rows_ready = 0  # rows in hand when each pass was picked: above rows_in_passes, pick_rows split them
-        self.holds = 0  # passes that waited for more rows (gather_s)
         self.failed_jobs = 0
 
     async def run(self, job: Any, deadline_s: float, marks: dict[str, float] | None = None) -> np.ndarray | Exception:
@@ -120,7 +109,6 @@ class SteppedToken2Wav:
             self._new.append(pending)
             start = not self._running
             self._running = True
-            self._lock.notify()
         if start:
             self._driver = asyncio.ensure_future(self.compute.run(self._drive, lane=self.lane))
         return await pending.future  # cancelled with its request: the driver drops the row
@@ -142,7 +130,6 @@ class SteppedToken2Wav:
 
     def _drive(self) -> None:
         try:
-            held = False  # this pass has waited once already
             while True:
                 with self._lock:
                     new, self._new = self._new, []
@@ -152,15 +139,7 @@ class SteppedToken2Wav:
                 for start in range(0, len(new), self.max_batch):
                     self._isolated(self._start, new[start:start + self.max_batch])
                 self._set_rows([p for p in self._rows if not p.future.cancelled()])
-                if self._rows and not held and self._may_gather():
-                    held = True
-                    self.holds += 1
-                    with self._lock:
-                        if not self._new:
-                            self._wait(self._lock, self.gather_s)
-                    continue  # take what arrived, then the pass
                 if self._rows:
-                    held = False
                     self._pass()
         except BaseException as exc:  # fatal (on_fatal was called) or a bug: fail everything in hand
             if not is_fatal(exc):
@@ -171,14 +150,6 @@ class SteppedToken2Wav:
                 self._running = False
             for p in hand:
                 self._resolve(p, EngineDeadError(f"token2wav failed: {type(exc).__name__}"))
-
-    def _may_gather(self) -> bool:
-        """Whether the next pass may wait for more rows: gathering on, room in the pass, and no row
-        due within the slack (a first chunk is due at once)."""
-        if self.gather_s <= 0 or len(self._rows) >= self.max_batch:
-            return False
-        now = self.clock()
-        return all(p.deadline_s - now >= self.slack_s for p in self._rows)
 
     def _start(self, batch: list[_Pending]) -> None:
         now = self.clock()  # taken in: what follows (the encoder batch) is the solve's

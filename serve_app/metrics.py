@@ -66,8 +66,6 @@ class _ReplicaSnapshotCollector:
                                 "Rows those passes carried (rows per pass = this / tts_flow_passes)"),
                                ("tts_flow_rows_ready", "flow_rows_ready_total",
                                 "Rows in hand when those passes were picked (above rows carried: the scheduler split them)"),
-                               ("tts_flow_pass_holds", "flow_pass_holds_total",
-                                "Passes that waited for more rows first (token2wav.gather_ms)"),
                                ("tts_llm_give_way", "llm_give_way_total",
                                 "Waits of the LLM step thread for a token2wav job already due (token2wav.give_way_ms)"),
                                ("tts_cuda_graph_captures", "cuda_graph_captures_total",

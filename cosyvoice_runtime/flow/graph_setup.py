@@ -19,7 +19,7 @@ from cosyvoice_runtime.flow.stepper import FlowStepper
 def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, capture: bool = False,
                        use_graphs: bool = True, encoder: bool = True, stepper: bool = False,
                        incremental: bool = False, incremental_compile: str | None = None,
-                       incremental_fused_norms: bool = False) -> GraphedSolver:
+                       incremental_fused_norms: bool = False, defer_whole_solve: bool = False) -> GraphedSolver:
     """Solve (and, for CosyVoice2 with ``encoder``, encode) through CUDA graphs per padded
     bucket from now on; with ``stepper``, the step-by-step solve too (one graph per pass); with
     ``incremental``, the incremental streamed solve (one graph per pass and
@@ -28,10 +28,12 @@ def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, 
     ``capture`` captures every bucket now (replica start-up) instead of on first use;
     ``use_graphs=False`` runs the padded buckets eagerly (CPU tests); ``incremental_compile``: the
     ``torch.compile`` backend of the incremental pass (its graphs then replay fused kernels);
-    ``incremental_fused_norms``: its hand-written add + LayerNorm kernels (cosyvoice_runtime.kernels).
+    ``incremental_fused_norms``: its hand-written add + LayerNorm kernels (cosyvoice_runtime.kernels);
+    ``defer_whole_solve``: the whole-solve graphs are never captured (a replica stepping its flow pass
+    by pass has them serve only the warm-up's ``run_batch``, which then runs eagerly).
     """
     flow.graphed_solver = GraphedSolver(flow.decoder, max_batch=max_batch, max_frames=max_frames,
-                                        use_graphs=use_graphs)
+                                        use_graphs=use_graphs, deferred=defer_whole_solve)
     flow.stepper = (FlowStepper(flow.decoder, max_batch=max_batch, max_frames=max_frames, use_graphs=use_graphs)
                     if stepper else None)
     flow.incremental = None

@@ -112,11 +112,14 @@ class SolverBuckets(SolverGraphs):
         max_frames: largest flow length in frames served by a graph (longer calls run eagerly).
         frame_step: frame padding granularity.
         use_graphs: False runs the same padded buckets eagerly (CPU tests of the padding).
+        deferred: start with every shape left to a background capture (calls run eagerly until a
+            graph schedule captures it; with none, for good).
     """
 
     def __init__(self, solver: CFMSolver, max_batch: int = 16, max_frames: int = 1024,
-                 frame_step: int = DEFAULT_FRAME_STEP, use_graphs: bool = True) -> None:
+                 frame_step: int = DEFAULT_FRAME_STEP, use_graphs: bool = True, deferred: bool = False) -> None:
         super().__init__(solver, use_graphs)
+        self.deferred = deferred
         self.batch_buckets = batch_buckets(max_batch)
         self.frame_step = frame_step
         self.max_frames = math.ceil(max_frames / frame_step) * frame_step

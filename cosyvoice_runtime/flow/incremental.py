@@ -198,6 +198,7 @@ class IncrementalStepper(SolverGraphs):
         self.estimator = plain_estimator(solver.estimator)
         self.layout = layout_of(self.estimator)
         self.compiled = compile_backend is not None
+        self.background_safe = not self.compiled  # torch.compile traces on one thread: all before ready
         self.fused_norms = fused_norms
         self._walk = _compiled_walk(compile_backend) if self.compiled else estimator_pass
         self.padded = padded or use_graphs

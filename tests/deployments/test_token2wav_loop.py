@@ -230,55 +230,11 @@ def test_the_most_urgent_job_gets_the_passes_first():
     assert t2w.passes[4:] == [["long"], ["long"]]
 
 
-def _gathering_loop(t2w, wait) -> SteppedToken2Wav:
-    return SteppedToken2Wav(t2w, ComputeExecutor(lanes=("t2w",)), "t2w", clock=lambda: 100.0, slack_s=0.5,
-                            max_batch=4, on_fatal=lambda exc: None, gather_s=0.004, wait=wait)
-
-
-def test_a_pass_of_rows_with_slack_waits_for_more_rows_to_share_it():
-    """token2wav.gather_ms: a job with audio to spare is held before its pass until another job
-    arrives (the wait wakes on it, not on the clock); both then share every pass."""
-    t2w = _FakeT2W()
-    holding, waits = threading.Event(), []
-
-    def wait(cond, seconds):  # the first hold lasts until a job arrives; later ones end at once (no job comes)
-        waits.append(seconds)
-        if len(waits) == 1:
-            holding.set()
-            cond.wait_for(lambda: loop._new, timeout=60)
-
-    loop = _gathering_loop(t2w, wait)
-
-    async def main():
-        a = asyncio.ensure_future(loop.run(_job("a"), 103.0))  # 3 s of audio in hand
-        await asyncio.get_running_loop().run_in_executor(None, holding.wait, 60)
-        return await asyncio.gather(a, loop.run(_job("b"), 103.0))
-
-    asyncio.run(main())
-    assert t2w.passes == [["a", "b"]] * 3  # none ran for "a" alone
-    assert waits == [0.004] * 3 and loop.holds == 3  # one hold before each pass
-
-
-def test_a_row_due_within_the_slack_is_never_held():
-    t2w = _FakeT2W()
-
-    def wait(cond, seconds):
-        raise AssertionError("an urgent pass was held")
-
-    loop = _gathering_loop(t2w, wait)
-
-    async def main():
-        return await loop.run(_job("first"), 100.2)  # due within the 0.5 s slack
-
-    assert asyncio.run(main()).tolist() == [5.0] * 4
-    assert t2w.passes == [["first"]] * 3 and loop.holds == 0
-
-
-def test_gather_ms_reaches_the_stepped_loop(model_dir):
-    cfg = SynthesizerConfig(device="cpu", warmup=False, token2wav={"scheduler": "steps", "gather_ms": 4})
-    assert Synthesizer(cfg, ModelSource(model_dir)).stepped.gather_s == pytest.approx(0.004)
+def test_gather_ms_is_gone():
+    """token2wav.gather_ms (a pass of rows with slack waiting for more rows) measured no gain on an
+    H100 and was removed (issue 42: docs/tuning.md §2): a config that still sets it fails at build."""
     with pytest.raises(ValueError, match="gather_ms"):
-        SynthesizerConfig(token2wav={"gather_ms": 500})
+        SynthesizerConfig(token2wav={"gather_ms": 4})
 
 
 def test_overdue_while_a_due_job_is_in_hand_and_rows_leaving_are_reported():

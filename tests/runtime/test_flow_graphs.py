@@ -91,6 +91,25 @@ def test_too_long_or_traced_runs_eagerly():
     assert solver.eager_calls == 1 and solver.replays == 0
 
 
+def test_graph_owners_are_set_up_where_the_runtime_builds_them():
+    """What the graph schedule reads of an owner comes from its constructor, so the assembler sets
+    no attribute on the model (issue 42, ask 2): a stepped flow defers its whole-solve graphs for
+    good (only the warm-up's run_batch calls it, eagerly, capturing nothing); a compiled
+    incremental pass is captured before ready, never beside serving."""
+    flow = copy.deepcopy(_flow("cosyvoice2"))
+    enable_flow_graphs(flow, max_batch=2, max_frames=128, use_graphs=False, stepper=True, incremental=True,
+                       incremental_compile="eager", defer_whole_solve=True)
+    assert flow.graphed_solver.deferred and not flow.stepper.deferred
+    assert not flow.incremental.background_safe and flow.stepper.background_safe
+    item = _item(torch.Generator().manual_seed(5), flow, 20, 40, True, False)  # 114 frames: a bucket
+    _mels(flow, [item])
+    assert flow.graphed_solver.eager_calls == 1 and flow.graphed_solver.num_graphs == 0
+    enable_flow_graphs(flow, max_batch=2, max_frames=128, use_graphs=False, incremental=True)
+    assert not flow.graphed_solver.deferred and flow.incremental.background_safe
+    _mels(flow, [item])
+    assert flow.graphed_solver.replays == 1  # not deferred: its padded bucket serves the call
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_graphs_equal_eager(family, tmp_path):

@@ -64,7 +64,7 @@ def test_the_replicas_graph_and_flow_pass_counters_are_exported():
     """CUDA graphs captured and missed; the stepped token2wav's passes, the rows they carried and
     the rows in hand when they were picked."""
     counters = {"cuda_graph_captures_total": 412, "cuda_graph_misses_total": 9, "flow_passes_total": 30,
-                "flow_rows_in_passes_total": 240, "flow_rows_ready_total": 300, "flow_pass_holds_total": 12}
+                "flow_rows_in_passes_total": 240, "flow_rows_ready_total": 300}
     text = IngressMetrics("ingress-a").render({"replica_id": "synth-1", **counters})
     labels = (("ingress_replica", "ingress-a"), ("replica", "synth-1"))
     for key, value in counters.items():
