@@ -47,8 +47,11 @@ def _tensors() -> tuple[int, int]:
     for obj in gc.get_objects():
         try:
             if isinstance(obj, torch.Tensor):
+                size = obj.element_size() * obj.nelement()
+                if not isinstance(size, int):  # a traced (fake, symbolic) tensor left by torch.compile: no memory
+                    continue
                 n += 1
-                nbytes += obj.element_size() * obj.nelement()
+                nbytes += size
         except Exception:  # noqa: BLE001, S112 - proxies and half-dead objects
             continue
     return n, nbytes

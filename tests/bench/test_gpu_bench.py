@@ -60,6 +60,7 @@ def test_an_arm_naming_a_key_the_config_lacks_stops_the_run_before_any_arm_runs(
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # ~8 s; CosyVoice2's arm test keeps the tool in the default run
 def test_tiny_cosyvoice3_benchmark_with_either_vocoder(tmp_path):
     arms = ["incremental", "recompute"]
     main(["--family", "cosyvoice3", "--size", "tiny", "--config", LOCAL, "--concurrency", "2", "--tokens", "60",

@@ -2,9 +2,12 @@
 on the CPU with the tiny model: every layout reports its timings (the GPU numbers come from a lease)."""
 from __future__ import annotations
 
+import pytest
+
 from bench.measure_colocation import Setup, measure
 
 
+@pytest.mark.slow  # ~8 s of every layout on the CPU
 def test_every_layout_is_measured():
     res = measure(Setup(device="cpu", size="tiny", steps=6, flow_jobs=2))
     assert res["gpu"] == "cpu" and res["steps"] == 6

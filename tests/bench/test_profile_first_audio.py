@@ -90,6 +90,7 @@ def test_this_process_threads_are_found_under_each_id_a_trace_may_use():
     assert names[threading.main_thread().native_id] == threading.main_thread().name
 
 
+@pytest.mark.slow  # ~20 s of a profiled replica; the GPU lease's CPU smoke runs the tool by hand
 def test_a_run_on_the_tiny_model_profiles_each_request_on_the_trace_clock(tmp_path):
     text = (ROOT / "configs/local.yaml").read_text()
     assert "batch_wait_timeout_s: 0.005}" in text

@@ -143,6 +143,7 @@ def _failovers(url: str, outcome: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+@pytest.mark.slow  # ~18 s; tests/integration/test_failover_ray.py kills a real replica mid-stream in the default run
 def test_killed_replica_mid_stream(faults_app):
     """Streams on the killed replica are continued on the other one (serve_app/failover.py) and
     every stream ends whole, Serve starts a replacement, and new requests succeed.

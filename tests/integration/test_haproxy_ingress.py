@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GUARD_S = 600  # a cluster that never answers fails the test instead of hanging it
 
 
+@pytest.mark.slow  # ~27 s: a Ray cluster of its own in a subprocess (an optional HTTP path, docs/tuning.md)
 def test_speech_voices_and_websocket_work_behind_haproxy():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     proc = subprocess.run([sys.executable, "-m", "tests.integration.haproxy_app"], check=False, cwd=ROOT, env=env,
