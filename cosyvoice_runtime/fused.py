@@ -44,9 +44,9 @@ def causal_conv_gemm(full: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
     -> (B, n, C_out). The k-frame windows, gathered by one copy (they overlap), against the
     weight (C_out, C·k) as it is stored: two kernels where cuDNN's channels-first convolution of
     the same frames took four, two of them layout transforms of the input and the weight on every
-    call (H100 profile of the incremental flow pass). A grouped convolution is one
-    batched GEMM over its groups (four kernels): cuDNN ran CosyVoice3's two 16-group position
-    convolutions as 16 convolutions each, 64 kernels and ~0.7 ms a pass (same profile).
+    call. A grouped convolution is one batched GEMM over its groups (four kernels): cuDNN ran
+    CosyVoice3's two 16-group position convolutions as 16 convolutions each (the incremental flow
+    pass's kernels before and after: docs/tuning.md §1).
     """
     k, groups = conv.kernel_size[0], conv.groups
     windows = full.unfold(1, k, 1)  # (B, n, C, k), overlapping views

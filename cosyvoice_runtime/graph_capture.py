@@ -7,8 +7,8 @@ own. PyTorch keys cuBLAS workspaces by (handle, stream) and a captured GEMM keep
 workspace address of its capture stream; ``torch.cuda.graph`` defaults to one process-wide
 capture stream, so without this the LLM graphs and the flow graphs would share one workspace
 and race on it when the LLM thread and the token2wav thread replay them at the same time.
-On an H200 that hung both replays for good once batch-16 flow graphs ran beside batch-16
-decode graphs (the "flowgraphs" throughput run, bench/results/INDEX.md);
+That hung both replays for good once batch-16 flow graphs ran beside batch-16 decode graphs
+(the hang and its stacks: bench/results/2026-12-03-h200-throughput-flowgraphs);
 see also pytorch/pytorch#193402 on graphs of one capture stream sharing workspace state.
 """
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """Which CUDA graphs a replica captures before it serves, and the rest after, in the background.
 
-Capturing every graph of a full-size CosyVoice2 replica took over a minute on an H100 (573
-token2wav graphs and 71 of the LLM; docs/tuning.md "Cold start"), and a replica that is not
-ready yet serves nobody: an autoscaler that adds one reacts that much later. Most of those graphs
-serve batches a new replica does not see at first. So with ``graphs_before_ready: first`` the
-replica captures the graphs of batch bucket 1 (:func:`is_first`: what one stream at a time runs,
-the first request included) before it is ready, and every other one in a background thread once
-it serves, the smallest batches first (those light load meets next). Until a graph exists, its
-shape runs eagerly (the owner is ``deferred``: a call of a shape not captured yet takes the eager
-path instead of capturing it on the serving thread) and is counted as a graph miss.
+Capturing every graph of a full-size CosyVoice2 replica is most of its start-up (hundreds of
+token2wav graphs and dozens of the LLM's; how many and how long: docs/tuning.md "Cold start"), and
+a replica that is not ready yet serves nobody: an autoscaler that adds one reacts that much later.
+Most of those graphs serve batches a new replica does not see at first. So with
+``graphs_before_ready: first`` the replica captures the graphs of batch bucket 1
+(:func:`is_first`: what one stream at a time runs, the first request included) before it is ready,
+and every other one in a background thread once it serves, the smallest batches first (those light
+load meets next). Until a graph exists, its shape runs eagerly (the owner is ``deferred``: a call
+of a shape not captured yet takes the eager path instead of capturing it on the serving thread)
+and is counted as a graph miss.
 
 The owners (:class:`~cosyvoice_runtime.graph_capture.GraphOwner` subclasses) take part through
 ``graph_keys()`` (every key they capture at start), ``capture_key(key)`` (one graph, safe beside

@@ -1,9 +1,9 @@
 """Hand-written GPU kernels (Triton) for launch-bound passes, each beside the PyTorch composite
 it replaces, which serves wherever the kernel cannot (no CUDA, no Triton, switched off).
 
-A graphed incremental flow pass at one stream is the launches of its ~930 kernels in sequence
-(an H100 kernel profile: 2.8 ms of kernels, 4.3 ms a pass), and an LLM decode step of
-its 521 (1.6 ms of kernels, 2.0 ms a step), so a kernel fewer is ~2.5 us fewer whatever its work.
+A graphed incremental flow pass at one stream is the launches of its hundreds of kernels in
+sequence, and so is an LLM decode step (kernel profiles: docs/tuning.md §1), so a kernel fewer is
+time saved whatever its work.
 :func:`add_layer_norm` is three of them in one: a residual add, the LayerNorm of its result, and
 the copy of that into the attention block's cache slot; :func:`add_rms_norm` the add and the
 RMSNorm of a decoder layer.

@@ -60,8 +60,8 @@ def skipped_init() -> Iterator[None]:
     convolution and embedding layers does nothing meanwhile).
 
     Why: :func:`load_model` overwrites every parameter (the load is strict), so the random values
-    are thrown away, and drawing them was most of the load: ~24 s of the ~25 s to build the
-    full-size CosyVoice2 modules on a 2-core CPU, ~1 s without. Explicit ``nn.init`` calls (the
+    are thrown away, and drawing them was most of the load (the build with and without them:
+    docs/tuning.md "Cold start"). Explicit ``nn.init`` calls (the
     official noise buffers' RNG replay, :mod:`cosyvoice_runtime.hift.noise`) and seeded draws
     still run; the global RNG is left where it was, so a caller's random stream is unchanged.
     Not thread-safe (it swaps class attributes): a replica loads one model at a time.

@@ -86,8 +86,8 @@ def compile_model(model, backend: str = "inductor") -> list[str]:
     every batch size, which would otherwise recompile per shape. The vocoder's source
     (random phase, fp32 accumulation) and iSTFT stay eager. On a CUDA replica the token2wav
     graphs are captured over the compiled modules afterwards (compiled and graphed: fused
-    kernels without launch overhead: on an H200 with static shapes about half the vocoder's and
-    encoder's graphed time, a tenth off the estimator's; docs/tuning.md §2).
+    kernels without launch overhead; per stage with static shapes: docs/tuning.md §2, execution
+    mode).
     """
     import torch
 

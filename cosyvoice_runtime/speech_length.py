@@ -8,9 +8,9 @@ with a small deterministic jitter.
 
 The length is counted in characters of the decoded text, not in text tokens: the random-weight
 models ship a byte-level stand-in of the ``CosyVoice-BlankEN`` tokenizer (one token per byte
-but for ten merges, :mod:`cosyvoice_runtime.tiny_assets`), which cuts English into about 4x and
-Chinese into about 3-4x as many tokens as the released Qwen2 BPE, so a rate per text token would
-hold for one tokenizer only. Characters are the same under both.
+but for ten merges, :mod:`cosyvoice_runtime.tiny_assets`), which cuts text into several times as
+many tokens as the released Qwen2 BPE (docs/tuning.md, "Speech length of random weights"), so a
+rate per text token would hold for one tokenizer only. Characters are the same under both.
 
 Rates (no CosyVoice paper or model card publishes one; these are the usual speaking-rate
 figures, converted here, docs/tuning.md shows the computation):

@@ -73,13 +73,13 @@ def pick_rows(rows: Sequence, deadline_s: dict, now_s: float, slack_s: float, ma
     rows. At most ``max_batch``, and at most ``length_ratio`` times the frames of the most urgent
     row, which the pass pads to.
 
-    Why riders may be longer (``token2wav.rider_ratio``): at 56 sessions on an H100
-    passes carried 3.3 rows of the 11.3 in hand, and a pass is bound by its kernel count more than
-    by its rows. CosyVoice2's streamed chunks grow (incremental rows of 50, 50, 100, then 200 new
-    frames after a kept voice prefix), so at 1 a stream's later chunks never ride with the 50-frame
-    first chunks that keep arriving under load: they wait for passes of their own. Longer riders
-    pad the urgent pass to their frames: whether that costs first audio more than the passes it
-    saves is what the ratio is for measuring.
+    Why riders may be longer (``token2wav.rider_ratio``): under load passes carried a fraction of
+    the rows in hand (docs/tuning.md §2, ``rider_ratio``), and a pass is bound by its kernel count
+    more than by its rows. CosyVoice2's streamed chunks grow (incremental rows of 50, 50, 100,
+    then 200 new frames after a kept voice prefix), so at 1 a stream's later chunks never ride
+    with the 50-frame first chunks that keep arriving under load: they wait for passes of their
+    own. Longer riders pad the urgent pass to their frames: whether that costs first audio more
+    than the passes it saves is what the ratio is for measuring.
     """
     order = sorted(rows, key=lambda r: deadline_s[id(r)])
     if not order:

@@ -77,8 +77,8 @@ class PromptTensors:
     """Voice prompts on the flow's device by content (:func:`prompt_key`), the least recently used
     out past ``max_voices``. Why: each request copied its prompt's tokens, mel and speaker
     embedding from pageable memory, three copies that each waited for the stream, on the event
-    loop before the request reached the LLM (~1 ms under the profiler in an H100 trace; no gain
-    visible at one stream without the profiler). Readers never write them.
+    loop before the request reached the LLM (seen in a profiler trace; no gain showed at one stream
+    without the profiler: docs/tuning.md §1). Readers never write them.
     Thread-safe (new_stream runs on the event loop, the VC path on compute lanes)."""
 
     def __init__(self, max_voices: int) -> None:

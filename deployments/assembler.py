@@ -78,9 +78,9 @@ def token2wav_graph_owners(model, plan: ExecutionPlan, limits, flow_graph_max_s:
     window (:mod:`cosyvoice_runtime.hift.causal_graphs`; what they did for CosyVoice3's capacity:
     docs/tuning.md, ``cv3_vocoder``).
 
-    Why all of them: with the solve graphs and the early first chunk, first audio at one stream fell
-    from over a second (LLM graphs only) to ~135 ms on an H200, and the encoder and vocoder graphs
-    raised throughput at 64 streams by a quarter (docs/tuning.md §2, ``cuda_graphs``, and §6);
+    Why all of them: the solve graphs with the early first chunk cut first audio at one stream
+    against LLM graphs alone, and the encoder and vocoder graphs raised throughput at 64 streams
+    (docs/tuning.md §2, ``cuda_graphs``, and §6);
     which of them are captured before the replica is ready and which in the background after:
     :mod:`cosyvoice_runtime.graph_schedule` (``graphs_before_ready``). torchscript mode captures
     the same graphs over its compiled modules (each shape's warm-up compiles it first, so start-up

@@ -7,8 +7,8 @@ The load signal is offered load against measured capacity, not device utilisatio
 ``slo_streams`` is how many concurrent streams one replica serves within its latency SLO
 (measured with ``bench/capacity.py``; config key ``autoscaling.load_band.slo_streams``). The
 signal rises in proportion to offered load and does not saturate: NVML's ``utilization.gpu``
-reads ~88 % with one stream and ~96 % from 2 to 64 streams on an H200 (issue 17), so it is
-exported for dashboards only (``deployments.gpu_stats``).
+is near its top from the first stream on (issue 17; docs/tuning.md §5, "Why not GPU
+utilisation"), so it is exported for dashboards only (``deployments.gpu_stats``).
 
 Streams in flight are the replicas' own count (``record_autoscaling_stats`` reports
 ``streams_in_flight``, time-averaged by Serve over ``look_back_period_s``); streams queued are the

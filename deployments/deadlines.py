@@ -5,9 +5,8 @@ A streamed request's next chunk is due when the audio it has already received fi
 ``@serve.batch`` token2wav method: while some admitted job is due within ``slack_s``, a job with
 audio to spare waits (until those jobs are done, or until it is due itself), so the urgent jobs
 form a smaller batch that returns sooner. ``@serve.batch`` still does the batching; the gate only
-decides who joins the queue now. In the benchmark's replica simulation on an H200 the same
-policy cut the first-audio tail and the underruns at 16 streams and raised throughput at 64
-(docs/tuning.md §2, ``deadline_slack_s``).
+decides who joins the queue now. In the benchmark's replica simulation the same policy cut the
+first-audio tail and the underruns and raised throughput (docs/tuning.md §2, ``deadline_slack_s``).
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Device readings of a replica, for dashboards: NVML utilisation, SM activity, memory.
 
 These readings are *not* the autoscaling signal. NVML's ``utilization.gpu`` is the share of time
-any kernel ran, and it saturates with one stream: measured on one H200 (issue 17) it read ~88 % at
-1 stream and ~96 % from 2 to 64 streams while throughput grew tenfold. The policy scales on
-offered load against the replica's SLO capacity instead (``deployments.autoscaling_policy``).
+any kernel ran, and it saturates with one stream: it barely moves from one stream to 64 while
+throughput grows (issue 17; the reading: docs/tuning.md §5, "Why not GPU utilisation"). The
+policy scales on offered load against the replica's SLO capacity instead
+(``deployments.autoscaling_policy``).
 
 The replica's GPU is found by identity, never by index: inside a Ray worker
 ``torch.cuda.current_device()`` is 0 on every GPU of a node, while NVML numbers all of the node's

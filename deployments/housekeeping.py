@@ -17,10 +17,10 @@ def cap_malloc_arenas(opts: dict[str, Any]) -> dict[str, Any]:
 
     NOTE: glibc malloc gives threads that allocate concurrently (event loop, compute thread,
     Ray's threads) arenas of their own, up to 8 per core, and keeps freed chunks in each, so
-    the replica's RSS ratchets up with every new peak of transient tensors. Measured with the
-    tiny model on 2 cores (bench/leak_probe.py, 200 requests, Python objects and tensors flat):
-    RSS 522 -> 761 MiB by default, flat at 612-628 MiB after the first 20 requests with 2 arenas,
-    same throughput. Serve merges these env_vars with the application's runtime_env.
+    the replica's RSS ratchets up with every new peak of transient tensors. With 2 arenas the
+    tiny model's RSS levelled off after its first requests where by default it kept rising
+    (bench/leak_probe.py; the readings: docs/tuning.md §3). Serve merges these env_vars with the
+    application's runtime_env.
     """
     env = opts["ray_actor_options"].setdefault("runtime_env", {}).setdefault("env_vars", {})
     env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENA_MAX)
@@ -30,8 +30,8 @@ def cap_malloc_arenas(opts: dict[str, Any]) -> dict[str, Any]:
 def release_free_heap() -> bool:
     """glibc ``malloc_trim(0)``: return freed heap pages to the OS (False where there is no glibc).
 
-    Measured: ~37 ms for ~400 MiB of freed, fragmented tensor memory; sub-millisecond when there is
-    little to return.
+    Blocking, and the longer the more there is to return: :class:`IdleTrim` calls it only when the
+    replica is idle.
     """
     import ctypes
 

@@ -4,11 +4,11 @@ Why: a collection of the oldest generation walks every object the collector trac
 on whichever thread happened to allocate, holding the GIL, so every thread of the replica stops
 for it: the event loop, the LLM engine's thread and the token2wav driver that launches the GPU's
 next pass (the GPU idles meanwhile). A replica holds the model's modules, parameters and graphs
-as Python objects: with the full-size CosyVoice2 loaded a process tracks ~205k objects and one
-full collection took ~100 ms on the 2-core VM; after :func:`freeze_startup_heap`
-it took under 0.1 ms. Under load more objects outlive the young generations (more requests in
-flight), so full collections come more often: a tail that grows with load while the median
-stays, the shape the Serve-level token2wav stage showed on an H200.
+as Python objects, so a full collection walks a large heap (its pause with the full-size
+CosyVoice2 loaded, before and after :func:`freeze_startup_heap`: docs/serving.md, ``gc_freeze``).
+Under load more objects outlive the young generations (more requests in flight), so full
+collections come more often: a tail that grows with load while the median stays, the shape the
+Serve-level token2wav stage showed (docs/tuning.md §1, "The serving layer against the runtime").
 
 Objects frozen here are never collected by the cyclic collector even if they later become
 unreachable cycles; they are the start-up objects (model, runtime, graphs), alive as long as the

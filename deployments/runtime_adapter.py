@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------- adapters
 # Stream priority of the LLM lane (lower is higher; CUDA maps it into the device's range): a decode
-# step's blocks are scheduled ahead of a running flow batch's as SMs free up: in the H200 replica
-# simulation that cut the first-audio tail and at least tripled the sessions at the SLO
+# step's blocks are scheduled ahead of a running flow batch's as SMs free up: in the benchmark's
+# replica simulation that cut the first-audio tail and raised the sessions at the SLO
 # (docs/tuning.md §2, ``overlap_stages``).
 LLM_STREAM_PRIORITY = -1
 
@@ -85,8 +85,8 @@ class RuntimeTokenEngine:
                                     fused_norms=plan.fused_norms)
         # NOTE: capture every decode graph now, before token2wav work runs concurrently: a lazy
         # capture beside other GPU work fails ("capturing stream has unjoined work", seen in
-        # bench/gpu_bench.py on an H200). Graphed, a decode step is a fifth of its eager time
-        # (docs/tuning.md §6). Returns 0 on the CPU.
+        # bench/gpu_bench.py on a GPU). Graphed, a decode step takes a fraction of its eager time
+        # (docs/tuning.md §1). Returns 0 on the CPU.
         if capture_graphs and (captured := self.engine.capture_graphs()):
             logger.info("captured %d CUDA graphs for the LLM decode step", captured)
         self.max_running = max_running
@@ -317,7 +317,7 @@ def _audio_later(chunks: list) -> Callable[[], list[np.ndarray]]:
     """Each (samples,) audio tensor as float32 numpy, through one device->host copy for the whole
     batch, queued on the current stream into pinned memory; the function returned waits for it.
     Why: the token2wav thread that waited on its stream for every finished batch left new first
-    chunks queued behind a vocoder (t2w-queue p99 42 ms at 56 sessions on an H100)."""
+    chunks queued behind a vocoder (the queue's tail: docs/tuning.md §1, "Under load")."""
     import torch
 
     if not chunks:

@@ -99,8 +99,8 @@ class Synthesizer:
         self.cfg = cfg
         self.clock = clock
         # Started with the replica, in the background while the model loads: a Ray actor's worker
-        # process took about a second to come up on the 2-core VM, which the first bistream
-        # session of a replica otherwise waited for before its first audio.
+        # process takes a while to come up (docs/serving.md, text-in streaming), which the first
+        # bistream session of a replica otherwise waited for before its first audio.
         self._inbox = inbox or default_inbox()
         if runtime_factory is None:
             runtime_factory = import_factory(cfg.runtime_factory) if cfg.runtime_factory else default_runtime_factory

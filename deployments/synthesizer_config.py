@@ -34,7 +34,7 @@ class Token2WavBatchConfig(StrictModel):
     # of the frames already emitted and solves only the new ones (same mel within float noise,
     # tests/runtime/test_flow_incremental*.py; batched and stepped as the recompute, one CUDA graph per
     # (batch, new frames, cached frames) bucket). "auto": incremental on CUDA replicas, where it
-    # nearly doubled the sessions at the SLO (docs/tuning.md §2), recompute on the CPU.
+    # raised the sessions at the SLO (docs/tuning.md §2, cv2_flow), recompute on the CPU.
     cv2_flow: Literal["auto", "recompute", "incremental"] = "auto"
     # With the incremental flow: the flow state of each voice prompt's whole attention chunks (the
     # same in every request with that voice) kept for later requests, which then solve ~150 fewer
@@ -54,8 +54,8 @@ class Token2WavBatchConfig(StrictModel):
     flow_cache_bytes: int = Field(16 * 1024**3, ge=0)
     # "steps": the flow solved one Euler pass at a time over the jobs picked earliest deadline first
     # (deployments.token2wav_loop), so a first chunk never waits for a whole batch; "batch": whole
-    # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (several
-    # times the sessions at the SLO, docs/tuning.md §2), batch on the CPU (not measured there).
+    # solves batched by @serve.batch behind the deadline gate. "auto": steps on CUDA replicas (more
+    # sessions at the SLO: docs/tuning.md §2, scheduler), batch on the CPU (not measured there).
     scheduler: Literal["auto", "batch", "steps"] = "auto"
     # With "steps": while a chunk job in hand is already due (a stream's first chunk, or a late
     # one) and no stream waiting for speech tokens is due within deadline_slack_s (less the decode
@@ -67,7 +67,8 @@ class Token2WavBatchConfig(StrictModel):
     # With "steps": a pass for rows due within deadline_slack_s (first chunks) also carries rows
     # with slack of up to this many times the urgent rows' frames (1: no longer, the same padded
     # size). CosyVoice2's later chunks are 2-4 times a first chunk's frames, so at 1 they never
-    # ride with first chunks (cosyvoice_runtime/stream_schedule.py). Not yet measured on a GPU.
+    # ride with first chunks (cosyvoice_runtime/stream_schedule.py). One GPU A/B so far, not
+    # conclusive (docs/tuning.md §2).
     rider_ratio: float = Field(1.0, ge=1.0, le=8.0)
     # With "steps" on CUDA: flow passes queued on the GPU at once. 1: each pass is prepared after the
     # one before it has ended, and the token2wav lane idles through the host work between them

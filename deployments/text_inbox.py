@@ -9,10 +9,10 @@ caller pushes text ids (and the end of the text) straight to that actor, and the
 request takes them from it (:meth:`InboxClient.text`). Closing the call closes the session, and
 text pushed after that is refused.
 
-On local Ray (the 2-core VM, 200 one-id fragments) a push plus the replica's take of it took
-about 2 ms (docs/serving.md). Starting the actor is a worker process (about a second on that VM the first time a
-replica did it), so a replica starts its inbox with itself, not at the first
-bistream call.
+A push and the replica's take of it are one local actor call each (their time on local Ray:
+docs/serving.md, text-in streaming). Starting the actor starts a worker process, which the first
+bistream session of a replica would wait for (same section), so a replica starts its inbox with
+itself, not at the first bistream call.
 
 Bounded: sessions per inbox, ids queued per session (a caller that outruns the replica is
 refused, not buffered without end), and a replica-side wait for text (a caller that vanished

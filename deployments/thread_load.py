@@ -1,13 +1,14 @@
 """Where a replica's CPU goes, thread by thread, and how long its threads wait for the GIL.
 
-Why: on an H200 the whole Serve app once held 7 sessions at the SLO where the same
-runtime in the replica simulation held 42, with the GPU idle half the time and the token2wav
-stage's tail growing with load. A GPU left idle by a replica is a replica whose threads do not
-launch work: a thread busy on a core (the event loop streaming chunks through Ray, say) shows in
-:func:`thread_cpu_seconds`; a thread that is ready but waits for the GIL (the token2wav driver
-coming back from a graph replay while another thread runs Python) uses no CPU and shows only in
-:class:`GilWait`: a probe thread that sleeps a fixed period and measures how late it wakes (the
-time to take the GIL back, plus the OS's timer slack of ~0.1 ms).
+Why: the whole Serve app once met the SLO at a fraction of the sessions the same runtime held in
+the benchmark's replica simulation, with the GPU often idle and the token2wav stage's tail growing
+with load (docs/tuning.md §1, "The serving layer against the runtime"). A GPU left idle by a
+replica is a replica whose threads do not launch work: a thread busy on a core (the event loop
+streaming chunks through Ray, say) shows in :func:`thread_cpu_seconds`; a thread that is ready but
+waits for the GIL (the token2wav driver coming back from a graph replay while another thread runs
+Python) uses no CPU and shows only in :class:`GilWait`: a probe thread that sleeps a fixed period
+and measures how late it wakes (the time to take the GIL back, plus the OS's timer slack of
+~0.1 ms).
 """
 from __future__ import annotations
 

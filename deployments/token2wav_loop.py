@@ -9,8 +9,8 @@ repeats: start the jobs that arrived (one encoder batch), run one pass over the 
 first chunk is due at once), queue the vocoder for the rows whose solve is done (the wait for
 their audio runs in the event loop's executor, which hands it back: the driver does not wait for
 the GPU there). A first chunk joins at the next pass and long jobs with audio to spare wait,
-which several times multiplied the sessions at the SLO in the H200 replica simulation
-(docs/tuning.md §2, ``scheduler``).
+which raised the sessions at the SLO in the benchmark's replica simulation (docs/tuning.md §2,
+``scheduler``).
 The runtime keeps ``token2wav.passes_in_flight`` passes queued on the GPU (default 2): the next
 pass is picked and prepared while one runs, so the "next pass" a new job joins starts after the
 one queued now, which still lowered first audio against 1 (docs/tuning.md, ``passes_in_flight``).

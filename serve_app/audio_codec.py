@@ -16,9 +16,9 @@ concatenation of what :class:`StreamEncoder` returns, and it is one valid file:
 Whole responses (``encode_audio``) are written to a seekable buffer, so FLAC gets its exact
 STREAMINFO and MP3 its Xing header. Nothing touches the filesystem (house style §2.5 rule 22).
 
-Every encoder call is blocking CPU work (an MP3, Opus or AAC encode of one second of 24 kHz audio
-takes 3-6 ms on the 2-core VM, a FLAC encoder opens in ~4 ms): servers run them with
-:func:`run_encoder`, in a bounded pool of worker threads, not on their event loop.
+Every encoder call is blocking CPU work (milliseconds per second of audio, docs/serving.md;
+opening an encoder too): servers run them with :func:`run_encoder`, in a bounded pool of worker
+threads, not on their event loop.
 """
 from __future__ import annotations
 

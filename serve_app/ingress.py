@@ -261,7 +261,7 @@ class TTSIngress:
             for name, ms in stages.items():
                 self.metrics.stages.labels(name).observe(ms / 1e3)
             sample_rate = first.sample_rate if first is not None else EMPTY_STREAM_RATE
-            try:  # opening an encoder is blocking work too (FLAC: ~4 ms)
+            try:  # opening an encoder is blocking work too (serve_app/audio_codec.py)
                 out = await run_encoder(AudioOut, fmt, sample_rate, tempo=tempo, sse=sse,
                                         input_tokens=sum(len(p.text_ids) for p in prepared.pieces))
             except BaseException:

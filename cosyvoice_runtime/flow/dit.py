@@ -38,7 +38,7 @@ class RotaryEmbedding(nn.Module):
 def rotary_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, signed sin) of interleaved angles ``[f0, f0, f1, f1, ...]``: what :func:`rotate_`
     multiplies by, made once per forward for every block (the incremental pass made a cos and a
-    sin per block and projection: 88 kernels of a CosyVoice3 pass in an H100 kernel profile).
+    sin per block and projection: 88 kernels of a CosyVoice3 pass, docs/tuning.md §1).
     The sin of each pair's first channel is negated: rotating the pair (x1, x2) to
     (-x2, x1) is then the swapped pair times it, exactly (a negation rounds nothing)."""
     sin = freqs[..., ::2].sin()
@@ -51,9 +51,9 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     Five kernels: the pair swap, two products that read x's dtype and compute in the tables'
     float32 (the upcast is exact), their sum, and its copy into x (rounded to x's dtype). Building
     the rotated tensor anew had taken seven (an upcast copy and a downcast one, and a
-    concatenation of the whole q or k, since only head 0 turns: the quirk above): 308 of a
-    CosyVoice3 incremental pass's 843 kernels, over a quarter of its kernel time (H100 kernel
-    profile). The sum goes in by slice assignment: the ONNX export's tracer dropped
+    concatenation of the whole q or k, since only head 0 turns: the quirk above): 308 kernels of a
+    CosyVoice3 incremental pass, 44 rotations of seven (the pass's kernels before and after:
+    docs/tuning.md §1). The sum goes in by slice assignment: the ONNX export's tracer dropped
     an ``out=`` sum (one kernel fewer) and a ``copy_`` into the view (tests/runtime/test_flow_onnx.py).
     x may be a view (q or k as a slice of one projection's output)."""
     rot = cos.shape[-1]

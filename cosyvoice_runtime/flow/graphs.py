@@ -1,11 +1,10 @@
 """The whole CFM solve (every Euler step, CFG included) as one CUDA graph per padded shape.
 
-One estimator call of the full-size CosyVoice2 U-Net is ~1,400 small kernels; launched from
-Python it takes 21 ms on an H200 whatever the batch, while the same call replayed as a CUDA
-graph takes 4.1 ms at batch 2 and 10.9 ms at batch 32 (T = 250 frames, bf16;
-``bench/profile_stages.py``; the throughput readings that kept these figures: bench/results/INDEX.md).
-A streamed flow call runs ten of them, so the
-launch overhead was most of the flow's time and most of the time to first audio.
+One estimator call of the full-size CosyVoice2 U-Net is over a thousand small kernels; launched
+from Python it is bound by their launches whatever the batch, while the same call replayed as a
+CUDA graph costs only its kernels' GPU time (eager against graphed: docs/tuning.md §1). A streamed
+flow call runs ten of them, so the launch overhead was most of the flow's time and most of the
+time to first audio.
 
 :class:`GraphedSolver` is a drop-in for :class:`~cosyvoice_runtime.flow.cfm.CFMSolver` in
 :meth:`~cosyvoice_runtime.flow.flow.Flow.inference_batch`: it pads the batch to the next batch
@@ -74,8 +73,9 @@ class SolverGraphs(graph_capture.GraphOwner):
     def _first_weight(self) -> torch.Tensor:
         """The estimator's first parameter, looked up again only when the solver's estimator is
         another module (a mode's compiled or TensorRT one): a pass reads the device and dtype ~14
-        times, and each ``next(parameters())`` walked the module tree (~0.1 ms a pass on a 2-core
-        VM). A parameter moved or cast in place (``Module.to``) is the same object, so it stays right."""
+        times, and each ``next(parameters())`` walked the module tree, host time on the driver's
+        thread every pass. A parameter moved or cast in place (``Module.to``) is the same object,
+        so it stays right."""
         estimator = self.solver.estimator
         if self._weight is None or self._weight[0] is not estimator:
             self._weight = (estimator, next(estimator.parameters()))

@@ -183,9 +183,9 @@ class IncrementalStepper(SolverGraphs):
         use_graphs: capture each bucket as a CUDA graph (CUDA only).
         compile_backend: ``torch.compile`` the pass (the estimator's ``forward_cached``) with this
             backend (``dynamic``: one compiled pass serves the buckets' shapes; three on the CPU tiny model).
-            A pass launches its kernels one by one inside its graph, ~930 of them for a CosyVoice2
-            pass, which bound its time at small batches (an H100 kernel profile): fused kernels
-            are fewer. None: eager.
+            A pass launches its kernels one by one inside its graph, hundreds of them, which bound
+            its time at small batches (kernel profiles: docs/tuning.md §1): fused kernels are
+            fewer. None: eager.
         fused_norms: the U-Net pass's residual adds, LayerNorms and cache-slot writes as one
             Triton kernel each where one can run (:func:`~cosyvoice_runtime.kernels.add_layer_norm`:
             154 kernels fewer a pass; the pass time it saves on a GPU: docs/tuning.md, ``fused_norms``).
@@ -217,7 +217,7 @@ class IncrementalStepper(SolverGraphs):
         self._time_table: torch.Tensor | None = None
         self._time_key: tuple | None = None
         # the parameters it is made from, listed once: walking the estimator's modules for them
-        # on every pass was ~0.1 ms of the driver's host time (and GIL) a pass (2-core VM)
+        # on every pass took the driver's host time (and the GIL) on every pass
         self._time_weights = self.estimator.time_weights()
 
     def __setstate__(self, state: dict) -> None:

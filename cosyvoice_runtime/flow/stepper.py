@@ -1,15 +1,16 @@
 """The CFM solve one Euler step at a time, over rows that may be at different steps (issue 14).
 
-A flow job is ten estimator passes. Solved whole (:class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`),
-a batch holds the GPU for all ten: a new stream's first chunk that arrives just after a batch
-with a late chunk of a 20 s CosyVoice2 utterance started (a ~200 ms solve on an H200)
-waits for all of it, and that wait was most of the first-audio tail under load. Here each job
-is a :class:`SolveRow` (its encoder output, condition, speaker vector and ODE state ``x``) and
-the caller runs passes over whichever rows it picks
-(:func:`~cosyvoice_runtime.stream_schedule.pick_rows`: the most urgent first),
-so a first chunk joins at the next pass and finishes ten short passes later while long jobs with
-audio to spare wait. Rows at different steps share a pass: the estimator takes a time per row,
-and each row's ``(t, dt)`` are the whole solve's (:func:`~cosyvoice_runtime.flow.cfm.step_schedule`).
+A flow job is ten estimator passes. Solved whole
+(:class:`~cosyvoice_runtime.flow.graphs.GraphedSolver`), a batch holds the GPU for all ten: a new
+stream's first chunk that arrives just after a batch with a late chunk of a 20 s CosyVoice2
+utterance started (a solve over the whole sequence, docs/tuning.md §1) waits for all of it, and
+that wait was most of the first-audio tail under load. Here each job is a :class:`SolveRow` (its
+encoder output, condition, speaker vector and ODE state ``x``) and the caller runs passes over
+whichever rows it picks (:func:`~cosyvoice_runtime.stream_schedule.pick_rows`: the most urgent
+first), so a first chunk joins at the next pass and finishes ten short passes later while long
+jobs with audio to spare wait. Rows at different steps share a pass: the estimator takes a time
+per row, and each row's ``(t, dt)`` are the whole solve's
+(:func:`~cosyvoice_runtime.flow.cfm.step_schedule`).
 
 Exactness: a row gets what :meth:`CFMSolver.forward` gives it in a batch (same noise by
 absolute frame, same step times, same Euler update; padded frames hold the noise as there);

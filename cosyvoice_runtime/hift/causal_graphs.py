@@ -3,8 +3,8 @@
 CosyVoice2's vocoder replays graphs (:mod:`cosyvoice_runtime.hift.graphs`); CosyVoice3's ran op by
 op: every finishing batch of its incremental strategy launched the body's several hundred small
 kernels (snake activations and dilated convs of its residual blocks) from the token2wav thread,
-under the GIL, for every chunk of every stream. An eager CV2 vocoder call held that thread
-100-150 ms under load (H200 capacity traces).
+under the GIL, for every chunk of every stream. An eager CV2 vocoder call held that thread,
+and every stream's next chunk behind it, under load (docs/tuning.md §1).
 
 Why padded buckets work here when CV2 needs exact lengths: the body is causal. Every layer sees
 only frames at or before its output, except the look-ahead convs, whose zero padding past an

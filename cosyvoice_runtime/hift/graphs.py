@@ -140,8 +140,8 @@ class GraphedDecode(graph_capture.GraphOwner):
         largest (3 rows over graphs of 2 and 1: 2 + 1). Batch rows are independent, so this is the
         batched decode. Why: start-up captures first-chunk lengths for batches of 1 and 2 and
         last-chunk lengths for 1; three first chunks or two last chunks of one length meeting in a
-        pass would otherwise run eagerly (an eager last chunk held the token2wav thread 100-150 ms
-        under load on an H200) or be captured under traffic, stalling the lane."""
+        pass would otherwise run eagerly (an eager last chunk held the token2wav thread under load:
+        docs/tuning.md §1) or be captured under traffic, stalling the lane."""
         sizes = sorted(k[0] for k in self._buckets if k[1:] == key[1:])
         parts, start = [], 0
         while sizes and start < batch:
@@ -192,8 +192,8 @@ def graph_streaming_vocoder(hift, spec, max_batch: int, max_frames: int = 512,
     length (:func:`~cosyvoice_runtime.stream_schedule.first_chunk_frames`; ``min_first_hop`` as
     the stream's Token2Wav) for batches of 1 and 2, since first chunks rarely share a length;
     every last-chunk length (:func:`~cosyvoice_runtime.stream_schedule.final_chunk_frames`) for a
-    batch of 1. A last chunk vocoded eagerly held the token2wav thread 100-150 ms under load
-    (H200 capacity traces), and a first chunk queued behind it.
+    batch of 1. A last chunk vocoded eagerly held the token2wav thread under load, and a first
+    chunk queued behind it (docs/tuning.md §1).
 
     ``capture=False``: only the keys are listed (``start_keys``, ``last_chunk_keys``), for
     :mod:`cosyvoice_runtime.graph_schedule` to capture.

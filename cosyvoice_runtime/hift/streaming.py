@@ -188,8 +188,8 @@ def crossfade_window(fade_len: int, device: torch.device | None = None) -> torch
     """``np.hamming(2 · fade_len)`` (symmetric) as float64: first half fades in, second fades out.
     Made once per device and never written: a copy per chunk from host memory would wait for the
     work queued on the stream (:mod:`cosyvoice_runtime.host_copy`), and so would this one-time copy
-    if it were not queued through pinned memory (the first chunk that cross-fades makes it: the sync
-    debug test caught it on an H100)."""
+    if it were not queued through pinned memory (the first chunk that cross-fades makes it: the GPU
+    sync-debug test caught it)."""
     window = torch.from_numpy(np.hamming(2 * fade_len))
     return window if device is None else to_device(window, device)
 

@@ -198,7 +198,7 @@ def choose_ids(logits: torch.Tensor, rows: torch.Tensor, stop_mask: torch.Tensor
     for a row whose logits are not finite. Tensor ops only: it runs inside a CUDA graph.
 
     Rows with NaN/Inf logits are marked in the step's one copy to the host (checked after the
-    step, they cost a reduction and a second sync every step in an H100 trace) and sampled
+    step, they cost a reduction and a second sync every step) and sampled
     from flat log-probabilities meanwhile: NaN ones pick an index out of range, which on a GPU is a
     device-side assert that kills the replica, not just the request.
     """

@@ -1,14 +1,14 @@
 """Bucketed decode step with static buffers, captured as one CUDA graph per shape.
 
-A decode step of the engine is ~600 small kernels (24 layers) plus sampling; launched one by
-one from Python it is bound by CPU launch overhead (13.8 ms at batch 1 on an H200, with the GPU
-busy for ~4 ms). :class:`DecodeRunner` runs the whole step - embedding of the fed ids, the 24
-layers with the KV write at per-row positions, attention over a fixed key window with a
+A decode step of the engine is hundreds of small kernels (24 layers) plus sampling; launched one
+by one from Python it is bound by CPU launch overhead (graphed, it takes a fraction of its eager
+time: docs/tuning.md §1). :class:`DecodeRunner` runs the whole step - embedding of the fed ids,
+the 24 layers with the KV write at per-row positions, attention over a fixed key window with a
 per-row length mask, final norm, ``llm_decoder`` logits, log-softmax, min-length mask and the
-batched sampler of :mod:`~cosyvoice_runtime.llm.batch_sampling` - from static device buffers,
-so that on CUDA it is captured once per (batch bucket, key window) and replayed: one
-host-to-device copy of the packed per-row inputs, one graph launch, one device-to-host copy of
-the chosen ids (the step's only sync).
+batched sampler of :mod:`~cosyvoice_runtime.llm.batch_sampling` - from static device buffers, so
+that on CUDA it is captured once per (batch bucket, key window) and replayed: one host-to-device
+copy of the packed per-row inputs, one graph launch, one device-to-host copy of the chosen ids
+(the step's only sync).
 
 Shapes are bucketed: the batch is padded to the next batch bucket (padding rows write into a
 scratch KV slot at position 0 and are ignored), and the attended key window is the next key

@@ -34,8 +34,8 @@ before it has been read. Each :meth:`LLMEngine.step` launches the next decode st
 each row that continues the step in flight that step's choice straight from the GPU
 (:meth:`~cosyvoice_runtime.llm.cuda_graph.DecodeRunner.launch`), and only then waits for the
 step in flight and commits its ids: the GPU has the next step queued while the host commits,
-delivers and packs: without it, in a profiled one-stream request on an H100, the LLM's lane
-idled 0.4-0.6 ms of each step (what it gains: docs/tuning.md, ``llm_run_ahead``). Events therefore
+delivers and packs: without it the LLM's lane idles through that host work every step
+(docs/tuning.md §1; what it gains: §2, ``llm_run_ahead``). Events therefore
 come one call behind. A row whose step in flight may end it
 (a stop id) has one wasted step queued after it, dropped when read; one whose step in flight is
 certainly its last (its length) is not queued again. Requests the in-step sampler does not

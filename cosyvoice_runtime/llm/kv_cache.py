@@ -121,8 +121,8 @@ class KVCache:
         # dim), keys and values in one write.
         cache[slot_index, :, :, positions] = kv[:, :, :, 0]
         # One gather for keys and values, as 8-byte words: PyTorch's index_select moves one element
-        # per thread, and two bf16 gathers per layer were the top kernel of a loaded H100 step
-        # (457 of 2,710 busy ms at 56 sessions, ~200 GB/s in a profile).
+        # per thread, and two bf16 gathers per layer were the top kernel of a loaded decode step
+        # (docs/tuning.md §1, "Under load").
         src = cache[:, :, :, :window]
         if self._words is not None:
             src = src.view(self._words)

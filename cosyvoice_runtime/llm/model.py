@@ -79,8 +79,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     ``out`` may be ``x`` itself (both products are taken before it is written)."""
     if out is not None and torch.compiler.is_compiling():
         # Dynamo cannot trace out= here (a graph break in every layer: 24 per decode step, each
-        # resume a recompile, and the compiled step never started on an H100); compiled, the
-        # copy into ``out`` is fused with the rotation anyway.
+        # resume a recompile, and a replica with the compiled step never finished starting);
+        # compiled, the copy into ``out`` is fused with the rotation anyway.
         return out.copy_(torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin))
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin, out=out)
 
@@ -156,7 +156,7 @@ class _AttnContext:
         query rows of a kv head's group, built once per forward before the layers (every layer
         shares it; built lazily by the first layer, it made dynamo recompile the compiled step).
         Given the boolean mask, attention turned it into that bias in every layer: three kernels
-        per layer of a decode step (an H100 profile). Every row sees at least key 0, so no
+        per layer of a decode step. Every row sees at least key 0, so no
         row is all -inf."""
         if self.mask is not None:
             bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
@@ -181,8 +181,8 @@ class Qwen2MLP(nn.Module):
         self._fused: dict = {}  # gate/up as one weight (cosyvoice_runtime.fused; checkpoint keys unchanged)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # gate and up as one GEMM: a kernel fewer per layer in a launch-bound decode step (~706
-        # kernels per bf16 step at batch 1 in an H100 profile, before the fused norms)
+        # gate and up as one GEMM: a kernel fewer per layer in a launch-bound decode step (its
+        # kernel count: docs/tuning.md §1)
         gate, up = fused_linear(x, (self.gate_proj, self.up_proj), self._fused).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -1,8 +1,8 @@
 """Prompts of new requests as padded forwards from static buffers, one CUDA graph per shape.
 
-A prefill launched eagerly is ~600 small kernels (24 layers) whatever its length, bound by CPU
-launch overhead: 20-30 ms per new request on an H200 (capacity traces), and every
-running stream's next decode step waits behind it, so each arrival stalls all the others.
+A prefill launched eagerly is hundreds of small kernels (24 layers) whatever its length, bound by
+CPU launch overhead, and every running stream's next decode step waits behind it, so each arrival
+stalls all the others (docs/tuning.md §1).
 :class:`PrefillRunner` runs the whole prefill - the 24 layers writing keys/values at positions
 0..T-1 of each row's slot, the final norm, the ``llm_decoder`` logits of each row's last
 position and its first token (the decode step's sampler) - from static buffers, captured per
@@ -59,10 +59,10 @@ class PrefillRunner(graph_capture.GraphOwner):
     replay (the decode step's sampler, :func:`~cosyvoice_runtime.llm.batch_sampling.choose_ids`);
     CUDA-graph replay on CUDA.
 
-    Why the sampler is inside: chosen eagerly after the replay, a first token took ~90 small
-    launches and two pageable copies with their syncs (~2 ms under the profiler in an H100 trace of
-    older code; at one stream without the profiler no gain was visible), on
-    the step thread that every running stream's next decode step waits behind.
+    Why the sampler is inside: chosen eagerly after the replay, a first token took dozens of small
+    launches and two pageable copies with their syncs (seen in a profiler trace; at one stream
+    without the profiler no gain showed: docs/tuning.md §1), on the step thread that every running
+    stream's next decode step waits behind.
 
     Args:
         model: :class:`~cosyvoice_runtime.llm.model.SpeechLM` (eval, on the cache's device).
