@@ -271,7 +271,9 @@ class AudioChunk:
 
 @dataclass
 class SynthesisResult:
-    """Unary result: the whole utterance."""
+    """The whole utterance of a request answered at once (the ingress handle's ``synthesize``),
+    joined from the synthesizer's stream; the times run from the synthesizer call to its first
+    chunk and to its end."""
 
     request_id: str
     samples: np.ndarray

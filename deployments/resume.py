@@ -9,7 +9,7 @@ the samples the client has. That seam is exact because everything is a function 
 and its seed: the sampler's draws depend on the seed and the step only
 (``cosyvoice_runtime.llm.batch_sampling``), the chunk schedule on the token count only
 (``cosyvoice_runtime.stream_schedule``), the flow's noise is fixed and the vocoder's source noise
-comes from a generator seeded by the request (the ingress gives every streamed request a seed).
+comes from a generator seeded by the request (the ingress seeds every request it may continue).
 
 :class:`PieceCursor` is one piece's bookkeeping: the ids to report with each chunk (every stream
 reports them, so any stream can be continued) and the samples still to skip.

@@ -60,7 +60,6 @@ from deployments.protocol import (
     OverloadedError,
     PreparedRequest,
     ReplicaHealth,
-    SynthesisResult,
     portable_error,
 )
 from deployments.python_gc import settle_replica
@@ -248,19 +247,6 @@ class Synthesizer:
             self._active -= 1
             if self._active == 0:
                 self.idle_trim.arm()
-
-    async def synthesize_unary(self, req: PreparedRequest) -> SynthesisResult:
-        """The whole utterance at once (handle ``.remote()`` without streaming)."""
-        started = self.clock()
-        chunks, first = [], None
-        async for chunk in self.synthesize(req):
-            if first is None:
-                first = self.clock() - started
-            chunks.append(chunk.samples)
-        samples = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-        return SynthesisResult(request_id=req.request_id, samples=samples, sample_rate=self.sample_rate,
-                               num_chunks=len(chunks), time_to_first_audio_s=first or 0.0,
-                               compute_s=self.clock() - started)
 
     def stats(self) -> dict[str, Any]:
         """Engine, batching and device figures of this replica (for /metrics, /health, tests)."""

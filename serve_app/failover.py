@@ -12,6 +12,8 @@ sampling and the vocoder's noise can be replayed. At most ``retries`` continuati
 after that, or when a continuation fails before its first chunk, :class:`StreamLostError`: the
 routes end the stream as their API says (an SSE ``error`` event, an aborted HTTP body, WebSocket
 close 1011). A bistream (text-in) sequence is not continued: its replica's text inbox dies with it.
+A request answered whole reads the same stream (``TTSIngress.synthesize_whole``), so it is
+continued the same way.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from deployments.protocol import AudioChunk, EngineDeadError, InvalidInputError, PreparedRequest, Resume
-from serve_app.handles import admitted, cancel_stream
+from serve_app.handles import cancel_stream
 
 logger = logging.getLogger(__name__)
 
@@ -141,24 +143,6 @@ class FailoverStream:
 
     def cancel(self) -> None:
         cancel_stream(self._gen)
-
-
-async def unary(synth, prepared: PreparedRequest, retries: int = DEFAULT_RETRIES):
-    """``Synthesizer.synthesize_unary``, called again (at most ``retries`` times) when its replica
-    dies: nothing has reached the client yet, so another replica simply does it all."""
-    attempt = 0
-    while True:
-        try:
-            return await admitted(synth.synthesize_unary.remote(prepared))
-        except Exception as exc:
-            if not replica_lost(exc):
-                raise
-            if attempt >= retries:
-                raise StreamLostError(f"the synthesizer replica serving this request died ({type(exc).__name__}) "
-                                      f"and {retries} retries did not complete it") from None
-            attempt += 1
-            logger.warning("request %s: its synthesizer replica died (%s); retrying on another",
-                           prepared.request_id, type(exc).__name__)
 
 
 async def lost_as_error(gen):

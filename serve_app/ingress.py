@@ -21,7 +21,8 @@ this replica (429, :class:`~serve_app.middleware.AdmissionControl`); ``/v1/voice
 as ``/v1/voices`` (no redirects).
 Streaming responses fetch the first chunk before sending headers, so errors found while
 preparing (unknown voice, bad prompt) still get their 4xx; after that, a client disconnect
-cancels the handle generator, which aborts the sequence in the synthesizer replica.
+cancels the handle generator, which aborts the sequence in the synthesizer replica. Whole
+(unstreamed) responses read the same stream and join it here (:meth:`TTSIngress.synthesize_whole`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -54,7 +56,7 @@ from serve_app import elevenlabs_http, multi_stream, playground, pronunciation
 from serve_app.audio_codec import MEDIA_TYPES, check_format, decode_upload, run_encoder
 from serve_app.auth import AuthConfig, auth_middleware, voice_access
 from serve_app.errors import ApiError, error_body, install_exception_handlers, request_id_of
-from serve_app.failover import DEFAULT_RETRIES, FailoverStream, StreamLostError, unary
+from serve_app.failover import DEFAULT_RETRIES, FailoverStream, StreamLostError
 from serve_app.handles import admitted as _admitted
 from serve_app.handles import cancel_stream as _cancel
 from serve_app.health import HealthMonitor, wants_detail
@@ -101,10 +103,10 @@ class IngressConfig(DeploymentKnobs):
     # Continuations of a stream on another synthesizer replica when the one serving it dies
     # (serve_app/failover.py); 0: the stream ends with an error instead.
     stream_failover_retries: NonNegativeInt = DEFAULT_RETRIES
-    # Longest wait for a stream's next audio chunk, the first included, on every streaming route (HTTP
-    # 504 before the headers; after them an SSE error event or an aborted body; WebSocket close 1011;
-    # a text-in turn's wait counts from the end of its text). No limit on a stream's total time
-    # (serve_app/progress.py, docs/serving.md).
+    # Longest wait for a synthesizer stream's next audio chunk, the first included, on every route,
+    # whole answers too (HTTP 504 before the headers, a whole answer's at any point; after them an
+    # SSE error event or an aborted body; WebSocket close 1011; a text-in turn's wait counts from the
+    # end of its text). No limit on a request's total time (serve_app/progress.py, docs/serving.md).
     stream_idle_timeout_s: PositiveFloat = DEFAULT_IDLE_S
     # Pause between the background probes behind GET /health (its answer is at most this old).
     health_refresh_s: float = Field(5.0, gt=0)
@@ -242,12 +244,12 @@ class TTSIngress:
             prepared = await _admitted(self.frontend.prepare.remote(req))
             prepared_at = time.perf_counter()
             if not streamed:
-                result = await unary(self.synth, prepared, self.cfg.stream_failover_retries)
+                result = await self.synthesize_whole(prepared)  # a stall: 504 before any header
                 # a minute of MP3 takes ~0.3 s to encode: off the event loop
                 data = await asyncio.to_thread(encode_whole, result.samples, result.sample_rate, fmt, tempo)
                 served = served_seconds(len(result.samples), result.sample_rate, tempo)
-                self._observe(started, started + result.time_to_first_audio_s, len(result.samples), result.sample_rate,
-                              served)
+                self._observe(started, prepared_at + result.time_to_first_audio_s, len(result.samples),
+                              result.sample_rate, served)
                 return Response(data, media_type=MEDIA_TYPES[fmt], headers={AUDIO_SECONDS_HEADER: f"{served:.3f}"})
             gen = self.open_stream(prepared)
             try:
@@ -317,6 +319,30 @@ class TTSIngress:
         return self.progress.watch(FailoverStream(self.synth, prepared, self.cfg.stream_failover_retries,
                                                   self._failed_over))
 
+    async def synthesize_whole(self, prepared) -> SynthesisResult:
+        """``prepared``'s whole audio, read from :meth:`open_stream` and joined here, so a whole
+        request has the streams' progress timeout (a long answer that keeps making audio is never
+        cut) and failover; its samples cross once, a chunk a sentence piece unless ``prepared.stream``."""
+        started = time.perf_counter()
+        gen = self.open_stream(prepared)
+        parts, first_s, sample_rate = [], None, EMPTY_STREAM_RATE
+        try:
+            while True:
+                try:
+                    chunk = await _admitted(gen.__anext__())
+                except StopAsyncIteration:
+                    break
+                if first_s is None:
+                    first_s = time.perf_counter() - started
+                parts.append(chunk.samples)
+                sample_rate = chunk.sample_rate
+        finally:  # ended, failed or abandoned by its caller: the synthesizer's sequence is aborted
+            gen.cancel()
+        samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        return SynthesisResult(request_id=prepared.request_id, samples=samples, sample_rate=sample_rate,
+                               num_chunks=len(parts), time_to_first_audio_s=first_s or 0.0,
+                               compute_s=time.perf_counter() - started)
+
     def _failed_over(self, outcome: str) -> None:
         self.metrics.failovers.labels(outcome).inc()
 
@@ -363,9 +389,10 @@ class TTSIngress:
 
     # ---------------------------------------------------------------- Python (handle) API
     async def synthesize(self, req: SynthesisRequest) -> SynthesisResult:
-        """Unary synthesis for other Serve apps: ``await app_handle.synthesize.remote(req)``."""
+        """The whole utterance, for other Serve apps: ``await app_handle.synthesize.remote(req)``;
+        audio that stalls for ``stream_idle_timeout_s`` raises :class:`~serve_app.progress.NoAudioError`."""
         prepared = await _admitted(self.frontend.prepare.remote(req))
-        return await unary(self.synth, prepared, self.cfg.stream_failover_retries)
+        return await self.synthesize_whole(prepared)
 
     async def stream(self, req: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         """Streaming synthesis: ``async for chunk in app_handle.options(stream=True).stream.remote(req)``.

@@ -4,14 +4,15 @@ No stream has a total time limit: a long answer streams for as long as its audio
 Instead every stream path waits at most ``ingress.stream_idle_timeout_s`` for a synthesizer
 stream's next item (the first included) while the synthesizer owes one, and ends the stream with
 :class:`NoAudioError` when none comes. One mechanism, :class:`AudioProgress`, is shared by every
-route; each ends the stream as its API says (the one error mapping, serve_app/errors.py):
+route, whole answers included (they join the same stream, ``TTSIngress.synthesize_whole``); each
+ends the stream as its API says (the one error mapping, serve_app/errors.py):
 
-* HTTP before the headers (and whole-file routes): 504 ``audio_timeout`` with ``Retry-After``,
-  in the route family's error shape (OpenAI's or ElevenLabs');
+* HTTP before the headers (and whole answers, at any point): 504 ``audio_timeout`` with
+  ``Retry-After``, in the route family's error shape (OpenAI's or ElevenLabs');
 * HTTP after the headers: an SSE ``error`` event, else an aborted body;
 * WebSocket: the error message, then close 1011 (a multi-stream-input context: the error message
   with its ``contextId``; the other contexts go on, as for any failed context);
-* the Python handle API: the caller's stream raises :class:`NoAudioError`.
+* the Python handle API: the caller's stream (or ``synthesize`` call) raises :class:`NoAudioError`.
 
 A text-in (bistream) turn owes audio only once its text is complete (flush, the end, the turn
 bound): before that the model may wait for the client's text, which the client's own inactivity

@@ -41,6 +41,11 @@ def _req(rid: str, n_ids: int, stream: bool, pieces: int = 1, seed: int | None =
                            stream=stream, seed=seed)
 
 
+async def _audio(s: Synthesizer, req: PreparedRequest) -> np.ndarray:
+    """A request's audio joined, as the ingress answers a request whole."""
+    return np.concatenate([c.samples async for c in s.synthesize(req)])
+
+
 def _synth(max_running: int = 4, overlap_stages: bool | None = None, **token2wav) -> Synthesizer:
     cfg = SynthesizerConfig(max_running=max_running, max_ongoing_requests=max_running,
                             token2wav={"max_batch_size": 2, **token2wav}, overlap_stages=overlap_stages)
@@ -84,7 +89,7 @@ def test_a_replicas_bookkeeping_returns_to_idle_and_its_compute_is_counted_by_ki
         gen = s.synthesize(_req("gone", 200, stream=True, seed=fakes.hold_seed()))
         await gen.__anext__()
         await gen.aclose()  # abandoned after its first chunk
-        await asyncio.gather(*(s.synthesize_unary(_req(f"r{i}", 15, stream=False)) for i in range(3)))
+        await asyncio.gather(*(_audio(s, _req(f"r{i}", 15, stream=False)) for i in range(3)))
         await s.loop.close()
 
     asyncio.run(main())
@@ -98,12 +103,16 @@ def test_a_replicas_bookkeeping_returns_to_idle_and_its_compute_is_counted_by_ki
     s.shutdown()  # idempotent: __del__ runs it again
 
 
-def test_unary_result_and_metrics():
+def test_an_unchunked_request_is_one_chunk_a_piece_and_counted():
     s = _synth()
-    res = asyncio.run(s.synthesize_unary(_req("u", 10, stream=False)))
-    assert res.num_chunks == 1
-    assert len(res.samples) == 10 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN
-    assert res.sample_rate == fakes.SAMPLE_RATE
+
+    async def main():
+        return [c async for c in s.synthesize(_req("u", 10, stream=False, pieces=2))]
+
+    chunks = asyncio.run(main())
+    assert [c.piece for c in chunks] == [0, 1] and chunks[-1].is_last
+    assert all(len(c.samples) == 10 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN for c in chunks)
+    assert all(c.sample_rate == fakes.SAMPLE_RATE for c in chunks)
     assert s.metrics.recorded["status"] == ["ok"]
     assert len(s.metrics.recorded["rtf"]) == 1
 
@@ -112,7 +121,7 @@ def test_requests_join_running_batch_and_respect_slots():
     s = _synth(max_running=2)
 
     async def main():
-        await asyncio.gather(*(s.synthesize_unary(_req(f"r{i}", 15, stream=False)) for i in range(3)))
+        await asyncio.gather(*(_audio(s, _req(f"r{i}", 15, stream=False)) for i in range(3)))
 
     asyncio.run(main())
     sizes = s.loop.step_batch_sizes
@@ -199,10 +208,10 @@ def test_overlapping_stages_run_token2wav_on_its_own_lane():
         s.t2w.run_batch, s.runtime.engine.step = t2w_on, step_on
 
         async def main():
-            return await asyncio.gather(*(s.synthesize_unary(_req(f"o{i}", 15, stream=True)) for i in range(2)))
+            return await asyncio.gather(*(_audio(s, _req(f"o{i}", 15, stream=True)) for i in range(2)))
 
         results = asyncio.run(main())
-        assert all(len(r.samples) == 15 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN for r in results)
+        assert all(len(r) == 15 * fakes.TOKENS_PER_TEXT_ID * fakes.SAMPLES_PER_TOKEN for r in results)
         return threads
 
     default = _synth(max_running=2)
@@ -298,7 +307,7 @@ def test_a_fatal_token2wav_fault_ends_every_open_stream_with_an_error_and_marks_
         return [c async for c in s.synthesize(req)]
 
     async def main():
-        # "open": unary, held in the engine (no chunk job until its end); then a stream whose first
+        # "open": unchunked, held in the engine (no chunk job until its end); then a stream whose first
         # chunk job meets a device that is gone.
         waiting = asyncio.create_task(collect(_req("open", 50, stream=False, seed=fakes.hold_seed())))
         assert await asyncio.to_thread(engine.wait_until, lambda: engine.emitted("open/0") >= fakes.HOP)
@@ -312,7 +321,7 @@ def test_a_fatal_token2wav_fault_ends_every_open_stream_with_an_error_and_marks_
         s.check_health()  # Serve replaces the replica
     assert s.health().ready is False
     with pytest.raises(EngineDeadError):  # new requests are refused at once
-        asyncio.run(s.synthesize_unary(_req("late", 5, stream=False)))
+        asyncio.run(_audio(s, _req("late", 5, stream=False)))
 
 
 def test_a_decode_step_that_fails_for_one_request_fails_that_stream_only():

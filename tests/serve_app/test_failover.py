@@ -10,6 +10,7 @@ same over real local Ray, killing the replica: tests/integration/test_failover_r
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ from deployments.model_source import ModelSource
 from deployments.protocol import AudioChunk, PreparedRequest, SynthesisMode, SynthesisRequest
 from deployments.synthesizer import Synthesizer
 from deployments.synthesizer_config import SynthesizerConfig
-from serve_app.failover import FailoverStream, StreamLostError, unary, with_seed
+from serve_app.failover import FailoverStream, StreamLostError, with_seed
+from serve_app.ingress import IngressConfig, TTSIngress
 
 # Two sentence pieces (the splitter's pieces are independent LLM sequences): a continuation may
 # start in either, or at the border between them.
@@ -148,6 +150,21 @@ def _check_continuations(replicas, prepared, atol: float) -> None:
         assert resume.chunks == deaths[0] and resume.samples > 0 and resume.tokens
 
 
+def test_a_whole_request_whose_replica_dies_gets_the_unbroken_runs_audio(setup):
+    """``"stream": false`` and the handle API's ``synthesize`` join the same stream
+    (``TTSIngress.synthesize_whole``; one chunk a piece): a death after the first piece is continued
+    from the second, not restarted, and the joined audio is the unbroken run's."""
+    replicas, prepared = setup
+    prepared = replace(prepared, stream=False)
+    unbroken, chunks = asyncio.run(_collect(replicas[0].synthesize(prepared)))
+    assert [c.piece for c in chunks] == [0, 1]
+    handle = _Handle(replicas, {0: 1})
+    result = asyncio.run(TTSIngress(IngressConfig(), None, handle).synthesize_whole(prepared))
+    assert len(handle.calls) == 2 and handle.calls[1].resume.chunks == 1
+    assert result.num_chunks == 2 and len(result.samples) == len(unbroken)
+    np.testing.assert_allclose(result.samples, unbroken, atol=ATOL, rtol=0)
+
+
 def test_no_continuation_left_is_an_error(setup):
     replicas, prepared = setup
     handle = _Handle(replicas, {0: 1, 1: 1})
@@ -189,12 +206,6 @@ class _Calls:
 
     @property
     def synthesize(self):
-        self.streamed = True
-        return self
-
-    @property
-    def synthesize_unary(self):
-        self.streamed = False
         return self
 
     def remote(self, prepared):
@@ -205,12 +216,7 @@ class _Calls:
             if isinstance(answer, BaseException):
                 raise answer
             yield answer
-
-        async def unary():
-            if isinstance(answer, BaseException):
-                raise answer
-            return answer
-        return _Call(stream(), None) if self.streamed else unary()
+        return _Call(stream(), None)
 
 
 def _chunk() -> AudioChunk:
@@ -247,12 +253,18 @@ def test_a_request_without_seed_gets_one_and_a_given_seed_is_kept():
     assert handle.calls[0].seed is not None and handle.calls[0].resume is None
 
 
-def test_unary_is_retried_on_another_replica():
-    done = object()
-    handle = _Calls(ActorDiedError(), done)
-    assert asyncio.run(unary(handle, _bare(), retries=1)) is done
-    assert len(handle.calls) == 2
+def _whole(handle, retries: int):
+    """``TTSIngress.synthesize_whole`` of a bare request over ``handle`` (no frontend call)."""
+    ingress = TTSIngress(IngressConfig(stream_failover_retries=retries), None, handle)
+    return asyncio.run(ingress.synthesize_whole(_bare()))
+
+
+def test_a_whole_request_is_continued_like_a_stream_and_lost_without_a_continuation_left():
+    handle = _Calls(ActorDiedError(), _chunk())
+    result = _whole(handle, retries=1)
+    assert result.num_chunks == 1 and len(result.samples) == 4 and result.sample_rate == 24000
+    assert len(handle.calls) == 2 and handle.calls[1].resume is not None
     handle = _Calls(ActorDiedError(), ActorDiedError())
-    with pytest.raises(StreamLostError):
-        asyncio.run(unary(handle, _bare(), retries=1))
+    with pytest.raises(StreamLostError, match="could not be continued"):
+        _whole(handle, retries=1)
     assert len(handle.calls) == 2

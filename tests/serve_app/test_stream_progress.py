@@ -1,6 +1,8 @@
 """Every stream path shares one audio-progress timeout (issue 41 item 5; serve_app/progress.py): a
 stream whose audio stalls for ``stream_idle_timeout_s`` ends as its API says, and one that keeps
-delivering audio is never cut, however long it runs.
+delivering audio is never cut, however long it runs. Requests answered whole (``"stream": false``,
+the handle API's ``synthesize``) read the same stream (``TTSIngress.synthesize_whole``): the same
+timeout, a 504 (or ``NoAudioError``) at any point.
 
 Deterministic: the synthesizer's streams are paced by the test (:class:`Paced`: each item past the
 free ones waits for a permit) and the timeout's clock is a fake one (:class:`FakeTimers`) that moves
@@ -243,9 +245,15 @@ SPEECH = {"model": "tts-1", "input": TEXT, "voice": "default", "response_format"
 OPENAI_ROUTES = [("/v1/audio/speech", SPEECH), ("/v1/tts", {"text": TEXT, "mode": "voice", "voice_id": "default",
                                                             "response_format": "pcm", "stream": True})]
 EL_ROUTES = [(EL + r, {"text": TEXT}) for r in ("", "/stream", "/with-timestamps", "/stream/with-timestamps")]
+# Answered whole: the synthesizer makes one chunk a sentence piece (no chunked token2wav).
+WHOLE_ROUTES = [(path, {**body, "stream": False}) for path, body in OPENAI_ROUTES]
 
 
-@pytest.mark.parametrize(("path", "body"), OPENAI_ROUTES + EL_ROUTES, ids=lambda x: x if isinstance(x, str) else "")
+def _ids(x):
+    return x if isinstance(x, str) else ("whole" if x.get("stream") is False else "")
+
+
+@pytest.mark.parametrize(("path", "body"), OPENAI_ROUTES + WHOLE_ROUTES + EL_ROUTES, ids=_ids)
 def test_no_first_audio_is_a_504_in_the_route_familys_shape(path, body):
     app, ingress, paced, timers = _app(free=0)
 
@@ -283,6 +291,26 @@ def test_an_elevenlabs_whole_file_stalling_midway_is_a_504(route):
     _run(main)
 
 
+@pytest.mark.parametrize(("path", "body"), WHOLE_ROUTES, ids=_ids)
+def test_a_whole_answer_stalling_midway_is_a_504(path, body):
+    """Two of six sentence pieces made, then none: OpenAI's 504, and the sequence aborted."""
+    app, ingress, paced, timers = _app(free=2)
+    body = {**body, "input" if "input" in body else "text": LONG}
+
+    async def main():
+        await _voice(ingress)
+        async with client(app) as c:
+            req = asyncio.ensure_future(c.post(path, json=body))
+            await _stall(paced, timers, 2)
+            r = await req
+        assert r.status_code == 504 and r.headers["retry-after"], r.text
+        assert r.json()["error"]["code"] == "audio_timeout" and "no audio for 60 s" in r.json()["error"]["message"]
+        assert paced.streams[0].cancelled
+
+    _run(main)
+    assert ingress.metrics.in_flight._value.get() == 0
+
+
 @pytest.mark.parametrize("route", ["/stream", "/stream/with-timestamps"])
 def test_an_elevenlabs_stream_stalling_after_its_headers_is_aborted(route):
     app, ingress, paced, timers = _app(free=1)
@@ -303,11 +331,11 @@ def test_an_elevenlabs_stream_stalling_after_its_headers_is_aborted(route):
     assert ingress.metrics.in_flight._value.get() == 0
 
 
-@pytest.mark.parametrize(("path", "body"), [("/v1/audio/speech", {**SPEECH, "stream_format": "sse"}), *EL_ROUTES],
-                         ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize(("path", "body"),
+                         [("/v1/audio/speech", {**SPEECH, "stream_format": "sse"}), *WHOLE_ROUTES, *EL_ROUTES], ids=_ids)
 def test_a_stream_that_keeps_delivering_audio_is_never_cut(path, body):
     """Every chunk comes 0.9 limits after the one before: many limits in all, every byte arrives
-    (the same body as unpaced)."""
+    (the same body as unpaced; a whole answer has one chunk a piece, six here)."""
     app, ingress, paced, timers = _app()
     body = {**body, "input" if "input" in body else "text": LONG}
 
@@ -343,6 +371,35 @@ def test_the_handle_apis_stream_raises_no_audio_error():
         with pytest.raises(NoAudioError):
             await task
         assert len(got) == 1 and paced.streams[0].cancelled
+
+    _run(main)
+
+
+def test_the_handle_apis_synthesize_is_timed_like_a_stream():
+    """A whole utterance paced 0.9 limits a piece is returned whole; one that stalls midway raises
+    :class:`NoAudioError` and aborts its sequence."""
+    _, ingress, paced, timers = _app()
+
+    def req(rid):
+        return SynthesisRequest(request_id=rid, text=LONG, voice_id="default")
+
+    async def main():
+        await _voice(ingress)
+        unpaced = await ingress.synthesize(req("h0"))
+        assert unpaced.num_chunks == 6  # a chunk a sentence piece
+        paced.free = 1
+        task = asyncio.ensure_future(ingress.synthesize(req("h1")))
+        n = await _pace(paced, timers, task, 0.9 * IDLE_S)
+        result = task.result()
+        assert n == 6 and timers.now >= 5 * IDLE_S
+        np.testing.assert_array_equal(result.samples, unpaced.samples)
+        assert (result.num_chunks, result.sample_rate) == (6, unpaced.sample_rate)
+        paced.free = 2
+        task = asyncio.ensure_future(ingress.synthesize(req("h2")))
+        await _stall(paced, timers, 2)
+        with pytest.raises(NoAudioError, match="no audio for 60 s"):
+            await task
+        assert paced.streams[-1].cancelled
 
     _run(main)
 
