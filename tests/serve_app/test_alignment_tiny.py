@@ -74,32 +74,9 @@ def test_http_with_timestamps_maps_the_normalised_text_back(app):
 
 @pytest.mark.parametrize("route", ["stream-input", "multi-stream-input"])
 def test_websocket_alignment_comes_from_the_bistream_interleave(app, route):
-    got, audio_s = "", 0.0
-    with TestClient(app) as c, c.websocket_connect(f"/v1/text-to-speech/v/{route}?output_format=pcm_24000") as ws:
-        ws.send_json({"text": " "})
-        for word in TEXT.split(" "):
-            ws.send_json({"text": word + " "})
-        if route == "multi-stream-input":  # what was flushed is spoken, then the context's isFinal
-            ws.send_json({"text": "", "flush": True})
-            ws.send_json({"close_context": True})
-        else:
-            ws.send_json({"text": ""})
-        while (m := ws.receive())["type"] == "websocket.send":
-            msg = json.loads(m["text"])
-            if msg.get("isFinal"):
-                if route == "multi-stream-input":
-                    ws.send_json({"close_socket": True})
-                continue
-            assert "audio" in msg, msg
-            seconds = len(base64.b64decode(msg["audio"])) / 2 / SR
-            if (a := msg["alignment"]) is not None:
-                assert a == msg["normalizedAlignment"]  # bistream text is read as sent
-                starts = [t / 1000 for t in a["charStartTimesMs"]]
-                ends = [(t + d) / 1000 for t, d in zip(a["charStartTimesMs"], a["charDurationsMs"])]
-                _check(a["chars"], starts, ends, "".join(a["chars"]), seconds)
-                got += "".join(a["chars"])
-            audio_s += seconds
-    assert got == TEXT + " " and audio_s > 0  # every character pushed, once, in order
+    sent, spoken, audio_s = _ws_alignment(app, f"/v1/text-to-speech/v/{route}?output_format=pcm_24000",
+                                          {"text": " "}, [word + " " for word in TEXT.split(" ")])
+    assert sent == spoken == TEXT + " " and audio_s > 0  # every character pushed, once, in order, read as sent
 
 
 def _ws_alignment(app, path: str, first: dict, texts: list[str], flush_at: int | None = None):
