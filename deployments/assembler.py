@@ -2,7 +2,7 @@
 token engine and token2wav from an :class:`~deployments.execution_plan.ExecutionPlan`.
 
 It decides nothing the plan decides: it loads the weights on the plan's device in the plan's mode,
-fits the flow limits and the flow cache budget to the memory this replica has (facts known only
+fits the flow limits, the flow cache budget and the prompt prefix cache to the memory this replica has (facts known only
 once the weights are in), captures the CUDA graphs the plan names, and hands each executor its
 part of the plan. :func:`load_synthesis_runtime` is the production ``runtime_factory``'s body.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from deployments.execution_plan import ExecutionPlan, replica_plan
@@ -20,6 +21,17 @@ logger = logging.getLogger(__name__)
 
 VOCODER_GRAPH_MAX_FRAMES = 512  # ~10 s of audio; whole-utterance (unstreamed) calls beyond it run eagerly
 FLOW_CACHE_FREE_SHARE = 0.5  # the flow caches may fill at most this share of the GPU memory free after start
+# token2wav.cv2_prompt_cache_bytes "auto" (CUDA): this share of the GPU memory still free once the
+# flow cache budget is set aside. Conservative because "free" is read when only the first CUDA
+# graphs are captured (graphs_before_ready "first": the rest allocate after, in the background),
+# and eager calls' activations and the allocator's fragmentation take from it too; the kept
+# prefixes are a hit-rate optimisation, never worth an out-of-memory.
+PROMPT_CACHE_FREE_SHARE = 0.25
+# The floor is the fixed default "auto" replaced (never fewer voices kept than before); the cap
+# keeps a large GPU from handing tens of GiB to a least-recently-used list whose oldest voices
+# are rarely hit again, and is the flow cache's default budget (token2wav.flow_cache_bytes).
+PROMPT_CACHE_FLOOR_BYTES = 1024**3
+PROMPT_CACHE_CAP_BYTES = 16 * 1024**3
 
 
 def replica_limits(cfg, model, dtype_bytes: int):
@@ -59,6 +71,33 @@ def flow_cache_budget(configured: int, device, max_mem_gb: float | None = None) 
     if budget < configured:
         logger.info("flow cache budget %.1f GiB (%.1f GiB free on the GPU, max_mem_gb %s), not the configured %.1f GiB",
                     budget / 2**30, free / 2**30, max_mem_gb, configured / 2**30)
+    return budget
+
+
+def gpu_free_bytes(device, max_mem_gb: float | None = None) -> int:
+    """GPU memory free now for this replica: the device's free memory and, with ``max_mem_gb``
+    (replicas sharing a GPU), at most what of that budget the replica has not reserved yet."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    if max_mem_gb is not None:
+        free = min(free, max(0, int(max_mem_gb * 2**30) - torch.cuda.memory_reserved(device)))
+    return free
+
+
+def prompt_cache_budget(configured: int | str, flow_cache_bytes: int, free_bytes: Callable[[], int]) -> int:
+    """``token2wav.cv2_prompt_cache_bytes`` as the plan has it, resolved: an integer as given;
+    "auto" (left by the plan on CUDA replicas only) :data:`PROMPT_CACHE_FREE_SHARE` of what
+    ``free_bytes()`` reads (call it once the weights, the KV cache and the first graphs are
+    allocated) less the flow cache budget ``flow_cache_bytes``, within
+    [:data:`PROMPT_CACHE_FLOOR_BYTES`, :data:`PROMPT_CACHE_CAP_BYTES`]."""
+    if configured != "auto":
+        return int(configured)
+    free = free_bytes()
+    share = int(max(0, free - flow_cache_bytes) * PROMPT_CACHE_FREE_SHARE)
+    budget = min(PROMPT_CACHE_CAP_BYTES, max(PROMPT_CACHE_FLOOR_BYTES, share))
+    logger.info("prompt prefix cache %.1f GiB (auto: %.1f GiB free on the GPU, flow cache budget %.1f GiB)",
+                budget / 2**30, free / 2**30, flow_cache_bytes / 2**30)
     return budget
 
 
@@ -176,9 +215,13 @@ def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = Non
     # the graphs a first request needs now, the rest once the replica serves (Synthesizer starts them)
     schedule = GraphSchedule(engine.graph_owners() + t2w_owners, plan.graphs_before_ready)
     schedule.capture_first()
-    token2wav = RuntimeToken2Wav(model, plan.token2wav,
-                                 flow_cache_bytes=flow_cache_budget(plan.token2wav.flow_cache_bytes, plan.device,
-                                                                    cfg.max_mem_gb))
+    flow_cache_bytes = flow_cache_budget(plan.token2wav.flow_cache_bytes, plan.device, cfg.max_mem_gb)
+    # the prefixes are kept by the incremental flow only (the recompute keeps none)
+    prompt_cache_bytes = (prompt_cache_budget(plan.token2wav.prompt_cache_bytes, flow_cache_bytes,
+                                              lambda: gpu_free_bytes(plan.device, cfg.max_mem_gb))
+                          if flow.streamed == "incremental" else 0)
+    token2wav = RuntimeToken2Wav(model, plan.token2wav, flow_cache_bytes=flow_cache_bytes,
+                                 prompt_cache_bytes=prompt_cache_bytes)
     return SynthesisRuntime(
         engine=engine, token2wav=token2wav, device=plan.device, graph_captures=captured_total,
         graph_misses=missed_total, graph_schedule=schedule, max_flow_batch=limits.max_flow_batch,
@@ -195,6 +238,8 @@ def load_synthesis_runtime(cfg, model_dir: str, plan: ExecutionPlan | None = Non
                  "estimator": report["estimator"], **graphs, "model_load_s": round(load_s, 2),
                  "max_flow_batch": limits.max_flow_batch, "max_prompt_tokens": int(limits.max_prompt_s * rate),
                  "max_flow_tokens": int(limits.max_total_s * rate),
+                 # the voice prompt prefixes kept (0: none, the flow recomputes), "auto" resolved
+                 "prompt_cache_bytes": token2wav.prompt_cache_bytes,
                  "random_weights": is_random_weight_model(model_dir),  # the tiny test model: noise, not speech
                  "speech_length": speech_length,  # text_rate: each utterance as long as its text reads
                  "llm_params_m": round(sum(p.numel() for p in model.llm.parameters()) / 1e6, 1)},  # which size

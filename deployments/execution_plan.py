@@ -12,7 +12,8 @@ What a CUDA replica runs by default (mode pytorch, Triton present) is ``resolve_
 "pytorch", "cuda", triton=True)``: LLM decode and prefill steps through CUDA graphs, run ahead,
 with the Triton add + norm kernels; token2wav stepped pass by pass (two passes queued), the
 streamed flow incremental for both families (its graphed pass with the fused kernels), the early
-first chunk, the incremental CosyVoice3 vocoder; the two stages on two threads. A CPU replica runs
+first chunk, the incremental CosyVoice3 vocoder, the voice prompt prefix cache sized by the
+assembler from the GPU memory free once the replica has started; the two stages on two threads. A CPU replica runs
 everything eagerly, the batch scheduler behind the deadline gate and the flow recomputed.
 """
 from __future__ import annotations
@@ -62,7 +63,9 @@ class Token2WavPlan:
     cv3: FlowPlan
     cv3_vocoder: str  # "incremental" (new frames + bounded context) or "recompute" (official)
     passes_in_flight: int  # "steps" on CUDA: flow passes queued on the GPU at once
-    prompt_cache_bytes: int  # voice prompt prefixes of the incremental flow; 0: off
+    # voice prompt prefixes of the incremental flow; 0: off; "auto" (CUDA only): sized from the GPU
+    # memory free at load, by the assembler (deployments.assembler.prompt_cache_budget)
+    prompt_cache_bytes: int | str
     flow_cache_bytes: int  # the open streams' flow caches together (held under the free GPU memory at load)
 
     def flow(self, family: str) -> FlowPlan:
@@ -115,6 +118,9 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+CPU_PROMPT_CACHE_BYTES = 1024**3  # cv2_prompt_cache_bytes "auto" off CUDA: the fixed size it had before "auto"
+
+
 def _auto(configured: str, on_cuda: str, elsewhere: str, cuda: bool) -> str:
     """An "auto" knob: the value measured to pay on CUDA replicas there, the other elsewhere."""
     if configured != "auto":
@@ -162,7 +168,9 @@ def resolve_plan(cfg, mode: str, device: str, triton: bool, mode_source: str = "
         give_way_ms=t2w.give_way_ms if steps else 0.0, cuda_graphs=t2w_graphs,
         first_chunk_min_tokens=t2w.first_chunk_min_tokens if t2w.early_first_chunk else None,
         cv2=flow(t2w.cv2_flow), cv3=flow(t2w.cv3_flow), cv3_vocoder=t2w.cv3_vocoder,
-        passes_in_flight=t2w.passes_in_flight, prompt_cache_bytes=t2w.cv2_prompt_cache_bytes,
+        passes_in_flight=t2w.passes_in_flight,
+        # "auto" on CUDA stays for the assembler, which knows the free GPU memory once the model is in
+        prompt_cache_bytes=_auto(t2w.cv2_prompt_cache_bytes, "auto", CPU_PROMPT_CACHE_BYTES, cuda),
         flow_cache_bytes=t2w.flow_cache_bytes)
     # two threads on CUDA; on the CPU torch's intra-op threads already share the cores
     overlap = cfg.overlap_stages if cfg.overlap_stages is not None else cuda

@@ -203,19 +203,30 @@ class RuntimeTokenEngine:
 class RuntimeToken2Wav:
     """:class:`Token2WavRuntime` over ``cosyvoice_runtime.token2wav.Token2Wav``."""
 
-    def __init__(self, model, plan: Token2WavPlan, flow_cache_bytes: int | None = None) -> None:
+    def __init__(self, model, plan: Token2WavPlan, flow_cache_bytes: int | None = None,
+                 prompt_cache_bytes: int | None = None) -> None:
         """``plan``: the replica's :class:`~deployments.execution_plan.Token2WavPlan` (its CUDA graphs
         are captured on the model before, by the assembler); ``flow_cache_bytes``: the plan's budget
-        as fitted to this replica's memory (None: the plan's)."""
+        as fitted to this replica's memory (None: the plan's); ``prompt_cache_bytes``: the plan's
+        prompt prefix cache resolved (:func:`deployments.assembler.prompt_cache_budget`; None: the
+        plan's, which must then be a number)."""
         import torch
 
         from cosyvoice_runtime.token2wav import Token2Wav
 
+        if prompt_cache_bytes is None:
+            prompt_cache_bytes = plan.prompt_cache_bytes
+        if not isinstance(prompt_cache_bytes, int):
+            raise TypeError(f"prompt_cache_bytes {prompt_cache_bytes!r} is not resolved "
+                             "(deployments.assembler.prompt_cache_budget resolves 'auto' from the free GPU memory)")
         # None: the official first chunk (one hop + alignment pad); else the early one (Token2Wav min_first_hop)
         self.t2w = Token2Wav(model.spec, model.flow, model.hift, min_first_hop=plan.first_chunk_min_tokens,
                              cv3_vocoder=plan.cv3_vocoder, cv2_flow=plan.cv2.streamed,
-                             prompt_cache_bytes=plan.prompt_cache_bytes, cv3_flow=plan.cv3.streamed,
+                             prompt_cache_bytes=prompt_cache_bytes, cv3_flow=plan.cv3.streamed,
                              flow_cache_bytes=plan.flow_cache_bytes if flow_cache_bytes is None else flow_cache_bytes)
+        prefixes = self.t2w.prompt_prefixes
+        # what the voice prompt prefixes may hold (0: none kept, e.g. the flow recomputes)
+        self.prompt_cache_bytes = prefixes.max_bytes if prefixes is not None else 0
         self.sample_rate = model.spec.sample_rate
         self.n_mels = model.spec.flow.output_size
         self.embedding_dim = model.spec.flow.spk_embed_dim
@@ -241,7 +252,8 @@ class RuntimeToken2Wav:
         prefixes = t2w.prompt_prefixes
         return {"flow_cache_bytes": float(t2w.live_cache_bytes()), "flow_cache_fallbacks_total": float(t2w.flow_fallbacks),
                 "flow_prompt_prefix_hits_total": float(prefixes.hits if prefixes else 0),
-                "flow_prompt_prefix_misses_total": float(prefixes.misses if prefixes else 0)}
+                "flow_prompt_prefix_misses_total": float(prefixes.misses if prefixes else 0),
+                "flow_prompt_cache_budget_bytes": float(self.prompt_cache_bytes)}
 
     def tokens_needed(self, state: Any) -> int | None:
         return self.t2w.tokens_needed(state)

@@ -48,7 +48,7 @@ class Token2WavRuntime(Protocol):
 
 
 FLOW_STATS = ("flow_cache_bytes", "flow_cache_fallbacks_total", "flow_prompt_prefix_hits_total",
-              "flow_prompt_prefix_misses_total")
+              "flow_prompt_prefix_misses_total", "flow_prompt_cache_budget_bytes")
 
 
 class FrontendRuntime(Protocol):

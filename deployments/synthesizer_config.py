@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from deployments import constants
 from deployments.deadlines import DEFAULT_SLACK_S
@@ -40,7 +40,13 @@ class Token2WavBatchConfig(StrictModel):
     # same in every request with that voice) kept for later requests, which then solve ~150 fewer
     # frames each after a 3.5 s prompt (cosyvoice_runtime.flow.flow_cache.PromptPrefixes; bit-identical
     # audio, tests/runtime/test_flow_incremental_batch.py). ~84 MiB per 3.5 s voice in bf16; 0: off.
-    cv2_prompt_cache_bytes: int = Field(1024**3, ge=0)
+    # "auto": on a CUDA replica, a share of the GPU memory still free once the model, KV cache,
+    # first graphs and the flow cache budget are in place, within a floor and a cap
+    # (deployments.assembler.prompt_cache_budget): one H100 with 48 voices of 3.5 s prompts missed
+    # the SLO at 48 sessions over HTTP with 1 GiB and met it with 8 GiB (docs/tuning.md §2,
+    # cv2_prompt_cache_bytes); on the CPU 1 GiB. The size a replica resolved: /health?detail=1
+    # (prompt_cache_bytes) and tts_flow_prompt_cache_budget_bytes.
+    cv2_prompt_cache_bytes: Literal["auto"] | NonNegativeInt = "auto"
     # CosyVoice3's streamed flow calls, the same choice over its DiT (same mel within float noise,
     # tests/runtime/test_flow_incremental_batch.py; 880 KiB per cached frame in bf16; the prompt
     # cache above serves it too). "auto" as above: a pass over cached frames is a fraction of the

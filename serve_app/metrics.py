@@ -83,7 +83,9 @@ class _ReplicaSnapshotCollector:
                                ("tts_gpu_memory_allocated_bytes", "gpu_memory_allocated_bytes", "GPU memory allocated"),
                                ("tts_gpu_memory_total_bytes", "gpu_memory_total_bytes", "GPU memory total"),
                                ("tts_flow_cache_bytes", "flow_cache_bytes",
-                                "Bytes the open streams' incremental flow caches hold")):
+                                "Bytes the open streams' incremental flow caches hold"),
+                               ("tts_flow_prompt_cache_budget_bytes", "flow_prompt_cache_budget_bytes",
+                                "Bytes the voice prompt prefixes may hold (cv2_prompt_cache_bytes resolved)")):
             if snap.get(key) is not None:
                 g = GaugeMetricFamily(name, doc, labels=["replica"])
                 g.add_metric(replica, float(snap[key]))

@@ -5,7 +5,7 @@ incremental flow on two threads against whole batched solves recomputed on one),
 only runs on the CPU would test a plan no GPU replica runs. :func:`cuda_default_overrides` is the
 synthesizer config under which a CPU replica chooses the CUDA default plan's code paths; what it
 cannot run there (CUDA graphs, compiled graphed steps, Triton kernels, run-ahead of the graphed
-step) is what :func:`without_gpu` takes out of a plan (with it, the background capture of the graphs
+step, the prompt cache sized from the free GPU memory) is what :func:`without_gpu` takes out of a plan (with it, the background capture of the graphs
 left for after ready). ``tests/deployments/test_execution_plan.py``
 checks that the two agree, so a new "auto" choice the overrides miss fails there.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from deployments.execution_plan import ExecutionPlan, FlowPlan, resolve_plan
+from deployments.execution_plan import CPU_PROMPT_CACHE_BYTES, ExecutionPlan, FlowPlan, resolve_plan
 from deployments.synthesizer_config import SynthesizerConfig
 
 # How far the two plans' audio may differ: the incremental flow against the recompute differs by
@@ -43,7 +43,10 @@ def without_gpu(plan: ExecutionPlan) -> ExecutionPlan:
 
     llm = replace(plan.llm, cuda_graphs=False, prefill_graphs=False, compile_backend=None, fused_norms=False,
                   run_ahead=False)
-    t2w = replace(plan.token2wav, cuda_graphs=False, cv2=flow(plan.token2wav.cv2), cv3=flow(plan.token2wav.cv3))
+    # "auto" prompt cache: no GPU memory to size it from, so the CPU's fixed size
+    prompt_cache = plan.token2wav.prompt_cache_bytes
+    t2w = replace(plan.token2wav, cuda_graphs=False, cv2=flow(plan.token2wav.cv2), cv3=flow(plan.token2wav.cv3),
+                  prompt_cache_bytes=CPU_PROMPT_CACHE_BYTES if prompt_cache == "auto" else prompt_cache)
     # no graphs to leave to the background capture (deployments/replica_start.py): all "before ready"
     return replace(plan, device="cpu", llm=llm, token2wav=t2w, graphs_before_ready="all")
 

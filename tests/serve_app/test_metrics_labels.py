@@ -51,13 +51,15 @@ def test_outside_a_replica_the_label_is_local():
 
 def test_the_incremental_flow_figures_are_exported():
     snapshot = {"replica_id": "synth-1", "flow_cache_bytes": 3 * 2**30, "flow_cache_fallbacks_total": 2,
-                "flow_prompt_prefix_hits_total": 40, "flow_prompt_prefix_misses_total": 3}
+                "flow_prompt_prefix_hits_total": 40, "flow_prompt_prefix_misses_total": 3,
+                "flow_prompt_cache_budget_bytes": 12 * 2**30}
     text = IngressMetrics("ingress-a").render(snapshot)
     labels = (("ingress_replica", "ingress-a"), ("replica", "synth-1"))
     assert _samples(text, "tts_flow_cache_bytes") == {labels: 3 * 2**30}
     assert _samples(text, "tts_flow_cache_fallbacks_total") == {labels: 2.0}
     assert _samples(text, "tts_flow_prompt_prefix_hits_total") == {labels: 40.0}
     assert _samples(text, "tts_flow_prompt_prefix_misses_total") == {labels: 3.0}
+    assert _samples(text, "tts_flow_prompt_cache_budget_bytes") == {labels: 12 * 2**30}
 
 
 def test_the_replicas_graph_and_flow_pass_counters_are_exported():
