@@ -16,7 +16,8 @@
 #   CAP_ARGS="--no-sessions --rate-start 4" searches the Poisson rate alone (slo_rate_rps*)
 #   CAP_ARGS="--loads 52 --no-open-loop" probes fixed loads, no search (A/B arms with SYNTH_CONFIGS)
 #   COLD_S=240 measures a new replica's cold start COLD_RUNS times (default 2; bench/cold_start.py; COLD_S each),
-#   then waits up to COLD_GRAPHS_S (default COLD_S / 2) for the graphs captured in the background
+#   then waits up to COLD_GRAPHS_S (default COLD_S / 2) for the graphs captured in the background;
+#   COLD_ARMS="first all" measures each synthesizer.graphs_before_ready value in turn (COLD_S each)
 #   FAMILY=cosyvoice3 measures CosyVoice3 at both levels (default cosyvoice2)
 #   TESTS_S=200 runs the GPU-marked tests first (bench/device_gpu_tests.sh; no parity fixtures needed;
 #   on the H200 2026-12-05, 70 s ran 11 of the 19)
@@ -81,16 +82,28 @@ full_model() {  # the full-size random-weight model directory of $FAMILY (serve 
 }
 if [ "${COLD_S:-0}" -gt 0 ]; then  # a new replica's start: process start -> first request served
   full_model
+  # COLD_ARMS="first all": each run once per synthesizer.graphs_before_ready value (the config with
+  # that one key set), so the background capture and its baseline share a machine and a call
+  arms="${COLD_ARMS:-config}"
   # twice: the first on a fresh machine (Triton compiles its kernels, the model file was just
   # written so it sits in the page cache), the second with Triton's cache warm
   for run in $(seq "${COLD_RUNS:-2}"); do
-    FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$COLD_S" python3 -m bench.cold_start \
-      --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" --tag "${TAG:+$TAG-}run$run" \
-      --graphs-timeout-s "${COLD_GRAPHS_S:-$((COLD_S / 2))}" 2>&1 \
-      | grep -v Warning > "$W/cold$run.log"
-    grep -E "^cold start|Error|error" "$W/cold$run.log" | cut -c1-600 | tail -5
+    for arm in $arms; do
+      C="${CONFIG:-configs/single-gpu.yaml}"
+      if [ "$arm" != config ]; then
+        python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1]))
+c['applications'][0]['args']['synthesizer']['graphs_before_ready'] = sys.argv[2]
+yaml.safe_dump(c, open(sys.argv[3], 'w'))" "$C" "$arm" "/tmp/cold-$arm.yaml" && C="/tmp/cold-$arm.yaml"
+      fi
+      T="${TAG:+$TAG-}${COLD_ARMS:+$arm-}run$run"
+      FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$COLD_S" python3 -m bench.cold_start \
+        --config "$C" --out "$W/results" --tag "$T" \
+        --graphs-timeout-s "${COLD_GRAPHS_S:-$((COLD_S / 2))}" 2>&1 \
+        | grep -v Warning > "$W/cold-$T.log"
+      echo "== $T: $(grep -E "^cold start|Error|error" "$W/cold-$T.log" | cut -c1-600 | tail -3)"
+    done
+    pack
   done
-  pack
 fi
 if [ "${PROFILE_S:-0}" -gt 0 ]; then
   full_model
