@@ -145,11 +145,15 @@ def _measure(config: Path, process_start: float, log: StartLog, graphs_timeout_s
     all_graphs = _all_graphs_at(synth, process_start, graphs_timeout_s)
     bench_imports = phases(log.lines, done)["bench_imports"]
     ready = next((line["at_s"] for line in log.lines if line["phase"] == "synthesizer_ready"), None)
+    report = synth.stats()["cold_start"]
+    # the replica's threads end here, not at interpreter exit (whose pool shutdown the step thread
+    # would meet mid-call and log as a crash)
+    synth.shutdown()
     return {"kind": "cold_start", "config": str(config), "device": synth.runtime.device,
             "mode": synth.mode, "cold_start_s": round(done, 2), "replica_cold_start_s": round(done - bench_imports, 2),
             "ready_s": ready, "all_graphs_s": all_graphs, "first_request_ttfa_s": round(ttfa, 3),
             "phases_s": phases(log.lines, done), "beside": log.beside, "log": log.lines,
-            "replica": synth.stats()["cold_start"], "runtime": synth.runtime.details}
+            "replica": report, "runtime": synth.runtime.details}
 
 
 def _all_graphs_at(synth: Synthesizer, process_start: float, timeout_s: float) -> float | None:
