@@ -55,6 +55,17 @@ def replica_limits(cfg, model, dtype_bytes: int):
     return fitted
 
 
+def gpu_memory_left(device, max_mem_gb: float | None = None) -> tuple[int, int | None]:
+    """(GPU memory free now, what of ``max_mem_gb`` the replica has not reserved yet or None
+    without it): replicas sharing a GPU set ``max_mem_gb``."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    if max_mem_gb is None:
+        return free, None
+    return free, max(0, int(max_mem_gb * 2**30) - torch.cuda.memory_reserved(device))
+
+
 def flow_cache_budget(configured: int, device, max_mem_gb: float | None = None) -> int:
     """``token2wav.flow_cache_bytes``, held under half the GPU memory free now and, with
     ``max_mem_gb`` (replicas sharing a GPU), under what of that budget the replica has not taken
@@ -62,12 +73,10 @@ def flow_cache_budget(configured: int, device, max_mem_gb: float | None = None) 
     16 GiB fits an H200, not what is left of an RTX 5090's 32 GiB."""
     if not str(device).startswith("cuda"):
         return configured
-    import torch
-
-    free, _ = torch.cuda.mem_get_info(device)
+    free, unreserved = gpu_memory_left(device, max_mem_gb)
     budget = min(configured, int(free * FLOW_CACHE_FREE_SHARE))
-    if max_mem_gb is not None:
-        budget = min(budget, max(0, int(max_mem_gb * 2**30) - torch.cuda.memory_reserved(device)))
+    if unreserved is not None:
+        budget = min(budget, unreserved)
     if budget < configured:
         logger.info("flow cache budget %.1f GiB (%.1f GiB free on the GPU, max_mem_gb %s), not the configured %.1f GiB",
                     budget / 2**30, free / 2**30, max_mem_gb, configured / 2**30)
@@ -77,12 +86,8 @@ def flow_cache_budget(configured: int, device, max_mem_gb: float | None = None) 
 def gpu_free_bytes(device, max_mem_gb: float | None = None) -> int:
     """GPU memory free now for this replica: the device's free memory and, with ``max_mem_gb``
     (replicas sharing a GPU), at most what of that budget the replica has not reserved yet."""
-    import torch
-
-    free, _ = torch.cuda.mem_get_info(device)
-    if max_mem_gb is not None:
-        free = min(free, max(0, int(max_mem_gb * 2**30) - torch.cuda.memory_reserved(device)))
-    return free
+    free, unreserved = gpu_memory_left(device, max_mem_gb)
+    return free if unreserved is None else min(free, unreserved)
 
 
 def prompt_cache_budget(configured: int | str, flow_cache_bytes: int, free_bytes: Callable[[], int]) -> int:
