@@ -314,9 +314,7 @@ class Synthesizer:
         replica context (ray-serve-notes §5.1), so under the batch scheduler each chunk job then
         runs as a batch of its own; the stepped scheduler batches by itself and is unchanged."""
         async def one_job(job) -> np.ndarray | Exception:
-            self.t2w_batch_sizes[1] += 1
-            self.metrics.observe_batch(1)
-            return (await self.jobs.run([job]))[0]
+            return (await self._run_jobs([job]))[0]
 
         self._token2wav = one_job
 
@@ -396,6 +394,9 @@ class Synthesizer:
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def _token2wav(self, jobs: list) -> list[np.ndarray | Exception]:
         """Flow + HiFT over chunk jobs of many streams, as one batch (:class:`BatchJobs`: failure isolation)."""
+        return await self._run_jobs(jobs)
+
+    async def _run_jobs(self, jobs: list) -> list[np.ndarray | Exception]:
         self.t2w_batch_sizes[len(jobs)] += 1
         self.metrics.observe_batch(len(jobs))
         return await self.jobs.run(jobs)

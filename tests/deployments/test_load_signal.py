@@ -23,10 +23,7 @@ def test_streams_in_flight_count_open_streams_and_return_to_zero():
     cfg = SynthesizerConfig(max_running=4, max_ongoing_requests=4, warmup=False, token2wav={"max_batch_size": 2})
     s = Synthesizer(cfg, runtime_factory=fakes.fake_synthesis_runtime)
 
-    async def direct(job):
-        return (await s.compute.run(s.t2w.run_batch, [job], lane=s._t2w_lane))[0]
-
-    s._token2wav = direct
+    s.outside_serve()  # no @serve.batch outside a replica
 
     async def main():
         seen = [s.record_autoscaling_stats()["streams_in_flight"]]

@@ -57,10 +57,7 @@ def _speak(synth: Synthesizer, family: str) -> list[list[np.ndarray]]:
 
 def _replica(plan: str, model_dir: str) -> Synthesizer:
     synth = Synthesizer(plans.synthesizer_config(plan, warmup=False, max_model_len=512), ModelSource(model_dir))
-    if synth.stepped is None:  # outside a replica: the @serve.batch method run one job at a time
-        async def direct(job, s=synth):
-            return (await s.jobs.run([job]))[0]
-        synth._token2wav = direct
+    synth.outside_serve()  # no @serve.batch outside a replica (the stepped scheduler batches by itself)
     return synth
 
 

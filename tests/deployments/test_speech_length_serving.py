@@ -38,9 +38,7 @@ def _synth(model_dir, **knobs) -> Synthesizer:
     synth = Synthesizer(SynthesizerConfig(device="cpu", warmup=False, max_model_len=1024, **knobs),
                         ModelSource(model_dir))
 
-    async def direct(job, s=synth):  # outside a replica: the @serve.batch method run one job at a time
-        return (await s.jobs.run([job]))[0]
-    synth._token2wav = direct
+    synth.outside_serve()  # no @serve.batch outside a replica
     return synth
 
 

@@ -60,10 +60,7 @@ def test_steps_stream_the_batch_schedulers_audio(model_dir):
             cfg = SynthesizerConfig(device="cpu", warmup=False, max_model_len=512,
                                     token2wav={"scheduler": scheduler, "cv2_flow": cv2_flow, "give_way_ms": give_way})
             synth = Synthesizer(cfg, ModelSource(model_dir))
-            if scheduler == "batch":  # outside a replica: the @serve.batch method run one job at a time
-                async def direct(job, s=synth):
-                    return (await s.jobs.run([job]))[0]
-                synth._token2wav = direct
+            synth.outside_serve()  # no @serve.batch outside a replica (the stepped scheduler batches by itself)
             out[scheduler + ("-give-way" if give_way else ""), cv2_flow] = _speak(synth, reqs)
             stats = synth.stats()
             assert stats["token2wav_scheduler"] == scheduler

@@ -35,10 +35,7 @@ def app(request, tmp_path_factory):
     frontend = TextFrontend(FrontendConfig(voices_dir=str(tmp_path_factory.mktemp("voices"))), ModelSource(model_dir))
     synth = Synthesizer(SynthesizerConfig(device="cpu", warmup=False, max_model_len=1024), ModelSource(model_dir))
 
-    async def direct(job):  # outside a replica: the @serve.batch method run one job at a time
-        return (await synth.jobs.run([job]))[0]
-
-    synth._token2wav = direct
+    synth.outside_serve()  # no @serve.batch outside a replica
     # a registered voice (CosyVoice3's transcript carries its <|endofprompt|> prefix)
     prefix = "You are a helpful assistant.<|endofprompt|>" if request.param == "cosyvoice3" else ""
     tone = (0.3 * np.sin(2 * np.pi * 180.0 * np.arange(16000) / 16000)).astype(np.float32)

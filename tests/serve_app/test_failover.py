@@ -65,9 +65,7 @@ def _synth(model_dir: str, device: str = "cpu") -> Synthesizer:
     synth = Synthesizer(SynthesizerConfig(device=device, warmup=False, max_model_len=1024, flow_graph_max_s=8.0),
                         ModelSource(model_dir))
 
-    async def direct(job, s=synth):  # outside a replica: the @serve.batch method run one job at a time
-        return (await s.jobs.run([job]))[0]
-    synth._token2wav = direct
+    synth.outside_serve()  # no @serve.batch outside a replica
     return synth
 
 

@@ -77,10 +77,7 @@ def _ingress(ingress_cfg: IngressConfig | None = None) -> TTSIngress:
                                           token2wav={"max_batch_size": 4}),
                         runtime_factory=fakes.fake_synthesis_runtime)
 
-    async def direct(job):
-        return (await synth.compute.run(synth.t2w.run_batch, [job]))[0]
-
-    synth._token2wav = direct
+    synth.outside_serve()  # no @serve.batch outside a replica
     return TTSIngress(ingress_cfg or IngressConfig(max_input_chars=100), FakeHandle(frontend), FakeHandle(synth))
 
 

@@ -130,10 +130,7 @@ def test_a_long_text_streams_start_to_end_on_the_config(config, chars, sentence,
                                           token2wav={"max_batch_size": 4}),
                         runtime_factory=fakes.fake_runtime_on(fakes.FakeClock()))
 
-    async def direct(job):  # no @serve.batch outside a replica (as in test_ingress_inproc)
-        return (await synth.compute.run(synth.t2w.run_batch, [job]))[0]
-
-    synth._token2wav = direct
+    synth.outside_serve()  # no @serve.batch outside a replica
     app = TTSIngress(args.ingress, FakeHandle(frontend), FakeHandle(synth)).__serve_build_asgi_app__()
     spoken = sum(len(p.encode()) for p in fakes.FakeFrontendRuntime().split(text))  # the fake's text ids
     assert spoken > 0.95 * chars  # nearly every character is spoken (the fake drops the spaces between sentences)
