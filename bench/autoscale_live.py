@@ -337,6 +337,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--cold-starts", type=Path, default=None,
+                    help="where the measured GPU cold start records are, the newest used (default: bench/results; "
+                         "bench/device_capacity.sh passes the ones its own call just measured)")
     ap.add_argument("--latest", action="store_true", help="also write <results>/autoscale-latest.json")
     ap.add_argument("--no-sim", action="store_true", help="skip the fleet simulation's replay")
     return ap.parse_args(argv)
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.slo_streams is not None:
         cal = Calibration(**{**cal.__dict__, "slo_streams": args.slo_streams})
     per_replica = args.sessions_per_replica or cal.sessions_per_replica
-    cold = cold_start_record()
+    cold = cold_start_record(args.cold_starts) if args.cold_starts else cold_start_record()
     start_s = (cold["cold_start_s"] if cold else 0.0) * start_scale
     shape = RampShape(**{k: float(v) for k, v in (kv.split("=") for kv in args.shape.split(",") if kv)})
     app = app_config(args.config, args.gpus, cal, start_s, args.frontends, args.ingresses)

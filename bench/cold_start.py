@@ -130,6 +130,7 @@ def _measure(config: Path, process_start: float, log: StartLog, graphs_timeout_s
 
         frontend_started = asyncio.get_running_loop().run_in_executor(None, TextFrontend, frontend_cfg, source)
         synth = Synthesizer(app.synthesizer, source)
+        synth.outside_serve()  # no Serve replica around it (the batch scheduler's @serve.batch needs one)
         frontend = await frontend_started
         audio, rate = sf.read(io.BytesIO(synthetic_prompt_wav(3.5)), dtype="float32")
         await frontend.register_voice("cold0", "Prompt number 0.", audio, rate, True)

@@ -31,6 +31,7 @@
 #   AUTOSCALE_S=540 runs the live autoscaling ramp (bench/autoscale_live.py) alone: AUTOSCALE_GPUS (8)
 #   logical GPUs of timed replicas (no GPU work, no model), time scale AUTOSCALE_SCALE (0.3: the
 #   1,260 s ramp in 378 s; replicas start in the measured cold start x 0.3), AUTOSCALE_ARGS adds flags;
+#   its replicas start in the cold start an earlier COLD_S call of the same lease measured (else bench/results');
 #   it writes its run folder, autoscale-latest.json and fleet-sim-latest.json (sim_vs_live) under
 #   results/ of capacity.tgz (docs/tuning.md, "The live ramp": how to bring them in)
 # Timing on an H100 (2026-12-06): an in-process arm starts in 65-92 s (model, 430 flow + 143 vocoder
@@ -66,7 +67,9 @@ if ! python3 -c "import av" 2>/dev/null; then
 fi
 if [ "${AUTOSCALE_S:-0}" -gt 0 ]; then  # the live ramp: no model, so first (alone in its call: 540 s of 600)
   cp bench/results/fleet-sim-latest.json "$W/results/"  # the tool writes its live comparison into it
-  timeout "$AUTOSCALE_S" python3 -m bench.autoscale_live --gpus "${AUTOSCALE_GPUS:-8}" \
+  # a cold start measured by an earlier call of this lease (COLD_S) sets the timed replicas' start
+  cold=(); [ -d /tmp/cold-kept ] && cold=(--cold-starts /tmp/cold-kept)
+  timeout "$AUTOSCALE_S" python3 -m bench.autoscale_live --gpus "${AUTOSCALE_GPUS:-8}" ${cold[@]+"${cold[@]}"} \
     --time-scale "${AUTOSCALE_SCALE:-0.3}" --ingresses 2 --settle-s 120 ${AUTOSCALE_ARGS:-} --results "$W/results" \
     --latest ${TAG:+--tag "$TAG"} 2>&1 | grep -v Warning > "$W/autoscale.log"
   grep -E "run folder|Error|error|Traceback" "$W/autoscale.log" | cut -c1-600 | tail -8
@@ -101,6 +104,8 @@ yaml.safe_dump(c, open(sys.argv[3], 'w'))" "$C" "$arm" "/tmp/cold-$arm.yaml" && 
         --graphs-timeout-s "${COLD_GRAPHS_S:-$((COLD_S / 2))}" 2>&1 \
         | grep -v Warning > "$W/cold-$T.log"
       echo "== $T: $(grep -E "^cold start|Error|error" "$W/cold-$T.log" | cut -c1-600 | tail -3)"
+      # kept outside $W for a later call of this lease (AUTOSCALE_S): the product's default arm only
+      if [ "$arm" != all ]; then mkdir -p /tmp/cold-kept && cp "$W"/results/cold-start-*"$T".json /tmp/cold-kept/ 2>/dev/null; fi
     done
     pack
   done

@@ -107,7 +107,7 @@ def cold_start_record(results: Path = RESULTS) -> dict | None:
     """The newest measured GPU cold start: ``{"cold_start_s", "source", "device", "date"}``, or
     None when no record was measured on a GPU."""
     found = []
-    for path in results.glob("*/cold-start-*.json"):
+    for path in [*results.glob("cold-start-*.json"), *results.glob("*/cold-start-*.json")]:
         data = json.loads(path.read_text())
         if data.get("device") == "cuda" and data.get("cold_start_s") is not None:
             found.append((data.get("date", ""), path.parent.name, path, data))
