@@ -103,17 +103,21 @@ def calibrate(reading: Path | None = None, base: GpuTimes = H200) -> Calibration
                        time_factor=round(factor, 4), times=scaled)
 
 
-def cold_start_record(results: Path = RESULTS) -> dict | None:
-    """The newest measured GPU cold start: ``{"cold_start_s", "source", "device", "date"}``, or
-    None when no record was measured on a GPU."""
+def cold_start_record(results: Path = RESULTS, before_ready: str = "first") -> dict | None:
+    """The newest measured GPU cold start of a replica that captured ``before_ready`` CUDA graphs
+    before serving (``first``: what ``graphs_before_ready: auto`` runs on a GPU), else the newest
+    of any: ``{"cold_start_s", "source", "device", "date"}``, or None when no record was measured
+    on a GPU. (A record that does not say predates ``first``: it captured all of them.)"""
     found = []
     for path in [*results.glob("cold-start-*.json"), *results.glob("*/cold-start-*.json")]:
         data = json.loads(path.read_text())
         if data.get("device") == "cuda" and data.get("cold_start_s") is not None:
-            found.append((data.get("date", ""), path.parent.name, path, data))
+            graphs = (data.get("replica") or {}).get("cuda_graphs") or {}
+            found.append((graphs.get("before_ready", "all") == before_ready, data.get("date", ""),
+                          path.parent.name, path.name, path, data))
     if not found:
         return None
-    _, _, path, data = max(found, key=lambda f: (f[0], f[1]))
+    *_, path, data = max(found, key=lambda f: f[:4])
     return {"cold_start_s": float(data["cold_start_s"]), "source": _shown(path), "device": data.get("gpu", "cuda"),
             "date": data.get("date")}
 

@@ -243,12 +243,17 @@ class DecodeRunner(graph_capture.GraphOwner):
             return graph
         # The warm-up runs on scratch buffers, every row at the scratch slot: it writes nothing that
         # matters, also from the background capture thread while the engine thread steps
-        # (graph_schedule; the captured work itself does not run).
-        dev = self._rows.device
-        scratch = (self._pad_row.to(dev).expand(b, -1).contiguous(), torch.zeros_like(self._logits[:b]),
-                   torch.zeros_like(self._ids[:b]))
-        graph, _ = self._capture(lambda: self._body(b, window), self.cache.device,
-                                 warm=lambda: self._body(b, window, scratch))
+        # (graph_schedule; the captured work itself does not run). A compiled step warms up on the
+        # buffers it is captured with: its graphs are all captured before ready, on one thread, and
+        # torch.compile traced on the scratch tensors traced again inside the capture, which failed
+        # (the GPU tests of bench/results/2026-12-07-h100-cold-start).
+        warm = None
+        if self.background_safe:
+            dev = self._rows.device
+            scratch = (self._pad_row.to(dev).expand(b, -1).contiguous(), torch.zeros_like(self._logits[:b]),
+                       torch.zeros_like(self._ids[:b]))
+            warm = lambda: self._body(b, window, scratch)
+        graph, _ = self._capture(lambda: self._body(b, window), self.cache.device, warm=warm)
         self._buckets[(b, window)] = graph
         logger.debug("captured decode graph batch=%d window=%d", b, window)
         return graph
