@@ -65,6 +65,21 @@ def test_cold_start_takes_the_newest_gpu_record(tmp_path):
     assert cold_start_record(tmp_path / "a" / "none") is None
 
 
+def test_cold_start_prefers_the_product_default_plan_over_a_newer_all_graphs_record(tmp_path):
+    def record(name: str, date: str, s: float, before_ready: str | None) -> None:
+        graphs = {"cuda_graphs": {"before_ready": before_ready}} if before_ready else {}
+        (tmp_path / name).write_text(json.dumps({"device": "cuda", "date": date, "cold_start_s": s,
+                                                 "replica": graphs}))
+
+    record("cold-start-old.json", "2026-01-01", 107.0, None)  # predates graphs_before_ready: all graphs
+    record("cold-start-first.json", "2026-02-01", 26.0, "first")
+    record("cold-start-all.json", "2026-03-01", 68.0, "all")
+    assert cold_start_record(tmp_path)["cold_start_s"] == 26.0  # loose files in the folder are read too
+    assert cold_start_record(tmp_path, before_ready="all")["cold_start_s"] == 68.0
+    (tmp_path / "cold-start-first.json").unlink()
+    assert cold_start_record(tmp_path)["cold_start_s"] == 68.0  # none of the default plan: the newest
+
+
 def test_the_factory_name_carries_the_start_time():
     path = factory_name(3.25)
     module, _, attr = path.partition(":")
