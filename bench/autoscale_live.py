@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -212,18 +213,43 @@ class Sampler(threading.Thread):
         self.join(timeout=30)
 
 
+@dataclass(frozen=True)
+class Pause:
+    """The ramp stops at ``at_s`` (its load held as it is there) until ``resume()`` is true or
+    ``guard_s`` real seconds have passed: the CPU test waits on the fleet's own scale-out instead of
+    hoping a compressed plateau lasts long enough on a loaded machine."""
+
+    at_s: float
+    resume: Callable[[], bool]
+    guard_s: float
+
+
 class SessionDriver:
     """Voice-agent sessions following ``sessions_at(t)``; a session asked to leave finishes the
     request it is in (no client cuts a stream) and leaves."""
 
     def __init__(self, target: HttpTarget, source, sessions_at, duration_s: float, seed: int,
-                 wait_playback: bool, clock: Clock) -> None:
+                 wait_playback: bool, clock: Clock, pause: Pause | None = None) -> None:
         self.target, self.source, self.sessions_at = target, source, sessions_at
         self.duration_s, self.seed, self.wait_playback, self.clock = duration_s, seed, wait_playback, clock
+        self.pause = pause
+        self.paused_s = 0.0  # real seconds the ramp stood still at the pause
+        self.resumed: bool | None = None  # None: no pause; False: its guard ran out
         self.requests: list[dict[str, Any]] = []
-        self.open_per_s: list[tuple[float, int, int]] = []  # (t s, sessions open, requests in flight)
+        self.open_per_s: list[tuple[float, int, int]] = []  # (real s since t0, sessions open, requests in flight)
         self.in_flight = 0
         self._leave: list[asyncio.Event] = []
+
+    def ramp_time(self, now: float) -> float:
+        """Where on the ramp ``now`` (real s since t0) is: the pause's time while it lasts."""
+        p = self.pause
+        if p is None or self.resumed is not None or now < p.at_s:
+            return now - self.paused_s
+        if p.resume() or now - p.at_s >= p.guard_s:
+            self.resumed = p.resume()
+            return now - self.paused_s
+        self.paused_s = now - p.at_s
+        return p.at_s
 
     async def session(self, i: int, leave: asyncio.Event, t0: float) -> None:
         rng = random.Random(f"{self.seed}/{i}")
@@ -244,7 +270,7 @@ class SessionDriver:
     async def run(self, t0: float) -> None:
         tasks: list[asyncio.Task] = []
         tick = 0
-        while (t := self.clock.now() - t0) < self.duration_s:
+        while (t := self.ramp_time(now := self.clock.now() - t0)) < self.duration_s:
             want = round(self.sessions_at(t))
             live = [k for k, e in enumerate(self._leave) if not e.is_set()]
             for _ in range(want - len(live)):
@@ -253,7 +279,7 @@ class SessionDriver:
                 tasks.append(asyncio.create_task(self.session(len(self._leave) - 1, leave, t0)))
             for k in live[want:] if len(live) > want else ():
                 self._leave[k].set()  # the newest sessions leave first
-            self.open_per_s.append((round(t, 3), want, self.in_flight))
+            self.open_per_s.append((round(now, 3), want, self.in_flight))
             tick += 1
             await asyncio.sleep(max(0.0, t0 + tick * 0.5 - self.clock.now()))  # the ramp's own pace
         for e in self._leave:
@@ -279,6 +305,25 @@ def read_policy(record: Path, wall0: float) -> list[dict[str, Any]]:
     for line in lines:
         line["t_s"] = round(line.pop("wall_s") - wall0, 3)
     return lines
+
+
+def drive(driver: SessionDriver, sampler: Sampler, t0: float, min_replicas: int, guard_s: float) -> tuple[bool, bool]:
+    """Run the ramp with the sampler on, then wait for scale-in; returns ``(settled, cut_short)``.
+
+    An interrupt (SIGINT: ``timeout -s INT``, as bench/device_capacity.sh stops a ramp that would
+    outlast its call) ends the ramp where it is: the requests that finished and the samples taken
+    are kept and written (a request still open is not counted, neither as served nor as cut), and
+    the run is marked ``cut_short``, so a lease's time still gives a reading.
+    """
+    sampler.start()
+    try:
+        asyncio.run(driver.run(t0))
+        return settle(sampler, min_replicas, guard_s), False
+    except KeyboardInterrupt:
+        logger.warning("interrupted at %.0f s of the ramp: writing what ran (cut_short)", time.perf_counter() - sampler.t0)
+        return False, True
+    finally:
+        sampler.stop()
 
 
 def settle(sampler: Sampler, min_replicas: int, guard_s: float) -> bool:
@@ -334,6 +379,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--frontends", type=int, default=None)
     ap.add_argument("--ingresses", type=int, default=None)
     ap.add_argument("--settle-s", type=float, default=None, help="most reference s to wait for scale-in after the ramp")
+    ap.add_argument("--wait-for-replicas", type=int, default=None,
+                    help="at the plateau's end the ramp stands still (its load held) until this many replicas run")
+    ap.add_argument("--wait-guard-s", type=float, default=600.0, help="most real s that wait lasts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
@@ -371,16 +419,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     clock = Clock()
     sampler = Sampler(clock.now(), 10.0 * scale)
     t0, wall0 = sampler.t0, time.time() - (clock.now() - sampler.t0)
+    pause = None
+    if args.wait_for_replicas:
+        def running() -> bool:
+            last = sampler.samples[-1] if sampler.samples else {}
+            return last.get("states", {}).get("RUNNING", 0) >= args.wait_for_replicas
+
+        pause = Pause((shape.up_s + shape.plateau_s) * scale, running, args.wait_guard_s)
     driver = SessionDriver(HttpTarget(url, voice), SyntheticSource(Mix.parse(args.mix)),
                            lambda t: float(np.interp(t, xs, ys)), shape.total_s * scale, args.seed,
-                           not args.back_to_back, clock)
-    sampler.start()
-    try:
-        asyncio.run(driver.run(t0))
-        guard = (args.settle_s if args.settle_s is not None else 3 * auto["downscale_delay_s"] + 60) * scale
-        settled = settle(sampler, int(auto["min_replicas"]), guard)
-    finally:
-        sampler.stop()
+                           not args.back_to_back, clock, pause)
+    guard = (args.settle_s if args.settle_s is not None else 3 * auto["downscale_delay_s"] + 60) * scale
+    settled, cut = drive(driver, sampler, t0, int(auto["min_replicas"]), guard)
     import ray
 
     ray.shutdown()
@@ -398,7 +448,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "autoscaling_reference": dict(auto),  # the config's (unscaled), as the fleet simulation takes them
         "max_ongoing_requests": app["args"]["synthesizer"]["max_ongoing_requests"],
         "serve_metrics_push_s": SERVE_PUSH_S * scale, "calibration": cal.as_dict(), "cold_start_gpu": cold,
-        "settled": settled, "points": points,
+        "settled": settled, "cut_short": cut, "points": points,
+        "wait_for_replicas": args.wait_for_replicas, "paused_s": round(driver.paused_s, 2), "resumed": driver.resumed,
     }
     result = summarise(run, driver.open_per_s, driver.requests, sampler.samples, read_policy(record, wall0))
     folder = write_outputs(result, args.results, args.tag, latest=args.latest)

@@ -83,7 +83,8 @@ def bins(run: dict[str, Any], open_per_s: list, requests: list[dict], samples: l
 def summarise(run: dict[str, Any], open_per_s: list, requests: list[dict], samples: list[dict],
               policy: list[dict]) -> dict[str, Any]:
     rows = bins(run, open_per_s, requests, samples, policy)
-    ramp_end = sum(v for k, v in run["shape_reference_s"].items() if k.endswith("_s")) * run["time_scale"]
+    ramp_end = (sum(v for k, v in run["shape_reference_s"].items() if k.endswith("_s")) * run["time_scale"]
+                + run.get("paused_s", 0.0))  # a ramp that stood still (--wait-for-replicas) ended that much later
     judged = [r for r in rows if "running" in r and r["t_s"] < ramp_end]
     calm = [r["ttfa_p99_ms"] for r in rows if not r["scale_up"] and r["ttfa_p99_ms"] is not None]
     ttfa = [r["ttfa_ms"] for r in requests if r["ttfa_ms"] is not None]
@@ -101,7 +102,7 @@ def summarise(run: dict[str, Any], open_per_s: list, requests: list[dict], sampl
         "underruns": sum(r["underruns"] for r in requests),
         "ttfa_p50_ms": _r(percentile(ttfa, 50)), "ttfa_p99_ms": _r(percentile(ttfa, 99)),
         "peak_sessions": max((n for _, n, _ in open_per_s), default=0),
-        "scaled_in_after_ramp": run["settled"], "bins": len(rows), "bins_judged_for_tracking": len(judged),
+        "scaled_in_after_ramp": run["settled"], "cut_short": run.get("cut_short", False), "bins": len(rows), "bins_judged_for_tracking": len(judged),
         "bins_in_scale_up": sum(r["scale_up"] for r in rows),
     }
     arrivals = [[round(t / run["time_scale"], 2), n] for t, n, _ in open_per_s]

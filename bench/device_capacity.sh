@@ -28,7 +28,8 @@
 #   PROFILE_ARGS="--cpu-ops" adds the requests' CPU ops to the profile (what each thread did between kernels)
 #   SERVE_PROXY=haproxy: the serve level behind HAProxy with direct ingress (RAY_SERVE_ENABLE_HA_PROXY=1)
 #   instead of Serve's HTTP proxy actor (docs/tuning.md, "The HTTP path")
-#   AUTOSCALE_S=540 runs the live autoscaling ramp (bench/autoscale_live.py) alone: AUTOSCALE_GPUS (8)
+#   AUTOSCALE_S=540 runs the live autoscaling ramp (bench/autoscale_live.py) alone (interrupted at
+#   AUTOSCALE_S, it writes the part that ran, marked cut_short: leave ~40 s of the call after it): AUTOSCALE_GPUS (8)
 #   logical GPUs of timed replicas (no GPU work, no model), time scale AUTOSCALE_SCALE (0.3: the
 #   1,260 s ramp in 378 s; replicas start in the measured cold start x 0.3), AUTOSCALE_ARGS adds flags;
 #   its replicas start in the cold start an earlier COLD_S call of the same lease measured (else bench/results');
@@ -69,7 +70,8 @@ if [ "${AUTOSCALE_S:-0}" -gt 0 ]; then  # the live ramp: no model, so first (alo
   cp bench/results/fleet-sim-latest.json "$W/results/"  # the tool writes its live comparison into it
   # a cold start measured by an earlier call of this lease (COLD_S) sets the timed replicas' start
   cold=(); [ -d /tmp/cold-kept ] && cold=(--cold-starts /tmp/cold-kept)
-  timeout "$AUTOSCALE_S" python3 -m bench.autoscale_live --gpus "${AUTOSCALE_GPUS:-8}" ${cold[@]+"${cold[@]}"} \
+  # SIGINT at AUTOSCALE_S: the tool writes what ran (cut_short) in the next ~30 s, then pack
+  timeout -s INT -k 60 "$AUTOSCALE_S" python3 -m bench.autoscale_live --gpus "${AUTOSCALE_GPUS:-8}" ${cold[@]+"${cold[@]}"} \
     --time-scale "${AUTOSCALE_SCALE:-0.3}" --ingresses 2 --settle-s 120 ${AUTOSCALE_ARGS:-} --results "$W/results" \
     --latest ${TAG:+--tag "$TAG"} 2>&1 | grep -v Warning > "$W/autoscale.log"
   grep -E "run folder|Error|error|Traceback" "$W/autoscale.log" | cut -c1-600 | tail -8

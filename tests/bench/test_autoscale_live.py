@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench import timed_fleet
-from bench.autoscale_live import RampShape, recorded_policy
+from bench.autoscale_live import Pause, RampShape, Sampler, SessionDriver, drive, recorded_policy
 from bench.autoscale_record import RecordedPolicy
 from bench.autoscale_report import bins, summarise
 from bench.timed_fleet import AUDIO_PER_TOKEN_S, calibrate, cold_start_record, factory_name
@@ -108,6 +108,46 @@ def _ctx(n: int) -> SimpleNamespace:
                            total_queued_requests=0.0, aggregated_metrics={"streams_in_flight": {"r1": 2.5}})
 
 
+class _QuietSampler(Sampler):
+    """The real sampler's thread and bins, without Ray: each sample says the fleet is at rest."""
+
+    def sample(self):
+        return {"t_s": 0.0, "states": {"RUNNING": 1}}
+
+
+class _Driver:
+    def __init__(self, interrupt: bool) -> None:
+        self.interrupt, self.ran = interrupt, False
+
+    async def run(self, t0: float) -> None:
+        self.ran = True
+        if self.interrupt:  # what asyncio.run raises when SIGINT cancels the ramp
+            raise KeyboardInterrupt
+
+
+def test_the_ramp_stands_still_at_its_pause_until_the_fleet_is_there():
+    fleet = {"running": 1}
+    driver = SessionDriver(None, None, None, 100.0, 0, False, None,
+                           Pause(at_s=10.0, resume=lambda: fleet["running"] >= 2, guard_s=50.0))
+    assert driver.ramp_time(5.0) == 5.0 and driver.resumed is None
+    assert driver.ramp_time(12.0) == 10.0 and driver.ramp_time(30.0) == 10.0  # held at the pause
+    fleet["running"] = 2
+    assert driver.ramp_time(31.0) == pytest.approx(11.0) and driver.resumed is True
+    assert driver.ramp_time(40.0) == pytest.approx(20.0) and driver.paused_s == pytest.approx(20.0)
+    # a fleet that never gets there: the guard ends the pause, and the run says so
+    stuck = SessionDriver(None, None, None, 100.0, 0, False, None, Pause(10.0, lambda: False, 50.0))
+    assert stuck.ramp_time(59.0) == 10.0 and stuck.ramp_time(60.0) == pytest.approx(11.0)
+    assert stuck.resumed is False
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_drive_keeps_what_ran_when_the_ramp_is_interrupted(interrupt):
+    sampler, driver = _QuietSampler(0.0, 0.01), _Driver(interrupt)
+    settled, cut = drive(driver, sampler, 0.0, min_replicas=1, guard_s=5.0)
+    assert driver.ran and cut is interrupt and settled is not interrupt  # a cut ramp has not settled
+    assert not sampler.is_alive() and sampler.samples  # the sampler stopped, its samples kept
+
+
 def test_recorded_policy_returns_the_inner_answer_and_writes_changes(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "INNER", lambda: _Inner(2), raising=False)
     record = tmp_path / "p.jsonl"
@@ -191,9 +231,11 @@ def test_a_small_live_ramp_scales_out_under_load_and_back_when_idle(tmp_path):
     the plateau holds three sessions (150 % of one replica), so the real policy asks for two."""
     out = _live(tmp_path, "--time-scale", "0.05", "--start-scale", "0.005", "--back-to-back",
                 "--sessions-per-replica", "2", "--slo-streams", "2", "--mix", "1:1-2",
-                "--shape", "up_s=120,plateau_s=120,burst_s=40,hold_s=40,down_s=60,idle_s=60", "--settle-s", "4000")
+                "--shape", "up_s=120,plateau_s=120,burst_s=40,hold_s=40,down_s=60,idle_s=60", "--settle-s", "4000",
+                "--wait-for-replicas", "2", "--wait-guard-s", "300")
     latest, full = out["latest"], out["full"]
     assert KEYS <= latest.keys()
+    assert full["run"]["resumed"] is True  # the plateau lasted until the policy's second replica ran
     assert latest["max_replicas"] == 2 and latest["cut_streams"] == 0 and latest["scaled_in_after_ramp"]
     rows = full["series"]
     loaded = [r for r in rows if r["sessions"] >= 3 and "running" in r]
