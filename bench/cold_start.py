@@ -1,10 +1,13 @@
 """How long a new synthesizer replica takes from process start to its first request served.
 
 The config's frontend and synthesizer are built in this process (as ``bench/capacity.py
---level synth`` does: no Ray, no HTTP, so Ray's worker start and the proxy are not counted), the
-frontend on a thread beside the synthesizer (in Serve they are separate deployments, and a
-replica added by the autoscaler is a synthesizer: the frontend is not on its path), one voice
-registered, then one streamed request sent; the first audio chunk ends the measurement. Then it
+--level synth`` does: no Ray, no HTTP, so Ray's worker start and the proxy are not counted). The
+frontend is built first, with one voice registered, and left out of the timeline (in Serve it is
+a deployment of its own, already serving when the autoscaler adds a synthesizer replica: the
+timeline's origin moves on by its build, ``frontend_built_s``); built beside the synthesizer in
+one process, as before 2026-12-07, it took the GIL and transformers' import from the replica's
+own start. Then the synthesizer is built and one streamed request sent through both; the first
+audio chunk ends the measurement. Then it
 waits for the CUDA graphs left to the background (``graphs_before_ready: first``,
 cosyvoice_runtime/graph_schedule.py) and records when they were all there. The start-up's own log
 lines (model loaded, graphs captured, warm-up, ready) are timestamped against the process start,
@@ -63,8 +66,18 @@ class StartLog(logging.Handler):
     def __init__(self, process_start: float) -> None:
         super().__init__(logging.INFO)
         self.process_start = process_start
+        self.left_out_s = 0.0  # work before the replica's own start that is not its (the frontend's build)
         self.lines: list[dict] = []
-        self.beside: list[dict] = []  # lines of work beside the sequence (the frontend's start)
+        self.beside: list[dict] = []  # lines of work that is not the replica's (the frontend's start)
+
+    def leave_out(self, seconds: float) -> None:
+        """Move the origin on by ``seconds`` of work that is not the replica's: later lines, and
+        :meth:`since_start`, no longer count it."""
+        self.process_start += seconds
+        self.left_out_s += seconds
+
+    def since_start(self) -> float:
+        return time.time() - self.process_start
 
     def emit(self, record: logging.LogRecord) -> None:
         name = PHASES.get(record.msg) or ("synthesizer_ready" if record.msg == READY else None)
@@ -110,30 +123,26 @@ def measure(config: Path, process_start: float, graphs_timeout_s: float = 300.0)
     root.addHandler(log)
     root.setLevel(min(level, logging.INFO))  # the phase lines are INFO
     try:
-        return _measure(config, process_start, log, graphs_timeout_s)
+        return _measure(config, log, graphs_timeout_s)
     finally:
         root.removeHandler(log)
         root.setLevel(level)
 
 
-def _measure(config: Path, process_start: float, log: StartLog, graphs_timeout_s: float) -> dict:
+def _measure(config: Path, log: StartLog, graphs_timeout_s: float) -> dict:
     apply_replica_env(config)
     app = AppArgs.from_file(config)
     source = app.model_source()
     frontend_cfg = app.frontend.model_copy(update={"voices_dir": tempfile.mkdtemp(prefix="cold-start-voices-")})
 
     async def run() -> tuple[float, Synthesizer]:
-        # the frontend on a thread beside the synthesizer: separate deployments in Serve. Both may
-        # load the text tokenizer, and transformers' lazy import is not thread-safe (a name missing
-        # on the second thread): imported once here first, within the start's own time.
-        from transformers import AutoTokenizer  # noqa: F401
-
-        frontend_started = asyncio.get_running_loop().run_in_executor(None, TextFrontend, frontend_cfg, source)
-        synth = Synthesizer(app.synthesizer, source)
-        synth.outside_serve()  # no Serve replica around it (the batch scheduler's @serve.batch needs one)
-        frontend = await frontend_started
+        built = time.time()  # the frontend and its voice: already there when a replica is added
+        frontend = TextFrontend(frontend_cfg, source)
         audio, rate = sf.read(io.BytesIO(synthetic_prompt_wav(3.5)), dtype="float32")
         await frontend.register_voice("cold0", "Prompt number 0.", audio, rate, True)
+        log.leave_out(time.time() - built)
+        synth = Synthesizer(app.synthesizer, source)
+        synth.outside_serve()  # no Serve replica around it (the batch scheduler's @serve.batch needs one)
         ttfa = await first_audio(frontend, synth, "cold0", "Hello, this is the first request.")
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]  # the replica's loops
         for task in rest:
@@ -142,8 +151,8 @@ def _measure(config: Path, process_start: float, log: StartLog, graphs_timeout_s
         return ttfa, synth
 
     ttfa, synth = asyncio.run(run())
-    done = time.time() - process_start
-    all_graphs = _all_graphs_at(synth, process_start, graphs_timeout_s)
+    done = log.since_start()
+    all_graphs = _all_graphs_at(synth, log, graphs_timeout_s)
     bench_imports = phases(log.lines, done)["bench_imports"]
     ready = next((line["at_s"] for line in log.lines if line["phase"] == "synthesizer_ready"), None)
     report = synth.stats()["cold_start"]
@@ -153,19 +162,20 @@ def _measure(config: Path, process_start: float, log: StartLog, graphs_timeout_s
     return {"kind": "cold_start", "config": str(config), "device": synth.runtime.device,
             "mode": synth.mode, "cold_start_s": round(done, 2), "replica_cold_start_s": round(done - bench_imports, 2),
             "ready_s": ready, "all_graphs_s": all_graphs, "first_request_ttfa_s": round(ttfa, 3),
+            "frontend_built_s": round(log.left_out_s, 2),
             "phases_s": phases(log.lines, done), "beside": log.beside, "log": log.lines,
             "replica": report, "runtime": synth.runtime.details}
 
 
-def _all_graphs_at(synth: Synthesizer, process_start: float, timeout_s: float) -> float | None:
-    """Seconds from process start until the background capture finished (now, if there was none);
+def _all_graphs_at(synth: Synthesizer, log: StartLog, timeout_s: float) -> float | None:
+    """Seconds on the timeline until the background capture finished (now, if there was none);
     None if it failed or did not finish within ``timeout_s``."""
     schedule = synth.runtime.graph_schedule
     if schedule is not None and not schedule.done.wait(timeout_s):
         return None
     if schedule is not None and schedule.state != "done":
         return None
-    return round(time.time() - process_start, 2)
+    return round(log.since_start(), 2)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -39,6 +39,16 @@ def test_the_handler_keeps_only_phase_lines_with_their_time_since_process_start(
                                                    "line": "frontend ready (cosyvoice2) in 3.0 s"}]
 
 
+def test_work_left_out_moves_the_origin_of_every_later_line():
+    log = cold_start.StartLog(process_start=100.0)
+    log.leave_out(8.0)  # the frontend's build: not the replica's
+    record = logging.LogRecord("deployments.warmup", logging.INFO, __file__, 1, "warmup: %d tokens in %.2f s",
+                               (80, 0.5), None)
+    record.created = 120.5
+    log.emit(record)
+    assert log.lines[0]["at_s"] == 12.5 and log.left_out_s == 8.0
+
+
 def test_phases_run_from_one_line_to_the_next_and_end_at_the_first_audio():
     lines = [{"phase": "imports", "at_s": 4.0}, {"phase": "model_loaded", "at_s": 10.0},
              {"phase": "t2w_graphs_captured", "at_s": 80.5}]
@@ -67,6 +77,8 @@ def test_a_tiny_replica_is_measured_to_its_first_audio(steps_config, tmp_path):
     assert {"imports", "bench_imports", "model_loaded", "warmed_up", "synthesizer_ready"} <= set(phases)
     assert "graphs_before_ready" not in phases  # no CUDA graphs on the CPU
     assert [line["phase"] for line in written["beside"]] == ["frontend_ready"]
+    # the frontend was built before the replica's start and left out of its timeline
+    assert written["frontend_built_s"] > 0 and written["beside"][0]["at_s"] > phases["imports"]
     assert sum(phases.values()) == pytest.approx(written["cold_start_s"], abs=0.05)
     assert written["replica_cold_start_s"] == pytest.approx(written["cold_start_s"] - phases["bench_imports"], abs=0.01)
     assert 0 < written["first_request_ttfa_s"] <= phases["first_request"] + 0.01
