@@ -12,7 +12,9 @@ Definitions (docs/tuning.md, "The live ramp"):
   more than were running, and the bin after it (its requests were sent while the fleet was short);
   ``p99_ttfa_ms_outside_scaleup_max`` is the largest per-bin first audio p99 of the other bins;
 * **cut stream**: a request whose audio had started and that ended in an error, or with under half
-  the audio it asked for (a stream a draining replica dropped would show so).
+  the audio it asked for (a stream a draining replica dropped would show so);
+* **cut short**: the ramp was interrupted (SIGINT) before its end: the figures are those of the
+  part that ran, and requests still open then are not counted.
 """
 from __future__ import annotations
 
@@ -197,6 +199,9 @@ def markdown(result: dict[str, Any]) -> str:
              f"profile) and a start of {run['replica_start_s']:g} s (the measured GPU cold start x "
              f"{run['start_scale']:g}). The ramp and Serve's delays ran at time scale {run['time_scale']:g}."), "",
              "| figure | value |", "|---|---|"]
+    if s.get("cut_short"):
+        lines[-2:-2] = [("**Cut short**: the ramp was interrupted before its end; these are the figures of "
+                         "the part that ran."), ""]
     lines += [f"| `{k}` | {v} |" for k, v in s.items()]
     lines += ["", "![replicas](replicas.png)", "", "![first audio](first-audio.png)", "",
               "Definitions:", "", result["definitions"], ""]

@@ -15,7 +15,7 @@ import pytest
 from bench import timed_fleet
 from bench.autoscale_live import Pause, RampShape, Sampler, SessionDriver, drive, recorded_policy
 from bench.autoscale_record import RecordedPolicy
-from bench.autoscale_report import bins, summarise
+from bench.autoscale_report import bins, markdown, summarise
 from bench.timed_fleet import AUDIO_PER_TOKEN_S, calibrate, cold_start_record, factory_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,6 +204,19 @@ def test_bins_ideal_tracking_scale_up_and_cuts():
     assert s["cut_streams"] == 1 and s["rejected_429"] == 1 and s["errors"] == 1 and s["max_replicas"] == 2
     assert s["p99_ttfa_ms_outside_scaleup_max"] == 150.0  # bins 1 and 4 (100, 150 ms); 3.7 s fell in a scale-up
     assert s["replica_tracking"] == 1.0
+
+
+def test_a_paused_ramp_is_judged_to_its_later_end_and_a_cut_one_says_so():
+    open_per_s = [(t / 2, 2, 2) for t in range(10)]
+    samples = [{"t_s": t + 0.5, "states": {"RUNNING": 1}} for t in range(5)]
+    short = _run(shape_reference_s={"up_s": 10.0})  # the ramp ends at 1 s (x 0.1)
+    assert summarise(short, open_per_s, [], samples, [])["summary"]["bins_judged_for_tracking"] == 1
+    held = _run(shape_reference_s={"up_s": 10.0}, paused_s=3.0, cut_short=True)
+    result = summarise(held, open_per_s, [], samples, [])
+    assert result["summary"]["bins_judged_for_tracking"] == 4 and result["summary"]["cut_short"] is True
+    result["run"].update(calibration={"source": "x", "sessions_per_replica": 2, "slo_streams": 2, "time_factor": 1},
+                         date="d", gpus=2, machine="m", command="c", commit="k", replica_start_s=1.0, start_scale=0.1)
+    assert "**Cut short**" in markdown(result)
 
 
 def _live(tmp_path: Path, *extra: str) -> dict:
