@@ -282,3 +282,26 @@ def test_prefill_attention_over_views_of_the_projection_equals_contiguous_copies
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=mask)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", [None, "eager"])
+def test_a_compiled_step_warms_up_on_the_buffers_it_is_captured_with(backend, monkeypatch):
+    """A graphed step warms up on scratch buffers (a background capture must not write the
+    engine's); a compiled one (captured before ready, on one thread) on its own buffers: traced on
+    scratch tensors, torch.compile traced again inside the capture and the capture failed (five GPU
+    tests, H100 2026-12-07; on the CPU, with the eager backend, the scratch buffers of batches 1
+    and 2 at the widest key window compiled graphs of their own after the real ones)."""
+    model = tiny_model("cosyvoice2")
+    cache = KVCache.for_model(model, 9, 512)
+    runner = DecodeRunner(model, cache, 8, pad_slot=8, stop_mask_ids=min_len_mask_ids(model.spec), use_graphs=False,
+                          compile_backend=backend)
+    warms = []
+
+    def capture(fn, device, warm=None):
+        warms.append(warm)
+        return object(), None
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    runner._graph(1, runner.key_buckets[0])
+    assert runner.background_safe is (backend is None)
+    assert (warms[0] is None) is (backend is not None)
