@@ -244,7 +244,7 @@ def test_a_small_live_ramp_scales_out_under_load_and_back_when_idle(tmp_path):
     the plateau holds three sessions (150 % of one replica), so the real policy asks for two."""
     out = _live(tmp_path, "--time-scale", "0.05", "--start-scale", "0.005", "--back-to-back",
                 "--sessions-per-replica", "2", "--slo-streams", "2", "--mix", "1:1-2",
-                "--shape", "up_s=120,plateau_s=120,burst_s=40,hold_s=40,down_s=60,idle_s=60", "--settle-s", "4000",
+                "--shape", "up_s=60,plateau_s=40,burst_s=20,hold_s=20,down_s=40,idle_s=40", "--settle-s", "4000",
                 "--wait-for-replicas", "2", "--wait-guard-s", "300")
     latest, full = out["latest"], out["full"]
     assert KEYS <= latest.keys()
