@@ -56,7 +56,7 @@ PHASES = {
     "captured %d of %d CUDA graphs before ready in %.1f s (%d left for the background)": "graphs_before_ready",
     "warmup: %d tokens in %.2f s": "warmed_up",
 }
-BESIDE = {"frontend ready (%s) in %.1f s": "frontend_ready"}  # on its own thread: not a phase of the sequence
+BESIDE = {"frontend ready (%s) in %.1f s": "frontend_ready"}  # built before the replica: not a phase of its start
 READY = "synthesizer ready on %s in %.1f s (model %s; %d objects frozen out of GC walks)"
 
 
