@@ -34,7 +34,7 @@ def test_the_handler_keeps_only_phase_lines_with_their_time_since_process_start(
     beside = logging.LogRecord("deployments.frontend", logging.INFO, __file__, 1, "frontend ready (%s) in %.1f s",
                                ("cosyvoice2", 3.0), None)
     beside.created = 103.0
-    log.emit(beside)  # the frontend starts on its own thread: not a phase of the sequence
+    log.emit(beside)  # the frontend is built before the replica: not a phase of its start
     assert len(log.lines) == 1 and log.beside == [{"phase": "frontend_ready", "at_s": 3.0,
                                                    "line": "frontend ready (cosyvoice2) in 3.0 s"}]
 
