@@ -49,22 +49,12 @@ cp bench/results/latest.json "$W/results/"  # the tool adds its keys to the thro
 pack() { tar -czf "$OUT/capacity.tgz" -C "$W" .; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$W/gpu.txt"
 cat "$W/gpu.txt"
+# the carried serving stack (both levels import its config types) and the PyAV stand-in
+source bench/device_site.sh
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 if [ "${TESTS_S:-0}" -gt 0 ]; then
   bash bench/device_gpu_tests.sh "$TESTS_S" "$W/gpu_tests.txt"
   pack
-fi
-# Both levels import the serving stack's config types (pydantic), which the lent image lacks.
-# Extracted once per machine and carry (~10 s each time; several calls of one lease chain on a warm machine).
-stamp=$(md5sum < .carry/site312.tar.xz)
-if [ "$(cat /tmp/site/.stamp 2>/dev/null)" != "$stamp" ]; then
-  rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz && echo "$stamp" > /tmp/site/.stamp
-fi
-export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
-# The lent image has no PyAV and its wheel does not fit the carry: an empty `av` module makes the
-# ingress report mp3/opus/aac/flac unsupported; the capacity probes stream PCM, which needs none.
-if ! python3 -c "import av" 2>/dev/null; then
-  mkdir -p /tmp/noav/av && : > /tmp/noav/av/__init__.py && export PYTHONPATH=$PYTHONPATH:/tmp/noav
-  echo "note: no PyAV here: compressed response formats are off for this run (PCM probes)"
 fi
 if [ "${AUTOSCALE_S:-0}" -gt 0 ]; then  # the live ramp: no model, so first (alone in its call: 540 s of 600)
   cp bench/results/fleet-sim-latest.json "$W/results/"  # the tool writes its live comparison into it

@@ -9,16 +9,7 @@
 # One pytest per file, each within what is left of SECONDS: pytest prints failures at the end of a
 # run, so one run cut by the limit hid which checks of three failed tests failed (H100 2026-12-05).
 # The inductor-compiled graphs, the slowest to build, come last.
-if [ -f .carry/site312.tar.xz ] && [ ! -d /tmp/site ]; then
-  mkdir -p /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz
-fi
-# The serve_app tests import the ingress, which imports PyAV: the lent image has none and its wheel
-# does not fit the carry, so an empty `av` module stands in (they stream PCM; H100 2026-12-07:
-# tests/serve_app/test_failover.py failed to import without it)
-extra=
-if ! PYTHONPATH=/tmp/site python3 -c "import av" 2>/dev/null; then
-  mkdir -p /tmp/noav/av && : > /tmp/noav/av/__init__.py && extra=:/tmp/noav
-fi
+source bench/device_site.sh  # the carried site and the PyAV stand-in (the serve_app tests import the ingress)
 end=$((SECONDS + $1))
 : > "$2"
 # (the deployments' GPU tests load whole tiny replicas on CUDA; TensorRT's skip: not on the lent image)
@@ -30,7 +21,7 @@ for f in ${GPU_TESTS:-runtime/test_kernels runtime/test_llm_run_ahead runtime/te
   left=$((end - SECONDS))
   if [ "$left" -le 5 ]; then echo "$f: not run (no time left)" | tee -a "$2"; continue; fi
   echo "== $f" >> "$2"
-  PYTHONPATH=/tmp/site:$PWD$extra timeout "$left" python3 -m pytest "tests/$f.py" -m gpu -q -p no:cacheprovider \
+  timeout "$left" python3 -m pytest "tests/$f.py" -m gpu -q -p no:cacheprovider \
     --tb=short >> "$2" 2>&1
   rc=$?
   [ "$rc" = 124 ] && echo "$f: cut by the time limit" | tee -a "$2"

@@ -32,16 +32,13 @@ if [ "${STEPPER_S:-0}" -gt 0 ]; then  # pass times: stepped recompute vs whole s
 fi
 bench() {  # family, seconds, out folder, arms (space-separated), concurrencies
   if [ ! -f .carry/site312.tar.xz ]; then echo "gpu_bench: no .carry/site312.tar.xz (carry .carry)"; return; fi
-  stamp=$(md5sum < .carry/site312.tar.xz)  # extracted once per machine and bundle (device_capacity.sh too)
-  if [ "$(cat /tmp/site/.stamp 2>/dev/null)" != "$stamp" ]; then
-    rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz && echo "$stamp" > /tmp/site/.stamp
-  fi
+  source bench/device_site.sh
   # the full-size random-weight model, shared with bench/device_capacity.sh on a warm machine
   [ -d "/tmp/$1-full" ] || python3 -m cosyvoice_runtime.tiny_model --size full --family "$1" --out "/tmp/$1-full" \
     > /dev/null 2>&1 || echo "full-size $1 model: failed"
   arms=()
   for a in $4; do arms+=(--arm "$a"); done
-  PYTHONPATH=/tmp/site:$PWD RAY_USAGE_STATS_ENABLED=0 timeout "$2" python3 -m bench.gpu_bench \
+  RAY_USAGE_STATS_ENABLED=0 timeout "$2" python3 -m bench.gpu_bench \
     --deadline-s "${DEADLINE_S:-90}" --family "$1" --model-dir "/tmp/$1-full" ${arms[@]+"${arms[@]}"} \
     --concurrency "$5" --tokens 250 --baseline-requests 3 --min-requests 6 --out "$W/$3" ${TAG:+--tag "$TAG"} ${BENCH_ARGS:-} 2>&1 \
     | grep -v Warning > "$W/$3.log"

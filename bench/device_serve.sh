@@ -10,8 +10,8 @@
 # run's 600 s: TESTS_S + COLOC_S + SERVE_S + ~60 s (bundle, model directory), e.g.
 #   COLOC_S=100 SERVE_S=300 bash bench/device_serve.sh
 set -u
-mkdir -p /tmp/site && tar -C /tmp/site -xJf .carry/site312.tar.xz
-export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+source bench/device_site.sh
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 {
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
   python3 -c "import ray, pydantic, starlette, wetext; print('ray', ray.__version__, 'pydantic', pydantic.__version__)" 2>&1
