@@ -51,7 +51,7 @@ from bench.autoscale_report import summarise, write_outputs
 from bench.capacity_load import Clock, Mix, serve_one
 from bench.capacity_targets import HttpTarget
 from bench.load import register_voices
-from bench.timed_fleet import Calibration, calibrate, cold_start_record, factory_name
+from bench.timed_fleet import RESULTS, Calibration, calibrate, cold_start_record, factory_name
 from bench.workload import SyntheticSource
 
 logger = logging.getLogger("bench.autoscale_live")
@@ -245,8 +245,9 @@ class SessionDriver:
         p = self.pause
         if p is None or self.resumed is not None or now < p.at_s:
             return now - self.paused_s
-        if p.resume() or now - p.at_s >= p.guard_s:
-            self.resumed = p.resume()
+        reached = p.resume()
+        if reached or now - p.at_s >= p.guard_s:
+            self.resumed = reached
             return now - self.paused_s
         self.paused_s = now - p.at_s
         return p.at_s
@@ -385,7 +386,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
-    ap.add_argument("--cold-starts", type=Path, default=None,
+    ap.add_argument("--cold-starts", type=Path, default=RESULTS,
                     help="where the measured GPU cold start records are, the newest used (default: bench/results; "
                          "bench/device_capacity.sh passes the ones its own call just measured)")
     ap.add_argument("--latest", action="store_true", help="also write <results>/autoscale-latest.json")
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.slo_streams is not None:
         cal = Calibration(**{**cal.__dict__, "slo_streams": args.slo_streams})
     per_replica = args.sessions_per_replica or cal.sessions_per_replica
-    cold = cold_start_record(args.cold_starts) if args.cold_starts else cold_start_record()
+    cold = cold_start_record(args.cold_starts)
     start_s = (cold["cold_start_s"] if cold else 0.0) * start_scale
     shape = RampShape(**{k: float(v) for k, v in (kv.split("=") for kv in args.shape.split(",") if kv)})
     app = app_config(args.config, args.gpus, cal, start_s, args.frontends, args.ingresses)

@@ -197,11 +197,11 @@ def markdown(result: dict[str, Any]) -> str:
              f"`bench/timed_fleet.py` (H100 reading `{cal['source']}`: {cal['sessions_per_replica']:g} sessions, "
              f"{cal['slo_streams']:g} streams in flight at the SLO, times x{cal['time_factor']:g} of the H200 "
              f"profile) and a start of {run['replica_start_s']:g} s (the measured GPU cold start x "
-             f"{run['start_scale']:g}). The ramp and Serve's delays ran at time scale {run['time_scale']:g}."), "",
-             "| figure | value |", "|---|---|"]
+             f"{run['start_scale']:g}). The ramp and Serve's delays ran at time scale {run['time_scale']:g}."), ""]
     if s.get("cut_short"):
-        lines[-2:-2] = [("**Cut short**: the ramp was interrupted before its end; these are the figures of "
-                         "the part that ran."), ""]
+        lines += ["**Cut short**: the ramp was interrupted before its end; these are the figures of the part that ran.",
+                  ""]
+    lines += ["| figure | value |", "|---|---|"]
     lines += [f"| `{k}` | {v} |" for k, v in s.items()]
     lines += ["", "![replicas](replicas.png)", "", "![first audio](first-audio.png)", "",
               "Definitions:", "", result["definitions"], ""]
