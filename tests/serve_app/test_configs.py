@@ -248,6 +248,18 @@ def test_every_gpu_config_runs_the_measured_replica(path):
     assert differ == {}
 
 
+def test_the_docker_image_serves_the_measured_cpu_tier():
+    """The Docker image's config is a user's one-GPU service: its ingress and frontend queue as the
+    measured config's do (it had half their limits, never measured), so the serve-level figures hold
+    for it; only API keys (on in the container) and the CPU reservations differ."""
+    measured, docker = AppArgs.from_file(ROOT / "configs/single-gpu.yaml"), AppArgs.from_file(ROOT / "deploy/docker/single-gpu.yaml")
+    for section in ("ingress", "frontend"):
+        a, b = getattr(measured, section).model_dump(), getattr(docker, section).model_dump()
+        differ = {k: (a[k], b[k]) for k in a if k not in FLEET_KEYS | {"auth"} and a[k] != b[k]}
+        assert differ == {}, section
+    assert docker.ingress.auth.required and not measured.ingress.auth.required
+
+
 # ------------------------------------------------------------------ scale-in drain (issue 40)
 def test_drain_covers_the_longest_call_the_ingress_admits():
     """4096 Han characters at 4.5 a second, at model speed 0.5: 1820.4 s of audio, made at least in
