@@ -146,14 +146,17 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """(B, V) non-negative weights, (B,) uniforms in [0, 1) -> (B,) long index with weight > 0.
 
     Index i is chosen with probability weights[i] / sum(weights) (a draw like
-    ``multinomial(weights, 1)``, from the given uniform).
+    ``multinomial(weights, 1)``, from the given uniform). A row with no positive weight (all zero,
+    or NaN) gets 0: the index is gathered inside a CUDA graph, where one out of range is a
+    device-side assert that kills the replica (H100 2026-12-07: -1 from such a row); the caller
+    discards that row (:func:`choose_ids`).
     """
     cdf = weights.cumsum(-1)
     target = u * cdf[:, -1]
     idx = (cdf <= target[:, None]).sum(-1)
     # Rounding can put the target at the very top: clamp to the last entry that can be drawn.
     rank = torch.arange(weights.shape[-1], device=weights.device)
-    last = torch.where(weights > 0, rank[None], -1).amax(-1)
+    last = torch.where(weights > 0, rank[None], -1).amax(-1).clamp(min=0)
     return torch.minimum(idx, last)
 
 

@@ -101,13 +101,15 @@ class DecodeRunner(graph_capture.GraphOwner):
         # that is packed once the first step's ids were read, so its copy has run.
         self._host = [torch.zeros(rows, cols, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
         self._next_pack = 0
-        self._rows = torch.zeros(rows, cols, dtype=torch.long, device=dev)
         vocab = model.llm_decoder.out_features
         self._logits = torch.zeros(rows, vocab, dtype=cache.dtype, device=dev)
         self._ids = torch.zeros(rows, dtype=torch.long, device=dev)
         self._stop_mask = bs.stop_mask(stop_mask_ids, vocab, dev)
         # Padding row: scratch slot, position 0 (key 0 is visible, so its softmax is finite), greedy.
         self._pad_row = torch.tensor([0, pad_slot, 0, -1] + pad_sampler_row(history_width), dtype=torch.long)
+        # Padding rows until the first step packs real ones: a compiled step warms up on these
+        # buffers, and zero rows (slot 0, temperature 0) sampled NaN there (H100 2026-12-07).
+        self._rows = self._pad_row.to(dev).expand(rows, -1).contiguous()
         # launch(): two pinned host copies of the chosen ids, so one step's copy is queued while
         # the one before it is read
         self._host_ids = [torch.zeros(rows, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]

@@ -108,3 +108,15 @@ def test_pack_rows_layout_and_window_check():
     assert np.int32(arr[0, bs.C_U0]).view(np.float32) == bs.counter_uniforms([9], [8])[0]
     with pytest.raises(ValueError):
         bs.pack_rows([SamplingParams(win_size=20)], [[]], [0], [0], [False], width=16)
+
+
+def test_a_row_with_nothing_to_draw_gets_an_index_in_range():
+    """All-zero or NaN weights (a zero-filled row: temperature 0) drew -1, which a gather inside a
+    CUDA graph turns into a device-side assert (H100 2026-12-07, the compiled decode step's warm-up)."""
+    weights = torch.zeros(3, 5)
+    weights[1, 2] = 1.0
+    weights[2] = float("nan")
+    assert bs.inverse_cdf(weights, torch.full((3,), 0.5)).tolist() == [0, 2, 0]
+    zero_rows = torch.zeros(2, pack([SamplingParams()]).shape[1], dtype=torch.long)  # temperature 0, top_k 0
+    ids = bs.choose_ids(random_logp(2), zero_rows, torch.zeros(V, dtype=torch.bool))
+    assert ((ids >= 0) & (ids < V)).all()

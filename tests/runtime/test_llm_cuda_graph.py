@@ -305,3 +305,14 @@ def test_a_compiled_step_warms_up_on_the_buffers_it_is_captured_with(backend, mo
     runner._graph(1, runner.key_buckets[0])
     assert runner.background_safe is (backend is None)
     assert (warms[0] is None) is (backend is not None)
+
+
+def test_the_step_buffers_hold_padding_rows_before_the_first_step():
+    """A compiled step warms up on its own buffers before any step packed them: they hold padding
+    rows (the scratch slot, greedy), not zeros (slot 0, temperature 0: NaN in the sampler)."""
+    model = tiny_model("cosyvoice2")
+    cache = KVCache.for_model(model, 9, 512)
+    runner = DecodeRunner(model, cache, 8, pad_slot=8, stop_mask_ids=min_len_mask_ids(model.spec), use_graphs=False)
+    assert torch.equal(runner._rows, runner._pad_row.expand_as(runner._rows))
+    runner._body(8, runner.key_buckets[0])
+    assert ((runner._ids >= 0) & (runner._ids < model.llm_decoder.out_features)).all()
