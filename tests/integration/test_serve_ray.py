@@ -243,7 +243,8 @@ def test_overload_returns_429_with_retry_after(tts_app, voice):
                 "model": "tts-1", "input": "x" * 40, "voice": voice, "response_format": "pcm", "seed": seed}))
                 for _ in range(16)]
             done, _ = await asyncio.wait(posts, return_when=asyncio.FIRST_COMPLETED)
-            assert all(p.result().status_code == 429 for p in done)  # nothing is served while held
+            first = [(p.result().status_code, p.result().text[:300]) for p in done]
+            assert all(code == 429 for code, _ in first), first  # nothing is served while held
             fakes.release(seed)
             return await asyncio.gather(*posts)
 
