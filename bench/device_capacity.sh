@@ -46,6 +46,10 @@ W=/tmp/capacity
 # the second's results again (H100 2026-12-05)
 rm -rf "$W" && mkdir -p "$W/results"
 cp bench/results/latest.json "$W/results/"  # the tool adds its keys to the throughput benchmark's
+# the call's own settings, for bench/import_results.py's run record (imports said
+# "settings not recorded" and were filled by hand)
+{ env | grep -E '^(TESTS_S|GPU_TESTS|AUTOSCALE_[A-Z]+|COLD_[A-Z]+|PROFILE_[A-Z]+|SYNTH_[A-Z]+|SERVE_[A-Z]+|ARMS|CAP_ARGS|CONFIG|FAMILY|TAG)=' | sort | sed "s/=\(.*\)/='\1'/" | tr '\n' ' '
+  echo "bash bench/device_capacity.sh"; } > "$W/call.txt"
 pack() { tar -czf "$OUT/capacity.tgz" -C "$W" .; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$W/gpu.txt"
 cat "$W/gpu.txt"

@@ -50,6 +50,14 @@ def _commit() -> str:
         return "unknown"
 
 
+def _call(root: Path) -> str:
+    """The device call's command line as bench/device_capacity.sh wrote it (call.txt: its settings)."""
+    call = root / "call.txt"
+    if not call.exists():
+        return "bench/device_capacity.sh (settings not recorded: a bundle from before call.txt)"
+    return f"{call.read_text().strip()} (device call)"
+
+
 def _run_of(root: Path, reports: list[dict]) -> tuple[str, str]:
     """The run's day and device: the capacity reports' own, else nvidia-smi's card and the day the
     GPU tests' log was written, else today (UTC) and ``unknown``."""
@@ -104,8 +112,7 @@ def import_bundle(bundle: Path, tag: str, out: Path, latest: bool = False, trace
             "what": f"device call `{tag}`: " + (", ".join(sorted({f"{d['workload']['level']} level {d['workload']['family']}"
                                                                 for d in docs})) or "no capacity report"),
             "main": reports[0] if reports else (written[0].name if written else ""),
-            "commit": _commit(), "command": f"bench/device_capacity.sh (settings not recorded), then "
-                                            f"python -m bench.import_results {bundle.name} --tag {tag}",
+            "commit": _commit(), "command": f"{_call(root)}, then python -m bench.import_results {bundle.name} --tag {tag}",
             "config": "; ".join(sorted({str(d["workload"].get("model", "unknown")) for d in docs})) or "unknown",
             "note": "commit: the checkout that imported the call; the device ran its working tree"}))
         if latest:
