@@ -56,6 +56,11 @@ def probe_counters(before: dict[str, float], after: dict[str, float]) -> dict:
     """What a probe reports of the counters read around it: their increments, with the threads'
     CPU seconds as cores busy (``threads_busy``) and the GIL probe's mean wait."""
     deltas = counter_deltas({k: v for k, v in before.items() if not k.startswith("cpu_s:")}, after)
+    if "prompt_cache_gib" in after:  # the resolved budget (cv2_prompt_cache_bytes), a level, not an increment
+        deltas["prompt_cache_gib"] = round(after["prompt_cache_gib"], 2)
+    hits, misses = deltas.pop("flow_prompt_prefix_hits", 0.0), deltas.pop("flow_prompt_prefix_misses", 0.0)
+    if hits + misses:  # per-voice prompt prefixes the flow reused, of those it looked up
+        deltas["prompt_prefix_hit_pct"] = round(100 * hits / (hits + misses), 1)
     wall = deltas.pop("wall_s", 0.0)
     # a thread pool starts its threads at first use: one started during the probe had 0 s before it
     cpu = {k.removeprefix("cpu_s:"): v - before.get(k, 0.0) for k, v in after.items() if k.startswith("cpu_s:")}

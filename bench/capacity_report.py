@@ -20,6 +20,7 @@ COLUMNS = (("load", "load", "{}"), ("requests", "requests", "{}"), ("ttfa_p50_ms
            ("t2w_busy_fraction", "t2w busy", "{:.2f}"), ("flow_passes", "flow passes", "{:.0f}"),
            ("flow_rows_per_pass", "rows per pass", "{:.1f}"), ("flow_rows_ready_per_pass", "rows ready per pass", "{:.1f}"),
            ("flow_frames_per_audio_s", "flow frames per audio s", "{:.0f}"),
+           ("prompt_prefix_hit_pct", "prompt prefix hit %", "{:.1f}"), ("prompt_cache_gib", "prompt cache GiB", "{:.1f}"),
            ("graph_captures", "graphs captured", "{:.0f}"), ("graph_misses", "graph misses", "{:.0f}"), ("gc_pause_ms", "GC pause ms", "{:.0f}"),
            ("gc_slow", "GC pauses > 10 ms", "{:.0f}"), ("ingress_gc_pause_ms", "ingress GC pause ms", "{:.0f}"),
            ("gil_wait_mean_ms", "GIL wait mean ms", "{:.2f}"), ("gil_slow", "GIL waits > 10 ms", "{:.0f}"),

@@ -128,9 +128,12 @@ class HttpTarget:
                 elif sample.name == "tts_cuda_graph_misses_total":
                     out["graph_misses"] += sample.value
                 elif sample.name in ("tts_flow_passes_total", "tts_flow_rows_in_passes_total",
-                                     "tts_flow_rows_ready_total"):
+                                     "tts_flow_rows_ready_total", "tts_flow_prompt_prefix_hits_total",
+                                     "tts_flow_prompt_prefix_misses_total"):
                     key = sample.name.removeprefix("tts_").removesuffix("_total")
                     out[key] = out.get(key, 0.0) + sample.value
+                elif sample.name == "tts_flow_prompt_cache_budget_bytes":  # a level, not differenced
+                    out["prompt_cache_gib"] = out.get("prompt_cache_gib", 0.0) + sample.value / 1024**3
                 elif sample.name == "tts_thread_cpu_seconds_total":
                     cpu_s[sample.labels["thread"]] = cpu_s.get(sample.labels["thread"], 0.0) + sample.value
             if family.name == "tts_gil_wait_seconds":
@@ -217,7 +220,10 @@ class InProcessTarget:
         stats = self.synth.stats()  # the stepped token2wav's passes, as /metrics has them at the serve level
         return {**process_counters(), "flow_passes": float(stats["flow_passes_total"]),
                 "flow_rows_in_passes": float(stats["flow_rows_in_passes_total"]),
-                "flow_rows_ready": float(stats["flow_rows_ready_total"])}
+                "flow_rows_ready": float(stats["flow_rows_ready_total"]),
+                "flow_prompt_prefix_hits": float(stats.get("flow_prompt_prefix_hits_total", 0)),
+                "flow_prompt_prefix_misses": float(stats.get("flow_prompt_prefix_misses_total", 0)),
+                "prompt_cache_gib": float(stats.get("flow_prompt_cache_budget_bytes", 0)) / 1024**3}
 
     def close(self) -> None:
         """Cancel what still runs on the target's loop (the synthesizer's background tasks), then stop it."""

@@ -311,7 +311,10 @@ def _pcm_app(status=200, pieces=(b"\x01\x00\x02", b"\x00", b"")):
                                  'tts_flow_passes_total{replica="a"} 30.0\n'
                                  'tts_flow_passes_total{replica="b"} 10.0\n'
                                  'tts_flow_rows_in_passes_total{replica="a"} 200.0\n'
-                                 'tts_flow_rows_ready_total{replica="a"} 260.0\n')
+                                 'tts_flow_rows_ready_total{replica="a"} 260.0\n'
+                                 'tts_flow_prompt_prefix_hits_total{replica="a"} 90.0\n'
+                                 'tts_flow_prompt_prefix_misses_total{replica="a"} 10.0\n'
+                                 'tts_flow_prompt_cache_budget_bytes{replica="a"} 5368709120.0\n')
     return Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]), Route("/metrics", metrics)])
 
 
@@ -331,14 +334,18 @@ def test_http_target_sums_the_replicas_graph_captures_and_a_probe_reports_the_gr
     target = HttpTarget("http://test", "v", transport=httpx.ASGITransport(app=_pcm_app()))
     got = asyncio.run(target.counters())
     assert got == {"graph_captures": 412.0, "graph_misses": 7.0, "flow_passes": 40.0, "flow_rows_in_passes": 200.0,
-                   "flow_rows_ready": 260.0}
+                   "flow_rows_ready": 260.0, "flow_prompt_prefix_hits": 90.0, "flow_prompt_prefix_misses": 10.0,
+                   "prompt_cache_gib": 5.0}
     assert counter_deltas({"graph_captures": 400.0, "graph_misses": 3.0}, got) == {"graph_captures": 12.0,
                                                                                   "graph_misses": 4.0}
     # the stepped token2wav's passes over the probe, the rows they carried and had in hand on average
     assert probe_counters({"flow_passes": 30.0, "flow_rows_in_passes": 50.0, "flow_rows_ready": 60.0}, got) == {
-        "flow_passes": 10.0, "flow_rows_per_pass": 15.0, "flow_rows_ready_per_pass": 20.0}
+        "flow_passes": 10.0, "flow_rows_per_pass": 15.0, "flow_rows_ready_per_pass": 20.0, "prompt_cache_gib": 5.0}
     assert probe_counters({"flow_passes": 40.0, "flow_rows_in_passes": 200.0, "flow_rows_ready": 260.0}, got) == {
-        "flow_passes": 0.0}
+        "flow_passes": 0.0, "prompt_cache_gib": 5.0}
+    # the prompt prefixes the flow reused over the probe, of those it looked up (the cache's hit rate)
+    assert probe_counters({"flow_prompt_prefix_hits": 60.0, "flow_prompt_prefix_misses": 0.0}, got) == {
+        "prompt_cache_gib": 5.0, "prompt_prefix_hit_pct": 75.0}
 
 
 def test_http_target_reads_the_gc_pauses_of_the_synthesizer_and_the_ingress_from_metrics():

@@ -19,7 +19,7 @@ REPORT = (REPO / "bench" / "results" / "2026-12-05-h100-capacity-synth-late"
           / "capacity-synth-nvidia-h100-80gb-hbm3-2026-12-05-late.json")
 
 
-def _bundle(tmp_path: Path) -> Path:
+def _bundle(tmp_path: Path, **extra: bytes) -> Path:
     files = {
         f"results/{DEVICE_STEM}.json": REPORT.read_bytes(),
         "results/profile-first-audio-nvidia-h100-80gb-hbm3-2026-12-05.json": b'{"requests": []}',
@@ -30,6 +30,7 @@ def _bundle(tmp_path: Path) -> Path:
                                            "capacity_report_synth": f"{DEVICE_STEM}.md"}).encode(),
         "gpu.txt": b"name, driver_version\nNVIDIA H100 80GB HBM3, 580.1\n",
         "gpu_tests.txt": b"== runtime/test_no_gpu_waits\n4 passed\n",
+        **extra,
     }
     path = tmp_path / "capacity.tgz"
     with tarfile.open(path, "w:gz") as tar:
@@ -80,3 +81,15 @@ def test_a_tag_is_a_plain_slug(tmp_path, tag):
     with pytest.raises(ValueError, match="tag"):
         import_bundle(_bundle(tmp_path), tag, tmp_path)
     assert os.listdir(tmp_path) == ["capacity.tgz"]
+
+
+def test_the_run_record_names_the_call_the_device_script_wrote_down(tmp_path):
+    """bench/device_capacity.sh writes its settings to call.txt; a bundle without it says so."""
+    line = b"SERVE_S='330' TAG='x' bash bench/device_capacity.sh\n"
+    import_bundle(_bundle(tmp_path, **{"call.txt": line}), "late", tmp_path)
+    command = json.loads((tmp_path / "2026-12-05-h100-late" / "run.json").read_text())["command"]
+    assert command.startswith("SERVE_S='330' TAG='x' bash bench/device_capacity.sh (device call), then ")
+    import_bundle(_bundle(tmp_path), "night", tmp_path)
+    assert "settings not recorded" in json.loads((tmp_path / "2026-12-05-h100-night" / "run.json").read_text())["command"]
+    script = (REPO / "bench" / "device_capacity.sh").read_text()
+    assert '> "$W/call.txt"' in script and "CAP_ARGS" in script
