@@ -52,7 +52,7 @@ from bench.capacity_load import Clock, Mix, serve_one
 from bench.capacity_targets import HttpTarget
 from bench.load import register_voices
 from bench.timed_fleet import RESULTS, Calibration, calibrate, cold_start_record, factory_name
-from bench.workload import SyntheticSource
+from bench.workload import LengthsOf, ProductionSource, SyntheticSource
 
 logger = logging.getLogger("bench.autoscale_live")
 ROOT = Path(__file__).resolve().parent.parent
@@ -371,7 +371,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the measured GPU cold start, times this, before a timed replica serves (default: time scale)")
     ap.add_argument("--peak", type=float, default=None, help="the ramp's peak in replicas' worth (default: --gpus)")
     ap.add_argument("--shape", default="", help="RampShape fields in reference s, e.g. up_s=300,idle_s=60")
-    ap.add_argument("--mix", default=MIX, help="answer lengths of the sessions (capacity_load.Mix)")
+    ap.add_argument("--mix", default=None,
+                    help="answer lengths of the sessions (capacity_load.Mix, e.g. the synthetic workload's "
+                         f"{MIX}); default: the lengths of the production workload the calibration measured")
     ap.add_argument("--back-to-back", action="store_true",
                     help="sessions ask again at once (no playback wait): one stream in flight per session")
     ap.add_argument("--sessions-per-replica", type=float, default=None,
@@ -427,7 +429,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return last.get("states", {}).get("RUNNING", 0) >= args.wait_for_replicas
 
         pause = Pause((shape.up_s + shape.plateau_s) * scale, running, args.wait_guard_s)
-    driver = SessionDriver(HttpTarget(url, voice), SyntheticSource(Mix.parse(args.mix)),
+    # the calibration reading's workload (production) gives the lengths: the synthetic mix's shorter
+    # answers put ~1.8x its streams in flight per session (H100 host 2026-12-07, autoscale-live)
+    source = SyntheticSource(Mix.parse(args.mix)) if args.mix else LengthsOf(ProductionSource(seed=args.seed))
+    driver = SessionDriver(HttpTarget(url, voice), source,
                            lambda t: float(np.interp(t, xs, ys)), shape.total_s * scale, args.seed,
                            not args.back_to_back, clock, pause)
     guard = (args.settle_s if args.settle_s is not None else 3 * auto["downscale_delay_s"] + 60) * scale
@@ -445,7 +450,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "gpus": args.gpus, "time_scale": scale, "start_scale": start_scale, "replica_start_s": round(start_s, 2),
         "bin_s": 10.0 * scale, "shape_reference_s": asdict(shape), "peak_replicas_worth": args.peak or args.gpus,
         "sessions_per_replica": per_replica, "sessions_per_replica_worth": worth, "band_centre": mid,
-        "mix": args.mix, "wait_playback": not args.back_to_back, "seed": args.seed,
+        "workload": source.describe(), "wait_playback": not args.back_to_back, "seed": args.seed,
         "autoscaling_reference": dict(auto),  # the config's (unscaled), as the fleet simulation takes them
         "max_ongoing_requests": app["args"]["synthesizer"]["max_ongoing_requests"],
         "serve_metrics_push_s": SERVE_PUSH_S * scale, "calibration": cal.as_dict(), "cold_start_gpu": cold,

@@ -188,6 +188,16 @@ def plot_first_audio(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _workload(run: dict[str, Any]) -> str:
+    w = run.get("workload")
+    if w is None:  # a run from before the workload was recorded: the synthetic mix
+        return f"the synthetic mix {run.get('mix', 'unknown')}"
+    if "lengths_of" in w:
+        return (f"the lengths of the `{w['lengths_of']['name']}` workload (bench/workload.py), each sent as one "
+                "made-up word the timed replica speaks for that long, in one voice")
+    return f"the `{w['name']}` workload, mix {w.get('mix')}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     s, run = result["summary"], result["run"]
     cal = run["calibration"]
@@ -197,7 +207,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"`bench/timed_fleet.py` (H100 reading `{cal['source']}`: {cal['sessions_per_replica']:g} sessions, "
              f"{cal['slo_streams']:g} streams in flight at the SLO, times x{cal['time_factor']:g} of the H200 "
              f"profile) and a start of {run['replica_start_s']:g} s (the measured GPU cold start x "
-             f"{run['start_scale']:g}). The ramp and Serve's delays ran at time scale {run['time_scale']:g}."), ""]
+             f"{run['start_scale']:g}). The ramp and Serve's delays ran at time scale {run['time_scale']:g}."), "",
+             f"Sessions' answers: {_workload(run)}.", ""]
     if s.get("cut_short"):
         lines += ["**Cut short**: the ramp was interrupted before its end; these are the figures of the part that ran.",
                   ""]

@@ -230,6 +230,35 @@ class ProductionSource:
                 "cold_voice_share": self.cold_share}
 
 
+class LengthsOf:
+    """Another source's drawn lengths sent as the target's synthetic one-word requests in its one
+    voice: the workload of replicas that run no model (the live ramp's timed replicas take a
+    token's time whatever its text), with the lengths of the workload their calibration measured."""
+
+    voices: tuple[VoiceSpec, ...] = ()
+
+    def __init__(self, source: RequestSource) -> None:
+        self.source = source
+        self.name = f"{source.name}-lengths"
+
+    def draw(self, rng: random.Random, session: int | None) -> Utterance:
+        return Utterance(self.source.draw(rng, session).drawn_s)
+
+    @property
+    def longest_s(self) -> float:
+        return self.source.longest_s
+
+    @property
+    def prompt_s_max(self) -> float:
+        return SyntheticSource(None).prompt_s_max
+
+    def describe(self) -> dict:
+        return {"name": self.name, "lengths_of": self.source.describe(),
+                "text": {"source": "one made-up consonant word per request, its letters set so the replica "
+                                   "speaks about the drawn length (capacity_targets.text_for)"},
+                "voices": {"count": 1}, "cold_voice_share": 0.0}
+
+
 def length_summary(pairs: list[tuple[float, float]]) -> dict | None:
     """Served against drawn seconds over ``(drawn, served)`` pairs: p50 / p95 / mean of each and
     the p5 / p50 / p95 of their ratio (1.0: the service spoke what the text means)."""

@@ -346,3 +346,18 @@ def test_the_production_workload_runs_in_process_on_the_tiny_model(tmp_path, mon
     assert probe["requests"] >= 1 and probe["errors"] == 0 and probe["served_s_p50"] > 0
     assert w["served_length"]["requests"] >= probe["requests"] and w["served_length"]["drawn_s"]["p50"] == 1.0
     assert "production workload" in Path(tmp_path / f"{next(tmp_path.glob('capacity-synth-cpu-*.md')).name}").read_text()
+
+
+def test_lengths_of_a_source_keep_its_draws_without_its_text_or_voices():
+    """The live ramp's timed replicas get the production workload's lengths as synthetic requests."""
+    from bench.workload import LengthsOf, ProductionSource
+
+    prod = ProductionSource(seed=3, voices=4)
+    lengths = LengthsOf(ProductionSource(seed=3, voices=4))
+    a, b = random.Random(7), random.Random(7)
+    for session in (0, 1, None, 2):
+        want, got = prod.draw(a, session), lengths.draw(b, session)
+        assert got.drawn_s == want.drawn_s > 0 and got.text is None and got.voice is None and not got.cold
+    assert lengths.voices == () and lengths.name == "production-lengths"
+    assert lengths.longest_s == prod.longest_s
+    assert lengths.describe()["lengths_of"]["name"] == "production"
