@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{result['ready_s']} s, all graphs at {result['all_graphs_s']} s "
           f"(first request {result['first_request_ttfa_s'] * 1e3:.0f} ms): "
           + ", ".join(f"{k} {v:.1f} s" for k, v in result["phases_s"].items()) + f" -> {path}")
+    by_owner = ((result.get("replica") or {}).get("cuda_graphs") or {}).get("before_ready_by_owner") or {}
+    if by_owner:  # which owner's graphs the graph phase is made of
+        print("graphs before ready: " + ", ".join(f"{name} {o['graphs']} in {o['s']:.1f} s" for name, o in by_owner.items()))
     return result
 
 

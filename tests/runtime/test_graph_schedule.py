@@ -190,3 +190,26 @@ def test_a_deferred_llm_step_runs_eagerly_beside_run_ahead_and_a_scratch_warm_up
         runner._body(2, runner.key_buckets[0], scratch)
     assert torch.equal(runner._ids, ids) and torch.equal(runner._logits, logits)
     assert scratch[1].abs().sum() > 0  # the warm-up ran, into the scratch
+
+
+def test_the_snapshot_says_what_each_owner_took_before_ready():
+    """Graphs and seconds per owner before ready (a fake clock: each capture of the flow's takes 2 s,
+    the LLM's 0.5 s), so a cold start's graph phase says which owner to move to the background."""
+    now = [0.0]
+    cost = {"llm.decode": 0.5, "flow.incremental": 2.0}
+
+    class Timed(FakeOwner):
+        def __init__(self, name, keys):
+            super().__init__(keys)
+            self.name = name
+
+        def capture_key(self, key):
+            super().capture_key(key)
+            now[0] += cost[self.name]
+
+    llm, flow = Timed("llm.decode", _grid([1, 2], [128, 256])), Timed("flow.incremental", _grid([1], [64, 128, 256]))
+    schedule = GraphSchedule([("llm.decode", llm), ("flow.incremental", flow)], clock=lambda: now[0])
+    schedule.capture_first()
+    snap = schedule.snapshot()
+    assert snap["before_ready_s"] == 7.0
+    assert snap["before_ready_by_owner"] == {"llm.decode": {"graphs": 2, "s": 1.0}, "flow.incremental": {"graphs": 3, "s": 6.0}}
