@@ -67,7 +67,8 @@ def pick_rows(rows: Sequence, deadline_s: dict, now_s: float, slack_s: float, ma
     deadline first (``deadline_s[id(row)]``).
 
     A pass runs rows of one kind (recomputed or incremental: one graph each), the most urgent
-    row's. While some row of it is due within ``slack_s``, the pass is for those rows (a first
+    row's, and of its size class: a row no captured bucket holds (``oversize``: it runs eagerly)
+    shares a pass only with rows like it, since a pass takes its largest row's shape. While some row of it is due within ``slack_s``, the pass is for those rows (a first
     chunk is due at once), plus riders of at most ``rider_ratio`` times the longest of them (1:
     no longer, so they ride in the same padded bucket for almost nothing); otherwise the earliest
     rows. At most ``max_batch``, and at most ``length_ratio`` times the frames of the most urgent
@@ -84,7 +85,8 @@ def pick_rows(rows: Sequence, deadline_s: dict, now_s: float, slack_s: float, ma
     order = sorted(rows, key=lambda r: deadline_s[id(r)])
     if not order:
         return []
-    order = [r for r in order if r.kind == order[0].kind]
+    group = (order[0].kind, getattr(order[0], "oversize", False))
+    order = [r for r in order if (r.kind, getattr(r, "oversize", False)) == group]
     urgent = [r for r in order if deadline_s[id(r)] - now_s < slack_s]
     limit = length_ratio * order[0].frames
     if urgent:

@@ -81,6 +81,7 @@ class IncrementalRow:
     # their block inputs go into the cache's scratch, the convolution history at it into mark_convs
     mark: int = 0
     mark_convs: list[torch.Tensor] = field(default_factory=list)
+    oversize: bool = False  # no captured bucket holds it: passes of its own (Token2Wav.start_solves)
 
     @property
     def frames(self) -> int:

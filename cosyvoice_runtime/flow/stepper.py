@@ -42,6 +42,7 @@ class SolveRow:
     x: torch.Tensor  # (80, T) the ODE state, compute dtype
     tag: object = None
     step: int = 0
+    oversize: bool = False  # no bucket holds it: passes of its own (Token2Wav.start_solves)
 
     @property
     def frames(self) -> int:

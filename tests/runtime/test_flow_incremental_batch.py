@@ -537,3 +537,24 @@ def test_bad_incremental_jobs_are_refused():
     stepper.solve([row])
     with pytest.raises(ValueError, match="finished row"):
         stepper.advance([row])
+
+
+def test_a_row_past_the_flow_buckets_is_marked_oversize():
+    """Token2Wav.start_solves marks the rows no bucket holds (cached frames past the padded
+    stepper's max_cached): the stepped driver runs them apart (stream_schedule.pick_rows)."""
+    cv2 = _cv2()
+    t2w = Token2Wav(cv2.spec, _padded_flow(max_frames=256), cv2.hift, min_first_hop=10, cv2_flow="incremental")
+    short, long = t2w.new_stream(_prompt(20, 1), stream=True), t2w.new_stream(_prompt(150, 2), stream=True)
+    tokens = [_tokens(120, 1), _tokens(120, 2)]
+    first = t2w.start_solves([t2w.next_job(st, tk, llm_done=True) for st, tk in zip((short, long), tokens)])
+    assert [r.oversize for r in first] == [False, False]  # nothing cached yet: the prompt is new frames
+    t2w.flow.incremental.solve(first)
+    t2w.finish(first)
+    rows = t2w.start_solves([t2w.next_job(st, tk, llm_done=True) for st, tk in zip((short, long), tokens)])
+    inc = t2w.flow.incremental
+    assert [r.start > inc.max_cached for r in rows] == [False, True]  # the long prompt's frames are cached now
+    assert [inc.bucket_of(1, r.frames, r.start) is None for r in rows] == [False, True]
+    assert [r.oversize for r in rows] == [False, True]
+    unpadded = Token2Wav(cv2.spec, copy.deepcopy(cv2.flow), cv2.hift, cv2_flow="incremental")  # no buckets: all alike
+    st = unpadded.new_stream(_prompt(150, 2), stream=True)
+    assert [r.oversize for r in unpadded.start_solves([unpadded.next_job(st, _tokens(60, 2), llm_done=True)])] == [False]

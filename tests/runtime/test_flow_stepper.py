@@ -129,3 +129,15 @@ def test_device_and_dtype_follow_a_cast_and_a_swapped_estimator():
     assert stepper.dtype == torch.float64
     solver.estimator = torch.nn.Linear(2, 2).to(torch.float16)
     assert stepper.dtype == torch.float16
+
+
+def test_pick_rows_keeps_rows_no_bucket_holds_in_passes_of_their_own():
+    """A pass takes its largest row's shape: a row past every captured bucket (it runs eagerly) would
+    take the graphed rows beside it into an eager pass; it gets passes with its like instead."""
+    rows = _rows([200, 180, 150, 170])
+    rows[1].oversize = rows[3].oversize = True
+    deadline = {id(r): 10.0 + 0.1 * i for i, r in enumerate(rows)}
+    assert [r.tag for r in pick_rows(rows, deadline, 10.0, 0.5, 16, 2.0)] == [0, 2]
+    deadline[id(rows[1])] = 9.0
+    assert [r.tag for r in pick_rows(rows, deadline, 10.0, 0.5, 16, 2.0)] == [1, 3]
+    assert not SolveRow.oversize  # rows are alike unless Token2Wav.start_solves says otherwise
