@@ -30,8 +30,9 @@
 #   instead of Serve's HTTP proxy actor (docs/tuning.md, "The HTTP path")
 #   AUTOSCALE_S=540 runs the live autoscaling ramp (bench/autoscale_live.py) alone (interrupted at
 #   AUTOSCALE_S, it writes the part that ran, marked cut_short: leave ~40 s of the call after it): AUTOSCALE_GPUS (8)
-#   logical GPUs of timed replicas (no GPU work, no model), time scale AUTOSCALE_SCALE (0.3: the
-#   1,260 s ramp in 378 s; replicas start in the measured cold start x 0.3), AUTOSCALE_ARGS adds flags;
+#   logical GPUs of timed replicas (no GPU work, no model), time scale AUTOSCALE_SCALE (0.25: the
+#   1,680 s ramp in 420 s, ~500 s with Ray's start and the plots; replicas start in the measured cold
+#   start x 0.25), AUTOSCALE_ARGS adds flags;
 #   its replicas start in the cold start an earlier COLD_S call of the same lease measured (else bench/results');
 #   it writes its run folder, autoscale-latest.json and fleet-sim-latest.json (sim_vs_live) under
 #   results/ of capacity.tgz (docs/tuning.md, "The live ramp": how to bring them in)
@@ -66,7 +67,7 @@ if [ "${AUTOSCALE_S:-0}" -gt 0 ]; then  # the live ramp: no model, so first (alo
   cold=(); [ -d /tmp/cold-kept ] && cold=(--cold-starts /tmp/cold-kept)
   # SIGINT at AUTOSCALE_S: the tool writes what ran (cut_short) in the next ~30 s, then pack
   timeout -s INT -k 60 "$AUTOSCALE_S" python3 -m bench.autoscale_live --gpus "${AUTOSCALE_GPUS:-8}" ${cold[@]+"${cold[@]}"} \
-    --time-scale "${AUTOSCALE_SCALE:-0.3}" --ingresses 2 --settle-s 120 ${AUTOSCALE_ARGS:-} --results "$W/results" \
+    --time-scale "${AUTOSCALE_SCALE:-0.25}" --ingresses 2 --settle-s 120 ${AUTOSCALE_ARGS:-} --results "$W/results" \
     --latest ${TAG:+--tag "$TAG"} 2>&1 | grep -v Warning > "$W/autoscale.log"
   grep -E "run folder|Error|error|Traceback" "$W/autoscale.log" | cut -c1-600 | tail -8
   pack
