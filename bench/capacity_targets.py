@@ -221,9 +221,9 @@ class InProcessTarget:
         return {**process_counters(), "flow_passes": float(stats["flow_passes_total"]),
                 "flow_rows_in_passes": float(stats["flow_rows_in_passes_total"]),
                 "flow_rows_ready": float(stats["flow_rows_ready_total"]),
-                "flow_prompt_prefix_hits": float(stats.get("flow_prompt_prefix_hits_total", 0)),
-                "flow_prompt_prefix_misses": float(stats.get("flow_prompt_prefix_misses_total", 0)),
-                "prompt_cache_gib": float(stats.get("flow_prompt_cache_budget_bytes", 0)) / 1024**3}
+                "flow_prompt_prefix_hits": float(stats["flow_prompt_prefix_hits_total"]),
+                "flow_prompt_prefix_misses": float(stats["flow_prompt_prefix_misses_total"]),
+                "prompt_cache_gib": float(stats["flow_prompt_cache_budget_bytes"]) / 1024**3}
 
     def close(self) -> None:
         """Cancel what still runs on the target's loop (the synthesizer's background tasks), then stop it."""

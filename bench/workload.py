@@ -36,6 +36,7 @@ PROMPT_RATE = 16000  # prompt uploads' sample rate
 DEFAULT_SENTENCES = "1:40,2:30,3:20,4:10"
 DEFAULT_LANGUAGES = "en:50,zh:50"
 VOICE_PREFIX = "capacity"
+TARGET_PROMPT_S = 87 / 25  # the targets' own voice (bench/random_model.PROMPT_SPEECH tokens at 25 a second)
 
 
 @dataclass(frozen=True)
@@ -130,9 +131,9 @@ class SyntheticSource:
     name = "synthetic"
     voices: tuple[VoiceSpec, ...] = ()
 
-    def __init__(self, mix, prompt_s: float = 87 / 25) -> None:
+    def __init__(self, mix, prompt_s: float = TARGET_PROMPT_S) -> None:
         self.mix = mix
-        self.prompt_s = prompt_s  # the targets' one voice (bench/random_model.PROMPT_SPEECH tokens)
+        self.prompt_s = prompt_s  # the targets' one voice
 
     def draw(self, rng: random.Random, session: int | None) -> Utterance:
         return Utterance(self.mix.draw(rng))
@@ -250,7 +251,7 @@ class LengthsOf:
 
     @property
     def prompt_s_max(self) -> float:
-        return SyntheticSource(None).prompt_s_max
+        return TARGET_PROMPT_S  # the requests go out in the target's own voice
 
     def describe(self) -> dict:
         return {"name": self.name, "lengths_of": self.source.describe(),

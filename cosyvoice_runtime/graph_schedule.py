@@ -143,7 +143,7 @@ class GraphSchedule:
             count, seconds = self.first_by_owner.get(task.owner, (0, 0.0))
             self.first_by_owner[task.owner] = (count + 1, seconds + now - at)
             at = now
-        self.first_s = self.clock() - started
+        self.first_s = at - started
         if self.total:
             logger.info("captured %d of %d CUDA graphs before ready in %.1f s (%d left for the background)",
                         len(self.first), self.total, self.first_s, len(self.rest))

@@ -66,10 +66,10 @@ def pick_rows(rows: Sequence, deadline_s: dict, now_s: float, slack_s: float, ma
     :mod:`cosyvoice_runtime.flow.incremental`; anything with ``frames`` and ``kind``): earliest
     deadline first (``deadline_s[id(row)]``).
 
-    A pass runs rows of one kind (recomputed or incremental: one graph each), the most urgent
-    row's, and of its size class: a row no captured bucket holds (``oversize``: it runs eagerly)
-    shares a pass only with rows like it, since a pass takes its largest row's shape. While some row of it is due within ``slack_s``, the pass is for those rows (a first
-    chunk is due at once), plus riders of at most ``rider_ratio`` times the longest of them (1:
+    A pass runs rows of one kind (recomputed or incremental: one graph each) and size class, the
+    most urgent row's: a row no captured bucket holds (``oversize``: it runs eagerly) shares a
+    pass only with rows like it, since a pass takes its largest row's shape. While some row of it
+    is due within ``slack_s``, the pass is for those rows (a first chunk is due at once), plus riders of at most ``rider_ratio`` times the longest of them (1:
     no longer, so they ride in the same padded bucket for almost nothing); otherwise the earliest
     rows. At most ``max_batch``, and at most ``length_ratio`` times the frames of the most urgent
     row, which the pass pads to.
@@ -85,10 +85,15 @@ def pick_rows(rows: Sequence, deadline_s: dict, now_s: float, slack_s: float, ma
     order = sorted(rows, key=lambda r: deadline_s[id(r)])
     if not order:
         return []
-    group = (order[0].kind, getattr(order[0], "oversize", False))
-    order = [r for r in order if (r.kind, getattr(r, "oversize", False)) == group]
+    order = [r for r in order if _pass_group(r) == _pass_group(order[0])]
     urgent = [r for r in order if deadline_s[id(r)] - now_s < slack_s]
     limit = length_ratio * order[0].frames
     if urgent:
         limit = min(limit, rider_ratio * max(r.frames for r in urgent if r.frames <= limit))
     return [r for r in order if r.frames <= limit][:max_batch]
+
+
+def _pass_group(row) -> tuple[str, bool]:
+    """What rows must share to ride in one pass: kind and size class (rows that carry no
+    ``oversize``, e.g. the timed runtime's, are all of the graphed class)."""
+    return row.kind, getattr(row, "oversize", False)
