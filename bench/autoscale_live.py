@@ -71,7 +71,7 @@ class RampShape:
     burst_share: float = 0.25  # the burst adds this share of the peak
     hold_s: float = 60.0  # back at the peak after the burst
     # peak -> 0 as slowly as the way up: Serve scales in only after downscale_delay_s (and the
-    # policy's look-back), so over 180 s the fleet stayed 2-5 replicas above the ideal for 13 of the
+    # policy's look-back), so over 180 s the fleet stayed 2-6 replicas above the ideal for 13 of the
     # descent's 18 bins (H100 host, 2026-12-07): that measured the delay, not the policy
     down_s: float = 600.0
     idle_s: float = 180.0  # no load: the fleet scales in
