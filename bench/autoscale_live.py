@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.slo_streams is not None:
         cal = Calibration(**{**cal.__dict__, "slo_streams": args.slo_streams})
     per_replica = args.sessions_per_replica or cal.sessions_per_replica
-    cold = cold_start_record(args.cold_starts)
+    cold = cold_start_record(args.cold_starts, gpu=cal.device)
     start_s = (cold["cold_start_s"] if cold else 0.0) * start_scale
     shape = RampShape(**{k: float(v) for k, v in (kv.split("=") for kv in args.shape.split(",") if kv)})
     app = app_config(args.config, args.gpus, cal, start_s, args.frontends, args.ingresses)

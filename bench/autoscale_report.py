@@ -198,6 +198,14 @@ def _workload(run: dict[str, Any]) -> str:
     return f"the `{w['name']}` workload, mix {w.get('mix')}"
 
 
+def _timing(cal: dict[str, Any]) -> str:
+    if "time_factor" in cal:  # the one-factor calibration of runs before 2026-12-07's second ramp
+        return f"times x{cal['time_factor']:g} of the H200 profile"
+    return (f"H200 profile with the decode step x{cal['llm_factor']:g} ({cal['step_ms_alone']:g} ms alone), "
+            f"token2wav x{cal['t2w_factor']:g}, a step {1 + cal['times']['llm_slowdown']:.2f}x slower while "
+            "token2wav holds the GPU")
+
+
 def markdown(result: dict[str, Any]) -> str:
     s, run = result["summary"], result["run"]
     cal = run["calibration"]
@@ -205,8 +213,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"Machine: {run['machine']}. Command: `{run['command']}` at {run['commit']}.",
              "", ("**No model ran**: every synthesizer replica slept the calibrated GPU times of "
              f"`bench/timed_fleet.py` (H100 reading `{cal['source']}`: {cal['sessions_per_replica']:g} sessions, "
-             f"{cal['slo_streams']:g} streams in flight at the SLO, times x{cal['time_factor']:g} of the H200 "
-             f"profile) and a start of {run['replica_start_s']:g} s (the measured GPU cold start x "
+             f"{cal['slo_streams']:g} streams in flight at the SLO; {_timing(cal)}) and a start of {run['replica_start_s']:g} s (the measured GPU cold start x "
              f"{run['start_scale']:g}). The ramp and Serve's delays ran at time scale {run['time_scale']:g}."), "",
              f"Sessions' answers: {_workload(run)}.", ""]
     if s.get("cut_short"):

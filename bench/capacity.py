@@ -56,6 +56,7 @@ from bench.random_model import PROMPT_SPEECH
 from bench.replica import GRAPHS_WAIT_S, Arm, require_stepped, wait_for_graphs
 from bench.report import slug
 from bench.soak import config_env, start_local, wait_idle
+from bench.timed_fleet import factory_name
 from bench.timed_runtime import PROFILES
 from bench.workload import add_args, length_summary, register_pool, source_from_args
 from deployments.frontend import TextFrontend
@@ -225,21 +226,23 @@ def run_synth(args: argparse.Namespace, run: Run, sampler: GpuSampler | None) ->
 
 
 TIMED_SYNTHESIZER = {"device": "cpu", "dtype": "float32", "cuda_graphs": False, "max_mem_gb": None}
+# --timed profiles: the H200's fixed times, and h100: the live ramp's replica, calibrated from the
+# newest H100 production reading (bench/timed_fleet.py), starting at once
+TIMED_FACTORIES = {**{name: f"bench.timed_runtime:{name}" for name in PROFILES}, "h100": factory_name(0.0)}
 
 
 def timed_config(path: Path, profile: str = "h200") -> Path:
     """A copy of the Serve config whose synthesizer takes a GPU's times without a GPU
-    (:mod:`bench.timed_runtime`, ``profile`` one of its PROFILES): that runtime, the CPU, no GPU
-    resource, the stepped scheduler."""
-    if profile not in PROFILES:
-        raise ValueError(f"unknown timing profile {profile!r}; known: {', '.join(PROFILES)}")
+    (``profile`` one of TIMED_FACTORIES): that runtime, the CPU, no GPU resource, the stepped scheduler."""
+    if profile not in TIMED_FACTORIES:
+        raise ValueError(f"unknown timing profile {profile!r}; known: {', '.join(TIMED_FACTORIES)}")
     document = yaml.safe_load(path.read_text())
     app = application_of(document)
     args = app.setdefault("args", {})
     if not args.get("model_dir") and not os.environ.get("FAST_COSY_MODEL_DIR"):
         args["tiny_family"] = "cosyvoice2"  # the frontend's tokenizer and prompt features; the synthesizer loads none
     synth = args.setdefault("synthesizer", {})
-    synth.update(TIMED_SYNTHESIZER, runtime_factory=f"bench.timed_runtime:{profile}")
+    synth.update(TIMED_SYNTHESIZER, runtime_factory=TIMED_FACTORIES[profile])
     synth["token2wav"] = {**(synth.get("token2wav") or {}), "scheduler": "steps"}
     synth["resources"] = {**(synth.get("resources") or {}), "num_gpus": 0}
     out = Path(tempfile.mkdtemp(prefix="capacity-timed-")) / path.name
@@ -326,9 +329,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="synth level: one search per arm, the config's synthesizer with these overrides "
                          "(bench/replica.py; repeat for an A/B)")
     ap.add_argument("--config", default="configs/single-gpu.yaml", help="serve and synth levels: the Serve config")
-    ap.add_argument("--timed", nargs="?", const="h200", default=None, choices=sorted(PROFILES),
+    ap.add_argument("--timed", nargs="?", const="h200", default=None, choices=sorted(TIMED_FACTORIES),
                     help="serve and synth levels: the synthesizer's runtime takes a GPU's times on the CPU "
-                    "(bench/timed_runtime.py; default profile h200) instead of loading the model")
+                    "(bench/timed_runtime.py; default profile h200; h100: the live ramp's replica calibrated "
+                    "by bench/timed_fleet.py) instead of loading the model")
     ap.add_argument("--num-cpus", type=float, default=16, help="serve level: CPUs given to local Ray")
     ap.add_argument("--mix", default=DEFAULT_MIX, help="synthetic workload: utterance lengths, WEIGHT:LO-HI "
                     "seconds, comma-separated")
@@ -369,6 +373,9 @@ def measure(argv: list[str] | None = None) -> tuple[dict, Path]:
     if args.arm and args.level != "synth":
         raise SystemExit("--arm is for the synth level (the serve level runs the config as it is)")
     if args.timed:
+        if args.workload == "production":  # real text would run to the timed engine's 20 tokens a text id
+            args.workload = "production-lengths"
+            logger.info("--timed: the production workload's lengths as one-word requests (--workload production-lengths)")
         args.config = str(timed_config(Path(args.config), args.timed))
         args.tag = "-".join(t for t in ("timed", args.timed.replace("_", "-"), args.tag) if t)
     if args.level == "synth":

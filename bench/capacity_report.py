@@ -37,6 +37,9 @@ def describe_workload(w: dict) -> str:
         text = (f"Workload **synthetic**: utterance mix {w['mix']} of audio, each request one made-up word whose "
                 f"length the random-weight model turns into audio; one registered voice for every session "
                 f"(prompt {w['prompt_s']:.2f} s).")
+    elif "lengths_of" in w:
+        text = (f"Workload **{w['name']}**: the drawn lengths of the `{w['lengths_of']['name']}` workload as "
+                f"{w['text']['source']}; one voice for every session, no cold voice.")
     else:
         t, v = w["text"], w["voices"]
         langs = ", ".join(f"{pct:g} % {lang}" for lang, pct in t["languages_pct"].items())

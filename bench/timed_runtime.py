@@ -14,9 +14,11 @@ p50 2.7 ms at one running sequence and 4.2 ms at 48 (linear between); one increm
 (within 0.2 ms of the seven measured points). The encoder and vocoder batches are not timed
 separately on the H200: 1.5 ms and 4 ms + 0.25 ms per row are assumptions, as are a prefill's
 5 ms (the Serve level's first token took 8 ms p50 on the H200, one step of it 2.7) and every
-host share (``host_frac``). The decode step and the flow passes run on two lanes that overlap
-perfectly here; on the GPU they share the SMs, so near a busy GPU this is optimistic: read it
-for what the serving layer costs below that, not as GPU capacity.
+host share (``host_frac``). The decode step and the flow passes run on two lanes; on the GPU they
+share the SMs, so a decode step that starts while a token2wav call holds the GPU takes
+``1 + llm_slowdown`` times as long (:class:`SharedGpu`). The H200 profile leaves that at 0 (the
+lanes overlap perfectly: optimistic near a busy GPU); :mod:`bench.timed_fleet` fits it to an H100
+reading. Read this for what the serving layer costs, not as GPU capacity.
 
 The chunk schedule is CosyVoice2's streamed one with the early first chunk (the serving default,
 :func:`cosyvoice_runtime.stream_schedule.first_hop`, 25-token hops, 3 look-ahead tokens, 2 mel
@@ -60,6 +62,7 @@ class GpuTimes:
     vocoder_ms: float = 4.0  # one vocoder batch (assumed) ...
     vocoder_ms_row: float = 0.25  # ... plus per row (assumed)
     host_frac: float = 0.15  # share of each call spent on the host holding the GIL (assumed)
+    llm_slowdown: float = 0.0  # a decode step takes 1 + this times as long while token2wav holds the GPU
 
     def step_s(self, running: int, admitted: int = 0) -> float:
         return 1e-3 * (self.step_ms_1 + (self.step_ms_48 - self.step_ms_1) * (max(1, running) - 1) / 47
@@ -90,10 +93,34 @@ def spend(seconds: float, host_frac: float) -> None:
     time.sleep(seconds * (1 - host_frac))
 
 
-def timed_engine(max_running: int, times: GpuTimes) -> NullEngine:
-    """Continuous batching without a model whose steps (and the prefills they run) take ``times``."""
-    return NullEngine(max_running, tokens_per_id=TOKENS_PER_TEXT_ID,
-                      step_cost=lambda running, admitted: spend(times.step_s(running, admitted), times.host_frac))
+class SharedGpu:
+    """The one GPU a timed replica's two lanes share: token2wav's calls say how long they hold it,
+    and a decode step that starts inside such a call is slowed by ``times.llm_slowdown``."""
+
+    def __init__(self, times: GpuTimes) -> None:
+        self.times = times
+        self._t2w_until = 0.0  # perf_counter time the latest token2wav call ends (one writer thread)
+
+    def t2w_holds(self, seconds: float) -> None:
+        """A token2wav call of ``seconds`` on the GPU starts now (its time is spent by the caller)."""
+        self._t2w_until = max(self._t2w_until, time.perf_counter() + seconds)
+
+    def t2w(self, seconds: float) -> None:
+        """A token2wav call on this thread: holds the GPU for ``seconds`` and spends them."""
+        self.t2w_holds(seconds)
+        spend(seconds, self.times.host_frac)
+
+    def step(self, running: int, admitted: int) -> None:
+        """One decode step (with the prefills it admits), slower while token2wav holds the GPU."""
+        seconds = self.times.step_s(running, admitted)
+        if time.perf_counter() < self._t2w_until:
+            seconds *= 1 + self.times.llm_slowdown
+        spend(seconds, self.times.host_frac)
+
+
+def timed_engine(max_running: int, gpu: SharedGpu) -> NullEngine:
+    """Continuous batching without a model whose steps (and the prefills they run) take ``gpu``'s times."""
+    return NullEngine(max_running, tokens_per_id=TOKENS_PER_TEXT_ID, step_cost=gpu.step)
 
 
 @dataclass(eq=False)
@@ -135,8 +162,9 @@ class TimedToken2Wav:
     embedding_dim = 192
     n_steps = N_STEPS
 
-    def __init__(self, times: GpuTimes) -> None:
-        self.times = times
+    def __init__(self, gpu: SharedGpu) -> None:
+        self.gpu = gpu
+        self.times = gpu.times
 
     def new_stream(self, prompt, stream: bool, speed: float, seed: int | None) -> _Stream:
         return _Stream(prompt_tokens=len(prompt.speech_tokens), stream=stream)
@@ -162,12 +190,12 @@ class TimedToken2Wav:
 
     # -- token2wav.scheduler "steps" --------------------------------------------------------
     def start_solves(self, jobs: list[_Job]) -> list[_Row]:
-        spend(self.times.encoder_s(), self.times.host_frac)
+        self.gpu.t2w(self.times.encoder_s())
         return [_Row(job, MEL_PER_TOKEN * job.tokens, MEL_PER_TOKEN * (job.state.prompt_tokens + job.state.offset))
                 for job in jobs]
 
     def advance(self, rows: list[_Row]) -> None:
-        spend(self.times.pass_s(len(rows), max(r.cached for r in rows)), self.times.host_frac)
+        self.gpu.t2w(self.times.pass_s(len(rows), max(r.cached for r in rows)))
         for row in rows:
             row.step += 1
 
@@ -177,6 +205,7 @@ class TimedToken2Wav:
         if any(r.step < N_STEPS for r in rows):
             raise ValueError("finish() takes rows whose solve is done")
         seconds = self.times.vocoder_s(len(rows))
+        self.gpu.t2w_holds(seconds)
         spend(seconds * self.times.host_frac, 1.0)
         ready_at = time.perf_counter() + seconds * (1 - self.times.host_frac)
         out = []
@@ -204,7 +233,8 @@ def make_timed_runtime(cfg, times: GpuTimes, name: str) -> SynthesisRuntime:
     """A runtime of ``cfg``'s decode slots taking ``times`` instead of a GPU's work (``name`` says whose)."""
     details = {"family": "cosyvoice2", "random_weights": True, "t2w_scheduler": "steps",
                "timing_model": f"{name}, no GPU (bench/timed_runtime.py), host share {times.host_frac:g}"}
-    return SynthesisRuntime(engine=timed_engine(cfg.max_running, times), token2wav=TimedToken2Wav(times),
+    gpu = SharedGpu(times)
+    return SynthesisRuntime(engine=timed_engine(cfg.max_running, gpu), token2wav=TimedToken2Wav(gpu),
                             device="cpu", details=details)
 
 

@@ -289,8 +289,10 @@ async def register_pool(target, voices: tuple[VoiceSpec, ...], concurrency: int 
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--workload", choices=["production", "synthetic"], default="production",
+    ap.add_argument("--workload", choices=["production", "production-lengths", "synthetic"], default="production",
                     help="production: corpus sentences, a voice pool, cold voices (bench/workload.py); "
+                         "production-lengths: its drawn lengths as one made-up word, one voice (what a timed "
+                         "replica, which makes 20 tokens a text id whatever the text, needs: --timed's default); "
                          "synthetic: the --mix lengths as one made-up word, one voice (every figure before it)")
     ap.add_argument("--voices", type=int, default=256, help="production: voices registered before the load")
     ap.add_argument("--prompt-s", default="3-10", help="production: prompt seconds of the voices, LO-HI")
@@ -304,5 +306,6 @@ def source_from_args(args: argparse.Namespace, mix) -> RequestSource:
     if args.workload == "synthetic":
         return SyntheticSource(mix)
     lo, _, hi = args.prompt_s.partition("-")
-    return ProductionSource(seed=args.seed, voices=args.voices, prompt_s=(float(lo), float(hi or lo)),
-                            cold_share=args.cold_voice_share, sentences=args.sentences, languages=args.languages)
+    source = ProductionSource(seed=args.seed, voices=args.voices, prompt_s=(float(lo), float(hi or lo)),
+                              cold_share=args.cold_voice_share, sentences=args.sentences, languages=args.languages)
+    return LengthsOf(source) if args.workload == "production-lengths" else source

@@ -16,34 +16,62 @@ from bench import timed_fleet
 from bench.autoscale_live import Pause, RampShape, Sampler, SessionDriver, drive, recorded_policy
 from bench.autoscale_record import RecordedPolicy
 from bench.autoscale_report import bins, markdown, summarise
-from bench.timed_fleet import AUDIO_PER_TOKEN_S, calibrate, cold_start_record, factory_name
+from bench.timed_fleet import calibrate, cold_start_record, factory_name
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"max_replicas", "cut_streams", "p99_ttfa_ms_outside_scaleup_max", "replica_tracking", "cold_start_s_gpu",
         "series"}
 
 
+def _probe(load: float, met: bool, streams: float, audio_s: float, first_token: float, first_chunk: float,
+           solve: float = 40.0, busy: float = 0.5) -> dict:
+    return {"load": load, "meets_slo": met, "streams_in_flight_mean": streams, "audio_s": audio_s, "window_s": 60.0,
+            "stages_ms": {"llm-first-token": [first_token, 99.0], "llm-first-chunk": [first_chunk, 99.0],
+                          "t2w-solve": [solve, 99.0]}, "threads_busy": {"compute-token2wav": busy}}
+
+
 def _reading(tmp_path: Path, folder: str, probes: list[dict], device: str = "NVIDIA H100 80GB HBM3") -> Path:
     path = tmp_path / folder / "capacity-serve-x.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"device": device, "date": folder[:10], "workload": {"slo_ttfa_p99_ms": 300.0},
-                                "searches": [{"kind": "loads", "probes": probes}]}))
+    alone = _probe(1, True, 1.0, 50.0, first_token=6.0, first_chunk=6.0 + 24 * 1.5, solve=39.0)
+    path.write_text(json.dumps({"device": device, "date": folder[:10],
+                                "workload": {"slo_ttfa_p99_ms": 300.0, "voices": {"prompt_s": [3.0, 10.0]}},
+                                "searches": [{"kind": "loads", "probes": probes},
+                                             {"kind": "one-session", "probes": [alone]}]}))
     return path
 
 
-def test_calibration_matches_the_readings_stream_speed_at_its_streams_in_flight(tmp_path):
-    probes = [{"load": 20, "meets_slo": True, "streams_in_flight_mean": 3.0, "audio_s": 900.0, "window_s": 60.0},
-              {"load": 30, "meets_slo": False, "streams_in_flight_mean": 5.0, "audio_s": 1000.0, "window_s": 60.0}]
+def test_calibration_scales_each_lane_to_the_readings_own_stage_times(tmp_path):
+    # the SLO probe's first chunk: 24 steps after the first token at 2.1 ms, token2wav busy 60 %
+    probes = [_probe(20, True, 3.0, 900.0, first_token=10.0, first_chunk=10.0 + 24 * 2.1, busy=0.6),
+              _probe(30, False, 5.0, 1000.0, first_token=10.0, first_chunk=200.0)]
     _reading(tmp_path, "2026-01-01-h100-production-old", [dict(probes[0], load=10)])
     newest = _reading(tmp_path, "2026-02-01-h100-production-new", probes)
     assert timed_fleet.newest_reading(tmp_path) == newest
+    assert timed_fleet.FIRST_CHUNK_TOKENS == 25  # first hops of 10-34 tokens (mean 22) and 3 of look-ahead
     cal = calibrate(newest)
     assert (cal.sessions_per_replica, cal.slo_streams) == (20, 3.0)  # the largest load that met the SLO
-    measured = 900.0 / 60.0 / 3.0
-    assert cal.stream_speed_x == pytest.approx(measured)
-    # the scaled profile's decode step at that batch makes audio at the measured speed per stream
-    assert AUDIO_PER_TOKEN_S / cal.times.step_s(3) == pytest.approx(measured, rel=1e-3)
+    assert cal.stream_speed_x == pytest.approx(900.0 / 60.0 / 3.0)
+    # the decode step alone is the one-session first chunk's: 1.5 ms a token after the first
+    assert 1e3 * cal.times.step_s(1) == pytest.approx(1.5) and cal.step_ms_alone == pytest.approx(1.5)
+    # one session's first-chunk solve (one row over a 6.5 s prompt's frames) takes the measured 39 ms
+    solve = cal.times.encoder_s() + 10 * cal.times.pass_s(1, 2 * 25 * 6.5) + cal.times.vocoder_s(1)
+    assert 1e3 * solve == pytest.approx(39.0)
+    # at the SLO's 3 streams a step started while token2wav holds the GPU (60 % of the time) is
+    # slowed so that the mean step is the measured 2.1 ms
+    step = cal.times.step_s(3)
+    assert 1e3 * step * (1 + 0.6 * cal.times.llm_slowdown) == pytest.approx(2.1, rel=1e-3)
     assert cal.times.host_frac == timed_fleet.H200.host_frac
+
+
+def test_calibration_needs_the_one_session_probe(tmp_path):
+    path = _reading(tmp_path, "2026-02-01-h100-production-new",
+                    [_probe(20, True, 3.0, 900.0, first_token=10.0, first_chunk=60.0)])
+    data = json.loads(path.read_text())
+    data["searches"] = data["searches"][:1]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="one-session probe"):
+        calibrate(path)
 
 
 def test_the_shipped_calibration_and_cold_start_come_from_bench_results():
@@ -78,6 +106,17 @@ def test_cold_start_prefers_the_product_default_plan_over_a_newer_all_graphs_rec
     assert cold_start_record(tmp_path, before_ready="all")["cold_start_s"] == 68.0
     (tmp_path / "cold-start-first.json").unlink()
     assert cold_start_record(tmp_path)["cold_start_s"] == 68.0  # none of the default plan: the newest
+
+
+def test_cold_start_prefers_the_calibrated_card(tmp_path):
+    for name, gpu, date, s in (("h100", "NVIDIA H100 80GB HBM3", "2026-01-01", 30.0),
+                               ("h200", "NVIDIA H200", "2026-01-02", 25.0)):
+        (tmp_path / f"cold-start-{name}.json").write_text(json.dumps({
+            "device": "cuda", "gpu": gpu, "date": date, "cold_start_s": s,
+            "replica": {"cuda_graphs": {"before_ready": "first"}}}))
+    assert cold_start_record(tmp_path)["cold_start_s"] == 25.0  # no card asked: the newest
+    assert cold_start_record(tmp_path, gpu="NVIDIA H100 80GB HBM3")["cold_start_s"] == 30.0
+    assert cold_start_record(tmp_path, gpu="NVIDIA RTX 5090")["cold_start_s"] == 25.0  # none of it: the newest
 
 
 def test_the_factory_name_carries_the_start_time():
@@ -214,9 +253,14 @@ def test_a_paused_ramp_is_judged_to_its_later_end_and_a_cut_one_says_so():
     held = _run(shape_reference_s={"up_s": 10.0}, paused_s=3.0, cut_short=True)
     result = summarise(held, open_per_s, [], samples, [])
     assert result["summary"]["bins_judged_for_tracking"] == 4 and result["summary"]["cut_short"] is True
-    result["run"].update(calibration={"source": "x", "sessions_per_replica": 2, "slo_streams": 2, "time_factor": 1},
+    result["run"].update(calibration={"source": "x", "sessions_per_replica": 2, "slo_streams": 2, "llm_factor": 0.58,
+                                      "step_ms_alone": 1.57, "t2w_factor": 0.79, "times": {"llm_slowdown": 0.645}},
                          date="d", gpus=2, machine="m", command="c", commit="k", replica_start_s=1.0, start_scale=0.1)
-    assert "**Cut short**" in markdown(result)
+    report = markdown(result)
+    assert "**Cut short**" in report and "decode step x0.58 (1.57 ms alone), token2wav x0.79" in report
+    assert "1.65x slower while token2wav holds the GPU" in report
+    result["run"]["calibration"] = {"source": "x", "sessions_per_replica": 2, "slo_streams": 2, "time_factor": 1.31}
+    assert "times x1.31 of the H200 profile" in markdown(result)  # a run of the one-factor calibration
 
 
 def _live(tmp_path: Path, *extra: str) -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +58,7 @@ def _no_time(monkeypatch) -> list[float]:
 
 def test_chunk_schedule_is_cosyvoice2s_early_first_chunk_then_25_token_hops(monkeypatch):
     spent = _no_time(monkeypatch)
-    t2w = timed.TimedToken2Wav(timed.H200)
+    t2w = timed.TimedToken2Wav(timed.SharedGpu(timed.H200))
     state = t2w.new_stream(_prompt(87), stream=True, speed=1.0, seed=None)
     # 87 prompt tokens: the first chunk ends on the 100-token attention boundary (13 tokens >= 10)
     assert t2w.tokens_needed(state) == 13 + 3
@@ -80,9 +81,26 @@ def test_chunk_schedule_is_cosyvoice2s_early_first_chunk_then_25_token_hops(monk
                           + [timed.H200.vocoder_s(1) * timed.H200.host_frac])
 
 
+def test_a_decode_step_inside_a_token2wav_call_is_slowed_by_the_contention_factor(monkeypatch):
+    spent, now = _no_time(monkeypatch), [100.0]
+    monkeypatch.setattr(timed.time, "perf_counter", lambda: now[0])
+    times = replace(timed.H200, llm_slowdown=0.4)
+    gpu = timed.SharedGpu(times)
+    gpu.step(2, 0)  # the GPU is the LLM's alone
+    gpu.t2w(0.010)  # a flow pass holds it 10 ms from t = 100 s
+    now[0] = 100.009
+    gpu.step(2, 0)  # starts inside the pass
+    now[0] = 100.011
+    gpu.step(2, 0)  # after it
+    gpu.t2w_holds(0.005)  # the vocoder's GPU share, waited for off this thread
+    gpu.step(2, 1)
+    assert spent == [times.step_s(2), 0.010, 1.4 * times.step_s(2), times.step_s(2), 1.4 * times.step_s(2, 1)]
+    assert timed.SharedGpu(timed.H200).times.llm_slowdown == 0  # the H200 profile: lanes overlap perfectly
+
+
 def test_finish_refuses_unsolved_rows(monkeypatch):
     _no_time(monkeypatch)
-    t2w = timed.TimedToken2Wav(timed.H200)
+    t2w = timed.TimedToken2Wav(timed.SharedGpu(timed.H200))
     state = t2w.new_stream(_prompt(10), stream=False, speed=1.0, seed=None)
     rows = t2w.start_solves([t2w.next_job(state, [1] * 5, llm_done=True)])
     with pytest.raises(ValueError, match="solve is done"):
@@ -91,7 +109,7 @@ def test_finish_refuses_unsolved_rows(monkeypatch):
 
 def test_the_engine_gives_20_tokens_per_text_id_one_per_step(monkeypatch):
     spent = _no_time(monkeypatch)
-    engine = timed.timed_engine(max_running=1, times=timed.H200)
+    engine = timed.timed_engine(max_running=1, gpu=timed.SharedGpu(timed.H200))
     engine.add("a", LMRequest(np.arange(2), np.arange(0), np.arange(0)))
     engine.add("b", LMRequest(np.arange(1), np.arange(0), np.arange(0)))
     steps = []
@@ -166,3 +184,18 @@ def test_a_timed_run_reports_but_leaves_latest_json_alone(tmp_path, monkeypatch)
     assert "timing model: H200 times, no GPU" in doc["workload"]["model"] and doc["workload"]["timing_model"] == "h200"
     report = next(tmp_path.glob("capacity-synth-cpu-*-timed-h200.md")).read_text()
     assert "**No model ran**" in report and "Random weights" not in report
+
+
+def test_the_h100_profile_runs_the_calibrated_replica_on_the_production_workloads_lengths(tmp_path, monkeypatch):
+    """``--timed h100``: the live ramp's replica; real text would run to 20 tokens a text id, so the
+    default workload becomes its lengths as one-word requests, and the report says so."""
+    _no_time(monkeypatch)
+    monkeypatch.delenv("FAST_COSY_MODEL_DIR", raising=False)
+    main(["--level", "synth", "--timed", "h100", "--config", "configs/single-gpu.yaml", "--window-s", "2",
+          "--ramp-s", "0.2", "--start", "1", "--max-sessions", "1", "--c1-window-s", "1", "--no-open-loop",
+          "--ttfa-ms", "60000", "--out", str(tmp_path)])
+    doc = json.loads(next(tmp_path.glob("capacity-synth-cpu-*-timed-h100.json")).read_text())
+    assert doc["workload"]["name"] == "production-lengths" and doc["workload"]["lengths_of"]["name"] == "production"
+    assert "bench/results/" in doc["workload"]["model"]  # the calibration reading the replica was scaled to
+    report = next(tmp_path.glob("capacity-synth-cpu-*-timed-h100.md")).read_text()
+    assert "Workload **production-lengths**: the drawn lengths of the `production` workload" in report

@@ -35,6 +35,22 @@ def test_loads_parity_model_strictly(model_copy):
         assert torch.equal(ours[key], ref[key]), f"{name}.pt {key} not loaded"
 
 
+def test_a_legacy_checkpoint_loads_and_the_model_keeps_nothing_of_the_mapped_files(model_copy):
+    """Checkpoints are mapped, not read (cold start); a pre-zip one cannot be and is read instead.
+    The parameters are the model's own memory: rewriting a file after the load changes nothing."""
+    _, path = model_copy
+    state = torch.load(path / "flow.pt", weights_only=True)
+    torch.save(state, path / "flow.pt", _use_new_zipfile_serialization=False)
+    model = load_model(path)
+    key = next(iter(state))
+    before = model.flow.state_dict()[key].clone()
+    assert torch.equal(before, state[key])
+    llm = torch.load(path / "llm.pt", weights_only=True)
+    llm_key = next(iter(llm))
+    torch.save({k: torch.zeros_like(v) for k, v in llm.items()}, path / "llm.pt")
+    assert torch.equal(model.llm.state_dict()[llm_key], llm[llm_key]) and llm[llm_key].abs().sum() > 0
+
+
 @pytest.mark.parametrize("missing", ["llm.pt", "flow.pt", "hift.pt"])
 def test_missing_checkpoint_names_the_file(model_copy, missing):
     _, path = model_copy
