@@ -33,6 +33,9 @@ FIRST_BATCH = 1  # batch buckets up to this are captured before ready (graphs_be
 # (unstreamed requests, and streams whose incremental flow cache no longer fits) and the CV2
 # vocoder's last-chunk lengths (a first utterance's last chunk may run eagerly once)
 LATER_OWNERS = ("flow.stepper", "vocoder.last_chunks")
+# The suffix of an owner's keys for calls longer than a replica captures before ready
+# (``flow_graph_first_s``: flow_graph_owners), captured after: long answers are rare at first
+LONG = ".long"
 
 
 class Owner(Protocol):
@@ -74,8 +77,9 @@ class KeyGroup:
 
 
 def is_first(owner: str, key: tuple) -> bool:
-    """Whether ``key`` (its batch bucket first) of ``owner`` is captured before ready."""
-    return owner not in LATER_OWNERS and key[0] <= FIRST_BATCH
+    """Whether ``key`` (its batch bucket first) of ``owner`` is captured before ready (not a later
+    owner, not a long call's)."""
+    return owner not in LATER_OWNERS and not owner.endswith(LONG) and key[0] <= FIRST_BATCH
 
 
 @dataclass(frozen=True)

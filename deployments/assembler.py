@@ -30,6 +30,11 @@ PROMPT_CACHE_FREE_SHARE = 0.25
 # The floor is the fixed default "auto" replaced (never fewer voices kept than before); the cap
 # keeps a large GPU from handing tens of GiB to a least-recently-used list whose oldest voices
 # are rarely hit again, and is the flow cache's default budget (token2wav.flow_cache_bytes).
+# The flow calls (prompt + audio, seconds) whose graphs a replica captures before it is ready; the
+# graphs of longer ones, up to flow_graph_max_s, come after, in the background: 24 s is what the
+# cold start of 2026-12-07 captured (111 graphs before ready in 9.8-15.6 s on two H100s), and a
+# fresh replica's first calls are rarely longer
+FIRST_READY_FLOW_S = 24.0
 PROMPT_CACHE_FLOOR_BYTES = 1024**3
 PROMPT_CACHE_CAP_BYTES = 16 * 1024**3
 
@@ -147,7 +152,7 @@ def token2wav_graph_owners(model, plan: ExecutionPlan, limits, flow_graph_max_s:
                        stepper=t2w.scheduler == "steps", incremental=flow.streamed == "incremental",
                        incremental_compile=flow.compile_backend, incremental_fused_norms=flow.fused_norms,
                        defer_whole_solve=t2w.scheduler == "steps")
-    owners = flow_graph_owners(model.flow)
+    owners = flow_graph_owners(model.flow, first_frames=int(min(FIRST_READY_FLOW_S, max_s) * rate) * ratio)
     n_flow = sum(len(owner.graph_keys()) for _, owner in owners)
     if not t2w.vocoder_graphs(spec.family):  # CV3's recompute vocodes whole accumulated mels: too long for graphs
         vocoder = []

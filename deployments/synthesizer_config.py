@@ -164,9 +164,11 @@ class SynthesizerConfig(DeploymentKnobs):
     overlap_stages: bool | None = None
     # Longest flow call (prompt + audio, seconds) served by a flow graph; longer calls run eagerly
     # (tts_cuda_graph_misses_total), each pass launching its hundreds of kernels one by one under
-    # the GIL instead of one replay. 24 s: a 3.5 s voice prompt + a 20 s answer; at 20 s the misses
-    # of the longest answers broke the SLO at a load 24 s held (docs/tuning.md §2).
-    flow_graph_max_s: PositiveFloat = 24.0
+    # the GIL instead of one replay, and hold up every stream's token2wav meanwhile. 60 s (the
+    # longest call a replica takes, max_total_s): the production workload's answers with 3-10 s
+    # prompts passed 24 s and broke the SLO at 40 sessions (H100 and H200, 2026-12-07); graphs past
+    # 24 s are captured after the replica is ready (assembler.FIRST_READY_FLOW_S). docs/tuning.md §2.
+    flow_graph_max_s: PositiveFloat = 60.0
     # Where an utterance ends. "model": where the LLM predicts the end of speech (within the
     # official 2x-20x speech tokens per text token), what real weights do. "text_rate": after
     # exactly the speech tokens a speaker takes to read the text (English ~150 words/min, Mandarin

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from cosyvoice_runtime.flow.encoder_graphs import GraphedEncoder
 from cosyvoice_runtime.flow.flow import Flow
-from cosyvoice_runtime.flow.graphs import GraphedSolver
+from cosyvoice_runtime.flow.graphs import GraphedSolver, SolverBuckets
 from cosyvoice_runtime.flow.incremental import IncrementalStepper
 from cosyvoice_runtime.flow.stepper import FlowStepper
 
@@ -52,13 +52,46 @@ def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, 
     return flow.graphed_solver
 
 
-def flow_graph_owners(flow: Flow) -> list[tuple[str, object]]:
+def flow_graph_owners(flow: Flow, first_frames: int | None = None) -> list[tuple[str, object]]:
     """(name, owner) of the graphs :func:`capture_flow_graphs` captures, for
-    :class:`~cosyvoice_runtime.graph_schedule.GraphSchedule` to capture instead."""
+    :class:`~cosyvoice_runtime.graph_schedule.GraphSchedule` to capture instead.
+
+    ``first_frames``: calls of up to that many frames (prompt + audio) keep the owner's name; the
+    keys of longer ones go under ``<name>.long`` (:data:`~cosyvoice_runtime.graph_schedule.LONG`),
+    which a replica captures after it is ready: graphs for long answers need not delay its start."""
     # with the stepper on, the whole-solve graphs serve only the odd run_batch (warm-up): not at start
     solve = ("flow.stepper", flow.stepper) if flow.stepper is not None else ("flow.solver", flow.graphed_solver)
     owners = [("flow.incremental", flow.incremental), ("flow.encoder", flow.graphed_encoder), solve]
-    return [(name, owner) for name, owner in owners if owner is not None]
+    owners = [(name, owner) for name, owner in owners if owner is not None]
+    if first_frames is None:
+        return owners
+    from cosyvoice_runtime.graph_schedule import LONG, KeyGroup
+
+    out = []
+    for name, owner in owners:
+        length = _key_length(owner, first_frames)
+        keys = owner.graph_keys()
+        long = [k for k in keys if length is not None and length(k)]
+        if not long:
+            out.append((name, owner))
+            continue
+        out += [(name, KeyGroup(owner, [k for k in keys if k not in long])), (name + LONG, KeyGroup(owner, long))]
+    return out
+
+
+def _key_length(owner, first_frames: int):
+    """Whether a key of ``owner`` serves calls longer than ``first_frames`` frames (None: the
+    owner's buckets all serve shorter ones, or it has no length in its keys)."""
+    if isinstance(owner, IncrementalStepper):
+        bucket = owner.bucket_of(1, 1, first_frames)
+        return None if bucket is None else (lambda key: key[2] > bucket[2])  # (batch, new, cached)
+    if isinstance(owner, GraphedEncoder):
+        bucket = owner.bucket_of(1, first_frames // owner.flow.spec.token_mel_ratio)
+        return None if bucket is None else (lambda key: key[1] > bucket[1])  # (batch, tokens)
+    if isinstance(owner, SolverBuckets):  # the whole solve and its stepper
+        bucket = owner.bucket_of(1, first_frames)
+        return None if bucket is None else (lambda key: key[1] > bucket[1])  # (batch, frames)
+    return None
 
 
 def capture_flow_graphs(flow: Flow) -> int:

@@ -213,3 +213,36 @@ def test_the_snapshot_says_what_each_owner_took_before_ready():
     snap = schedule.snapshot()
     assert snap["before_ready_s"] == 7.0
     assert snap["before_ready_by_owner"] == {"llm.decode": {"graphs": 2, "s": 1.0}, "flow.incremental": {"graphs": 3, "s": 6.0}}
+
+
+def test_the_flow_graphs_of_long_calls_come_after_ready(tmp_path):
+    """Flow graphs up to ``flow_graph_max_s`` (here 1024 frames), those of calls up to 512 frames
+    before ready (batch 1, as ever) and longer calls' after, under ``<owner>.long``: the real owners'
+    keys, split by each owner's own bucket of 512 frames (the incremental pass's cached frames in
+    steps of 256, the encoder's tokens in steps of 32, the stepper's frames in steps of 64)."""
+    from cosyvoice_runtime.flow.graph_setup import enable_flow_graphs, flow_graph_owners
+    from cosyvoice_runtime.graph_schedule import LONG
+    from cosyvoice_runtime.model import load_model
+    from cosyvoice_runtime.tiny_model import write_tiny_model
+
+    flow = load_model(write_tiny_model(tmp_path / "model", family="cosyvoice2")).flow
+    enable_flow_graphs(flow, max_batch=2, max_frames=1024, use_graphs=False, stepper=True, incremental=True)
+    whole = dict(flow_graph_owners(flow))
+    split = flow_graph_owners(flow, first_frames=500)
+    names = [name for name, _ in split]
+    assert names == ["flow.incremental", "flow.incremental" + LONG, "flow.encoder", "flow.encoder" + LONG,
+                     "flow.stepper", "flow.stepper" + LONG]
+    groups = dict(split)
+    for name, owner in whole.items():  # every key once, in one group or the other
+        keys = groups[name].graph_keys() + groups[name + LONG].graph_keys()
+        assert sorted(keys) == sorted(owner.graph_keys())
+    assert {k[2] for k in groups["flow.incremental"].graph_keys()} == {0, 256, 512}
+    assert {k[2] for k in groups["flow.incremental" + LONG].graph_keys()} == {768, 1024}
+    assert max(k[1] for k in groups["flow.encoder"].graph_keys()) == 256  # 500 frames: 250 tokens, in 32s
+    assert min(k[1] for k in groups["flow.encoder" + LONG].graph_keys()) == 288
+    schedule = GraphSchedule(split)
+    first = {(t.owner, t.key) for t in schedule.first}
+    assert first and all(not owner.endswith(LONG) and owner != "flow.stepper" and key[0] == 1 for owner, key in first)
+    assert ("flow.incremental", (1, 64, 512)) in first and ("flow.incremental" + LONG, (1, 64, 768)) not in first
+    assert flow.incremental.deferred and flow.graphed_encoder.deferred  # their long keys wait: eager meanwhile
+    assert flow_graph_owners(flow, first_frames=4096) == list(whole.items())  # nothing longer: unsplit
