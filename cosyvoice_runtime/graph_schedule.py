@@ -113,8 +113,11 @@ class GraphSchedule:
                 now = before_ready == "all" or not owner.background_safe or first(name, key)
                 (self.first if now else self.rest).append(Task(name, key))
         order = {name: i for i, (name, _) in enumerate(owners)}
-        # the smallest batches first, whichever owner: light load meets them next
-        self.rest.sort(key=lambda t: (t.key[0], order[t.owner]))
+        # the smallest batches first, whichever owner: light load meets them next; long calls' last.
+        # A capture holds its owner's replay lock, which a waiting replay need not get next: the
+        # long calls' flow graphs at batch 1 first kept a fresh replica's first request waiting
+        # 5 s behind 56 captures of the pass it needed (H100 2026-12-07, cold3)
+        self.rest.sort(key=lambda t: (t.owner.endswith(LONG), t.key[0], order[t.owner]))
         self.captured = 0
         self.first_s: float | None = None
         # graphs and seconds of each owner before ready: what the start's graph phase is made of

@@ -245,4 +245,9 @@ def test_the_flow_graphs_of_long_calls_come_after_ready(tmp_path):
     assert first and all(not owner.endswith(LONG) and owner != "flow.stepper" and key[0] == 1 for owner, key in first)
     assert ("flow.incremental", (1, 64, 512)) in first and ("flow.incremental" + LONG, (1, 64, 768)) not in first
     assert flow.incremental.deferred and flow.graphed_encoder.deferred  # their long keys wait: eager meanwhile
+    # after ready: every short key (smallest batches first) before any long call's
+    kinds = [t.owner.endswith(LONG) for t in schedule.rest]
+    assert kinds == sorted(kinds) and kinds[-1] and not kinds[0]
+    assert [t.key[0] for t in schedule.rest if not t.owner.endswith(LONG)] == sorted(
+        t.key[0] for t in schedule.rest if not t.owner.endswith(LONG))
     assert flow_graph_owners(flow, first_frames=4096) == list(whole.items())  # nothing longer: unsplit
