@@ -13,6 +13,7 @@ see also pytorch/pytorch#193402 on graphs of one capture stream sharing workspac
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -90,6 +91,48 @@ def bucket_for(buckets: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+class FairLock:
+    """A lock handed to its waiters in the order they came (a ``threading.Lock`` is not: its
+    holder, releasing and at once acquiring again, usually wins). An owner's captures after ready
+    (:mod:`cosyvoice_runtime.graph_schedule`) take its lock one graph after another; with a plain
+    lock a serving replay could wait through many of them (a fresh H100 replica's first request
+    waited 5 s behind 56, 2026-12-07). With this one a replay waits for the capture in progress only."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._waiters: collections.deque[threading.Lock] = collections.deque()
+        self._held = False
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def acquire(self) -> None:
+        with self._mutex:
+            if not self._held:
+                self._held = True
+                return
+            turn = threading.Lock()
+            turn.acquire()
+            self._waiters.append(turn)
+        turn.acquire()  # release() hands the lock over by releasing this: it is held on return
+
+    def release(self) -> None:
+        with self._mutex:
+            if not self._held:
+                raise RuntimeError("release of an unheld FairLock")
+            if self._waiters:
+                self._waiters.popleft().release()  # the next waiter holds it now
+            else:
+                self._held = False
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class GraphOwner:
     """What every graph owner keeps (the LLM's decode and prefill runners, the token2wav
     owners): graphs by shape key (``_buckets``), its capture stream, the one memory pool its
@@ -104,7 +147,7 @@ class GraphOwner:
         self._buckets: dict = {}
         self._pool = None
         self._capture_stream: torch.cuda.Stream | None = None
-        self._lock = threading.Lock()
+        self._lock = FairLock()
         self.replays = 0
         self.eager_calls = 0
         self.use_graphs = False  # the owners set it
@@ -159,7 +202,7 @@ class GraphOwner:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = FairLock()
 
     def _capture(self, fn: Callable[[], object], device: torch.device,
                  warm: Callable[[], object] | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
