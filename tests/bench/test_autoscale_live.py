@@ -17,6 +17,7 @@ from bench.autoscale_live import Pause, RampShape, Sampler, SessionDriver, drive
 from bench.autoscale_record import RecordedPolicy
 from bench.autoscale_report import bins, markdown, summarise
 from bench.timed_fleet import calibrate, cold_start_record, factory_name
+from tests.ray_env import SERVE_PROXY_TIMERS
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"max_replicas", "cut_streams", "p99_ttfa_ms_outside_scaleup_max", "replica_tracking", "cold_start_s_gpu",
@@ -264,7 +265,7 @@ def test_a_paused_ramp_is_judged_to_its_later_end_and_a_cut_one_says_so():
 
 
 def _live(tmp_path: Path, *extra: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **SERVE_PROXY_TIMERS, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
     results = tmp_path / "results"
     results.mkdir()

@@ -11,13 +11,15 @@ import socket
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray starts anything
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# Serve's own timers on its proxy (ready within 5 s, health checks answered within 10 s) fire on a
-# heavily loaded runner and kill the proxy mid-test (seen with load average 30 on 2 cores): the test
-# cluster gives them a minute. Set before Ray starts: its processes inherit the environment.
-for _timer in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
-    os.environ.setdefault(_timer, "60")
 
 import pytest
+
+from tests.ray_env import SERVE_PROXY_TIMERS
+
+# Serve's proxy timers a loaded runner needs (tests/ray_env.py), set before Ray starts: its
+# processes inherit the environment
+for _timer, _value in SERVE_PROXY_TIMERS.items():
+    os.environ.setdefault(_timer, _value)
 
 APP_NAME = "tts"
 

@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.ray_env import SERVE_PROXY_TIMERS
+
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "kuberay.md"
 SECTION = "## VMs or bare metal (`ray up`)"
@@ -218,8 +220,7 @@ def _start_head(state: dict) -> None:
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, dst)
     env = {k: v for k, v in state["client_env"].items() if k != "EDITOR"}
-    env.update(HOME=str(node / "home" / "ray"), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-               RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S="60", RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S="60")
+    env.update(HOME=str(node / "home" / "ray"), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", **SERVE_PROXY_TIMERS)
     cmd = _head_command(cluster, node, state["ports"], node / "ray")
     log = (node / "head.log").open("w")
     state["proc"] = subprocess.Popen(["bash", "-c", cmd], env=env, stdout=log, stderr=subprocess.STDOUT,
