@@ -92,6 +92,7 @@ class ReplicaModel:
     slo_streams: float       # streams in flight at that capacity
     source: str
     reports: tuple[str, ...] = ()  # the capacity reports' JSON (paths as :func:`_shown` gives them)
+    device: str | None = None  # the card the reports measured (its cold start goes with it)
 
     @property
     def max_sessions(self) -> float:
@@ -152,7 +153,7 @@ def load_replica_model(reports: Path | Sequence[Path]) -> ReplicaModel:
         slo_streams=float(at_cap),
         source=f"{' + '.join(shown)} ({first['device']}, {cal.date}, {cal.family}, level {cal.level}, "
                f"{cal.workload} workload)",
-        reports=shown)
+        reports=shown, device=first["device"])
 
 
 def _distinct_x(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -181,13 +182,14 @@ def calibration_reports(config: Path = SERVE_CONFIG) -> tuple[Path, list[Path]]:
     return record, [ROOT / m for m in json.loads(record.read_text())["measurements"]]
 
 
-def replica_start(results: Path = RESULTS) -> tuple[float, str]:
-    """The newest measured GPU cold start (process start to first request served) and its source.
+def replica_start(results: Path = RESULTS, gpu: str | None = None) -> tuple[float, str]:
+    """The newest measured GPU cold start (process start to first request served), on ``gpu`` where
+    there is one (the card of the replica curve), and its source.
 
     Raises:
         FileNotFoundError: no cold-start record was measured on a GPU.
     """
-    cold = cold_start_record(results)
+    cold = cold_start_record(results, gpu=gpu)
     if cold is None:
         raise FileNotFoundError(f"no GPU cold-start-*.json under {results}: pass --replica-start-s")
     return cold["cold_start_s"], (f"{cold['source']} ({cold['device']}, {cold['date']}): process start to "

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     record, reports = calibration_reports(args.config)
     replica = load_replica_model(args.report or reports)
     if args.replica_start_s is None:
-        start_s, start_source = replica_start()
+        start_s, start_source = replica_start(gpu=replica.device)
     else:
         start_s, start_source = args.replica_start_s, ("--replica-start-s (a sensitivity run; by default the newest "
                                                        "measured GPU cold start)")

@@ -23,7 +23,7 @@ from deployments.autoscaling_policy import LoadBandPolicy
 
 RECORD, REPORTS = calibration_reports()
 REPLICA = load_replica_model(REPORTS)
-START_S = replica_start()[0]
+START_S = replica_start(gpu=REPLICA.device)[0]
 
 
 def _settings(**kw):
@@ -100,9 +100,10 @@ def test_reports_of_one_node_merge_into_one_curve(tmp_path):
         load_replica_model([low, other])
 
 
-def test_the_replica_start_is_the_newest_gpu_cold_start():
-    cold = cold_start_record()
+def test_the_replica_start_is_the_newest_gpu_cold_start_of_the_replica_curves_card():
+    cold = cold_start_record(gpu=REPLICA.device)
     assert cold is not None and START_S == cold["cold_start_s"]
+    assert REPLICA.device and cold["device"] == REPLICA.device  # the shipped curve's card has a record
 
 
 def test_serve_settings_come_from_the_config_and_the_manifest():
@@ -339,7 +340,7 @@ def test_the_cli_replays_a_ramp_and_its_bins_compare(tmp_path):
     assert curve.startswith("bench/results/") and "/capacity-serve-" in curve  # a reading in its run folder
     assert summary["inputs"]["assumed"]["node_start_s"]["value"] == 180.0
     measured = summary["inputs"]["measured"]
-    assert measured["replica_start_s"]["value"] == cold_start_record()["cold_start_s"]
+    assert measured["replica_start_s"]["value"] == cold_start_record(gpu=REPLICA.device)["cold_start_s"]
     assert measured["setpoint"]["same_measurement"] and measured["setpoint"]["slo_streams"] == band["slo_streams"]
     assert summary["headroom"]["reaction_s"] == pytest.approx(
         _settings().upscale_delay_s + 10 + 180 + measured["replica_start_s"]["value"])
