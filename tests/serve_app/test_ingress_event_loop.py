@@ -29,6 +29,9 @@ from tests.serve_app.test_ingress_inproc import _ingress, _wav
 from tests.serve_app.test_ingress_speech import _decode
 
 GUARD_S = 120.0  # failure guard only: held calls are released by the test, never by this bound
+# The ingress's own audio-progress timeout (60 s by default, real time) must not end a stream the
+# test is holding: it once fired in CI on the held mp3 stream (the run stalled past 60 s there)
+CFG = {"max_input_chars": 1000, "stream_idle_timeout_s": 10 * GUARD_S}
 TEXT = "Hello there."
 
 
@@ -86,7 +89,7 @@ def test_health_answers_from_cache_while_the_serve_controller_call_is_held(monke
 
     monkeypatch.setattr(serve, "status", controller_status)
     monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
-    ingress = _ingress(IngressConfig(max_input_chars=1000))
+    ingress = _ingress(IngressConfig(**CFG))
     app = ingress.__serve_build_asgi_app__()
 
     async def main():
@@ -145,7 +148,7 @@ def _held_mp3(monkeypatch, held: HeldCall) -> None:
 def test_a_held_encoder_does_not_stop_another_stream(monkeypatch):
     held = HeldCall()
     _held_mp3(monkeypatch, held)
-    app = _ingress(IngressConfig(max_input_chars=1000)).__serve_build_asgi_app__()
+    app = _ingress(IngressConfig(**CFG)).__serve_build_asgi_app__()
 
     async def main():
         async with _client_with_voice(app) as c:
@@ -171,7 +174,7 @@ def test_sse_deltas_are_encoded_in_the_pool_too(monkeypatch):
     held = HeldCall()
     held.release.set()  # not held: only where each call runs is checked
     _held_mp3(monkeypatch, held)
-    app = _ingress(IngressConfig(max_input_chars=1000)).__serve_build_asgi_app__()
+    app = _ingress(IngressConfig(**CFG)).__serve_build_asgi_app__()
 
     async def main():
         async with _client_with_voice(app) as c:
@@ -189,7 +192,7 @@ def test_websocket_stream_input_encodes_off_the_event_loop(monkeypatch):
     held = HeldCall()
     held.release.set()
     _held_mp3(monkeypatch, held)
-    with TestClient(_ingress(IngressConfig(max_input_chars=1000)).__serve_build_asgi_app__()) as client:
+    with TestClient(_ingress(IngressConfig(**CFG)).__serve_build_asgi_app__()) as client:
         r = client.post("/v1/voices", data={"voice_id": "default", "prompt_text": "hi"},
                         files={"audio": ("a.wav", _wav(), "audio/wav")})
         assert r.status_code == 201
@@ -213,7 +216,7 @@ def test_a_large_json_body_is_parsed_off_the_event_loop(monkeypatch):
         return json.loads(data)
 
     monkeypatch.setattr(request_body, "json", SimpleNamespace(loads=loads))
-    app = _ingress(IngressConfig(max_input_chars=1000)).__serve_build_asgi_app__()
+    app = _ingress(IngressConfig(**CFG)).__serve_build_asgi_app__()
 
     async def main():
         async with _client_with_voice(app) as c:
