@@ -14,6 +14,7 @@ from cosyvoice_runtime.flow.flow import Flow
 from cosyvoice_runtime.flow.graphs import GraphedSolver, SolverBuckets
 from cosyvoice_runtime.flow.incremental import IncrementalStepper
 from cosyvoice_runtime.flow.stepper import FlowStepper
+from cosyvoice_runtime.graph_schedule import LONG, KeyGroup
 
 
 def enable_flow_graphs(flow: Flow, max_batch: int = 16, max_frames: int = 1024, capture: bool = False,
@@ -65,17 +66,15 @@ def flow_graph_owners(flow: Flow, first_frames: int | None = None) -> list[tuple
     owners = [(name, owner) for name, owner in owners if owner is not None]
     if first_frames is None:
         return owners
-    from cosyvoice_runtime.graph_schedule import LONG, KeyGroup
-
     out = []
     for name, owner in owners:
-        length = _key_length(owner, first_frames)
+        longer = _key_length(owner, first_frames)
         keys = owner.graph_keys()
-        long = [k for k in keys if length is not None and length(k)]
-        if not long:
+        if longer is None or not any(longer(k) for k in keys):
             out.append((name, owner))
             continue
-        out += [(name, KeyGroup(owner, [k for k in keys if k not in long])), (name + LONG, KeyGroup(owner, long))]
+        out += [(name, KeyGroup(owner, [k for k in keys if not longer(k)])),
+                (name + LONG, KeyGroup(owner, [k for k in keys if longer(k)]))]
     return out
 
 
