@@ -48,7 +48,7 @@ import numpy as np
 import yaml
 
 from bench.autoscale_report import summarise, write_outputs
-from bench.capacity_load import Clock, Mix, serve_one
+from bench.capacity_load import Clock, Mix, Workload, serve_one
 from bench.capacity_targets import HttpTarget
 from bench.load import register_voices
 from bench.timed_fleet import RESULTS, Calibration, calibrate, cold_start_record, factory_name
@@ -59,6 +59,10 @@ ROOT = Path(__file__).resolve().parent.parent
 APP, DEPLOYMENT = "tts", "Synthesizer"
 SERVE_PUSH_S = 10.0  # Serve's default replica and handle metrics push interval (scaled with the ramp)
 MIX = "40:1-3,40:3-8,20:8-20"  # the capacity tool's synthetic voice-agent answers
+# A step of sessions (the burst) starts as the capacity tool's sessions do (capacity_load.Workload's
+# ramp_s: exponential gaps over ~5 s), the arrivals the replica's measured capacity was read under.
+# All at once (0 s) the live2 ramp's burst bin read p99 442 ms where the next read 193 (H100, 2026-12-07).
+JOIN_SPREAD_S = Workload.ramp_s  # the dataclass default
 
 
 @dataclass(frozen=True)
@@ -227,15 +231,30 @@ class Pause:
     guard_s: float
 
 
+def join_offsets(n: int, spread_s: float, rng: random.Random) -> list[float]:
+    """When the ``n`` sessions that join at one tick of the ramp send their first request, in s
+    from the tick: one joins at once; a step of several (the burst) arrives as the capacity tool's
+    sessions start, exponential gaps over ~``spread_s`` (0: all at once)."""
+    if n <= 1 or spread_s <= 0:
+        return [0.0] * max(n, 0)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(n / spread_s)
+        out.append(t)
+    return out
+
+
 class SessionDriver:
     """Voice-agent sessions following ``sessions_at(t)``; a session asked to leave finishes the
     request it is in (no client cuts a stream) and leaves."""
 
     def __init__(self, target: HttpTarget, source, sessions_at, duration_s: float, seed: int,
-                 wait_playback: bool, clock: Clock, pause: Pause | None = None) -> None:
+                 wait_playback: bool, clock: Clock, pause: Pause | None = None,
+                 join_spread_s: float = JOIN_SPREAD_S) -> None:
         self.target, self.source, self.sessions_at = target, source, sessions_at
         self.duration_s, self.seed, self.wait_playback, self.clock = duration_s, seed, wait_playback, clock
-        self.pause = pause
+        self.pause, self.join_spread_s = pause, join_spread_s
+        self._join_rng = random.Random(f"{seed}/join")
         self.paused_s = 0.0  # real seconds the ramp stood still at the pause
         self.resumed: bool | None = None  # None: no pause; False: its guard ran out
         self.requests: list[dict[str, Any]] = []
@@ -255,9 +274,11 @@ class SessionDriver:
         self.paused_s = now - p.at_s
         return p.at_s
 
-    async def session(self, i: int, leave: asyncio.Event, t0: float) -> None:
+    async def session(self, i: int, leave: asyncio.Event, t0: float, start_at: float) -> None:
         rng = random.Random(f"{self.seed}/{i}")
         n = 0
+        if await self.clock.wait_until(leave, start_at):
+            return  # asked to leave before its first request
         while not leave.is_set():
             self.in_flight += 1
             try:
@@ -277,10 +298,11 @@ class SessionDriver:
         while (t := self.ramp_time(now := self.clock.now() - t0)) < self.duration_s:
             want = round(self.sessions_at(t))
             live = [k for k, e in enumerate(self._leave) if not e.is_set()]
-            for _ in range(want - len(live)):
+            for offset in join_offsets(want - len(live), self.join_spread_s, self._join_rng):
                 leave = asyncio.Event()
                 self._leave.append(leave)
-                tasks.append(asyncio.create_task(self.session(len(self._leave) - 1, leave, t0)))
+                start_at = self.clock.now() + offset
+                tasks.append(asyncio.create_task(self.session(len(self._leave) - 1, leave, t0, start_at)))
             for k in live[want:] if len(live) > want else ():
                 self._leave[k].set()  # the newest sessions leave first
             self.open_per_s.append((round(now, 3), want, self.in_flight))
@@ -377,6 +399,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mix", default=None,
                     help="answer lengths of the sessions (capacity_load.Mix, e.g. the synthetic workload's "
                          f"{MIX}); default: the lengths of the production workload the calibration measured")
+    ap.add_argument("--join-spread-s", type=float, default=JOIN_SPREAD_S,
+                    help="sessions joining in one step (the burst) send their first requests over ~this many s, "
+                         "exponential gaps as the capacity tool's sessions start (0: all at once)")
     ap.add_argument("--back-to-back", action="store_true",
                     help="sessions ask again at once (no playback wait): one stream in flight per session")
     ap.add_argument("--sessions-per-replica", type=float, default=None,
@@ -437,7 +462,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     source = SyntheticSource(Mix.parse(args.mix)) if args.mix else LengthsOf(ProductionSource(seed=args.seed))
     driver = SessionDriver(HttpTarget(url, voice), source,
                            lambda t: float(np.interp(t, xs, ys)), shape.total_s * scale, args.seed,
-                           not args.back_to_back, clock, pause)
+                           not args.back_to_back, clock, pause, args.join_spread_s)
     guard = (args.settle_s if args.settle_s is not None else 3 * auto["downscale_delay_s"] + 60) * scale
     settled, cut = drive(driver, sampler, t0, int(auto["min_replicas"]), guard)
     import ray
@@ -454,6 +479,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bin_s": 10.0 * scale, "shape_reference_s": asdict(shape), "peak_replicas_worth": args.peak or args.gpus,
         "sessions_per_replica": per_replica, "sessions_per_replica_worth": worth, "band_centre": mid,
         "workload": source.describe(), "wait_playback": not args.back_to_back, "seed": args.seed,
+        "join_spread_s": args.join_spread_s,
         "autoscaling_reference": dict(auto),  # the config's (unscaled), as the fleet simulation takes them
         "max_ongoing_requests": app["args"]["synthesizer"]["max_ongoing_requests"],
         "serve_metrics_push_s": SERVE_PUSH_S * scale, "calibration": cal.as_dict(), "cold_start_gpu": cold,

@@ -2,18 +2,21 @@
 policy, the bins and their figures, and a small ramp on a real local Ray with 2 logical GPUs."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 
 from bench import timed_fleet
-from bench.autoscale_live import Pause, RampShape, Sampler, SessionDriver, drive, recorded_policy
+from bench.autoscale_live import Pause, RampShape, Sampler, SessionDriver, drive, join_offsets, recorded_policy
 from bench.autoscale_record import RecordedPolicy
 from bench.autoscale_report import bins, markdown, summarise
 from bench.timed_fleet import calibrate, cold_start_record, factory_name
@@ -320,3 +323,50 @@ def test_the_committed_latest_names_its_run_folder_and_plots():
     if fleet.get("sim_vs_live"):
         assert (results / fleet["sim_vs_live"]["live"]).is_file()
         assert fleet["sim_vs_live_replica_error"] == fleet["sim_vs_live"]["mae_replicas"]
+
+
+def test_a_step_of_sessions_joins_spread_and_a_single_joiner_at_once():
+    rng = random.Random(0)
+    assert join_offsets(1, 5.0, rng) == [0.0] and join_offsets(0, 5.0, rng) == []
+    assert join_offsets(36, 0.0, rng) == [0.0] * 36  # the instantaneous step, on request
+    steps = [join_offsets(36, 5.0, random.Random(seed)) for seed in range(200)]
+    for offsets in steps:
+        assert offsets == sorted(offsets) and offsets[0] > 0.0
+    # exponential gaps at rate n / spread: the last start is on average at the spread
+    assert 4.5 < sum(o[-1] for o in steps) / len(steps) < 5.5
+
+
+def test_a_joined_session_sends_its_first_request_at_its_start_and_not_if_it_left():
+    class FakeClock:
+        def __init__(self):
+            self.t, self.waits = 0.0, []
+
+        def now(self):
+            return self.t
+
+        async def wait_until(self, stop, until_s):
+            self.waits.append(until_s)
+            return stop.is_set()
+
+    sent = []
+
+    async def scenario():
+        clock = FakeClock()
+        source = SimpleNamespace(draw=lambda rng, i: None)
+        driver = SessionDriver(None, source, None, 100.0, 0, False, clock)
+
+        async def fake_serve(target, rid, spec, clk):
+            sent.append(rid)
+            leave.set()  # one request, then the session leaves
+            return SimpleNamespace(chunk_times_s=[], error=None, submitted_s=clock.t, audio_s=0.0, drawn_s=1.0)
+
+        leave = asyncio.Event()
+        with mock.patch("bench.autoscale_live.serve_one", fake_serve):
+            await driver.session(0, leave, 0.0, start_at=2.5)
+            assert clock.waits[0] == 2.5 and sent == ["s0-0"]
+            gone = asyncio.Event()
+            gone.set()
+            await driver.session(1, gone, 0.0, start_at=4.0)  # left before its start: sends nothing
+        assert sent == ["s0-0"]
+
+    asyncio.run(scenario())
