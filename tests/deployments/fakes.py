@@ -35,15 +35,19 @@ TOKENS_PER_TEXT_ID = 2
 STEP_S = 0.004
 BATCH_S = 0.01
 HOP = 12
-HOLD_SEED = 1_000_003  # a sequence with a hold seed emits one hop, then holds its slot until released or aborted
-_HOLD_SEEDS = range(HOLD_SEED, HOLD_SEED + 1_000_000)
-NAN_SEED = 7_000_001  # token2wav returns NaN samples for this request (a stream's chunks after its first)
+# NOTE: the seeds the fakes act on lie above every seed the ingress draws for a request without
+# one (serve_app/failover.py SEED_BITS: [0, 2**31)) and below 2**32 (ElevenLabs' largest seed).
+# Inside the drawn range, one request in ~2,147 drew a hold seed: its stream stopped after one hop
+# until the audio-progress timeout ended it.
+HOLD_SEED = 2**31 + 3  # a sequence with a hold seed emits one hop, then holds its slot until released or aborted
+HOLD_SEEDS = range(HOLD_SEED, HOLD_SEED + 1_000_000)
+NAN_SEED = 2**31 + 7_000_001  # token2wav returns NaN samples for this request (a stream's chunks after its first)
 
 
 def hold_seed() -> int:
     """A fresh hold seed: its sequences wait for :func:`release` of that seed (a marker file, so a
     test can release sequences held in Ray replicas on this machine; other sessions' seeds differ)."""
-    return random.choice(_HOLD_SEEDS)
+    return random.choice(HOLD_SEEDS)
 
 
 def _release_marker(seed: int) -> Path:
@@ -131,7 +135,7 @@ class FakeEngine:
             self.pending.append(TokenEvent(request_id, prefix, request.prefix_done,
                                            "stop" if request.prefix_done else None))
         if not request.prefix_done:
-            self.waiting[request_id] = _Seq(request, target, emitted=len(prefix), held=request.seed in _HOLD_SEEDS)
+            self.waiting[request_id] = _Seq(request, target, emitted=len(prefix), held=request.seed in HOLD_SEEDS)
 
     def add_bistream(self, request_id: str, request) -> None:
         self.waiting[request_id] = _Seq(request, 0, text=[], ended=False)

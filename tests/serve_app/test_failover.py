@@ -22,8 +22,10 @@ from deployments.model_source import ModelSource
 from deployments.protocol import AudioChunk, PreparedRequest, SynthesisMode, SynthesisRequest
 from deployments.synthesizer import Synthesizer
 from deployments.synthesizer_config import SynthesizerConfig
+from serve_app import failover
 from serve_app.failover import FailoverStream, StreamLostError, with_seed
 from serve_app.ingress import IngressConfig, TTSIngress
+from tests.deployments import fakes
 
 # Two sentence pieces (the splitter's pieces are independent LLM sequences): a continuation may
 # start in either, or at the border between them.
@@ -258,6 +260,17 @@ def test_a_request_without_seed_gets_one_and_a_given_seed_is_kept():
     handle = _Calls(_chunk())
     asyncio.run(_collect(FailoverStream(handle, _bare())))
     assert handle.calls[0].seed is not None and handle.calls[0].resume is None
+
+
+def test_no_seed_the_ingress_draws_is_one_the_fakes_act_on(monkeypatch):
+    """A drawn seed in the fakes' hold range stopped a stream after one hop, so a sentence-mode
+    stream-input session in the fresh-clone CI got 23,040 bytes of audio and an audio_timeout
+    error (tests/serve_app/test_pronunciation_routes.py): the ranges must not meet."""
+    bits = []
+    monkeypatch.setattr(failover.secrets, "randbits", lambda n: bits.append(n) or 0)
+    with_seed(_bare())
+    drawn = range(2 ** bits[0])
+    assert fakes.HOLD_SEEDS.start >= drawn.stop and fakes.NAN_SEED >= drawn.stop
 
 
 def _whole(handle, retries: int):

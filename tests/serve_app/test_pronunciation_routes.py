@@ -247,11 +247,12 @@ def test_stream_input_applies_the_first_message_s_dictionaries_across_messages(a
     first = {"text": " ", "pronunciation_dictionary_locators": [{"pronunciation_dictionary_id": d["id"],
                                                                  "version_id": d["version_id"]}]}
     with TestClient(app, headers=_h(ALICE)) as c:
-        aliased, _ = _ws_audio(c, path, first, ["I love New", " York", " in spring."])  # the rule spans messages
-        expected, _ = _ws_audio(c, path, {"text": " "}, ["I love Big Apple in spring."])
-        plain, _ = _ws_audio(c, path, {"text": " "}, ["I love New York in spring."])
+        aliased, a = _ws_audio(c, path, first, ["I love New", " York", " in spring."])  # the rule spans messages
+        expected, e = _ws_audio(c, path, {"text": " "}, ["I love Big Apple in spring."])
+        plain, p = _ws_audio(c, path, {"text": " "}, ["I love New York in spring."])
         _, failed = _ws_audio(c, path, {"text": " ", "pronunciation_dictionary_locators": [
             {"pronunciation_dictionary_id": "nosuchdictionary"}]}, ["Hi."])
+    assert [m[-1].get("error") for m in (a, e, p)] == [None] * 3  # a session cut short fails with its error
     assert aliased == expected != plain
     assert failed[-1]["error"]["code"] == "pronunciation_dictionary_not_found"
 
