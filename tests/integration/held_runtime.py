@@ -19,7 +19,9 @@ import threading
 import time
 from pathlib import Path
 
-HOLD_BASE = 2_000_000_011
+# above every seed the ingress draws for a request without one (serve_app/failover.py: 31 bits),
+# so no such request is ever held; under the ElevenLabs body's 2**32 cap
+HOLD_BASE = 2**31 + 11
 POLL_S = 0.05  # spacing between looks at the marker, not a synchronisation
 GUARD_S = 300.0  # a hold never released fails the stream instead of keeping the replica forever
 
@@ -62,8 +64,11 @@ def _say_holder(seed: int) -> None:
     tmp.replace(_holder_file(seed))  # whole, never half-written
 
 
+HOLD_SEEDS = range(HOLD_BASE, HOLD_BASE + 100_000 * 100)
+
+
 def _is_hold(seed: int | None) -> bool:
-    return seed is not None and HOLD_BASE <= seed < HOLD_BASE + 100_000 * 100
+    return seed in HOLD_SEEDS
 
 
 class _HeldToken2Wav:

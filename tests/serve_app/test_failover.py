@@ -26,6 +26,7 @@ from serve_app import failover
 from serve_app.failover import FailoverStream, StreamLostError, with_seed
 from serve_app.ingress import IngressConfig, TTSIngress
 from tests.deployments import fakes
+from tests.integration import held_runtime
 
 # Two sentence pieces (the splitter's pieces are independent LLM sequences): a continuation may
 # start in either, or at the border between them.
@@ -271,6 +272,8 @@ def test_no_seed_the_ingress_draws_is_one_the_fakes_act_on(monkeypatch):
     with_seed(_bare())
     drawn = range(2 ** bits[0])
     assert fakes.HOLD_SEEDS.start >= drawn.stop and fakes.NAN_SEED >= drawn.stop
+    assert held_runtime.HOLD_SEEDS.start >= drawn.stop  # the Ray suites' held replicas
+    assert held_runtime.HOLD_SEEDS.stop <= 4_294_967_296  # the ElevenLabs body's cap: every route takes them
 
 
 def _whole(handle, retries: int):
