@@ -53,6 +53,7 @@ from bench.capacity_targets import HttpTarget
 from bench.load import register_voices
 from bench.timed_fleet import RESULTS, Calibration, calibrate, cold_start_record, factory_name
 from bench.workload import LengthsOf, ProductionSource, SyntheticSource
+from deployments.constants import RAY_SYSTEM_CONFIG
 
 logger = logging.getLogger("bench.autoscale_live")
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,7 +169,7 @@ def start_cluster(app: dict[str, Any], gpus: int, cpus: float, time_scale: float
     env = {"RAY_AUTH_MODE": "disabled", **{k: str(v) for k, v in
                                            ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}}
     ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
-             namespace="autoscale", runtime_env={"env_vars": env})
+             namespace="autoscale", runtime_env={"env_vars": env}, _system_config=RAY_SYSTEM_CONFIG)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

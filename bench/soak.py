@@ -36,6 +36,7 @@ import httpx
 import psutil
 
 from bench.load import LoadConfig, LoadGenerator, register_voices, write_outputs
+from deployments.constants import RAY_SYSTEM_CONFIG
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +331,7 @@ def start_local(config: Path = DEFAULT_CONFIG, voices_dir: str | None = None, nu
     args = AppArgs.model_validate(raw)
     env = {"RAY_AUTH_MODE": "disabled", **config_env(app)}
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace="soak",
-             runtime_env={"env_vars": env})
+             runtime_env={"env_vars": env}, _system_config=RAY_SYSTEM_CONFIG)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -52,7 +52,7 @@ class RayBackend:
 
         runtime_env = cfg.app.get("runtime_env") or None
         ray.init(num_cpus=num_cpus, include_dashboard=dashboard, namespace="serve", runtime_env=runtime_env,
-                 log_to_driver=True)
+                 log_to_driver=True, _system_config=constants.RAY_SYSTEM_CONFIG)
         http = dict(cfg.document.get("http_options") or {})
         serve.start(proxy_location=cfg.document.get("proxy_location", "HeadOnly"), http_options=http)
         if cfg.app.get("deployments"):

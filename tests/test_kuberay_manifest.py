@@ -252,3 +252,26 @@ def test_a_policy_that_opens_the_metrics_port_to_another_namespace_fails():
     with pytest.raises(AssertionError):
         _check_ray_pod_policy(docs)
 
+
+
+def test_every_ray_node_gets_the_project_s_ray_system_config():
+    """A Ray pod without it ships voice prompts over 6.4 s through the object store (constants.py)."""
+    from deployments.constants import RAY_SYSTEM_CONFIG
+
+    cluster = _cluster(manifest())
+    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container.get("env") or []}
+        assert {k: int(env[f"RAY_{k}"]) for k in RAY_SYSTEM_CONFIG} == RAY_SYSTEM_CONFIG
+
+
+@pytest.mark.parametrize("cluster_file", ["cluster.yaml", "cluster-trt.yaml"])
+def test_every_cluster_launcher_node_gets_the_project_s_ray_system_config(cluster_file):
+    from deployments.constants import RAY_SYSTEM_CONFIG
+
+    doc = yaml.safe_load((REPO / cluster_file).read_text())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in doc[key] if "ray start" in c]
+        for name, value in RAY_SYSTEM_CONFIG.items():
+            assert f"RAY_{name}={value}" in start.split(";")[1]  # exported before `ray start` runs
