@@ -35,9 +35,10 @@ GC_PAUSE_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5]  # Python
 # the GCS). An argument or return value over Ray's 100 KiB default goes through the shared-memory
 # object store instead of the call itself, and a voice prompt's features (16 KB of mel per second
 # of prompt) pass it at 6.4 s of prompt, twice per request (frontend -> ingress -> synthesizer),
-# as do audio chunks over ~1 s at 24 kHz: a 10 s prompt's hop took 3-5 ms against ~1 inline
-# (2-core VM, 2026-12-07, bench/results/2026-12-07-cpu-ray-hop). 512 KiB keeps prompts up to
-# 32 s and chunks up to 5 s inline.
+# as do audio chunks over ~1 s at 24 kHz: a 10 s prompt's hop took 1.6-1.9 ms against 0.9-1.2
+# inline on a quiet 2-core VM, 3-5 against 1-2.5 with its cores busy (2026-12-07,
+# bench/results/2026-12-07-cpu-serving-layer-ray-hop). 512 KiB keeps prompts up to 32 s and
+# chunks up to 5 s inline.
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 512 * 1024}
 
 # Environment variable names (documented in docs/serving.md).
