@@ -33,7 +33,8 @@
 #   logical GPUs of timed replicas (no GPU work, no model), time scale AUTOSCALE_SCALE (0.25: the
 #   1,680 s ramp in 420 s, ~500 s with Ray's start and the plots; replicas start in the measured cold
 #   start x 0.25), AUTOSCALE_ARGS adds flags;
-#   its replicas start in the cold start an earlier COLD_S call of the same lease measured (else bench/results');
+#   its replicas start in the cold start COLD_S measured in this call or an earlier one of the same lease
+#   (else bench/results'): COLD_S=110 COLD_RUNS=1 COLD_ARMS=first AUTOSCALE_S=420 AUTOSCALE_SCALE=0.2 fits one call;
 #   it writes its run folder, autoscale-latest.json and fleet-sim-latest.json (sim_vs_live) under
 #   results/ of capacity.tgz (docs/tuning.md, "The live ramp": how to bring them in)
 # Timing on an H100 (2026-12-06): an in-process arm starts in 65-92 s (model, 430 flow + 143 vocoder
@@ -59,17 +60,6 @@ source bench/device_site.sh
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 if [ "${TESTS_S:-0}" -gt 0 ]; then
   bash bench/device_gpu_tests.sh "$TESTS_S" "$W/gpu_tests.txt"
-  pack
-fi
-if [ "${AUTOSCALE_S:-0}" -gt 0 ]; then  # the live ramp: no model, so first (alone in its call: 540 s of 600)
-  cp bench/results/fleet-sim-latest.json "$W/results/"  # the tool writes its live comparison into it
-  # a cold start measured by an earlier call of this lease (COLD_S) sets the timed replicas' start
-  cold=(); [ -d /tmp/cold-kept ] && cold=(--cold-starts /tmp/cold-kept)
-  # SIGINT at AUTOSCALE_S: the tool writes what ran (cut_short) in the next ~30 s, then pack
-  timeout -s INT -k 60 "$AUTOSCALE_S" python3 -m bench.autoscale_live --gpus "${AUTOSCALE_GPUS:-8}" ${cold[@]+"${cold[@]}"} \
-    --time-scale "${AUTOSCALE_SCALE:-0.25}" --ingresses 2 --settle-s 120 ${AUTOSCALE_ARGS:-} --results "$W/results" \
-    --latest ${TAG:+--tag "$TAG"} 2>&1 | grep -v Warning > "$W/autoscale.log"
-  grep -E "run folder|Error|error|Traceback" "$W/autoscale.log" | cut -c1-600 | tail -8
   pack
 fi
 if [ "${REPLICA_S:-0}" -gt 0 ]; then
@@ -106,6 +96,17 @@ yaml.safe_dump(c, open(sys.argv[3], 'w'))" "$C" "$arm" "/tmp/cold-$arm.yaml" && 
     done
     pack
   done
+fi
+if [ "${AUTOSCALE_S:-0}" -gt 0 ]; then  # the live ramp (no model): after COLD_S when both are set, which sets its replicas' start
+  cp bench/results/fleet-sim-latest.json "$W/results/"  # the tool writes its live comparison into it
+  # a cold start measured by an earlier call of this lease (COLD_S) sets the timed replicas' start
+  cold=(); [ -d /tmp/cold-kept ] && cold=(--cold-starts /tmp/cold-kept)
+  # SIGINT at AUTOSCALE_S: the tool writes what ran (cut_short) in the next ~30 s, then pack
+  timeout -s INT -k 60 "$AUTOSCALE_S" python3 -m bench.autoscale_live --gpus "${AUTOSCALE_GPUS:-8}" ${cold[@]+"${cold[@]}"} \
+    --time-scale "${AUTOSCALE_SCALE:-0.25}" --ingresses 2 --settle-s 120 ${AUTOSCALE_ARGS:-} --results "$W/results" \
+    --latest ${TAG:+--tag "$TAG"} 2>&1 | grep -v Warning > "$W/autoscale.log"
+  grep -E "run folder|Error|error|Traceback" "$W/autoscale.log" | cut -c1-600 | tail -8
+  pack
 fi
 if [ "${PROFILE_S:-0}" -gt 0 ]; then
   full_model
