@@ -10,6 +10,8 @@ traces of several MB push a device call's tree past its 64 MiB), the GPU tests' 
 ``gpu-tests-<device>-<date>-<tag>.txt``, all in the run folder with its ``run.json`` (what is known of
 the run), and with ``--latest`` the device's ``latest.json`` / ``cosyvoice3-latest.json`` replace ours
 (at the top of ``bench/results``) with their new reports named by path (``<run folder>/<report>.md``).
+A live ramp's run folder (``AUTOSCALE_S``) comes in as the device named it, with this checkout's
+commit, and with ``--latest`` its ``autoscale-latest.json`` and ``fleet-sim-latest.json``.
 The index (``INDEX.md``) is written again.
 
     python -m bench.import_results /work/.device/4/capacity.tgz --tag late --latest
@@ -31,6 +33,7 @@ from bench.results_index import ROOT, run_folder_name, write_run_record
 from bench.results_index import main as write_index
 
 LATEST = ("latest.json", "cosyvoice3-latest.json")
+RAMP_LATEST = ("autoscale-latest.json", "fleet-sim-latest.json")  # a live ramp's (bench/autoscale_live.py)
 
 
 def _tagged(name: str, tag: str) -> str:
@@ -85,8 +88,11 @@ def import_bundle(bundle: Path, tag: str, out: Path, latest: bool = False, trace
         docs = [json.loads(src.read_text()) for src in sources]
         day, device = _run_of(root, docs)
         run = out / run_folder_name(day, device, tag)
-        if run.exists():
-            raise ValueError(f"{run.name} exists already: import under another tag")
+        ramps = sorted(p for p in results.glob("*-autoscale*") if p.is_dir())
+        for taken in [run, *(out / r.name for r in ramps)]:
+            if taken.exists():
+                raise ValueError(f"{taken.name} exists already: import under another tag (a ramp's folder: "
+                                 "rename it in the bundle)")
         run.mkdir()
         renamed: dict[str, str] = {}
         for src, doc in zip(sources, docs, strict=True):
@@ -115,6 +121,7 @@ def import_bundle(bundle: Path, tag: str, out: Path, latest: bool = False, trace
             "commit": _commit(), "command": f"{_call(root)}, then python -m bench.import_results {bundle.name} --tag {tag}",
             "config": "; ".join(sorted({str(d["workload"].get("model", "unknown")) for d in docs})) or "unknown",
             "note": "commit: the checkout that imported the call; the device ran its working tree"}))
+        written += _import_ramps(ramps, results, out, latest)
         if latest:
             for name in LATEST:
                 if (results / name).exists():
@@ -127,13 +134,37 @@ def import_bundle(bundle: Path, tag: str, out: Path, latest: bool = False, trace
     return written
 
 
+def _import_ramps(ramps: list[Path], results: Path, out: Path, latest: bool) -> list[Path]:
+    """A live ramp's run folder (``<day>-<card>-autoscale-<tag>``, named on the device) as it is,
+    its commit this checkout's (the device's git metadata is not the working tree it ran: live3's
+    said 55b2604 where the tree was 881bc00); with ``latest``, its ``autoscale-latest.json`` and the
+    ``fleet-sim-latest.json`` holding its sim-vs-live figure."""
+    written: list[Path] = []
+    for folder in ramps:
+        dest = out / folder.name
+        shutil.copytree(folder, dest)
+        commit = f"{_commit()} (the checkout that imported the call; the device ran its working tree)"
+        for name in ("run.json", "autoscale.json"):
+            doc = json.loads((dest / name).read_text())
+            (doc["run"] if name == "autoscale.json" else doc)["commit"] = commit
+            (dest / name).write_text(json.dumps(doc, indent=1) + "\n")
+        written += sorted(dest.iterdir())
+    if latest and written:
+        for name in RAMP_LATEST:
+            if (results / name).exists():
+                shutil.copyfile(results / name, out / name)
+                written.append(out / name)
+    return written
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle", type=Path, help="a device call's capacity.tgz")
     ap.add_argument("--tag", required=True, help="names the run folder and is appended to every report's name "
                                                 "(e.g. late, night)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
-    ap.add_argument("--latest", action="store_true", help="also take the bundle's latest.json files")
+    ap.add_argument("--latest", action="store_true", help="also take the bundle's latest.json files (a live "
+                    "ramp's autoscale-latest.json and fleet-sim-latest.json too)")
     ap.add_argument("--trace", action="store_true", help="also take the profile's Chrome trace (several MB)")
     args = ap.parse_args(argv)
     written = import_bundle(args.bundle, args.tag, args.out, args.latest, args.trace)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import import_results
 from bench.import_results import import_bundle
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,3 +94,27 @@ def test_the_run_record_names_the_call_the_device_script_wrote_down(tmp_path):
     assert "settings not recorded" in json.loads((tmp_path / "2026-12-05-h100-night" / "run.json").read_text())["command"]
     script = (REPO / "bench" / "device_capacity.sh").read_text()
     assert '> "$W/call.txt"' in script and "CAP_ARGS" in script
+
+
+def test_a_live_ramp_comes_in_as_named_with_this_checkout_s_commit(tmp_path):
+    ramp = "results/2026-12-05-h100-autoscale-live"
+    record = {"run": "2026-12-05-h100-autoscale-live", "commit": "55b2604 (with uncommitted changes)"}
+    bundle = _bundle(tmp_path, **{
+        f"{ramp}/run.json": json.dumps(record).encode(),
+        f"{ramp}/autoscale.json": json.dumps({"run": {"commit": "55b2604"}, "summary": {}}).encode(),
+        f"{ramp}/replicas.png": b"png",
+        "results/autoscale-latest.json": b'{"max_replicas": 8}',
+        "results/fleet-sim-latest.json": b'{"sim_vs_live_replica_error": 0.4}'})
+    out = tmp_path / "results"
+    out.mkdir()
+    written = import_bundle(bundle, "late", out, latest=True)
+    folder = out / "2026-12-05-h100-autoscale-live"
+    assert (folder / "replicas.png").read_bytes() == b"png" and folder / "replicas.png" in written
+    commit = import_results._commit()
+    assert json.loads((folder / "run.json").read_text())["commit"].startswith(commit + " (the checkout")
+    assert json.loads((folder / "autoscale.json").read_text())["run"]["commit"].startswith(commit + " ")
+    assert json.loads((out / "autoscale-latest.json").read_text()) == {"max_replicas": 8}
+    assert json.loads((out / "fleet-sim-latest.json").read_text()) == {"sim_vs_live_replica_error": 0.4}
+    with pytest.raises(ValueError, match="exists already"):  # a second import never overwrites a ramp
+        import_bundle(bundle, "night", out)
+    assert not (out / "2026-12-05-h100-night").exists()  # and refuses before writing anything
