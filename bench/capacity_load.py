@@ -97,6 +97,9 @@ class Workload:
             object.__setattr__(self, "source", SyntheticSource(self.mix))
 
 
+SLOWEST = 5  # requests a probe's summary names with their stages (``slowest``)
+
+
 class Target(Protocol):
     """Where requests go. ``synthesize`` returns the request's trace (``error`` set on failure);
     chunk times are ``time.perf_counter`` seconds, the driver's clock. ``add_voice`` /
@@ -137,7 +140,20 @@ class Probe:
                                           else math.nan),
                "throughput_x_realtime": audio / self.window_s if self.window_s > 0 else math.nan,
                "aborted": self.aborted}
-        return {**row, "meets_slo": slo.meets(row), "stages_ms": stage_summary(ok), **self.extra}
+        return {**row, "meets_slo": slo.meets(row), "stages_ms": stage_summary(ok),
+                "stages_ms_cold": stage_summary([t for t in ok if t.cold_voice]), "slowest": slowest(ok), **self.extra}
+
+
+def slowest(traces: list[RequestTrace], n: int = SLOWEST) -> list[dict]:
+    """The ``n`` requests of latest first audio, each with what may explain it: a cold voice, its
+    prompt's and its answer's length, the stages the server reported (a p99 is a few requests:
+    at 40 sessions two of 197 made it, H100 2026-12-07)."""
+    out = []
+    for t in sorted(traces, key=lambda t: -t.ttfa_s)[:n]:
+        out.append({"ttfa_ms": round(t.ttfa_s * 1e3, 1), "cold_voice": t.cold_voice, "prompt_s": t.prompt_s,
+                    "drawn_s": t.drawn_s, "underruns": t.underruns(),
+                    "stages_ms": {k: round(v, 1) for k, v in t.stages_ms.items()}})
+    return out
 
 
 def stage_summary(traces: list[RequestTrace]) -> dict[str, list[float]]:
@@ -260,6 +276,7 @@ async def serve_one(target: Target, rid: str, request: Utterance, clock: Clock) 
                                 drawn_s=request.drawn_s, cold_voice=True)
     trace = await target.synthesize(rid, request, clock.now())
     trace.drawn_s, trace.cold_voice = request.drawn_s, request.cold
+    trace.prompt_s = request.voice.prompt_s if request.voice is not None else None
     if request.cold:
         try:
             await target.remove_voice(request.voice.voice_id)

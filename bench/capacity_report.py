@@ -120,6 +120,7 @@ def markdown(doc: dict, plots: list[str]) -> str:
         for p in sorted(s["probes"], key=lambda p: p["load"]):
             lines.append("| " + " | ".join(_cell(p.get(k), f) for k, _, f in COLUMNS) + " |")
         lines += _stage_table(s["probes"])
+        lines += _slowest_table(s["probes"])
         lines += _thread_table(s["probes"])
     lines += [""] + [f"![{name}]({name})" for name in plots]
     return "\n".join(lines) + "\n"
@@ -150,6 +151,24 @@ def _stage_table(probes: list[dict]) -> list[str]:
         cells = [" / ".join(f"{v:.0f}" for v in p["stages_ms"][n]) if n in p.get("stages_ms", {}) else "-"
                  for n in names]
         lines.append(f"| {p['load']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _slowest_table(probes: list[dict]) -> list[str]:
+    """Each probe's slowest requests (``slowest``), with their stages: what a p99 is made of."""
+    rows = [(p["load"], r) for p in sorted(probes, key=lambda p: p["load"]) for r in p.get("slowest") or []]
+    if not rows:
+        return []
+    names = list(dict.fromkeys(n for _, r in rows for n in r["stages_ms"]))
+    lines = ["", "The slowest requests of each probe (first audio; cold: a voice no replica had seen; stages in ms):", "",
+             "| load | first audio ms | cold | prompt s | drawn s | " + " | ".join(names) + " |",
+             "|" + "---|" * (len(names) + 5)]
+    for load, r in rows:
+        prompt = f"{r['prompt_s']:.1f}" if r.get("prompt_s") is not None else "-"
+        drawn = f"{r['drawn_s']:.1f}" if r.get("drawn_s") is not None else "-"
+        cells = [f"{r['stages_ms'][n]:.0f}" if n in r["stages_ms"] else "-" for n in names]
+        lines.append(f"| {load} | {r['ttfa_ms']:.0f} | {'yes' if r['cold_voice'] else 'no'} | {prompt} | {drawn} | "
+                     + " | ".join(cells) + " |")
     return lines
 
 

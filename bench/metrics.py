@@ -24,6 +24,7 @@ class RequestTrace:
     stages_ms: dict[str, float] = field(default_factory=dict)  # first audio by stage, as the server reported it
     drawn_s: float | None = None  # the audio length the request meant (capacity workloads: served vs drawn)
     cold_voice: bool = False  # its voice was registered just before it (no replica had seen it)
+    prompt_s: float | None = None  # its voice's prompt length (a workload that draws voices)
 
     def add_chunk(self, t_s: float, n_samples: int) -> None:
         self.chunk_times_s.append(t_s)

@@ -25,7 +25,7 @@ from bench import capacity_targets as targets_mod
 from bench.capacity import Run, _searches, main, parse_args
 from bench.capacity_counters import counter_deltas, gc_counters, probe_counters
 from bench.capacity_load import Clock, Mix, Probe, Slo, Workload, closed_loop, open_loop, rate_search, sessions_search
-from bench.capacity_report import _stage_table, _thread_table, markdown
+from bench.capacity_report import _slowest_table, _stage_table, _thread_table, markdown
 from bench.capacity_targets import HttpTarget, InProcessTarget, text_for
 from bench.metrics import RequestTrace
 from bench.soak import config_env
@@ -93,6 +93,22 @@ def test_probe_summary_and_report_give_first_audio_by_stage():
     assert "| load | frontend | handoff |" in table
     assert "| 2 | 1 / 3 | - |" in table and "| 4 | 50 / 99 | 101 / 198 |" in table
     assert _stage_table([{"load": 1, "stages_ms": {}}]) == []
+
+
+def test_a_probe_names_its_slowest_requests_with_what_may_explain_them():
+    traces = [_trace(chunks=((0.05 + 0.01 * i, 1.0),)) for i in range(20)]
+    for i, t in enumerate(traces):
+        t.stages_ms, t.drawn_s = {"frontend": 1.0 * i, "token2wav": 10.0 * i}, 2.0
+    traces[-1].cold_voice, traces[-1].prompt_s = True, 9.5  # the slowest: a cold 9.5 s voice
+    row = Probe(4, traces, window_s=60).summary(SLO)
+    assert [r["ttfa_ms"] for r in row["slowest"]] == [240.0, 230.0, 220.0, 210.0, 200.0]
+    assert row["slowest"][0] == {"ttfa_ms": 240.0, "cold_voice": True, "prompt_s": 9.5, "drawn_s": 2.0,
+                                 "underruns": 0, "stages_ms": {"frontend": 19.0, "token2wav": 190.0}}
+    assert row["stages_ms_cold"] == {"frontend": [19.0, 19.0], "token2wav": [190.0, 190.0]}
+    table = "\n".join(_slowest_table([{**row, "load": 4}]))
+    assert "| load | first audio ms | cold | prompt s | drawn s | frontend | token2wav |" in table
+    assert "| 4 | 240 | yes | 9.5 | 2.0 | 19 | 190 |" in table and "| 4 | 230 | no | - | 2.0 | 18 | 180 |" in table
+    assert _slowest_table([{"load": 1}]) == []  # reports from before the field
 
 
 def test_the_report_says_what_served_the_probes():

@@ -171,6 +171,10 @@ def test_cold_voices_take_their_share_are_registered_before_and_removed_after_an
     s = probe.summary(SLO)
     assert s["cold_voice_requests"] == sum(t.cold_voice for t in probe.traces) > 0
     assert s["ttfa_p99_ms"] == pytest.approx(100.0) and s["ttfa_cold_p95_ms"] == pytest.approx(100.0)
+    prompts = {v.voice_id: v.prompt_s for v in source.voices} | {r.voice.voice_id: r.voice.prompt_s for r in cold}
+    spoken = [r.voice.voice_id for _, r in target.requests]
+    judged = Counter(t.prompt_s for t in probe.traces)  # the window's requests: some of those spoken
+    assert judged and judged <= Counter(prompts[v] for v in spoken)  # each trace its voice's prompt length
 
 
 def test_a_failed_cold_registration_is_a_failed_request():
