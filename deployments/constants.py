@@ -41,17 +41,6 @@ GC_PAUSE_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5]  # Python
 # chunks up to 5 s inline.
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 512 * 1024}
 
-# Ray Serve's settings in every replica of the app (each deployment's runtime_env; Serve merges
-# them with the application's env_vars): user code on the replica's own event loop, a handle's
-# router on the caller's loop, handle calls between replicas over gRPC, which Ray's high-throughput
-# mode (RAY_SERVE_THROUGHPUT_OPTIMIZED) sets among others. A Serve hop between two replicas took
-# ~1.5-2.7 ms against ~3-4 with Ray's defaults, and one session's handoff stage over HTTP 2.9-3.2 ms
-# against 5.8-6.2 (2-core VM, tiny model, 2026-12-07, bench/results/2026-12-07-cpu-serving-layer-serve-hop).
-# With user code on the replica's loop nothing there may block it: the app's blocking work runs
-# in its own threads and pools already.
-SERVE_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-                     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
-
 # Environment variable names (documented in docs/serving.md).
 ENV_MODEL_DIR = "FAST_COSY_MODEL_DIR"  # model directory used when the config gives none
 ENV_HOME = "FAST_COSY_HOME"  # cache root: generated tiny model, default voice store

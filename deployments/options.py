@@ -12,8 +12,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
-from deployments.constants import SERVE_REPLICA_ENV
-
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
@@ -133,8 +131,7 @@ class DeploymentKnobs(StrictModel):
             "max_ongoing_requests": self.max_ongoing_requests,
             "max_queued_requests": self.max_queued_requests,
             "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=self.retry_after_s),
-            "ray_actor_options": {**self.resources.actor_options(),
-                                  "runtime_env": {"env_vars": dict(SERVE_REPLICA_ENV)}},
+            "ray_actor_options": self.resources.actor_options(),
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
             "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,

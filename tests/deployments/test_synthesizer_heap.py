@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from deployments import housekeeping
-from deployments.constants import SERVE_REPLICA_ENV
 from deployments.synthesizer import Synthesizer
 from deployments.synthesizer_config import SynthesizerConfig
 from tests.deployments.test_synthesizer_unit import _req, _synth
@@ -15,7 +14,7 @@ from tests.deployments.test_synthesizer_unit import _req, _synth
 
 def test_replica_env_caps_malloc_arenas_and_keeps_other_options():
     opts = Synthesizer.deployment_options(SynthesizerConfig())
-    assert opts["ray_actor_options"]["runtime_env"]["env_vars"] == {"MALLOC_ARENA_MAX": "2", **SERVE_REPLICA_ENV}
+    assert opts["ray_actor_options"]["runtime_env"]["env_vars"] == {"MALLOC_ARENA_MAX": "2"}
     assert opts["ray_actor_options"]["num_cpus"] == SynthesizerConfig().resources.num_cpus
 
 
