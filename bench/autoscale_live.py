@@ -48,7 +48,7 @@ import numpy as np
 import yaml
 
 from bench.autoscale_report import summarise, write_outputs
-from bench.capacity_load import Clock, Mix, Workload, serve_one
+from bench.capacity_load import Clock, Mix, Workload, exponential_starts, serve_one
 from bench.capacity_targets import HttpTarget
 from bench.load import register_voices
 from bench.timed_fleet import RESULTS, Calibration, calibrate, cold_start_record, factory_name
@@ -236,13 +236,7 @@ def join_offsets(n: int, spread_s: float, rng: random.Random) -> list[float]:
     """When the ``n`` sessions that join at one tick of the ramp send their first request, in s
     from the tick: one joins at once; a step of several (the burst) arrives as the capacity tool's
     sessions start, exponential gaps over ~``spread_s`` (0: all at once)."""
-    if n <= 1 or spread_s <= 0:
-        return [0.0] * max(n, 0)
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(n / spread_s)
-        out.append(t)
-    return out
+    return exponential_starts(n, spread_s, rng) if n > 1 else [0.0] * max(n, 0)
 
 
 class SessionDriver:

@@ -212,15 +212,21 @@ class Clock:
         return stop.is_set()
 
 
+def exponential_starts(n: int, span_s: float, rng: random.Random, t0: float = 0.0) -> list[float]:
+    """The start times of ``n`` sessions from ``t0``: exponential gaps at rate ``n / span_s``, so
+    the last starts ~``span_s`` later on average; all at ``t0`` when ``span_s`` is 0."""
+    starts, t = [], t0
+    for _ in range(n):
+        t += rng.expovariate(n / span_s) if span_s > 0 else 0.0
+        starts.append(t)
+    return starts
+
+
 async def closed_loop(target: Target, sessions: int, work: Workload, slo: Slo, clock: Clock | None = None) -> Probe:
     """``sessions`` voice-agent sessions; the window opens once the last session has started."""
     clock = clock or Clock()
     rng = random.Random(work.seed)
-    t0 = clock.now()
-    starts, t = [], t0
-    for _ in range(sessions):
-        t += rng.expovariate(sessions / work.ramp_s) if work.ramp_s > 0 else 0.0
-        starts.append(t)
+    starts = exponential_starts(sessions, work.ramp_s, rng, clock.now())
     judge = _Judge(slo)
     judge.window = (starts[-1], starts[-1] + work.window_s)
     session_rngs = [random.Random(f"{work.seed}/{i}") for i in range(sessions)]

@@ -164,11 +164,9 @@ def _slowest_table(probes: list[dict]) -> list[str]:
              "| load | first audio ms | cold | prompt s | drawn s | " + " | ".join(names) + " |",
              "|" + "---|" * (len(names) + 5)]
     for load, r in rows:
-        prompt = f"{r['prompt_s']:.1f}" if r.get("prompt_s") is not None else "-"
-        drawn = f"{r['drawn_s']:.1f}" if r.get("drawn_s") is not None else "-"
-        cells = [f"{r['stages_ms'][n]:.0f}" if n in r["stages_ms"] else "-" for n in names]
-        lines.append(f"| {load} | {r['ttfa_ms']:.0f} | {'yes' if r['cold_voice'] else 'no'} | {prompt} | {drawn} | "
-                     + " | ".join(cells) + " |")
+        cells = [_cell(r["ttfa_ms"], "{:.0f}"), "yes" if r["cold_voice"] else "no", _cell(r.get("prompt_s"), "{:.1f}"),
+                 _cell(r.get("drawn_s"), "{:.1f}"), *(_cell(r["stages_ms"].get(n), "{:.0f}") for n in names)]
+        lines.append(f"| {load} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -99,7 +99,7 @@ yaml.safe_dump(c, open(sys.argv[3], 'w'))" "$C" "$arm" "/tmp/cold-$arm.yaml" && 
 fi
 if [ "${AUTOSCALE_S:-0}" -gt 0 ]; then  # the live ramp (no model): after COLD_S when both are set, which sets its replicas' start
   cp bench/results/fleet-sim-latest.json "$W/results/"  # the tool writes its live comparison into it
-  # a cold start measured by an earlier call of this lease (COLD_S) sets the timed replicas' start
+  # a cold start measured by this call or an earlier one of this lease (COLD_S) sets the timed replicas' start
   cold=(); [ -d /tmp/cold-kept ] && cold=(--cold-starts /tmp/cold-kept)
   # SIGINT at AUTOSCALE_S: the tool writes what ran (cut_short) in the next ~30 s, then pack
   timeout -s INT -k 60 "$AUTOSCALE_S" python3 -m bench.autoscale_live --gpus "${AUTOSCALE_GPUS:-8}" ${cold[@]+"${cold[@]}"} \

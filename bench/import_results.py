@@ -140,10 +140,10 @@ def _import_ramps(ramps: list[Path], results: Path, out: Path, latest: bool) -> 
     said 55b2604 where the tree was 881bc00); with ``latest``, its ``autoscale-latest.json`` and the
     ``fleet-sim-latest.json`` holding its sim-vs-live figure."""
     written: list[Path] = []
+    commit = f"{_commit()} (the checkout that imported the call; the device ran its working tree)"
     for folder in ramps:
         dest = out / folder.name
         shutil.copytree(folder, dest)
-        commit = f"{_commit()} (the checkout that imported the call; the device ran its working tree)"
         for name in ("run.json", "autoscale.json"):
             doc = json.loads((dest / name).read_text())
             (doc["run"] if name == "autoscale.json" else doc)["commit"] = commit

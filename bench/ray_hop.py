@@ -40,6 +40,11 @@ def payload(prompt_s: float) -> dict:
     return {"mel": np.zeros((frames, MEL_BINS), np.float32), "speech_tokens": np.zeros(frames // 2, np.int32)}
 
 
+def medians(ret: list[float], arg: list[float]) -> dict[str, float]:
+    """One cell of a round: the median ms of each hop."""
+    return {"return_ms": round(statistics.median(ret), 3), "argument_ms": round(statistics.median(arg), 3)}
+
+
 def measure(system_config: dict | None, prompts_s: list[float], calls: int, rounds: int) -> dict[str, list]:
     import ray
 
@@ -68,8 +73,7 @@ def measure(system_config: dict | None, prompts_s: list[float], calls: int, roun
                     ray.get(synth.take.remote(prepared))
                     ret.append((t1 - t0) * 1e3)
                     arg.append((time.perf_counter() - t1) * 1e3)
-                out.setdefault(str(prompt_s), []).append(
-                    {"return_ms": round(statistics.median(ret), 3), "argument_ms": round(statistics.median(arg), 3)})
+                out.setdefault(str(prompt_s), []).append(medians(ret, arg))
         return out
     finally:
         ray.shutdown()
@@ -122,8 +126,7 @@ def measure_serve(system_config: dict | None, prompts_s: list[float], calls: int
             for _ in range(rounds):
                 for prompt_s in prompts_s:
                     ret, arg = zip(*await prober.hops.remote(prompt_s, calls), strict=True)
-                    out.setdefault(str(prompt_s), []).append(
-                        {"return_ms": round(statistics.median(ret), 3), "argument_ms": round(statistics.median(arg), 3)})
+                    out.setdefault(str(prompt_s), []).append(medians(ret, arg))
             await serve.shutdown_async()  # in the loop the handle's router may live in
             return out
 

@@ -30,7 +30,8 @@ from tests.serve_app.test_ingress_speech import _decode
 
 GUARD_S = 120.0  # failure guard only: held calls are released by the test, never by this bound
 # The ingress's own audio-progress timeout (60 s by default, real time) must not end a stream the
-# test is holding: it once fired in CI on the held mp3 stream (the run stalled past 60 s there)
+# test is holding: it once fired in CI on the held mp3 stream, likely a drawn seed in the fakes'
+# hold range (tests/deployments/fakes.py, since moved above the drawn seeds)
 CFG = {"max_input_chars": 1000, "stream_idle_timeout_s": 10 * GUARD_S}
 TEXT = "Hello there."
 
