@@ -114,6 +114,9 @@ class NullToken2Wav:
     def tokens_needed(self, state: _Stream) -> int | None:
         return None if state.done or not state.stream else state.emitted + HOP
 
+    def prefix_job(self, state: _Stream) -> None:
+        return None  # no flow
+
     def next_job(self, state: _Stream, tokens, llm_done: bool) -> _Job | None:
         if state.done:
             return None

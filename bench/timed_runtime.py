@@ -178,6 +178,9 @@ class TimedToken2Wav:
     def tokens_needed(self, state: _Stream) -> int | None:
         return None if state.done or not state.stream else state.offset + self._hop(state) + LOOKAHEAD
 
+    def prefix_job(self, state: _Stream) -> None:
+        return None  # one voice: the calibration's requests had their voice's prefix kept
+
     def next_job(self, state: _Stream, tokens, llm_done: bool) -> _Job | None:
         if state.done:
             return None

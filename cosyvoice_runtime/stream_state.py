@@ -51,6 +51,7 @@ class StreamState:
     flow_cache: FlowCache | None = field(default=None, repr=False)  # incremental flow only
     flow_recompute: bool = False  # the incremental flow's cache budget was full: recomputed from then on
     flow_frames: int = 0  # estimator frames solved for this request so far (each of 2 x n_timesteps passes)
+    prefix_looked_up: bool = False  # its voice's prompt prefix was looked up (counted) by Token2Wav.prefix_job
 
 
 @dataclass
@@ -62,6 +63,15 @@ class Token2WavJob:
     finalize: bool
     hop: int  # tokens this call advances the offset by (0 for the final call)
     source_override: torch.Tensor | None = field(default=None, repr=False)
+
+
+@dataclass(eq=False)
+class PrefixJob:
+    """A flow solve of a voice prompt's kept prefix alone, for a stream whose voice has none kept
+    (``Token2Wav.prefix_job``): it runs while the LLM makes the stream's first chunk, which then
+    starts after the prefix like a later request of that voice. No audio, no change to ``state``."""
+
+    state: StreamState
 
 
 def prompt_key(prompt: VoicePrompt) -> bytes:

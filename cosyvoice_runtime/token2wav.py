@@ -36,7 +36,14 @@ from cosyvoice_runtime.flow.incremental import IncrementalRow
 from cosyvoice_runtime.flow.stepper import SolveRow
 from cosyvoice_runtime.hift.streaming import VocoderCall, VocoderStream, vocode_batch
 from cosyvoice_runtime.stream_schedule import first_hop
-from cosyvoice_runtime.stream_state import PromptTensors, StreamState, Token2WavJob, all_or_nothing, prompt_key
+from cosyvoice_runtime.stream_state import (
+    PrefixJob,
+    PromptTensors,
+    StreamState,
+    Token2WavJob,
+    all_or_nothing,
+    prompt_key,
+)
 from cosyvoice_runtime.voice_prompt import VoicePrompt
 
 logger = logging.getLogger(__name__)
@@ -123,6 +130,27 @@ class Token2Wav:
         return (torch.tensor(prompt.speech_tokens, dtype=torch.int32, device=weight.device).reshape(1, -1),
                 torch.tensor(prompt.mel, dtype=weight.dtype, device=weight.device)[None],
                 torch.tensor(prompt.embedding, dtype=weight.dtype, device=weight.device).reshape(1, -1))
+
+    def prefix_job(self, state: StreamState) -> PrefixJob | None:
+        """A job that solves this stream's voice prompt prefix alone, when the incremental flow keeps
+        prefixes, none is kept for its voice and the prompt has a whole attention chunk; else None.
+        Run through :meth:`start_solves` / :meth:`finish` (no audio) before the stream's first job.
+
+        Why: without it a new voice's first job solves its whole prompt beside the first chunk
+        (up to ~500 frames in one row where a known voice's has ~50-150, a row no captured bucket
+        holds past ~9 s of prompt) after the LLM made that chunk. On its own the prefix is solved
+        while the LLM decodes, and the first chunk rides like a known voice's.
+        Counts the stream's prefix hit or miss (its first job's lookup then counts nothing)."""
+        prefixes = self.prompt_prefixes
+        if (prefixes is None or not state.stream or state.flow_cache is not None or state.flow_recompute
+                or state.prefix_looked_up or self.flow.prompt_prefix_frames(state.prompt_tokens.shape[1]) < 1):
+            return None
+        state.prefix_looked_up = True
+        return PrefixJob(state) if prefixes.get(state.prompt_key) is None else None
+
+    def _prefix_item(self, state: StreamState) -> FlowItem:
+        return FlowItem(token=state.prompt_tokens[:, :0], prompt_token=state.prompt_tokens, prompt_feat=state.prompt_feat,
+                        embedding=state.prompt_embedding, streaming=True, finalize=False)
 
     def _next_hop(self, state: StreamState) -> int:
         if state.token_offset == 0:
@@ -214,7 +242,7 @@ class Token2Wav:
             state, mark = job.state, 0
             if state.flow_cache is None:
                 prefixes = self.prompt_prefixes
-                prefix = prefixes.get(state.prompt_key) if prefixes is not None else None
+                prefix = prefixes.get(state.prompt_key, count=not state.prefix_looked_up) if prefixes is not None else None
                 state.flow_cache = FlowCache() if prefix is None else prefix.shared()
                 with self._live_lock:
                     self._live_caches.add(state.flow_cache)
@@ -298,27 +326,29 @@ class Token2Wav:
         return [self._advance(job, audio) for job, audio in zip(jobs, vocode_batch(self.hift, calls))]
 
     # -- step by step (flow.stepper, flow.incremental): the caller runs the passes, so urgent jobs can overtake --
-    def start_solves(self, jobs: list[Token2WavJob]) -> list[SolveRow | IncrementalRow]:
+    def start_solves(self, jobs: list[Token2WavJob | PrefixJob]) -> list[SolveRow | IncrementalRow]:
         """Encode jobs of distinct requests into flow rows at step 0 (``row.tag`` is the job):
-        incremental jobs (``cv2_flow`` / ``cv3_flow``) as :class:`IncrementalRow`, the others as
-        :class:`SolveRow`. Then :meth:`advance` picked rows until ``row.step == n_steps`` and
-        :meth:`finish` them.
+        incremental jobs (``cv2_flow`` / ``cv3_flow``) and prompt prefixes (:meth:`prefix_job`) as
+        :class:`IncrementalRow`, the others as :class:`SolveRow`. Then :meth:`advance` picked rows
+        until ``row.step == n_steps`` and :meth:`finish` them.
         """
         if len({id(job.state) for job in jobs}) != len(jobs):
             raise ValueError("jobs of a request are sequential: at most one row per request")
-        items = [self.flow_item(job) for job in jobs]
-        incremental = self._plan(jobs, items)
+        chunks = [i for i, job in enumerate(jobs) if not isinstance(job, PrefixJob)]
+        items = {i: self.flow_item(jobs[i]) for i in chunks}
+        incremental = dict(zip(chunks, self._plan([jobs[i] for i in chunks], list(items.values()))))
+        groups = {"prefix": [i for i in range(len(jobs)) if i not in items],
+                  "recompute": [i for i in chunks if not incremental[i]],
+                  "incremental": [i for i in chunks if incremental[i]]}
+        start = {"prefix": lambda part, _: self.flow.start_prefix_rows([self._prefix_item(j.state) for j in part], part),
+                 "recompute": lambda part, part_items: self.flow.start_rows(part_items, part),
+                 "incremental": self._incremental_rows}
         rows: list = [None] * len(jobs)
-        for flag in (False, True):
-            idx = [i for i, inc in enumerate(incremental) if inc == flag]
-            if not idx:
-                continue
-            part_jobs, part_items = [jobs[i] for i in idx], [items[i] for i in idx]
-            made = (self._incremental_rows(part_jobs, part_items) if flag
-                    else self.flow.start_rows(part_items, part_jobs))
-            for i, row in zip(idx, made):
-                row.oversize = self._oversize(row)
-                rows[i] = row
+        for group, idx in groups.items():
+            if idx:
+                for i, row in zip(idx, start[group]([jobs[i] for i in idx], [items.get(i) for i in idx])):
+                    row.oversize = self._oversize(row)
+                    rows[i] = row
         return rows
 
     def _oversize(self, row: SolveRow | IncrementalRow) -> bool:
@@ -352,6 +382,19 @@ class Token2Wav:
         """Vocode finished rows (their jobs advance); the audio of each, in order."""
         if any(r.step < self.n_steps for r in rows):
             raise ValueError("finish() takes rows whose solve is done")
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for i, row in enumerate(rows):
+            if isinstance(row.tag, PrefixJob):  # kept for the voice; the stream is not touched
+                row.commit()
+                if self.prompt_prefixes is not None:
+                    self.prompt_prefixes.put(row.tag.state.prompt_key, row.cache.prefix(row.cache.frames, row.cache.convs))
+                    self.prompt_prefixes.primed += 1
+                out[i] = row.x.new_zeros(0, dtype=torch.float32)
+        rows = [row for row, audio in zip(rows, out) if audio is None]
+        audios = iter(self._finish_jobs(rows) if rows else [])
+        return [next(audios) if audio is None else audio for audio in out]
+
+    def _finish_jobs(self, rows: list[SolveRow | IncrementalRow]) -> list[torch.Tensor]:
         jobs = [row.tag for row in rows]
         with all_or_nothing([job.state for job in jobs]):
             mels = []

@@ -253,10 +253,14 @@ class RuntimeToken2Wav:
         return {"flow_cache_bytes": float(t2w.live_cache_bytes()), "flow_cache_fallbacks_total": float(t2w.flow_fallbacks),
                 "flow_prompt_prefix_hits_total": float(prefixes.hits if prefixes else 0),
                 "flow_prompt_prefix_misses_total": float(prefixes.misses if prefixes else 0),
+                "flow_prompt_prefix_primed_total": float(prefixes.primed if prefixes else 0),
                 "flow_prompt_cache_budget_bytes": float(self.prompt_cache_bytes)}
 
     def tokens_needed(self, state: Any) -> int | None:
         return self.t2w.tokens_needed(state)
+
+    def prefix_job(self, state: Any) -> Any | None:
+        return self.t2w.prefix_job(state)
 
     def run_batch(self, jobs: list[Any]) -> list[np.ndarray]:
         import torch

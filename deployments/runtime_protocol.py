@@ -42,13 +42,16 @@ class Token2WavRuntime(Protocol):
     def next_job(self, state: Any, tokens: Sequence[int], llm_done: bool) -> Any | None: ...
     # Tokens in all at which next_job has the next streamed job; None: the next is the final one.
     def tokens_needed(self, state: Any) -> int | None: ...
+    # A job that solves the stream's voice prompt prefix alone while the LLM makes its first chunk
+    # (the stepped token2wav runs it; no audio), or None: no prefix to solve.
+    def prefix_job(self, state: Any) -> Any | None: ...
     def run_batch(self, jobs: list[Any]) -> list[np.ndarray]: ...
     # Counters and sizes of the incremental flow's caches (FLOW_STATS keys; zeros without it).
     def flow_stats(self) -> dict[str, float]: ...
 
 
 FLOW_STATS = ("flow_cache_bytes", "flow_cache_fallbacks_total", "flow_prompt_prefix_hits_total",
-              "flow_prompt_prefix_misses_total", "flow_prompt_cache_budget_bytes")
+              "flow_prompt_prefix_misses_total", "flow_prompt_prefix_primed_total", "flow_prompt_cache_budget_bytes")
 
 
 class FrontendRuntime(Protocol):

@@ -359,28 +359,47 @@ class Synthesizer:
             lm = LMRequest(text_ids=piece.text_ids, prompt_text_ids=req.llm_prompt_text_ids,
                            prompt_speech_ids=speech, seed=req.seed, **cursor.lm_fields())
         state = self.t2w.new_stream(prompt, stream=req.stream, speed=req.speed, seed=req.seed)
+        prefix = self._solve_prefix(state, playback)
         tokens: list[int] = []
         marker = TextMarker(None if text is not None else int(piece.text_ids.size))
-        # Woken when the next chunk's tokens are there (or at the end), not on every decode step.
-        async for event in self.loop.generate(f"{req.request_id}/{p}", lm, need=lambda: self.t2w.tokens_needed(state),
-                                              text=text,
-                                              on_first_token=lambda: marks.setdefault("first_token", self.clock()),
-                                              due=playback.deadline_s):
-            tokens.extend(event.tokens)
-            cursor.saw(event)
-            marker.add(len(event.tokens), event.text_read)
-            while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
-                marks.setdefault("first_chunk_tokens", self.clock())
-                if self.stepped is not None:
-                    audio = await self._token2wav_stepped(job, playback.deadline_s(), marks)
-                else:
-                    turn = self.gate.turn(playback.deadline_s()) if self.gate is not None else contextlib.nullcontext()
-                    async with turn:
-                        audio = await self._token2wav(job)
-                if isinstance(audio, Exception):  # this job failed alone (BatchJobs.run)
-                    raise audio
-                final = bool(getattr(job, "finalize", False))
-                yield audio, final, marker.chunk(len(tokens) if final else marker.spoken + job.hop, final, event.finished)
+        try:
+            # Woken when the next chunk's tokens are there (or at the end), not on every decode step.
+            async for event in self.loop.generate(f"{req.request_id}/{p}", lm,
+                                                  need=lambda: self.t2w.tokens_needed(state), text=text,
+                                                  on_first_token=lambda: marks.setdefault("first_token", self.clock()),
+                                                  due=playback.deadline_s):
+                tokens.extend(event.tokens)
+                cursor.saw(event)
+                marker.add(len(event.tokens), event.text_read)
+                while (job := self.t2w.next_job(state, tokens, llm_done=event.finished)) is not None:
+                    marks.setdefault("first_chunk_tokens", self.clock())
+                    if self.stepped is not None:
+                        if prefix is not None:  # the first job starts after its voice's prefix
+                            await asyncio.wait([prefix])
+                            prefix = None
+                        audio = await self._token2wav_stepped(job, playback.deadline_s(), marks)
+                    else:
+                        turn = (self.gate.turn(playback.deadline_s()) if self.gate is not None
+                                else contextlib.nullcontext())
+                        async with turn:
+                            audio = await self._token2wav(job)
+                    if isinstance(audio, Exception):  # this job failed alone (BatchJobs.run)
+                        raise audio
+                    final = bool(getattr(job, "finalize", False))
+                    yield audio, final, marker.chunk(len(tokens) if final else marker.spoken + job.hop, final,
+                                                     event.finished)
+        finally:
+            if prefix is not None:  # the request ended first: the driver drops the row
+                prefix.cancel()
+
+    def _solve_prefix(self, state, playback: Playback) -> asyncio.Future | None:
+        """With the stepped token2wav, a new voice's prompt prefix solved now, while the LLM makes
+        the stream's first chunk (``Token2Wav.prefix_job``), due as that chunk is; None: nothing to
+        solve. Its outcome is not the request's: a failed prefix leaves the first job to solve it."""
+        job = self.t2w.prefix_job(state) if self.stepped is not None else None
+        if job is None:
+            return None
+        return asyncio.ensure_future(self.stepped.run(job, playback.deadline_s()))
 
     def _stepped_failed(self) -> int:
         return self.stepped.failed_jobs if self.stepped is not None else 0

@@ -113,10 +113,8 @@ class Flow(nn.Module):
     def _condition(self, items: list[FlowItem]) -> tuple[torch.Tensor, ...]:
         """The solver's inputs for a batch of jobs: mu, mask, cond (B, 80|1, T_max), spks (B, 80),
         and the frames of each job (a list)."""
-        dtype = self.spk_embed_affine_layer.weight.dtype
         dev = self.spk_embed_affine_layer.weight.device
-        emb = torch.cat([it.embedding.reshape(1, -1) for it in items]).to(dev, dtype)
-        spks = self.spk_embed_affine_layer(F.normalize(emb, dim=1))
+        spks = self._speakers(items)
         mu, frames = self.encode(items)
         n_frames = [n * self.spec.token_mel_ratio for n in self.output_tokens(items)]  # frames, known on the host
         b, _, total = mu.shape
@@ -128,6 +126,12 @@ class Flow(nn.Module):
                 raise InvalidInputError(f"prompt mel of {n_prompt} frames is longer than the {n_frames[i]} flow frames")
             cond[i, :, :n_prompt] = it.prompt_feat[0].transpose(0, 1).to(mu)
         return mu * mask, mask, cond, spks, n_frames
+
+    def _speakers(self, items: list[FlowItem]) -> torch.Tensor:
+        """(B, 80): each job's speaker vector as the estimator takes it."""
+        weight = self.spk_embed_affine_layer.weight
+        emb = torch.cat([it.embedding.reshape(1, -1) for it in items]).to(weight.device, weight.dtype)
+        return self.spk_embed_affine_layer(F.normalize(emb, dim=1))
 
     @torch.inference_mode()
     def inference_batch(self, items: list[FlowItem], trace: dict | None = None) -> list[torch.Tensor]:
@@ -216,6 +220,27 @@ class Flow(nn.Module):
             mark = max(0, marks[i] - start) if marks else 0
             rows.append(stepper.new_row(mu[i, :, start:total], cond[i, :, start:total], spks[i], cache, keep, tag,
                                         mark=mark))
+        return rows
+
+    @torch.inference_mode()
+    def start_prefix_rows(self, items: list[FlowItem], tags: list) -> list[IncrementalRow]:
+        """Rows that solve voice prompts' kept prefixes alone (:meth:`prompt_prefix_frames` frames
+        each, kept whole in a new cache): ``items`` are the prompts as non-final streamed jobs with
+        no tokens of their own. Exact: the encoder output of frames before the prefix's end is
+        the same without the request's tokens (their look-ahead context is prompt tokens), and the
+        estimator's frames there never see a later frame (chunk masks, causal convolutions)."""
+        if not all(self.can_solve_incrementally(it) and not it.finalize and it.token.numel() == 0 for it in items):
+            raise InvalidInputError("a prompt prefix is solved from a streamed non-final job without tokens")
+        stepper = self.incremental_stepper()
+        mu, _ = self.encode(items)
+        spks = self._speakers(items)
+        rows = []
+        for i, (it, tag) in enumerate(zip(items, tags)):
+            n = self.prompt_prefix_frames(it.prompt_token.numel())
+            if n < 1:
+                raise InvalidInputError(f"a prompt of {it.prompt_token.numel()} tokens has no whole attention chunk")
+            cond = it.prompt_feat[0, :n].transpose(0, 1).to(mu)
+            rows.append(stepper.new_row(mu[i, :, :n], cond, spks[i], FlowCache(), n, tag))
         return rows
 
     @staticmethod

@@ -10,6 +10,7 @@ Memory decides the cached layout. In bf16 CosyVoice2 holds 560 KiB per cached fr
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -85,31 +86,43 @@ class PromptPrefixes:
     speaker vector), the fixed noise and the time grid, so it is the same in every request with
     that prompt. A request's first job then solves ``[B, T)`` instead of ``[0, T)``: ~150 of the
     ~200 frames of a first chunk after a 3.5 s prompt, ~30 % of a 6 s answer's estimator frames.
+
+    Thread-safe: a request looks its voice up on the replica's event loop (``Token2Wav.prefix_job``)
+    while the token2wav thread reads and fills the cache. ``count=False`` lookups are a stream's
+    second look at a voice it was already counted for (hits and misses count streams, not lookups).
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._caches: dict[bytes, FlowCache] = {}  # insertion order = use order
+        self._lock = threading.Lock()
         self.hits = self.misses = 0
+        self.primed = 0  # prefixes solved by a job of their own (Token2Wav.prefix_job)
 
-    def get(self, key: bytes) -> FlowCache | None:
-        cache = self._caches.pop(key, None)
-        if cache is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._caches[key] = cache
-        return cache
+    def get(self, key: bytes, count: bool = True) -> FlowCache | None:
+        with self._lock:
+            cache = self._caches.pop(key, None)
+            if cache is not None:
+                self._caches[key] = cache
+            if count:
+                self.hits += cache is not None
+                self.misses += cache is None
+            return cache
 
     def put(self, key: bytes, cache: FlowCache) -> None:
         if cache.nbytes() > self.max_bytes:
             return
-        self._caches.pop(key, None)
-        self._caches[key] = cache
-        while self.nbytes() > self.max_bytes:
-            del self._caches[next(iter(self._caches))]
+        with self._lock:
+            self._caches.pop(key, None)
+            self._caches[key] = cache
+            while self._nbytes() > self.max_bytes:
+                del self._caches[next(iter(self._caches))]
 
     def nbytes(self) -> int:
+        with self._lock:
+            return self._nbytes()
+
+    def _nbytes(self) -> int:
         return sum(c.nbytes() for c in self._caches.values())
 
     def __len__(self) -> int:

@@ -235,6 +235,9 @@ class FakeToken2Wav:
     def tokens_needed(self, state: FakeStream) -> int | None:
         return state.offset + HOP if state.stream and not state.finished else None
 
+    def prefix_job(self, state: FakeStream) -> None:
+        return None  # no flow: nothing to solve ahead
+
     def next_job(self, state: FakeStream, tokens, llm_done: bool) -> FakeJob | None:
         if state.finished:
             return None

@@ -69,12 +69,49 @@ def test_steps_stream_the_batch_schedulers_audio(model_dir):
                 assert synth.gate is None and stats["flow_passes_total"] > 0
                 assert stats["flow_rows_in_passes_total"] > stats["flow_passes_total"]  # passes were shared
                 assert stats["flow_rows_ready_total"] >= stats["flow_rows_in_passes_total"]
+            # three new voices: the stepped incremental flow solves their prompt prefixes ahead
+            primed = 3 if (scheduler, cv2_flow) == ("steps", "incremental") else 0
+            assert stats["flow_prompt_prefix_primed_total"] == primed, (scheduler, cv2_flow)
+            if cv2_flow == "incremental":
+                assert (stats["flow_prompt_prefix_misses_total"], stats["flow_prompt_prefix_hits_total"]) == (3, 0)
     reference = out["batch", "recompute"]
     for key in (("steps", "recompute"), ("batch", "incremental"), ("steps", "incremental"),
                 ("steps-give-way", "recompute"), ("steps-give-way", "incremental")):
         for a, b in zip(reference, out[key]):
             assert a.size == b.size > 0, key
             assert float(np.abs(a - b).max()) < 1e-4, key
+
+
+def test_a_new_voices_prefix_is_solved_before_its_first_chunk_and_kept(model_dir):
+    """The stepped incremental flow: a request of a new voice has its prompt prefix solved by a job
+    of its own, and its first chunk starts after it; a request of that voice later, and one of it
+    beside a new voice, find it kept. Same audio as without prompt prefixes (token2wav.cv2_prompt_cache_bytes 0)."""
+    first, again, beside = _req("a", 8, seed=1), _req("b", 5, seed=1), _req("c", 6, seed=2)
+    out, stats = {}, {}
+    for cache in (0, 1 << 30):
+        cfg = SynthesizerConfig(device="cpu", warmup=False, max_model_len=512,
+                                token2wav={"scheduler": "steps", "cv2_flow": "incremental", "cv2_prompt_cache_bytes": cache})
+        synth = Synthesizer(cfg, ModelSource(model_dir))
+        synth.outside_serve()
+        t2w = synth.runtime.token2wav.t2w
+        starts, start_solves = [], t2w.start_solves
+
+        def spy(jobs, start_solves=start_solves, starts=starts):
+            rows = start_solves(jobs)
+            starts.extend((type(job).__name__, job.state.token_offset, row.start) for job, row in zip(jobs, rows))
+            return rows
+
+        t2w.start_solves = spy
+        out[cache] = _speak(synth, [first])
+        first_rows = list(starts)
+        out[cache] += _speak(synth, [again, beside])
+        stats[cache] = {k: synth.stats()[f"flow_prompt_prefix_{k}_total"] for k in ("primed", "hits", "misses")}
+    assert stats[0] == {"primed": 0, "hits": 0, "misses": 0}
+    assert stats[1 << 30] == {"primed": 2, "hits": 1, "misses": 2}
+    prefix = t2w.flow.prompt_prefix_frames(len(first.prompt.speech_tokens))
+    assert prefix > 0 and first_rows[:2] == [("PrefixJob", 0, 0), ("Token2WavJob", 0, prefix)]
+    for a, b in zip(out[0], out[1 << 30]):
+        assert a.size == b.size > 0 and float(np.abs(a - b).max()) < 1e-4
 
 
 def test_the_stepped_first_chunk_carries_the_token2wav_marks_in_order(model_dir):

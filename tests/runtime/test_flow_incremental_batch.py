@@ -393,6 +393,55 @@ def test_a_voices_prompt_prefix_is_solved_once_for_all_its_requests():
     assert len(inc.prompt_prefixes) == 2 and inc.prompt_prefixes.hits == 3 and inc.prompt_prefixes.misses == 2
 
 
+def test_a_new_voices_prefix_solved_alone_first_gives_the_same_stream():
+    """float64 flow: a stream of a voice with no kept prefix gets a prefix job (Token2Wav.prefix_job),
+    solved in one pass with another stream's chunk (a pass mixes the two incremental rows); its
+    first job then starts after the prefix, and the stream is the recompute's bit for bit. A
+    stream of a kept voice, a prompt without a whole attention chunk and an unstreamed request
+    get no prefix job; hits and misses count streams, not lookups."""
+    cv2 = _cv2()
+    flow64 = copy.deepcopy(cv2.flow).double()
+    inc = Token2Wav(cv2.spec, flow64, cv2.hift, min_first_hop=10, cv2_flow="incremental", prompt_cache_bytes=1 << 30)
+    ref = Token2Wav(cv2.spec, copy.deepcopy(flow64), cv2.hift, min_first_hop=10)
+    voice, known, short = _prompt(43, 22), _prompt(31, 23), _prompt(20, 24)  # short: 2 x 17 < 50 frames
+    warm = inc.new_stream(known, stream=True)
+    assert inc.prefix_job(warm) is not None
+    assert inc.prefix_job(warm) is None  # looked up once per stream
+    (row,) = inc.start_solves([inc.prefix_job(inc.new_stream(known, stream=True))])
+    inc.flow.incremental.solve([row])
+    assert [a.numel() for a in inc.finish([row])] == [0]
+    assert (inc.prompt_prefixes.primed, inc.prompt_prefixes.hits, inc.prompt_prefixes.misses) == (1, 0, 2)
+
+    cold = inc.new_stream(voice, stream=True, generator=torch.Generator().manual_seed(5))
+    other = inc.new_stream(known, stream=True, generator=torch.Generator().manual_seed(6))
+    assert inc.prefix_job(other) is None  # kept: a hit
+    job = inc.prefix_job(cold)
+    tokens = {id(cold): _tokens(70, 40), id(other): _tokens(50, 41)}
+    first = inc.next_job(other, tokens[id(other)], llm_done=True)
+    prefix_row, other_row = inc.start_solves([job, first])
+    assert (prefix_row.start, prefix_row.frames, prefix_row.keep) == (0, 50, 50)
+    assert other_row.start == flow64.prompt_prefix_frames(31)  # the kept prefix
+    inc.flow.incremental.solve([prefix_row, other_row])
+    empty, audio = inc.finish([prefix_row, other_row])
+    assert empty.numel() == 0 and cold.flow_cache is None and cold.token_offset == 0
+    chunks = {id(cold): [], id(other): [audio]}
+    starts = []
+    for state in (cold, other):
+        while (job := inc.next_job(state, tokens[id(state)], llm_done=True)) is not None:
+            rows = inc.start_solves([job])
+            starts.append(rows[0].start)
+            inc.flow.incremental.solve(rows)
+            chunks[id(state)] += inc.finish(rows)
+    assert starts[0] == 50  # the cold stream's first job after its primed prefix
+    for state, prompt, seed in ((cold, voice, 5), (other, known, 6)):
+        want = _reference_audio(ref, prompt, tokens[id(state)], seed)
+        got = torch.cat(chunks[id(state)])
+        assert got.shape == want.shape and torch.equal(got, want), float((got - want).abs().max())
+    assert (inc.prompt_prefixes.primed, inc.prompt_prefixes.hits, inc.prompt_prefixes.misses) == (2, 1, 3)
+    assert inc.prefix_job(inc.new_stream(short, stream=True)) is None
+    assert inc.prefix_job(inc.new_stream(voice, stream=False)) is None
+
+
 def test_prompt_prefixes_keep_the_recently_used_within_their_bytes():
     def cache(frames: int) -> FlowCache:
         return FlowCache(frames=frames, attn=[torch.zeros(1, 2, frames, 4)], convs=[torch.zeros(2, 3, 2)])
