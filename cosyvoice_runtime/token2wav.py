@@ -384,10 +384,9 @@ class Token2Wav:
             raise ValueError("finish() takes rows whose solve is done")
         out: list[torch.Tensor | None] = [None] * len(rows)
         for i, row in enumerate(rows):
-            if isinstance(row.tag, PrefixJob):  # kept for the voice; the stream is not touched
-                row.commit()
+            if isinstance(row.tag, PrefixJob):  # kept for the voice (a copy: a retry finds the row as it was)
                 if self.prompt_prefixes is not None:
-                    self.prompt_prefixes.put(row.tag.state.prompt_key, row.cache.prefix(row.cache.frames, row.cache.convs))
+                    self.prompt_prefixes.put(row.tag.state.prompt_key, row.cache.prefix(row.keep, row.new_convs))
                     self.prompt_prefixes.primed += 1
                 out[i] = row.x.new_zeros(0, dtype=torch.float32)
         rows = [row for row, audio in zip(rows, out) if audio is None]
