@@ -48,7 +48,7 @@ import numpy as np
 import yaml
 
 from bench.autoscale_report import summarise, write_outputs
-from bench.capacity_load import Clock, Mix, Workload, exponential_starts, serve_one
+from bench.capacity_load import Clock, Mix, Workload, exponential_starts, serve_one, stages_with_proxy
 from bench.capacity_targets import HttpTarget
 from bench.load import register_voices
 from bench.timed_fleet import RESULTS, Calibration, calibrate, cold_start_record, factory_name
@@ -309,10 +309,14 @@ class SessionDriver:
 
 
 def record_of(trace, t0: float, session: int) -> dict[str, Any]:
+    """What the report keeps of one request (``t_s``: when it was sent, s after ``t0``). Its first
+    audio's stages stay with it, so the report can say where its slowest requests' time went
+    (a bin's p99 at a compressed time scale is about its slowest request)."""
     started = bool(trace.chunk_times_s)
     cut = started and (trace.error is not None or (trace.drawn_s and trace.audio_s < 0.5 * trace.drawn_s))
     return {"session": session, "t_s": round(trace.submitted_s - t0, 3),
             "ttfa_ms": round(trace.ttfa_s * 1e3, 1) if started else None,
+            "stages_ms": {k: round(v, 1) for k, v in stages_with_proxy(trace).items()} if started else {},
             "audio_s": round(trace.audio_s, 3), "drawn_s": round(trace.drawn_s or 0.0, 3),
             "underruns": trace.underruns() if started else 0,
             "rejected_429": bool(trace.error and trace.error.startswith("HTTP 429")),

@@ -14,7 +14,11 @@ Definitions (docs/tuning.md, "The live ramp"):
 * **cut stream**: a request whose audio had started and that ended in an error, or with under half
   the audio it asked for (a stream a draining replica dropped would show so);
 * **cut short**: the ramp was interrupted (SIGINT) before its end: the figures are those of the
-  part that ran, and requests still open then are not counted.
+  part that ran, and requests still open then are not counted;
+* **slowest requests**: the 5 requests of latest first audio of the run (``slowest``) and of the
+  bins outside scale-up (``slowest_outside_scaleup``), each with its bin, when it was sent, its
+  session and the server's first-audio stages: a bin of a few tens of requests has a p99 close to
+  its slowest one, so these say what ``p99_ttfa_ms_outside_scaleup_max`` is made of.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.capacity_load import SLOWEST
+from bench.capacity_report import request_table
 from bench.metrics import percentile
 from bench.results_index import run_folder_name, write_run_record
 
@@ -38,6 +44,12 @@ def _r(x: float | None, nd: int = 1) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), nd)
 
 
+def _sent_in(requests: list[dict], bin_s: float, n: int) -> list[list[dict]]:
+    """The requests of each of the ``n`` bins, by the time they were sent (``bins`` and the
+    slowest requests place a request in the same bin)."""
+    return [[r for r in requests if k * bin_s <= r["t_s"] < (k + 1) * bin_s] for k in range(n)]
+
+
 def bins(run: dict[str, Any], open_per_s: list, requests: list[dict], samples: list[dict],
          policy: list[dict]) -> list[dict[str, Any]]:
     """One row per bin from the ramp's start to the last sample."""
@@ -45,14 +57,16 @@ def bins(run: dict[str, Any], open_per_s: list, requests: list[dict], samples: l
     auto = run["autoscaling_reference"]
     lo, hi = int(auto["min_replicas"]), int(auto["max_replicas"])
     end = max([s["t_s"] for s in samples] + [t for t, _, _ in open_per_s] + [0.0])
+    n_bins = math.ceil(end / b)
+    sent = _sent_in(requests, b, n_bins)
     rows = []
-    for k in range(math.ceil(end / b)):
+    for k in range(n_bins):
         a, z = k * b, (k + 1) * b
         load = [(n, f) for t, n, f in open_per_s if a <= t < z]
         sessions = float(np.mean([n for n, _ in load])) if load else 0.0
         sample = next((s for s in reversed(samples) if a <= s["t_s"] < z and "states" in s), None)
         lines = [p for p in policy if a <= p["t_s"] < z]
-        reqs = [r for r in requests if a <= r["t_s"] < z]
+        reqs = sent[k]
         ttfa = [r["ttfa_ms"] for r in reqs if r["ttfa_ms"] is not None]
         row: dict[str, Any] = {
             "t_s": round(a, 3), "sessions": round(sessions, 2),
@@ -82,6 +96,23 @@ def bins(run: dict[str, Any], open_per_s: list, requests: list[dict], samples: l
     return rows
 
 
+def slowest_requests(rows: list[dict[str, Any]], requests: list[dict], bin_s: float,
+                     n: int = SLOWEST) -> dict[str, list[dict[str, Any]]]:
+    """The ``n`` requests of latest first audio of the bins ``rows`` (``slowest``) and of those
+    outside scale-up (``slowest_outside_scaleup``), slowest first; a tie keeps the earlier bin.
+
+    Returns:
+        Both lists; each request as its bin's ``t_s`` and ``scale_up``, ``submitted_s`` (when it
+        was sent, s from the ramp's start), ``ttfa_ms``, ``session`` and ``stages_ms``.
+    """
+    timed = [{"t_s": row["t_s"], "scale_up": row["scale_up"], "submitted_s": r["t_s"], "ttfa_ms": r["ttfa_ms"],
+              "session": r["session"], "stages_ms": r["stages_ms"]}
+             for row, sent in zip(rows, _sent_in(requests, bin_s, len(rows)), strict=True)
+             for r in sent if r["ttfa_ms"] is not None]
+    timed.sort(key=lambda e: -e["ttfa_ms"])
+    return {"slowest": timed[:n], "slowest_outside_scaleup": [e for e in timed if not e["scale_up"]][:n]}
+
+
 def summarise(run: dict[str, Any], open_per_s: list, requests: list[dict], samples: list[dict],
               policy: list[dict]) -> dict[str, Any]:
     rows = bins(run, open_per_s, requests, samples, policy)
@@ -108,7 +139,7 @@ def summarise(run: dict[str, Any], open_per_s: list, requests: list[dict], sampl
         "bins_in_scale_up": sum(r["scale_up"] for r in rows),
     }
     arrivals = [[round(t / run["time_scale"], 2), n] for t, n, _ in open_per_s]
-    return {"summary": summary, "run": run, "series": rows,
+    return {"summary": summary, **slowest_requests(rows, requests, run["bin_s"]), "run": run, "series": rows,
             "sessions_reference": {"what": "sessions open against reference seconds (time / time_scale), "
                                            "every 0.5 s of the run: the ramp the fleet simulation replays",
                                    "points": arrivals},
@@ -221,9 +252,33 @@ def markdown(result: dict[str, Any]) -> str:
                   ""]
     lines += ["| figure | value |", "|---|---|"]
     lines += [f"| `{k}` | {v} |" for k, v in s.items()]
+    lines += _slowest_tables(result)
     lines += ["", "![replicas](replicas.png)", "", "![first audio](first-audio.png)", "",
               "Definitions:", "", result["definitions"], ""]
     return "\n".join(lines)
+
+
+SLOWEST_COLUMNS = (("bin s", "{:g}"), ("sent s", "{:.2f}"), ("session", "{}"), ("scale-up", "{}"),
+                   ("first audio ms", "{:.0f}"))
+SLOWEST_LISTS = {"slowest_outside_scaleup": "outside scale-up bins (what `p99_ttfa_ms_outside_scaleup_max` is made of)",
+                 "slowest": "of the whole run"}
+
+
+def _slowest_tables(result: dict[str, Any]) -> list[str]:
+    """The slowest requests outside scale-up and of the whole run (none in a result from before them)."""
+    lines = []
+    for key, which in SLOWEST_LISTS.items():
+        rows = [([e["t_s"], e["submitted_s"], e["session"], "yes" if e["scale_up"] else "no", e["ttfa_ms"]],
+                 e["stages_ms"]) for e in result.get(key) or []]
+        if rows:
+            lines += ["", f"The slowest requests {which}:", "", *request_table(SLOWEST_COLUMNS, rows)]
+    if not lines:
+        return []
+    return ["", ("Columns: `bin s` the start of the request's bin and `sent s` when it was sent (run seconds from the "
+                 "ramp's start, the series' `t_s`); `session` the session that sent it; `scale-up` whether its bin is "
+                 "one; `first audio ms` the client's; then first audio by stage as the server reported it "
+                 "(Server-Timing, ms; `proxy`: the client's first audio less the ingress's `first-audio`, i.e. Serve's "
+                 "HTTP proxy and the connection; `-`: not reported)."), *lines]
 
 
 def write_outputs(result: dict[str, Any], results: Path, tag: str, latest: bool) -> Path:

@@ -156,12 +156,18 @@ def slowest(traces: list[RequestTrace], n: int = SLOWEST) -> list[dict]:
     return out
 
 
+def stages_with_proxy(trace: RequestTrace) -> dict[str, float]:
+    """The first-audio stages the server reported for ``trace`` (Server-Timing, ms) and ``proxy``:
+    the client's time to first audio less the ingress's (``first-audio``), i.e. Serve's HTTP proxy
+    hops and the connection. ``trace`` must have its first chunk."""
+    if "first-audio" not in trace.stages_ms:
+        return dict(trace.stages_ms)
+    return {**trace.stages_ms, "proxy": trace.ttfa_s * 1e3 - trace.stages_ms["first-audio"]}
+
+
 def stage_summary(traces: list[RequestTrace]) -> dict[str, list[float]]:
-    """[p50, p99] ms of every first-audio stage the server reported (Server-Timing), by stage,
-    and ``proxy``: the client's time to first audio less the ingress's (``first-audio``), i.e.
-    Serve's HTTP proxy hops and the connection."""
-    per_trace = [{**t.stages_ms, "proxy": t.ttfa_s * 1e3 - t.stages_ms["first-audio"]}
-                 if "first-audio" in t.stages_ms else t.stages_ms for t in traces]
+    """[p50, p99] ms of every first-audio stage of :func:`stages_with_proxy`, by stage."""
+    per_trace = [stages_with_proxy(t) for t in traces]
     out = {}
     for name in dict.fromkeys(name for stages in per_trace for name in stages):
         values = [stages[name] for stages in per_trace if name in stages]

@@ -156,17 +156,28 @@ def _stage_table(probes: list[dict]) -> list[str]:
 
 def _slowest_table(probes: list[dict]) -> list[str]:
     """Each probe's slowest requests (``slowest``), with their stages: what a p99 is made of."""
-    rows = [(p["load"], r) for p in sorted(probes, key=lambda p: p["load"]) for r in p.get("slowest") or []]
+    rows = [([p["load"], r["ttfa_ms"], "yes" if r["cold_voice"] else "no", r.get("prompt_s"), r.get("drawn_s")],
+             r["stages_ms"]) for p in sorted(probes, key=lambda p: p["load"]) for r in p.get("slowest") or []]
     if not rows:
         return []
-    names = list(dict.fromkeys(n for _, r in rows for n in r["stages_ms"]))
-    lines = ["", "The slowest requests of each probe (first audio; cold: a voice no replica had seen; stages in ms):", "",
-             "| load | first audio ms | cold | prompt s | drawn s | " + " | ".join(names) + " |",
-             "|" + "---|" * (len(names) + 5)]
-    for load, r in rows:
-        cells = [_cell(r["ttfa_ms"], "{:.0f}"), "yes" if r["cold_voice"] else "no", _cell(r.get("prompt_s"), "{:.1f}"),
-                 _cell(r.get("drawn_s"), "{:.1f}"), *(_cell(r["stages_ms"].get(n), "{:.0f}") for n in names)]
-        lines.append(f"| {load} | " + " | ".join(cells) + " |")
+    columns = (("load", "{}"), ("first audio ms", "{:.0f}"), ("cold", "{}"), ("prompt s", "{:.1f}"), ("drawn s", "{:.1f}"))
+    return ["", "The slowest requests of each probe (first audio; cold: a voice no replica had seen; stages in ms):", "",
+            *request_table(columns, rows)]
+
+
+def request_table(columns: tuple[tuple[str, str], ...], rows: list[tuple[list, dict[str, float]]]) -> list[str]:
+    """A markdown table of single requests (the slowest of a probe or of a live ramp).
+
+    Args:
+        columns: (header, format) of the leading columns.
+        rows: each request's values of ``columns`` and its first-audio stages in ms; every stage
+            any request has gets a column, in the order they first appear (``-`` where one lacks it).
+    """
+    names = list(dict.fromkeys(n for _, stages in rows for n in stages))
+    lines = ["| " + " | ".join([h for h, _ in columns] + names) + " |", "|" + "---|" * (len(columns) + len(names))]
+    for values, stages in rows:
+        cells = [_cell(v, fmt) for v, (_, fmt) in zip(values, columns, strict=True)]
+        lines.append("| " + " | ".join(cells + [_cell(stages.get(n), "{:.0f}") for n in names]) + " |")
     return lines
 
 

@@ -16,9 +16,19 @@ from unittest import mock
 import pytest
 
 from bench import timed_fleet
-from bench.autoscale_live import Pause, RampShape, Sampler, SessionDriver, drive, join_offsets, recorded_policy
+from bench.autoscale_live import (
+    Pause,
+    RampShape,
+    Sampler,
+    SessionDriver,
+    drive,
+    join_offsets,
+    record_of,
+    recorded_policy,
+)
 from bench.autoscale_record import RecordedPolicy
 from bench.autoscale_report import bins, markdown, summarise
+from bench.metrics import RequestTrace
 from bench.timed_fleet import calibrate, cold_start_record, factory_name
 from tests.ray_env import SERVE_PROXY_TIMERS
 
@@ -225,19 +235,27 @@ def _run(**kw) -> dict:
             "autoscaling_reference": {"min_replicas": 1, "max_replicas": 2}, **kw}
 
 
-def test_bins_ideal_tracking_scale_up_and_cuts():
-    run = _run()
+def _five_bins() -> tuple[dict, list, list, list]:
+    """(run, sessions open, samples, policy lines) of five 1 s bins; bins 2 and 3 scale up (a
+    replica starting in 2, and the bin after it)."""
     open_per_s = [(t / 2, n, n) for t, n in enumerate([0, 0, 2, 2, 4, 4, 4, 4, 1, 1])]
     samples = [{"t_s": 0.5, "states": {"RUNNING": 1}}, {"t_s": 1.5, "states": {"RUNNING": 1}},
                {"t_s": 2.5, "states": {"RUNNING": 1, "STARTING": 1}}, {"t_s": 3.5, "states": {"RUNNING": 2}},
                {"t_s": 4.5, "states": {"RUNNING": 2, "STOPPING": 1}}]
-    req = {"session": 0, "audio_s": 2.0, "drawn_s": 2.0, "underruns": 0, "rejected_429": False, "error": None,
-           "cut": False}
-    requests = [dict(req, t_s=1.2, ttfa_ms=100.0), dict(req, t_s=3.7, ttfa_ms=200.0),
-                dict(req, t_s=3.8, ttfa_ms=None, rejected_429=True, error="HTTP 429: full"),
-                dict(req, t_s=4.1, ttfa_ms=150.0, cut=True, error="RemoteProtocolError")]
     policy = [{"t_s": 2.2, "running": 1, "target": 1, "decision": 2, "streams_in_flight": {},
                "state": {"load_pct": 150.0}}]
+    return _run(), open_per_s, samples, policy
+
+
+REQ = {"session": 0, "audio_s": 2.0, "drawn_s": 2.0, "underruns": 0, "rejected_429": False, "error": None,
+       "cut": False, "stages_ms": {}}
+
+
+def test_bins_ideal_tracking_scale_up_and_cuts():
+    run, open_per_s, samples, policy = _five_bins()
+    requests = [dict(REQ, t_s=1.2, ttfa_ms=100.0), dict(REQ, t_s=3.7, ttfa_ms=200.0),
+                dict(REQ, t_s=3.8, ttfa_ms=None, rejected_429=True, error="HTTP 429: full"),
+                dict(REQ, t_s=4.1, ttfa_ms=150.0, cut=True, error="RemoteProtocolError")]
     rows = bins(run, open_per_s, requests, samples, policy)
     assert [r["ideal"] for r in rows] == [1, 1, 2, 2, 1]  # ceil(sessions / 2), within [1, 2]
     assert [r["running"] for r in rows] == [1, 1, 1, 2, 2]
@@ -249,6 +267,76 @@ def test_bins_ideal_tracking_scale_up_and_cuts():
     assert s["replica_tracking"] == 1.0
 
 
+def _stages(first_audio: float, proxy: float) -> dict[str, float]:
+    return {"frontend": 4.0, "llm-first-token": 30.0, "first-audio": first_audio, "proxy": proxy}
+
+
+def test_the_report_names_the_slowest_requests_outside_scale_up_and_of_the_run():
+    run, open_per_s, samples, policy = _five_bins()
+    # (sent s, first audio ms, session): seven in bins 0, 1 and 4, outside scale-up; the two slowest
+    # in bins 2 and 3, inside (2.0 s: bin 2's first instant)
+    sent = [(0.2, 110.0, 1), (0.9, 130.0, 2), (1.1, 300.0, 3), (1.5, 126.0, 4), (4.2, 120.0, 5), (4.6, 300.0, 6),
+            (4.9, 140.0, 7), (2.0, 900.0, 8), (3.99, 800.0, 9)]
+    requests = [dict(REQ, t_s=t, ttfa_ms=ms, session=i, stages_ms=_stages(ms - 20.0, 20.0)) for t, ms, i in sent]
+    requests.append(dict(REQ, t_s=1.3, ttfa_ms=None, session=10, rejected_429=True, error="HTTP 429: full"))
+    result = summarise(run, open_per_s, requests, samples, policy)
+    assert [r["scale_up"] for r in result["series"]] == [False, False, True, True, False]
+
+    def entry(t_s, submitted_s, ttfa_ms, session, scale_up=False):
+        return {"t_s": t_s, "scale_up": scale_up, "submitted_s": submitted_s, "ttfa_ms": ttfa_ms, "session": session,
+                "stages_ms": _stages(ttfa_ms - 20.0, 20.0)}
+
+    # a tie (300 ms) keeps the earlier bin; the 429 (no first audio) is in neither list
+    calm = [entry(1.0, 1.1, 300.0, 3), entry(4.0, 4.6, 300.0, 6), entry(4.0, 4.9, 140.0, 7),
+            entry(0.0, 0.9, 130.0, 2), entry(1.0, 1.5, 126.0, 4)]
+    assert result["slowest_outside_scaleup"] == calm
+    assert result["slowest"] == [entry(2.0, 2.0, 900.0, 8, True), entry(3.0, 3.99, 800.0, 9, True), *calm[:3]]
+    # the figure keeps its meaning: the largest p99 of bins 0, 1 and 4, bin 1's (126 and 300 ms), just
+    # under its slowest request, the first named outside scale-up
+    assert result["summary"]["p99_ttfa_ms_outside_scaleup_max"] == 298.3
+    result["run"].update(_report_run())
+    report = markdown(result).splitlines()
+    head = "| bin s | sent s | session | scale-up | first audio ms | frontend | llm-first-token | first-audio | proxy |"
+    outside = report.index("The slowest requests outside scale-up bins (what `p99_ttfa_ms_outside_scaleup_max` "
+                           "is made of):")
+    assert report[outside + 2:outside + 9] == [head, "|---|---|---|---|---|---|---|---|---|",
+                                               "| 1 | 1.10 | 3 | no | 300 | 4 | 30 | 280 | 20 |",
+                                               "| 4 | 4.60 | 6 | no | 300 | 4 | 30 | 280 | 20 |",
+                                               "| 4 | 4.90 | 7 | no | 140 | 4 | 30 | 120 | 20 |",
+                                               "| 0 | 0.90 | 2 | no | 130 | 4 | 30 | 110 | 20 |",
+                                               "| 1 | 1.50 | 4 | no | 126 | 4 | 30 | 106 | 20 |"]
+    whole = report.index("The slowest requests of the whole run:")
+    assert report[whole + 4:whole + 6] == ["| 2 | 2.00 | 8 | yes | 900 | 4 | 30 | 880 | 20 |",
+                                           "| 3 | 3.99 | 9 | yes | 800 | 4 | 30 | 780 | 20 |"]
+    assert any(line.startswith("Columns: `bin s` the start of the request's bin") for line in report)
+
+
+def test_the_slowest_requests_add_a_few_kb_to_the_json_whatever_the_run_length():
+    run, open_per_s, samples, policy = _five_bins()
+    stages = {f"stage-{k}": 123.4 for k in range(12)}  # more stages than the server reports
+    requests = [dict(REQ, t_s=i / 500, ttfa_ms=100.0 + i % 97, session=i, stages_ms=stages) for i in range(2500)]
+    result = summarise(run, open_per_s, requests, samples, policy)
+    assert len(json.dumps({k: result[k] for k in ("slowest", "slowest_outside_scaleup")}, indent=1)) < 5000
+    assert "requests" not in result and len(result["slowest"]) == len(result["slowest_outside_scaleup"]) == 5
+
+
+def test_a_request_record_keeps_its_first_audio_stages_and_the_proxy_hop():
+    trace = RequestTrace(submitted_s=10.0, stages_ms={"frontend": 5.0, "first-audio": 140.04}, drawn_s=1.0)
+    trace.add_chunk(10.15, 24000)
+    record = record_of(trace, t0=4.0, session=3)
+    assert (record["t_s"], record["session"], record["ttfa_ms"], record["error"]) == (6.0, 3, 150.0, None)
+    assert record["stages_ms"] == {"frontend": 5.0, "first-audio": 140.0, "proxy": 10.0}
+    refused = RequestTrace(submitted_s=10.0, error="HTTP 429: full")
+    assert record_of(refused, 4.0, 3)["stages_ms"] == {} and record_of(refused, 4.0, 3)["ttfa_ms"] is None
+
+
+def _report_run() -> dict:
+    return {"calibration": {"source": "x", "sessions_per_replica": 2, "slo_streams": 2, "llm_factor": 0.58,
+                            "step_ms_alone": 1.57, "t2w_factor": 0.79, "times": {"llm_slowdown": 0.645}},
+            "date": "d", "gpus": 2, "machine": "m", "command": "c", "commit": "k", "replica_start_s": 1.0,
+            "start_scale": 0.1}
+
+
 def test_a_paused_ramp_is_judged_to_its_later_end_and_a_cut_one_says_so():
     open_per_s = [(t / 2, 2, 2) for t in range(10)]
     samples = [{"t_s": t + 0.5, "states": {"RUNNING": 1}} for t in range(5)]
@@ -257,9 +345,7 @@ def test_a_paused_ramp_is_judged_to_its_later_end_and_a_cut_one_says_so():
     held = _run(shape_reference_s={"up_s": 10.0}, paused_s=3.0, cut_short=True)
     result = summarise(held, open_per_s, [], samples, [])
     assert result["summary"]["bins_judged_for_tracking"] == 4 and result["summary"]["cut_short"] is True
-    result["run"].update(calibration={"source": "x", "sessions_per_replica": 2, "slo_streams": 2, "llm_factor": 0.58,
-                                      "step_ms_alone": 1.57, "t2w_factor": 0.79, "times": {"llm_slowdown": 0.645}},
-                         date="d", gpus=2, machine="m", command="c", commit="k", replica_start_s=1.0, start_scale=0.1)
+    result["run"].update(_report_run())
     report = markdown(result)
     assert "**Cut short**" in report and "decode step x0.58 (1.57 ms alone), token2wav x0.79" in report
     assert "1.65x slower while token2wav holds the GPU" in report
