@@ -72,6 +72,13 @@ full_model() {  # the full-size random-weight model directory of $FAMILY (serve 
 }
 if [ "${COLD_S:-0}" -gt 0 ]; then  # a new replica's start: process start -> first request served
   full_model
+  # The bench just wrote the full-size model (3.1 GB) and, on a fresh machine, unpacked the carry:
+  # their dirty pages are flushed to disk beside the start unless synced first, which no node
+  # starting a replica of a model downloaded earlier has. cold4 (fresh machine, not synced) ran every
+  # phase at about half speed (H100 2026-12-07): the sync's time and the dirty pages say how much was left
+  grep -E "^(Dirty|Writeback):" /proc/meminfo | tr -s ' ' | tr '\n' ' ' > "$W/sync.txt"
+  s=$(date +%s%N); sync; echo "sync before the cold start: $(( ($(date +%s%N) - s) / 1000000 )) ms" >> "$W/sync.txt"
+  cat "$W/sync.txt"; echo
   # COLD_ARMS="first all": each run once per synthesizer.graphs_before_ready value (the config with
   # that one key set), so the background capture and its baseline share a machine and a call
   arms="${COLD_ARMS:-config}"
