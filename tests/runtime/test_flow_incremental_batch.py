@@ -515,6 +515,18 @@ def test_cosyvoice3_dit_streams_the_recomputes_samples_incrementally():
     drive({2: third})
     assert inc.prompt_prefixes.hits == 1 and inc.prompt_prefixes.misses == 2
     assert third.flow_frames == 2 * (30 + 70) - flow64.prompt_prefix_frames(30)
+    # a new voice whose prefix is solved by a job of its own first (Token2Wav.prefix_job), padded
+    fresh = prompt(52, 42)
+    runs.append((fresh, 60))
+    toks.append(torch.randint(0, vocab, (60,), generator=torch.Generator().manual_seed(53)).tolist())
+    fourth = inc.new_stream(fresh, stream=True)
+    (row,) = inc.start_solves([inc.prefix_job(fourth)])
+    inc.flow.incremental.solve([row])
+    assert [a.numel() for a in inc.finish([row])] == [0] and inc.prompt_prefixes.primed == 1
+    audio[3] = []
+    drive({3: fourth})
+    assert fourth.flow_frames == 2 * (52 + 60) - flow64.prompt_prefix_frames(52) > 0
+    assert inc.prompt_prefixes.hits == 1 and inc.prompt_prefixes.misses == 3
     for i, (p, _) in enumerate(runs):
         want = _reference_audio(ref, p, toks[i], None)
         got = torch.cat(audio[i])
