@@ -278,7 +278,8 @@ def _slowest_tables(result: dict[str, Any]) -> list[str]:
                  "ramp's start, the series' `t_s`); `session` the session that sent it; `scale-up` whether its bin is "
                  "one; `first audio ms` the client's; then first audio by stage as the server reported it "
                  "(Server-Timing, ms; `proxy`: the client's first audio less the ingress's `first-audio`, i.e. Serve's "
-                 "HTTP proxy and the connection; `-`: not reported)."), *lines]
+                 "HTTP proxy and the connection; `replica-up`: how long the replica that served it had been ready, "
+                 "no stage; `-`: not reported)."), *lines]
 
 
 def write_outputs(result: dict[str, Any], results: Path, tag: str, latest: bool) -> Path:

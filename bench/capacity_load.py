@@ -20,6 +20,7 @@ from typing import Protocol
 
 from bench.metrics import RequestTrace, percentile
 from bench.workload import RequestSource, SyntheticSource, Utterance, length_summary
+from serve_app.stage_timing import NOT_STAGES
 
 logger = logging.getLogger("bench.capacity")
 
@@ -169,7 +170,7 @@ def stage_summary(traces: list[RequestTrace]) -> dict[str, list[float]]:
     """[p50, p99] ms of every first-audio stage of :func:`stages_with_proxy`, by stage."""
     per_trace = [stages_with_proxy(t) for t in traces]
     out = {}
-    for name in dict.fromkeys(name for stages in per_trace for name in stages):
+    for name in dict.fromkeys(name for stages in per_trace for name in stages if name not in NOT_STAGES):
         values = [stages[name] for stages in per_trace if name in stages]
         out[name] = [round(percentile(values, 50), 2), round(percentile(values, 99), 2)]
     return out

@@ -161,7 +161,8 @@ def _slowest_table(probes: list[dict]) -> list[str]:
     if not rows:
         return []
     columns = (("load", "{}"), ("first audio ms", "{:.0f}"), ("cold", "{}"), ("prompt s", "{:.1f}"), ("drawn s", "{:.1f}"))
-    return ["", "The slowest requests of each probe (first audio; cold: a voice no replica had seen; stages in ms):", "",
+    return ["", ("The slowest requests of each probe (first audio; cold: a voice no replica had seen; stages in ms; "
+                 "`replica-up`: how long the replica had been ready, no stage):"), "",
             *request_table(columns, rows)]
 
 

@@ -231,6 +231,9 @@ FIRST_AUDIO_STAGES = ("first_token", "first_chunk_tokens", "first_audio")
 # thread, and its solve and vocoder done there; they split the token2wav stage into waiting for the
 # driver, the passes, and the way back to the event loop.
 TOKEN2WAV_MARKS = ("t2w_started", "t2w_solved")
+# A first chunk's timing also says how long its replica had served when the request came (ms since
+# the replica was ready): whether a slow first audio met a replica that had just started
+REPLICA_UP = "replica_up"
 
 
 @dataclass

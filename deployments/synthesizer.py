@@ -53,6 +53,7 @@ from deployments.housekeeping import IdleTrim, cap_malloc_arenas
 from deployments.model_source import ModelSource
 from deployments.observability import ReplicaMetrics, replica_id
 from deployments.protocol import (
+    REPLICA_UP,
     AudioChunk,
     CosyVoiceError,
     EngineDeadError,
@@ -161,6 +162,7 @@ class Synthesizer:
         self.gil = gil_wait()
         logger.info("synthesizer ready on %s in %.1f s (model %s; %d objects frozen out of GC walks)",
                     self.runtime.device, self.cold_start.ready(), source, self.gc.snapshot()["frozen"])
+        self.ready_at = clock()  # a first chunk tells how long its replica had served (REPLICA_UP)
         if graphs is not None:  # the graphs left for after ready (graphs_before_ready: first)
             graphs.start_background()
 
@@ -217,6 +219,7 @@ class Synthesizer:
                             self.admission.first_audio(load, now - started)
                         marks["first_audio"] = now
                         timing = {k: round((t - started) * 1e3, 2) for k, t in marks.items()}
+                        timing[REPLICA_UP] = round((started - self.ready_at) * 1e3, 2)
                     self.underruns += playback.add(now, len(audio) / self.sample_rate)
                     samples += len(audio)
                     yield AudioChunk(request_id=req.request_id, samples=audio, sample_rate=self.sample_rate,

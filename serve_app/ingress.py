@@ -76,7 +76,7 @@ from serve_app.speech import (
     split_speed,
     sse_event,
 )
-from serve_app.stage_timing import first_audio_stages, server_timing
+from serve_app.stage_timing import NOT_STAGES, first_audio_stages, server_timing
 from serve_app.stream_input import ROUTE as STREAM_INPUT_ROUTE
 from serve_app.stream_input import StreamInputSession
 
@@ -261,7 +261,8 @@ class TTSIngress:
                 raise
             stages = first_audio_stages(started, prepared_at, time.perf_counter(), first)
             for name, ms in stages.items():
-                self.metrics.stages.labels(name).observe(ms / 1e3)
+                if name not in NOT_STAGES:
+                    self.metrics.stages.labels(name).observe(ms / 1e3)
             sample_rate = first.sample_rate if first is not None else EMPTY_STREAM_RATE
             try:  # opening an encoder is blocking work too (serve_app/audio_codec.py)
                 out = await run_encoder(AudioOut, fmt, sample_rate, tempo=tempo, sse=sse,

@@ -17,6 +17,10 @@ status code), which means the whole path to the first audio is known when the he
   first audio: Ray's hops into and out of the replica and the event loops' delays;
 * ``first-audio``: the ingress's whole time to first audio (request arrival to first chunk).
 
+Not a stage: ``replica-up``, how long the synthesizer replica that served the request had been
+ready when the request reached it (a slow first audio on a replica that just started is a
+scale-up's, not a load's).
+
 Browsers show it in their developer tools; the capacity tool (``bench/capacity.py --level
 serve``) aggregates it per stage. The synthesizer's stage times are its own clock's
 (milliseconds after it received the request, ``AudioChunk.timing``), so only differences
@@ -24,10 +28,11 @@ within one process are taken.
 """
 from __future__ import annotations
 
-from deployments.protocol import FIRST_AUDIO_STAGES, TOKEN2WAV_MARKS, AudioChunk
+from deployments.protocol import FIRST_AUDIO_STAGES, REPLICA_UP, TOKEN2WAV_MARKS, AudioChunk
 
 STAGES = ("frontend", "llm-first-token", "llm-first-chunk", "token2wav", "handoff", "first-audio")
 TOKEN2WAV_PARTS = ("t2w-queue", "t2w-solve", "t2w-return")  # token2wav's parts, stepped scheduler only
+NOT_STAGES = ("replica-up",)  # entries that are no part of the first audio (the module docstring)
 
 
 def first_audio_stages(started: float, prepared: float, first_at: float, first: AudioChunk | None) -> dict[str, float]:
@@ -50,6 +55,8 @@ def first_audio_stages(started: float, prepared: float, first_at: float, first: 
         if None not in parts:
             out.update({name: hi - lo for name, lo, hi in zip(TOKEN2WAV_PARTS, parts, parts[1:])})
         out["handoff"] = max(0.0, (first_at - prepared) * 1e3 - timing["first_audio"])
+    if timing and REPLICA_UP in timing:
+        out["replica-up"] = timing[REPLICA_UP]
     if first is not None:
         out["first-audio"] = (first_at - started) * 1e3
     return {k: round(v, 2) for k, v in out.items()}
@@ -57,8 +64,9 @@ def first_audio_stages(started: float, prepared: float, first_at: float, first: 
 
 def server_timing(stages: dict[str, float]) -> str:
     """``Server-Timing`` header value: ``name;dur=ms`` entries in :data:`STAGES` order, then
-    :data:`TOKEN2WAV_PARTS`."""
-    return ", ".join(f"{name};dur={stages[name]:.2f}" for name in STAGES + TOKEN2WAV_PARTS if name in stages)
+    :data:`TOKEN2WAV_PARTS` and :data:`NOT_STAGES`."""
+    return ", ".join(f"{name};dur={stages[name]:.2f}" for name in STAGES + TOKEN2WAV_PARTS + NOT_STAGES
+                     if name in stages)
 
 
 def parse_server_timing(value: str) -> dict[str, float]:

@@ -8,8 +8,15 @@ import httpx
 import numpy as np
 import pytest
 
-from deployments.protocol import FIRST_AUDIO_STAGES, AudioChunk
-from serve_app.stage_timing import STAGES, TOKEN2WAV_PARTS, first_audio_stages, parse_server_timing, server_timing
+from deployments.protocol import FIRST_AUDIO_STAGES, REPLICA_UP, AudioChunk
+from serve_app.stage_timing import (
+    NOT_STAGES,
+    STAGES,
+    TOKEN2WAV_PARTS,
+    first_audio_stages,
+    parse_server_timing,
+    server_timing,
+)
 from tests.deployments import fakes
 from tests.deployments.test_synthesizer_unit import _req, _synth
 from tests.serve_app.test_ingress_inproc import _app, _wav
@@ -40,6 +47,10 @@ def test_the_stepped_token2wav_splits_into_queue_solve_and_return():
     header = server_timing(got)
     assert header.endswith("first-audio;dur=130.00, t2w-queue;dur=5.50, t2w-solve;dur=26.50, t2w-return;dur=8.00")
     assert parse_server_timing(header) == got
+    # how long the replica had served goes last, and is no stage of the first audio
+    first.timing[REPLICA_UP] = 61234.5
+    got = first_audio_stages(10.0, 10.004, 10.130, first)
+    assert got["replica-up"] == 61234.5 and server_timing(got).endswith(", replica-up;dur=61234.50")
     # one mark missing (the batch scheduler sends none): no parts, the stages as before
     del first.timing["t2w_solved"]
     assert not set(first_audio_stages(10.0, 10.004, 10.130, first)) & set(TOKEN2WAV_PARTS)
@@ -70,7 +81,7 @@ def test_the_synthesizer_stamps_its_first_chunk_in_stage_order():
 
     chunks = asyncio.run(main())
     first = chunks[0].timing
-    assert set(first) == set(FIRST_AUDIO_STAGES)
+    assert set(first) == {*FIRST_AUDIO_STAGES, REPLICA_UP} and first[REPLICA_UP] >= 0
     # Fake time: a decode step is STEP_S, a token2wav batch BATCH_S; the step thread may run ahead
     # of the event loop's stamps, so these are lower bounds (a stamp in the wrong place breaks them).
     ms = 1e3
@@ -95,9 +106,10 @@ def test_a_streamed_response_carries_server_timing_and_the_stage_metrics():
             return stages, metrics
 
     stages, metrics = asyncio.run(main())
-    assert list(stages) == list(STAGES)
+    assert list(stages) == list(STAGES + NOT_STAGES)
     assert all(v >= 0 for v in stages.values())
     inner = stages["llm-first-token"] + stages["llm-first-chunk"] + stages["token2wav"]
     assert stages["first-audio"] >= stages["frontend"] + inner - 0.05  # rounding of each entry
     for name in STAGES:
         assert f'tts_first_audio_stage_seconds_count{{ingress_replica="local",stage="{name}"}} 1.0' in metrics
+    assert 'stage="replica-up"' not in metrics  # no part of the first audio
