@@ -125,7 +125,7 @@ def test_the_stepped_first_chunk_carries_the_token2wav_marks_in_order(model_dir)
 
     chunks = asyncio.run(main())
     t = chunks[0].timing
-    assert set(t) == {"first_token", "first_chunk_tokens", "t2w_started", "t2w_solved", "first_audio"}
+    assert set(t) == {"first_token", "first_chunk_tokens", "t2w_started", "t2w_solved", "first_audio", "replica_up"}
     assert t["first_token"] <= t["first_chunk_tokens"] <= t["t2w_started"] < t["t2w_solved"] <= t["first_audio"]
     assert len(chunks) > 1 and all(c.timing is None for c in chunks[1:])
 
