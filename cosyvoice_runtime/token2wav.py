@@ -379,7 +379,8 @@ class Token2Wav:
 
     @torch.inference_mode()
     def finish(self, rows: list[SolveRow | IncrementalRow]) -> list[torch.Tensor]:
-        """Vocode finished rows (their jobs advance); the audio of each, in order."""
+        """Vocode finished rows (their jobs advance); the audio of each, in order. A prompt
+        prefix's row (:meth:`prefix_job`) is kept for its voice and gives no audio."""
         if any(r.step < self.n_steps for r in rows):
             raise ValueError("finish() takes rows whose solve is done")
         out: list[torch.Tensor | None] = [None] * len(rows)
