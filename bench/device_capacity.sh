@@ -15,6 +15,7 @@
 #   CAP_ARGS="--no-open-loop --start 2" adds flags to every bench/capacity.py call;
 #   CAP_ARGS="--no-sessions --rate-start 4" searches the Poisson rate alone (slo_rate_rps*)
 #   CAP_ARGS="--loads 52 --no-open-loop" probes fixed loads, no search (A/B arms with SYNTH_CONFIGS)
+#   SERVE_ARMS="cold:;nocold:--cold-voice-share 0" SERVE_S=200: serve-level arms in one call (SERVE_S each)
 #   COLD_S=240 measures a new replica's cold start COLD_RUNS times (default 2; bench/cold_start.py; COLD_S each),
 #   then waits up to COLD_GRAPHS_S (default COLD_S / 2) for the graphs captured in the background;
 #   COLD_ARMS="first all" measures each synthesizer.graphs_before_ready value in turn (COLD_S each)
@@ -147,9 +148,17 @@ fi
 if [ "${SERVE_S:-0}" -gt 0 ]; then
   full_model
   [ "${SERVE_PROXY:-}" = haproxy ] && export RAY_SERVE_ENABLE_HA_PROXY=1
-  FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$SERVE_S" python3 -m bench.capacity --level serve --family "$F" \
-    --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" ${TAG:+--tag "$TAG"} ${CAP_ARGS:-} 2>&1 \
-    | grep -v Warning > "$W/serve.log"
-  grep -E '"kind"|done in|Error|error' "$W/serve.log" | cut -c1-900 | tail -20
-  pack
+  # SERVE_ARMS="cold:;nocold:--cold-voice-share 0": one serve-level run per arm, SERVE_S each, with
+  # CAP_ARGS and the arm's own flags, tagged TAG-NAME (an A/B of the workload in one call)
+  IFS=';' read -ra serve_arms <<< "${SERVE_ARMS:-:}"
+  for a in "${serve_arms[@]}"; do
+    name=${a%%:*}; extra=${a#*:}; T="${TAG:-}${name:+${TAG:+-}$name}"
+    # shellcheck disable=SC2086  # CAP_ARGS and the arm's flags split into words on purpose
+    FAST_COSY_MODEL_DIR="/tmp/$F-full" timeout "$SERVE_S" python3 -m bench.capacity --level serve --family "$F" \
+      --config "${CONFIG:-configs/single-gpu.yaml}" --out "$W/results" ${T:+--tag "$T"} ${CAP_ARGS:-} $extra 2>&1 \
+      | grep -v Warning > "$W/serve${name:+-$name}.log"
+    grep -E '"kind"|done in|Error|error' "$W/serve${name:+-$name}.log" | cut -c1-900 | tail -20
+    python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1  # an arm cut by its timeout leaves Ray up
+    pack
+  done
 fi
