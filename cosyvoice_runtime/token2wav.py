@@ -334,21 +334,27 @@ class Token2Wav:
         """
         if len({id(job.state) for job in jobs}) != len(jobs):
             raise ValueError("jobs of a request are sequential: at most one row per request")
-        chunks = [i for i, job in enumerate(jobs) if not isinstance(job, PrefixJob)]
-        items = {i: self.flow_item(jobs[i]) for i in chunks}
-        incremental = dict(zip(chunks, self._plan([jobs[i] for i in chunks], list(items.values()))))
-        groups = {"prefix": [i for i in range(len(jobs)) if i not in items],
-                  "recompute": [i for i in chunks if not incremental[i]],
-                  "incremental": [i for i in chunks if incremental[i]]}
-        start = {"prefix": lambda part, _: self.flow.start_prefix_rows([self._prefix_item(j.state) for j in part], part),
-                 "recompute": lambda part, part_items: self.flow.start_rows(part_items, part),
-                 "incremental": self._incremental_rows}
         rows: list = [None] * len(jobs)
-        for group, idx in groups.items():
-            if idx:
-                for i, row in zip(idx, start[group]([jobs[i] for i in idx], [items.get(i) for i in idx])):
-                    row.oversize = self._oversize(row)
-                    rows[i] = row
+
+        def place(idx: list[int], made: list) -> None:
+            for i, row in zip(idx, made):
+                row.oversize = self._oversize(row)
+                rows[i] = row
+
+        prefix = [i for i, job in enumerate(jobs) if isinstance(job, PrefixJob)]
+        if prefix:
+            place(prefix, self.flow.start_prefix_rows([self._prefix_item(jobs[i].state) for i in prefix],
+                                                      [jobs[i] for i in prefix]))
+        chunks = [i for i, job in enumerate(jobs) if not isinstance(job, PrefixJob)]
+        items = [self.flow_item(jobs[i]) for i in chunks]
+        incremental = self._plan([jobs[i] for i in chunks], items)
+        for flag in (False, True):
+            part = [k for k, inc in enumerate(incremental) if inc == flag]
+            if not part:
+                continue
+            part_jobs, part_items = [jobs[chunks[k]] for k in part], [items[k] for k in part]
+            place([chunks[k] for k in part], self._incremental_rows(part_jobs, part_items) if flag
+                  else self.flow.start_rows(part_items, part_jobs))
         return rows
 
     def _oversize(self, row: SolveRow | IncrementalRow) -> bool:
@@ -383,16 +389,15 @@ class Token2Wav:
         prefix's row (:meth:`prefix_job`) is kept for its voice and gives no audio."""
         if any(r.step < self.n_steps for r in rows):
             raise ValueError("finish() takes rows whose solve is done")
-        out: list[torch.Tensor | None] = [None] * len(rows)
-        for i, row in enumerate(rows):
-            if isinstance(row.tag, PrefixJob):  # kept for the voice (a copy: a retry finds the row as it was)
-                if self.prompt_prefixes is not None:
-                    self.prompt_prefixes.put(row.tag.state.prompt_key, row.cache.prefix(row.keep, row.new_convs))
-                    self.prompt_prefixes.primed += 1
-                out[i] = row.x.new_zeros(0, dtype=torch.float32)
-        rows = [row for row, audio in zip(rows, out) if audio is None]
-        audios = iter(self._finish_jobs(rows) if rows else [])
-        return [next(audios) if audio is None else audio for audio in out]
+        chunks = [row for row in rows if not isinstance(row.tag, PrefixJob)]
+        for row in rows:
+            if isinstance(row.tag, PrefixJob) and self.prompt_prefixes is not None:
+                # kept for the voice as a copy: a retry finds the row as it was
+                self.prompt_prefixes.put(row.tag.state.prompt_key, row.cache.prefix(row.keep, row.new_convs))
+                self.prompt_prefixes.primed += 1
+        audios = iter(self._finish_jobs(chunks) if chunks else [])
+        return [row.x.new_zeros(0, dtype=torch.float32) if isinstance(row.tag, PrefixJob) else next(audios)
+                for row in rows]
 
     def _finish_jobs(self, rows: list[SolveRow | IncrementalRow]) -> list[torch.Tensor]:
         jobs = [row.tag for row in rows]
